@@ -1,0 +1,25 @@
+// paratrain bench: dispatches to the benchmark programs under bench/.
+
+#include "args.h"
+#include "commands.h"
+
+#include <iostream>
+
+namespace paratrain {
+namespace cli {
+
+int run_bench(const std::vector<std::string>& args) {
+  if (args.empty() || args[0] == "--help") {
+    std::cout << "usage: paratrain bench <name> [options] [--json]\n\n"
+                 "  allreduce   time per allreduce and bus bandwidth, per backend\n";
+    return args.empty() ? 2 : 0;
+  }
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "allreduce") {
+    return run_bench_allreduce(rest);
+  }
+  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce");
+}
+
+}  // namespace cli
+}  // namespace paratrain

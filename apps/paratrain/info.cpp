@@ -1,0 +1,85 @@
+// paratrain info: what this build and this machine offer.
+
+#include "args.h"
+#include "commands.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+// Which BLAS the dynamic loader picked for libtorch: Debian's alternatives decide at run time, and
+// the reference BLAS is several times slower than OpenBLAS.
+std::string loaded_blas() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  std::string found;
+  while (std::getline(maps, line)) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) {
+      continue;
+    }
+    std::string path = line.substr(slash);
+    if (path.find("openblas") != std::string::npos) {
+      return path.substr(0, path.rfind('/')).find("pthread") != std::string::npos
+                 ? "OpenBLAS (pthread) " + path
+                 : "OpenBLAS " + path;
+    }
+    if (path.find("libmkl") != std::string::npos) {
+      return "MKL " + path;
+    }
+    if (path.find("/blas/libblas.so") != std::string::npos) {
+      found = "reference BLAS " + path + " (slow: install libopenblas0-pthread)";
+    }
+  }
+  return found.empty() ? "unknown" : found;
+}
+}  // namespace
+
+int run_info(const std::vector<std::string>& argv) {
+  Args args(argv, {}, {"help", "json"});
+  if (args.has("help")) {
+    std::cout << "usage: paratrain info [--json]\n";
+    return 0;
+  }
+  std::string backends;
+  for (const auto& b : dist::available_backends()) {
+    backends += (backends.empty() ? "" : ", ") + b;
+  }
+  const int cuda_devices = static_cast<int>(torch::cuda::device_count());
+  if (args.has("json")) {
+    std::cout << "{\"paratrain\": \"" << PARATRAIN_VERSION << "\", \"libtorch\": \""
+              << TORCH_VERSION << "\", \"backends\": [";
+    bool first = true;
+    for (const auto& b : dist::available_backends()) {
+      std::cout << (first ? "" : ", ") << "\"" << b << "\"";
+      first = false;
+    }
+    std::cout << "], \"cpu_threads\": " << at::get_num_threads()
+              << ", \"cpu_cores\": " << std::thread::hardware_concurrency()
+              << ", \"cuda_devices\": " << cuda_devices << "}" << std::endl;
+    return 0;
+  }
+  std::cout << "paratrain     " << PARATRAIN_VERSION << "\n"
+            << "libtorch      " << TORCH_VERSION << "\n"
+            << "backends      " << backends << "\n"
+            << "cpu threads   " << at::get_num_threads() << " intra-op (of "
+            << std::thread::hardware_concurrency() << " cores)\n"
+            << "blas          " << loaded_blas() << "\n"
+            << "cuda devices  " << cuda_devices;
+  for (int i = 0; i < cuda_devices; ++i) {
+    std::cout << (i ? ", " : " (") << "cuda:" << i << (i + 1 == cuda_devices ? ")" : "");
+  }
+  std::cout << std::endl;
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace paratrain

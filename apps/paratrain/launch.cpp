@@ -1,0 +1,116 @@
+// paratrain launch: the torchrun counterpart.
+
+#include "args.h"
+#include "commands.h"
+
+#include "paratrain/dist/launch.h"
+
+#include <iostream>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+const char* kLaunchUsage =
+    "usage: paratrain launch [options] -- PROGRAM [ARGS...]\n"
+    "\n"
+    "Starts PROGRAM once per rank with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
+    "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), prefixes each output line with\n"
+    "[rank R]:, and stops every worker when one fails.\n"
+    "\n"
+    "  --nproc-per-node N   workers on this node (default: number of --devices, else 1)\n"
+    "  --nnodes M           nodes in the job (default 1)\n"
+    "  --node-rank R        this node's index (default 0)\n"
+    "  --master-addr A      address of node 0 (required with --nnodes > 1; default 127.0.0.1)\n"
+    "  --master-port P      port of rank 0's store (default 29500)\n"
+    "  --standalone         one node, a free port picked for you\n"
+    "  --devices 0,1,3      GPUs to use: sets CUDA_VISIBLE_DEVICES; local rank i uses cuda:i\n"
+    "  --log-dir D          also write each rank's output to D/rank_R.log\n"
+    "  --backend B          gloo, mpi or nccl; mpi runs the job through mpirun\n"
+    "  --no-prefix          relay output without the [rank R]: prefix\n";
+}  // namespace
+
+int run_launch(const std::vector<std::string>& argv) {
+  Args args(argv,
+            {"nproc-per-node", "nproc_per_node", "nnodes", "node-rank", "node_rank",
+             "master-addr", "master_addr", "master-port", "master_port", "devices", "log-dir",
+             "log_dir", "backend", "env"},
+            {"standalone", "help", "no-prefix", "from-mpirun"});
+  if (args.has("help")) {
+    std::cout << kLaunchUsage;
+    return 0;
+  }
+  auto pick = [&](const char* dash, const char* underscore) {
+    return args.has(dash) ? std::string(dash) : std::string(underscore);
+  };
+  if (!args.positional().empty()) {
+    throw UsageError("unexpected '" + args.positional()[0] +
+                     "' before the program: put the program after --");
+  }
+  dist::LaunchOptions o;
+  o.command(args.rest());
+  if (args.rest().empty()) {
+    throw UsageError("no program given: paratrain launch [options] -- PROGRAM ARGS...");
+  }
+  std::string nproc_name = pick("nproc-per-node", "nproc_per_node");
+  if (args.has(nproc_name)) {
+    int n = args.get_int(nproc_name, 0);
+    if (n < 1) {
+      throw UsageError("--nproc-per-node must be at least 1, got " + std::to_string(n));
+    }
+    o.nproc_per_node(n);
+  }
+  o.nnodes(args.get_int("nnodes", 1));
+  o.node_rank(args.get_int(pick("node-rank", "node_rank"), 0));
+  o.master_addr(args.get(pick("master-addr", "master_addr"), ""));
+  o.master_port(args.get_int(pick("master-port", "master_port"), 29500));
+  o.standalone(args.has("standalone"));
+  if (args.has("devices")) {
+    o.devices(dist::parse_device_list(args.get("devices")));
+  }
+  o.log_dir(args.get(pick("log-dir", "log_dir"), ""));
+  o.backend(args.get("backend", ""));
+  o.prefix_output(!args.has("no-prefix"));
+  std::map<std::string, std::string> env;
+  for (const auto& kv : args.get_all("env")) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw UsageError("--env '" + kv + "' must look like NAME=VALUE");
+    }
+    env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  o.env(env);
+  o.mpi_shim({self_path(), "launch", "--from-mpirun"});
+
+  if (args.has("from-mpirun")) {
+    // Started by mpirun on one rank: relay this rank's worker, with the rank mpirun gave it.
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+    if (rank == nullptr || size == nullptr) {
+      throw UsageError("--from-mpirun is internal: it is what mpirun runs for --backend mpi");
+    }
+    o.backend("mpi").first_rank(std::atoi(rank)).world_size(std::atoi(size)).nproc_per_node(1);
+    // Each shim starts one worker: the device list stays whole (CUDA_VISIBLE_DEVICES), the
+    // worker picks cuda:LOCAL_RANK from it.
+    auto devices = o.devices();
+    o.devices({});
+    auto extra = o.env();
+    if (!devices.empty()) {
+      std::string list;
+      for (int d : devices) {
+        list += (list.empty() ? "" : ",") + std::to_string(d);
+      }
+      extra["CUDA_VISIBLE_DEVICES"] = list;
+    }
+    o.env(extra);
+  }
+
+  dist::LaunchResult result = dist::launch(o);
+  if (!result.summary.empty()) {
+    std::cerr << result.summary << std::endl;
+  }
+  return result.exit_code;
+}
+
+}  // namespace cli
+}  // namespace paratrain

@@ -1,0 +1,285 @@
+// paratrain bench allreduce: time per allreduce and bus bandwidth per backend.
+//
+// Bus bandwidth follows nccl-tests (doc/PERFORMANCE.md): busbw = bytes / time * 2(n-1)/n, the
+// rate each link must sustain in a ring allreduce, so numbers are comparable across world sizes
+// and with the memcpy line printed as the physical reference.
+//
+// The parent process starts one job per backend (gloo through the launcher, mpi through mpirun),
+// each rank runs the same sizes, and rank 0 writes one JSON row per size to a file the parent then
+// prints. Each size: warm-up, then timed iterations with every rank starting together; the time
+// of one iteration is the slowest rank's, and the row reports the median over iterations.
+
+#include "args.h"
+#include "commands.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <unistd.h>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string human_bytes(long long b) {
+  std::ostringstream s;
+  if (b >= (1LL << 20)) {
+    s << (b >> 20) << " MiB";
+  } else if (b >= (1LL << 10)) {
+    s << (b >> 10) << " KiB";
+  } else {
+    s << b << " B";
+  }
+  return s.str();
+}
+
+// Iterations per size: many for small messages (latency-bound, noisy), few for large ones.
+int iterations_for(long long bytes, int requested) {
+  if (requested > 0) {
+    return requested;
+  }
+  long long it = (256LL << 20) / std::max(1LL, bytes);
+  return static_cast<int>(std::clamp<long long>(it, 5, 200));
+}
+
+struct Row {
+  std::string backend;
+  int ranks = 0;
+  long long bytes = 0;
+  double seconds = 0;
+  double busbw_gbps = 0;
+  int iterations = 0;
+};
+
+std::string to_json(const Row& r) {
+  std::ostringstream s;
+  s << std::setprecision(6) << "{\"benchmark\": \"allreduce\", \"backend\": \"" << r.backend
+    << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes
+    << ", \"seconds\": " << r.seconds << ", \"busbw_gbps\": " << r.busbw_gbps
+    << ", \"iterations\": " << r.iterations << "}";
+  return s.str();
+}
+
+// One rank of one backend's job.
+int run_worker(const Args& args) {
+  auto pg = dist::init_process_group();
+  const long long min_bytes = args.get_bytes("min-bytes", 1 << 10);
+  const long long max_bytes = args.get_bytes("max-bytes", 64 << 20);
+  const int factor = args.get_int("factor", 4);
+  const int requested = args.get_int("iters", 0);
+  const std::string out_path = args.get("out");
+  std::ofstream out;
+  if (pg->rank() == 0) {
+    out.open(out_path, std::ios::app);
+  }
+  for (long long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
+    at::Tensor t = torch::ones({std::max(1LL, bytes / 4)}, torch::kFloat);
+    const int iters = iterations_for(bytes, requested);
+    for (int i = 0; i < std::max(2, iters / 10); ++i) {
+      pg->allreduce(t)->wait();
+    }
+    std::vector<double> times;
+    at::Tensor slowest = torch::zeros({1}, torch::kDouble);
+    for (int i = 0; i < iters; ++i) {
+      pg->barrier()->wait();
+      auto t0 = Clock::now();
+      pg->allreduce(t)->wait();
+      slowest.fill_(seconds_since(t0));
+      pg->allreduce(slowest, dist::ReduceOp::kMax)->wait();
+      times.push_back(slowest.item<double>());
+    }
+    if (pg->rank() == 0) {
+      Row r;
+      r.backend = pg->backend_name();
+      r.ranks = pg->size();
+      r.bytes = t.nbytes();
+      r.seconds = median(times);
+      const double n = pg->size();
+      r.busbw_gbps = r.bytes / r.seconds * 2.0 * (n - 1) / n / 1e9;
+      r.iterations = iters;
+      out << to_json(r) << std::endl;
+    }
+  }
+  return 0;
+}
+
+double memcpy_gbps(long long bytes) {
+  std::vector<char> a(static_cast<size_t>(bytes), 1);
+  std::vector<char> b(static_cast<size_t>(bytes), 0);
+  std::vector<double> times;
+  for (int i = 0; i < 10; ++i) {
+    auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), a.size());
+    times.push_back(seconds_since(t0));
+  }
+  return bytes / median(times) / 1e9;
+}
+
+std::vector<Row> read_rows(const std::string& path) {
+  std::vector<Row> rows;
+  std::ifstream in(path);
+  std::string line;
+  auto field = [](const std::string& l, const std::string& key) {
+    auto p = l.find("\"" + key + "\": ");
+    if (p == std::string::npos) {
+      return std::string();
+    }
+    p += key.size() + 4;
+    auto e = l.find_first_of(",}", p);
+    std::string v = l.substr(p, e - p);
+    if (!v.empty() && v.front() == '"') {
+      v = v.substr(1, v.size() - 2);
+    }
+    return v;
+  };
+  while (std::getline(in, line)) {
+    Row r;
+    r.backend = field(line, "backend");
+    r.ranks = std::stoi(field(line, "ranks"));
+    r.bytes = std::stoll(field(line, "bytes"));
+    r.seconds = std::stod(field(line, "seconds"));
+    r.busbw_gbps = std::stod(field(line, "busbw_gbps"));
+    r.iterations = std::stoi(field(line, "iterations"));
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+}  // namespace
+
+int run_bench_allreduce(const std::vector<std::string>& argv) {
+  Args args(argv,
+            {"backends", "ranks", "min-bytes", "max-bytes", "factor", "iters", "out"},
+            {"json", "help", "worker"});
+  if (args.has("help")) {
+    std::cout << "usage: paratrain bench allreduce [--backends gloo,mpi] [--ranks 2]\n"
+                 "         [--min-bytes 1K] [--max-bytes 64M] [--factor 4] [--iters N] [--json]\n";
+    return 0;
+  }
+  if (args.has("worker")) {
+    return run_worker(args);
+  }
+  const int ranks = args.get_int("ranks", 2);
+  if (ranks < 2) {
+    throw UsageError("--ranks must be at least 2 to measure communication, got " +
+                     std::to_string(ranks));
+  }
+  if (args.get_int("factor", 4) < 2) {
+    throw UsageError("--factor must be at least 2");
+  }
+  const long long min_bytes = args.get_bytes("min-bytes", 1 << 10);
+  const long long max_bytes = args.get_bytes("max-bytes", 64 << 20);
+  if (min_bytes < 4 || max_bytes < min_bytes) {
+    throw UsageError("need 4 <= --min-bytes <= --max-bytes");
+  }
+  std::vector<std::string> backends;
+  {
+    std::string list = args.get("backends", "");
+    if (list.empty()) {
+      backends = dist::available_backends();
+      backends.erase(std::remove(backends.begin(), backends.end(), "nccl"), backends.end());
+    } else {
+      std::stringstream s(list);
+      std::string b;
+      while (std::getline(s, b, ',')) {
+        backends.push_back(b);
+      }
+    }
+  }
+  const bool json = args.has("json");
+  char tmpl[] = "/tmp/paratrain-bench-allreduce-XXXXXX";
+  int fd = ::mkstemp(tmpl);
+  if (fd < 0) {
+    throw std::runtime_error("cannot create a temporary file for the results");
+  }
+  ::close(fd);
+  const std::string out_path = tmpl;
+
+  std::vector<std::string> worker_args{self_path(), "bench", "allreduce", "--worker", "--out",
+                                       out_path};
+  for (const char* name : {"min-bytes", "max-bytes", "factor", "iters"}) {
+    if (args.has(name)) {
+      worker_args.push_back(std::string("--") + name);
+      worker_args.push_back(args.get(name));
+    }
+  }
+  for (const auto& backend : backends) {
+    dist::LaunchOptions o;
+    o.nproc_per_node(ranks)
+        .standalone(true)
+        .backend(backend)
+        .command(worker_args)
+        .mpi_shim({self_path(), "launch", "--from-mpirun"});
+    if (!json) {
+      std::cerr << "running " << backend << " with " << ranks << " ranks..." << std::endl;
+    }
+    dist::LaunchResult r = dist::launch(o);
+    if (r.exit_code != 0) {
+      std::remove(out_path.c_str());
+      throw std::runtime_error("the " + backend + " job failed: " + r.summary);
+    }
+  }
+  std::vector<Row> rows = read_rows(out_path);
+  std::remove(out_path.c_str());
+
+  const long long ref_bytes = std::min<long long>(max_bytes, 16LL << 20);
+  const double memcpy_bw = memcpy_gbps(ref_bytes);
+  if (json) {
+    for (const auto& r : rows) {
+      std::cout << to_json(r) << "\n";
+    }
+    std::cout << "{\"benchmark\": \"allreduce\", \"backend\": \"memcpy\", \"ranks\": 1, "
+              << "\"bytes\": " << ref_bytes << ", \"seconds\": " << ref_bytes / memcpy_bw / 1e9
+              << ", \"busbw_gbps\": " << memcpy_bw << "}" << std::endl;
+    return 0;
+  }
+  std::cout << std::left << std::setw(8) << "backend" << std::right << std::setw(7) << "ranks"
+            << std::setw(11) << "size" << std::setw(14) << "time (ms)" << std::setw(15)
+            << "busbw (GB/s)" << std::setw(8) << "iters" << "\n";
+  for (const auto& r : rows) {
+    std::cout << std::left << std::setw(8) << r.backend << std::right << std::setw(7) << r.ranks
+              << std::setw(11) << human_bytes(r.bytes) << std::setw(14) << std::fixed
+              << std::setprecision(3) << r.seconds * 1e3 << std::setw(15) << std::setprecision(2)
+              << r.busbw_gbps << std::setw(8) << r.iterations << "\n";
+  }
+  std::cout << "memcpy " << human_bytes(ref_bytes) << ": " << std::fixed << std::setprecision(2)
+            << memcpy_bw << " GB/s (physical reference)\n";
+  // Side-by-side ratio per size when both CPU backends ran.
+  for (const auto& a : rows) {
+    if (a.backend != "mpi") {
+      continue;
+    }
+    for (const auto& b : rows) {
+      if (b.backend == "gloo" && b.bytes == a.bytes && a.ranks == b.ranks) {
+        std::cout << "mpi/gloo busbw at " << human_bytes(a.bytes) << ": " << std::setprecision(2)
+                  << a.busbw_gbps / b.busbw_gbps << "x\n";
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace paratrain

@@ -1,0 +1,98 @@
+#pragma once
+
+// The launcher behind `paratrain launch` and paratrain::spawn: starts one worker process per
+// local rank with torchrun's environment contract, relays their output line by line, and tears
+// the whole job down when any worker fails.
+//
+// Concurrency contract: launch() runs on the calling thread and owns its children. It blocks until
+// every worker has exited. SIGINT and SIGTERM received by the process during launch() are
+// forwarded to every worker (then SIGKILL after kill_grace); the previous handlers are restored on
+// return. Each worker runs in its own process group, so stopping a worker also stops the processes
+// it started, and workers are killed if the launcher itself dies (PR_SET_PDEATHSIG).
+
+#include <torch/arg.h>
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace dist {
+
+/// Environment variables, name -> value.
+using Environment = std::map<std::string, std::string>;
+
+struct LaunchOptions {
+  /// Workers on this node; 0 means "one per --devices entry, else 1".
+  TORCH_ARG(int, nproc_per_node) = 0;
+  TORCH_ARG(int, nnodes) = 1;
+  TORCH_ARG(int, node_rank) = 0;
+  /// Address of rank 0's node; required when nnodes > 1.
+  TORCH_ARG(std::string, master_addr) = "";
+  TORCH_ARG(int, master_port) = 29500;
+  /// Single node on loopback with a free port chosen by the launcher.
+  TORCH_ARG(bool, standalone) = false;
+  /// GPUs for this node's workers (CUDA_VISIBLE_DEVICES); local rank i uses cuda:i.
+  TORCH_ARG(std::vector<int>, devices) = {};
+  /// When set, also write each rank's output to <log_dir>/rank_<R>.log.
+  TORCH_ARG(std::string, log_dir) = "";
+  /// "" (the worker decides), "gloo", "mpi" or "nccl". mpi runs the job through mpirun.
+  TORCH_ARG(std::string, backend) = "";
+  /// Program and arguments of each worker.
+  TORCH_ARG(std::vector<std::string>, command) = {};
+  /// Extra environment for every worker (set after the contract; does not override it).
+  TORCH_ARG(Environment, env) = {};
+  /// Time between SIGTERM and SIGKILL when stopping workers.
+  TORCH_ARG(std::chrono::milliseconds, kill_grace) = std::chrono::milliseconds(3000);
+  /// Prefix each relayed line with "[rank R]: ".
+  TORCH_ARG(bool, prefix_output) = true;
+  /// Name used in the launcher's own messages.
+  TORCH_ARG(std::string, name) = "paratrain launch";
+  /// With backend "mpi": the command mpirun starts on each rank in front of `command`, a shim
+  /// that relays that rank's output (the CLI passes itself: {"/path/paratrain", "launch",
+  /// "--from-mpirun"}).
+  TORCH_ARG(std::vector<std::string>, mpi_shim) = {};
+  /// Only for the mpirun shim: the single worker's global rank and world size are taken from
+  /// these instead of being computed (mpirun decided them).
+  TORCH_ARG(int, first_rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+};
+
+struct WorkerFailure {
+  int rank = -1;
+  int local_rank = -1;
+  int pid = -1;
+  int exit_code = 0;  ///< when it exited
+  int signal = 0;     ///< when a signal killed it
+  std::string time;   ///< local time of the failure, ISO 8601
+  std::string log_file;
+};
+
+struct LaunchResult {
+  /// 0 when every worker exited 0; else the first failure's exit code (128 + signal when killed),
+  /// or 128 + signal when the launcher itself was interrupted.
+  int exit_code = 0;
+  std::optional<WorkerFailure> first_failure;
+  int interrupted_by = 0;  ///< signal that interrupted the launcher, 0 if none
+  /// The summary printed on failure; empty on success.
+  std::string summary;
+};
+
+/// Checks the options (throws c10::Error with one line for bad input: nproc_per_node < 1, a
+/// missing program, nnodes > 1 without master_addr, node_rank out of range, duplicate or negative
+/// devices), then runs the job.
+LaunchResult launch(const LaunchOptions& options);
+
+/// "0,1,3" -> {0, 1, 3}; throws on non-numbers, negatives, duplicates and empty entries.
+std::vector<int> parse_device_list(const std::string& text);
+
+/// Resolves a program name like execvp would; "" when it cannot be run.
+std::string find_program(const std::string& name);
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+int pick_free_port();
+
+}  // namespace dist
+}  // namespace paratrain

@@ -1,0 +1,134 @@
+#pragma once
+
+// paratrain's process-group interface: the collectives that DDP, the pipeline and the benchmarks
+// need, behind one small contract, with one implementation per engine (gloo, mpi, nccl).
+//
+// Contract (read before adding a backend):
+//  - Every operation is asynchronous: it returns a Work handle at once and the caller waits on it.
+//    Operations run in the order they were issued on this group, and every rank must issue the
+//    same collectives in the same order (as in c10d, MPI and NCCL).
+//  - Tensors passed in must stay alive and untouched until wait() returns; results are written in
+//    place (allreduce, broadcast, recv) or into the given outputs (allgather, reduce_scatter).
+//  - wait() throws CollectiveError when the operation failed or did not finish within the group's
+//    timeout. The message names the operation, its sequence number, this rank and, where the
+//    backend can tell, the ranks that did not arrive. A group that threw is broken: later calls
+//    fail fast rather than hang.
+//  - Argument checks (shapes, roots, peers) happen here, in the non-virtual public methods, so
+//    every backend rejects bad input the same way, before any rank starts communicating.
+//  - Methods may be called from any thread, but not concurrently on one group.
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace dist {
+
+/// Default collective timeout: 5 minutes, as c10d's kProcessGroupDefaultTimeout.
+constexpr std::chrono::milliseconds kDefaultTimeout{5 * 60 * 1000};
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+
+/// "sum", "avg", "max", "min".
+const char* to_string(ReduceOp op);
+
+/// A failed or timed-out collective. what() is one line suitable for users.
+class CollectiveError : public std::runtime_error {
+ public:
+  explicit CollectiveError(const std::string& message) : std::runtime_error(message) {}
+};
+
+/// Handle to an operation in flight.
+class Work {
+ public:
+  virtual ~Work() = default;
+  /// Blocks until the operation is done. Throws CollectiveError on failure or timeout.
+  virtual void wait() = 0;
+  /// True once the operation finished (successfully or not); never blocks.
+  virtual bool is_completed() = 0;
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int rank, int size, std::chrono::milliseconds timeout);
+  virtual ~ProcessGroup() = default;
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// "gloo", "mpi" or "nccl".
+  virtual std::string backend_name() const = 0;
+
+  /// Reduces `tensor` in place over all ranks. kAvg divides the sum by size() and needs a
+  /// floating-point tensor.
+  WorkPtr allreduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  /// Copies `root`'s tensor into `tensor` on every rank.
+  WorkPtr broadcast(at::Tensor& tensor, int root = 0);
+  /// outputs[r] receives rank r's `input`; outputs has size() tensors shaped like input.
+  WorkPtr allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  /// Reduces inputs[r] over all ranks into rank r's `output`; inputs has size() tensors shaped
+  /// like output.
+  WorkPtr reduce_scatter(at::Tensor& output,
+                         const std::vector<at::Tensor>& inputs,
+                         ReduceOp op = ReduceOp::kSum);
+  /// Completes once every rank has called it.
+  WorkPtr barrier();
+  /// Point to point; a send matches the recv on `dst` with the same tag.
+  WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0);
+  WorkPtr recv(at::Tensor& tensor, int src, int tag = 0);
+
+  /// Number of collectives issued on this group so far (the next one gets this number). Every
+  /// rank counts the same collectives, which is how a failing rank tells who fell behind; send and
+  /// recv are numbered apart, since only two ranks take part in each.
+  int64_t sequence_number() const { return sequence_; }
+
+ protected:
+  // Backends implement these; arguments are already checked and `seq` numbers the operation.
+  virtual WorkPtr do_allreduce(at::Tensor& tensor, ReduceOp op, int64_t seq) = 0;
+  virtual WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) = 0;
+  virtual WorkPtr do_allgather(std::vector<at::Tensor>& outputs,
+                               const at::Tensor& input,
+                               int64_t seq) = 0;
+  virtual WorkPtr do_reduce_scatter(at::Tensor& output,
+                                    const std::vector<at::Tensor>& inputs,
+                                    ReduceOp op,
+                                    int64_t seq) = 0;
+  virtual WorkPtr do_barrier(int64_t seq) = 0;
+  virtual WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) = 0;
+  virtual WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) = 0;
+
+  /// "allreduce #12 (sum, 4194304 bytes) on rank 1 of 2 (gloo)": the prefix of every error.
+  std::string describe(const std::string& op, int64_t seq, const std::string& detail = "") const;
+
+  /// Records the first failure (called by Work::wait on any thread); later operations on this
+  /// group throw it at once instead of waiting for peers that are gone.
+  void mark_broken(const std::string& message);
+
+ private:
+  int64_t next_sequence() { return sequence_++; }
+  int64_t next_p2p_sequence() { return p2p_sequence_++; }
+  void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
+  void check_peer(int peer, const char* op, const char* what) const;
+  void check_not_broken(const char* op) const;
+
+  const int rank_;
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+  int64_t sequence_ = 0;
+  int64_t p2p_sequence_ = 0;
+  mutable std::mutex broken_mutex_;
+  std::string broken_;  // guarded by broken_mutex_
+};
+
+using ProcessGroupPtr = std::shared_ptr<ProcessGroup>;
+
+}  // namespace dist
+}  // namespace paratrain

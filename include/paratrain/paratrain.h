@@ -1,0 +1,11 @@
+#pragma once
+
+// Umbrella header: everything public in paratrain.
+
+#include "paratrain/version.h"
+
+#include "paratrain/dist/env.h"            // RankInfo, discover_rank_info
+#include "paratrain/dist/init.h"           // init_process_group, InitOptions, local_device
+#include "paratrain/dist/launch.h"         // launch, LaunchOptions (paratrain launch)
+#include "paratrain/dist/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
+#include "paratrain/dist/spawn.h"          // spawn

@@ -1,0 +1,3 @@
+#pragma once
+
+#define PARATRAIN_VERSION "0.1.0"

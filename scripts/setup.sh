@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs every system dependency of paratrain on Debian 12 with apt. Idempotent: packages already
+# present are skipped, so the README's commands can call it on every run.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libtorch-dev          # libtorch 1.13.1 (CPU), with c10d (Gloo, TCPStore)
+  libgloo-dev           # headers that c10d's ProcessGroupGloo.hpp includes
+  libopenblas0-pthread  # without it libtorch falls back to the reference BLAS (5x slower)
+  libopenmpi-dev openmpi-bin
+  zlib1g-dev
+  dataset-fashion-mnist
+  libgtest-dev googletest
+  python3-torch         # /usr/bin/python3's torch: the reference for PyTorch behaviour and speed
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "setup: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q >&2
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >&2

@@ -1,0 +1,241 @@
+#pragma once
+
+// Internal: a paratrain ProcessGroup over one of c10d's backends (ProcessGroupGloo, and
+// ProcessGroupNCCL in CUDA builds). c10d does the transport; this adds what paratrain promises on
+// top: avg and reduce_scatter where the engine lacks them, a deadline on every wait (Gloo would
+// wait on a send or recv forever), errors that name the operation and the missing ranks (Note
+// [Naming the ranks that did not arrive]), and a group that fails fast once broken.
+//
+// Engine is held by its concrete type: in libtorch 1.13 it derives from c10d::ProcessGroup, in
+// 2.x from c10d::Backend, but the collective signatures used here are the same in both.
+
+#include "backends.h"
+#include "store_monitor.h"
+
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <functional>
+#include <memory>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+
+inline c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // Gloo has no avg: sum, then divide when the work completes.
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::kMax:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::kMin:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+template <typename Engine>
+class C10dGroup;
+
+template <typename Engine>
+class C10dWork : public Work {
+ public:
+  C10dWork(std::shared_ptr<C10dGroup<Engine>> group,
+           c10::intrusive_ptr<c10d::Work> work,
+           std::string what,
+           int64_t seq,
+           bool collective,
+           std::function<void()> on_success)
+      : group_(std::move(group)),
+        work_(std::move(work)),
+        what_(std::move(what)),
+        seq_(seq),
+        collective_(collective),
+        on_success_(std::move(on_success)) {}
+
+  void wait() override;
+  bool is_completed() override { return done_ || work_->isCompleted(); }
+
+ private:
+  std::shared_ptr<C10dGroup<Engine>> group_;  // kept alive while work on it is pending
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  int64_t seq_;
+  bool collective_;
+  std::function<void()> on_success_;
+  bool done_ = false;
+  std::string error_;
+};
+
+template <typename Engine>
+class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dGroup<Engine>> {
+ public:
+  /// `engine` is the c10d backend already built on `store`.
+  C10dGroup(std::string name,
+            c10::intrusive_ptr<Engine> engine,
+            c10::intrusive_ptr<c10d::Store> store,
+            StoreClientFactory monitor_client,
+            int rank,
+            int size,
+            std::chrono::milliseconds timeout)
+      : ProcessGroup(rank, size, timeout),
+        name_(std::move(name)),
+        store_(std::move(store)),
+        engine_(std::move(engine)) {
+    if (size > 1 && monitor_client) {
+      monitor_ = std::make_unique<StoreMonitor>(monitor_client, rank, size);
+    }
+  }
+
+  std::string backend_name() const override { return name_; }
+
+  // Called by C10dWork::wait when c10d reports a failure.
+  std::string fail(const std::string& what, int64_t seq, bool collective, const std::string& why) {
+    std::string message = describe(what, seq) + " failed: " + why;
+    if (collective && monitor_) {
+      message += monitor_->explain(seq);
+    }
+    mark_broken(message);
+    return message;
+  }
+
+ protected:
+  WorkPtr do_allreduce(at::Tensor& tensor, ReduceOp op, int64_t seq) override {
+    issued(seq);
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = timeout();
+    std::vector<at::Tensor> tensors{tensor};
+    auto work = engine_->allreduce(tensors, opts);
+    std::function<void()> finish;
+    if (op == ReduceOp::kAvg) {
+      finish = [tensor, n = size()]() mutable { tensor.div_(n); };
+    }
+    return wrap(std::move(work), "allreduce", seq, true, std::move(finish),
+                std::string(to_string(op)) + ", " + std::to_string(tensor.nbytes()) + " bytes");
+  }
+
+  WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) override {
+    issued(seq);
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = timeout();
+    std::vector<at::Tensor> tensors{tensor};
+    return wrap(engine_->broadcast(tensors, opts), "broadcast", seq, true, nullptr,
+                "root " + std::to_string(root));
+  }
+
+  WorkPtr do_allgather(std::vector<at::Tensor>& outputs,
+                       const at::Tensor& input,
+                       int64_t seq) override {
+    issued(seq);
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout();
+    std::vector<std::vector<at::Tensor>> out{outputs};
+    std::vector<at::Tensor> in{input};
+    return wrap(engine_->allgather(out, in, opts), "allgather", seq, true, nullptr, "");
+  }
+
+  // Gloo has no reduce_scatter (c10d throws "does not support reduce_scatter") and the list form
+  // is the one API both c10d generations share: allreduce the concatenated inputs and keep our
+  // slice. It moves size() times more data than a real reduce-scatter; the mpi backend has one.
+  WorkPtr do_reduce_scatter(at::Tensor& output,
+                            const std::vector<at::Tensor>& inputs,
+                            ReduceOp op,
+                            int64_t seq) override {
+    issued(seq);
+    at::Tensor flat = at::cat(inputs).contiguous();
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = timeout();
+    std::vector<at::Tensor> tensors{flat};
+    auto work = engine_->allreduce(tensors, opts);
+    auto finish = [output, flat, op, r = rank(), n = size()]() mutable {
+      at::Tensor mine = flat.chunk(n)[r].view(output.sizes());
+      output.copy_(mine);
+      if (op == ReduceOp::kAvg) {
+        output.div_(n);
+      }
+    };
+    return wrap(std::move(work), "reduce_scatter", seq, true, std::move(finish),
+                to_string(op));
+  }
+
+  WorkPtr do_barrier(int64_t seq) override {
+    issued(seq);
+    c10d::BarrierOptions opts;
+    opts.timeout = timeout();
+    return wrap(engine_->barrier(opts), "barrier", seq, true, nullptr, "");
+  }
+
+  WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
+    std::vector<at::Tensor> tensors{tensor};
+    return wrap(engine_->send(tensors, dst, tag), "send", seq, false, nullptr,
+                "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag));
+  }
+
+  WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
+    std::vector<at::Tensor> tensors{tensor};
+    return wrap(engine_->recv(tensors, src, tag), "recv", seq, false, nullptr,
+                "from rank " + std::to_string(src) + ", tag " + std::to_string(tag));
+  }
+
+ private:
+  void issued(int64_t seq) {
+    if (monitor_) {
+      monitor_->set_issued(seq + 1);
+    }
+  }
+
+  WorkPtr wrap(c10::intrusive_ptr<c10d::Work> work,
+               const char* op,
+               int64_t seq,
+               bool collective,
+               std::function<void()> finish,
+               const std::string& detail) {
+    std::string what = detail.empty() ? std::string(op) : std::string(op) + " (" + detail + ")";
+    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), what, seq, collective,
+                                      std::move(finish));
+  }
+
+  std::string name_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<StoreMonitor> monitor_;  // before engine_: destroyed after it
+  c10::intrusive_ptr<Engine> engine_;
+};
+
+template <typename Engine>
+void C10dWork<Engine>::wait() {
+  if (done_) {
+    return;
+  }
+  if (!error_.empty()) {
+    throw CollectiveError(error_);
+  }
+  std::string why;
+  try {
+    // c10d's own deadline (the group's timeout) applies inside Gloo; this one also covers
+    // send/recv, which Gloo would otherwise wait on forever.
+    if (!work_->wait(group_->timeout())) {
+      why = "timed out after " + std::to_string(group_->timeout().count()) + " ms";
+    }
+  } catch (const std::exception& e) {
+    why = engine_message(e);
+    if (why.find("Timed out") != std::string::npos || why.find("timed out") != std::string::npos) {
+      why = "timed out after " + std::to_string(group_->timeout().count()) + " ms (" + why + ")";
+    }
+  }
+  if (!why.empty()) {
+    error_ = group_->fail(what_, seq_, collective_, why);
+    throw CollectiveError(error_);
+  }
+  if (on_success_) {
+    on_success_();
+  }
+  done_ = true;
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain

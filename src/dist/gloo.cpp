@@ -1,0 +1,53 @@
+// The gloo backend: c10d's ProcessGroupGloo, shipped in libtorch, behind paratrain's interface
+// (see c10d_group.h for what paratrain adds on top).
+
+#include "c10d_group.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cstdlib>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+
+std::string engine_message(const std::exception& e) {
+  std::string text = e.what();
+  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    text = c10_error->what_without_backtrace();
+  }
+  // Keep the first line, without "[path/file.cc:123] " location prefixes.
+  text = text.substr(0, text.find('\n'));
+  while (!text.empty() && text[0] == '[') {
+    auto close = text.find("] ");
+    if (close == std::string::npos) {
+      break;
+    }
+    text = text.substr(close + 2);
+  }
+  return text;
+}
+
+ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
+                                StoreClientFactory monitor_client,
+                                int rank,
+                                int size,
+                                std::chrono::milliseconds timeout,
+                                const std::string& hostname) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+  if (ifname != nullptr && ifname[0] != '\0') {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  } else if (!hostname.empty()) {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  } else {
+    options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  auto engine = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(
+      "gloo", std::move(engine), std::move(store), std::move(monitor_client), rank, size, timeout);
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain

@@ -1,0 +1,247 @@
+#include "paratrain/dist/init.h"
+
+#include "backends.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cmath>
+#include <cstdlib>
+
+namespace paratrain {
+namespace dist {
+
+std::chrono::milliseconds default_timeout() {
+  const char* text = std::getenv("PARATRAIN_TIMEOUT");
+  if (text == nullptr || text[0] == '\0') {
+    return kDefaultTimeout;
+  }
+  char* end = nullptr;
+  double seconds = std::strtod(text, &end);
+  TORCH_CHECK(end != text && *end == '\0' && std::isfinite(seconds) && seconds > 0,
+              "PARATRAIN_TIMEOUT='", text, "' is not a positive number of seconds");
+  return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000)));
+}
+
+std::vector<std::string> available_backends() {
+  std::vector<std::string> names{"gloo"};
+#ifdef PARATRAIN_WITH_MPI
+  names.push_back("mpi");
+#endif
+#ifdef PARATRAIN_WITH_NCCL
+  names.push_back("nccl");
+#endif
+  return names;
+}
+
+namespace {
+
+bool has_backend(const std::string& name) {
+  auto all = available_backends();
+  return std::find(all.begin(), all.end(), name) != all.end();
+}
+
+bool started_by_mpirun() {
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  return size != nullptr && size[0] != '\0';
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) {
+    out += (out.empty() ? "" : ", ") + n;
+  }
+  return out;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+struct Endpoint {
+  std::string host;
+  int port = kDefaultMasterPort;
+};
+
+Endpoint parse_tcp(const std::string& url) {
+  std::string rest = url.substr(std::string("tcp://").size());
+  auto colon = rest.rfind(':');
+  TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
+              "init_method '", url, "' must look like tcp://host:port");
+  Endpoint e;
+  e.host = rest.substr(0, colon);
+  if (e.host.size() > 2 && e.host.front() == '[' && e.host.back() == ']') {
+    e.host = e.host.substr(1, e.host.size() - 2);
+  }
+  e.port = parse_int(rest.substr(colon + 1), "port of init_method '" + url + "'");
+  TORCH_CHECK(e.port > 0 && e.port < 65536, "port ", e.port, " of init_method '", url,
+              "' is not a TCP port");
+  return e;
+}
+
+// Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
+// generic; users get one line saying what to check.
+c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
+                                                int rank,
+                                                int world_size,
+                                                std::chrono::milliseconds timeout,
+                                                bool server) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(e.port);
+  o.isServer = server;
+  o.timeout = timeout;
+  if (server) {
+    o.numWorkers = world_size;
+    o.waitWorkers = true;
+  } else {
+    o.waitWorkers = rank >= 0;  // the main client of each rank counts itself in
+  }
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(e.host, o);
+  } catch (const std::exception& ex) {
+    std::string why = detail::engine_message(ex);
+    std::string where = e.host + ":" + std::to_string(e.port);
+    if (why.find("Address already in use") != std::string::npos ||
+        why.find("failed to bind") != std::string::npos) {
+      TORCH_CHECK(false, "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
+                  ": address already in use; choose another MASTER_PORT (or launch with "
+                  "--standalone, which picks a free port)");
+    }
+    if (why.find("clients joined") != std::string::npos ||
+        why.find("Timed out waiting for clients") != std::string::npos) {
+      TORCH_CHECK(false, "rank 0 waited ", timeout.count(), " ms at ", where, " but not all ",
+                  world_size, " ranks joined (", why,
+                  "); check that every rank was started with the same MASTER_ADDR/MASTER_PORT "
+                  "and WORLD_SIZE");
+    }
+    TORCH_CHECK(false, "rank ", rank, " could not reach the master at ", where, " within ",
+                timeout.count(), " ms (", why,
+                "); check MASTER_ADDR/MASTER_PORT and that rank 0 is running");
+  }
+}
+
+}  // namespace
+
+std::string resolve_backend(const InitOptions& options) {
+  std::string name = options.backend();
+  if (name == "auto") {
+    const char* env = std::getenv("PARATRAIN_BACKEND");
+    if (env != nullptr && env[0] != '\0') {
+      name = env;
+    }
+  }
+  if (name == "auto") {
+    if (options.uses_cuda() && has_backend("nccl")) {
+      return "nccl";
+    }
+    if (started_by_mpirun() && has_backend("mpi")) {
+      return "mpi";
+    }
+    return "gloo";
+  }
+  TORCH_CHECK(name == "gloo" || name == "mpi" || name == "nccl", "unknown backend '", name,
+              "': choose auto, gloo, mpi or nccl");
+  TORCH_CHECK(has_backend(name), "backend '", name, "' is not in this build (it has ",
+              join(available_backends()), ")",
+              name == "nccl" ? "; nccl needs a libtorch built with CUDA"
+                             : "; mpi needs Open MPI (libopenmpi-dev) at build time");
+  return name;
+}
+
+ProcessGroupPtr init_process_group(const InitOptions& options) {
+  const std::string backend = resolve_backend(options);
+  const auto timeout = options.timeout();
+  TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");
+
+#ifdef PARATRAIN_WITH_MPI
+  if (backend == "mpi") {
+    // MPI brings its own rendezvous (mpirun's runtime); rank and size come from it.
+    auto pg = detail::make_mpi_group(timeout);
+    TORCH_CHECK(options.world_size() < 0 || options.world_size() == pg->size(),
+                "world_size ", options.world_size(), " was asked for, but mpirun started ",
+                pg->size(), " ranks");
+    return pg;
+  }
+#endif
+
+  RankInfo info = discover_rank_info();
+  int rank = options.rank() >= 0 ? options.rank() : info.rank;
+  int world_size = options.world_size() >= 0 ? options.world_size() : info.world_size;
+  TORCH_CHECK(world_size >= 1, "world size must be at least 1, got ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "rank ", rank, " is out of range for world size ",
+              world_size, ": it must be in [0, ", world_size - 1, "]");
+
+  const std::string& method = options.init_method();
+  c10::intrusive_ptr<c10d::Store> store;
+  detail::StoreClientFactory monitor_client;
+  std::string hostname;
+
+  if (method.rfind("file://", 0) == 0) {
+    std::string path = method.substr(std::string("file://").size());
+    TORCH_CHECK(!path.empty() && path[0] == '/', "init_method '", method,
+                "' must name an absolute path, as file:///tmp/paratrain-store");
+    try {
+      store = c10::make_intrusive<c10d::FileStore>(path, world_size);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "cannot open the file store ", path, ": ", detail::engine_message(e));
+    }
+    hostname = "127.0.0.1";
+  } else if (method.rfind("tcp://", 0) == 0 || method == "env://") {
+    Endpoint e;
+    if (method == "env://") {
+      if (info.master_addr.empty()) {
+        TORCH_CHECK(info.single_node(),
+                    "MASTER_ADDR is not set, and this job spans several nodes (WORLD_SIZE=",
+                    world_size, ", LOCAL_WORLD_SIZE=", info.local_world_size,
+                    "): set MASTER_ADDR to the address of rank 0's node");
+        e.host = "127.0.0.1";
+      } else {
+        e.host = info.master_addr;
+      }
+      e.port = info.master_port;
+    } else {
+      e = parse_tcp(method);
+    }
+    if (world_size == 1 && method == "env://" && info.master_addr.empty()) {
+      store = c10::make_intrusive<c10d::HashStore>();  // a world of one needs no network
+    } else {
+      store = open_tcp_store(e, rank, world_size, timeout, rank == 0);
+      monitor_client = [e, timeout]() {
+        return open_tcp_store(e, -1, 0, std::min(timeout, std::chrono::milliseconds(10000)),
+                              false);
+      };
+    }
+    hostname = is_loopback(e.host) ? "127.0.0.1" : "";
+  } else {
+    TORCH_CHECK(false, "unknown init_method '", method,
+                "': use env://, tcp://host:port or file:///path");
+  }
+
+  try {
+    if (backend == "gloo") {
+      return detail::make_gloo_group(store, monitor_client, rank, world_size, timeout, hostname);
+    }
+#ifdef PARATRAIN_WITH_NCCL
+    if (backend == "nccl") {
+      return detail::make_nccl_group(store, monitor_client, rank, world_size, timeout);
+    }
+#endif
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, backend, " rendezvous failed on rank ", rank, " of ", world_size, ": ",
+                detail::engine_message(e));
+  }
+  TORCH_INTERNAL_ASSERT(false, "backend ", backend, " resolved but not built");
+}
+
+torch::Device local_device() {
+  if (torch::cuda::is_available()) {
+    RankInfo info = discover_rank_info();
+    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(info.local_rank));
+  }
+  return torch::Device(torch::kCPU);
+}
+
+}  // namespace dist
+}  // namespace paratrain

@@ -1,0 +1,580 @@
+#include "paratrain/dist/launch.h"
+
+#include <c10/util/Exception.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+extern char** environ;
+
+namespace paratrain {
+namespace dist {
+
+std::vector<int> parse_device_list(const std::string& text) {
+  TORCH_CHECK(!text.empty(), "--devices is empty: give GPU indices such as 0,1,3");
+  std::vector<int> devices;
+  std::set<int> seen;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
+                    item.size() < 6,
+                "--devices '", text, "': '", item,
+                "' is not a GPU index; give non-negative integers such as 0,1,3");
+    int d = std::stoi(item);
+    TORCH_CHECK(seen.insert(d).second, "--devices '", text, "' lists GPU ", d,
+                " twice; each device can serve one worker");
+    devices.push_back(d);
+  }
+  TORCH_CHECK(text.back() != ',', "--devices '", text, "' ends with a comma");
+  return devices;
+}
+
+std::string find_program(const std::string& name) {
+  if (name.empty()) {
+    return "";
+  }
+  auto runnable = [](const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+           ::access(path.c_str(), X_OK) == 0;
+  };
+  if (name.find('/') != std::string::npos) {
+    return runnable(name) ? name : "";
+  }
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/local/bin:/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (runnable(candidate)) {
+      return candidate;
+    }
+  }
+  return "";
+}
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "cannot open a socket to find a free port: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, "cannot find a free port on 127.0.0.1: ", std::strerror(errno));
+  return ntohs(addr.sin_port);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Self-pipe: signal handlers only write the signal number; the event loop does the work.
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int signo) {
+  int saved = errno;
+  unsigned char b = static_cast<unsigned char>(signo);
+  ssize_t ignored = ::write(g_signal_pipe[1], &b, 1);
+  (void)ignored;
+  errno = saved;
+}
+
+void write_all(int fd, const std::string& text) {
+  const char* p = text.data();
+  size_t left = text.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0) {
+      if (errno == EINTR) {
+        continue;
+      }
+      return;
+    }
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+std::string now_iso8601() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%S%z", &tm);
+  return buf;
+}
+
+// One relayed stream of one worker: bytes in, whole prefixed lines out.
+struct Stream {
+  int fd = -1;      // read end, -1 once closed
+  int out_fd = 1;   // where lines go (1 or 2)
+  std::string partial;
+};
+
+struct Worker {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Stream streams[2];
+  std::string prefix;
+  std::string log_path;
+  std::unique_ptr<std::ofstream> log;
+
+  void emit(Stream& s, const std::string& line) {
+    std::string text = prefix + line + "\n";
+    write_all(s.out_fd, text);  // one write per line: lines from different workers never mix
+    if (log) {
+      *log << line << '\n';
+      log->flush();
+    }
+  }
+
+  // Reads what is available; returns false at end of stream.
+  bool pump(Stream& s) {
+    char buf[65536];
+    ssize_t n = ::read(s.fd, buf, sizeof(buf));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) {
+      return true;
+    }
+    if (n <= 0) {
+      if (!s.partial.empty()) {
+        emit(s, s.partial);
+        s.partial.clear();
+      }
+      ::close(s.fd);
+      s.fd = -1;
+      return false;
+    }
+    s.partial.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = s.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+      emit(s, s.partial.substr(start, nl - start));
+    }
+    s.partial.erase(0, start);
+    return true;
+  }
+};
+
+std::vector<std::string> build_environment(const std::map<std::string, std::string>& overrides) {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    std::string kv = *e;
+    auto eq = kv.find('=');
+    if (eq != std::string::npos) {
+      env[kv.substr(0, eq)] = kv.substr(eq + 1);
+    }
+  }
+  for (const auto& kv : overrides) {
+    env[kv.first] = kv.second;
+  }
+  std::vector<std::string> out;
+  for (const auto& kv : env) {
+    out.push_back(kv.first + "=" + kv.second);
+  }
+  return out;
+}
+
+std::vector<char*> c_strings(std::vector<std::string>& v) {
+  std::vector<char*> out;
+  for (auto& s : v) {
+    out.push_back(&s[0]);
+  }
+  out.push_back(nullptr);
+  return out;
+}
+
+std::string describe_exit(int status) {
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (" + strsignal(sig) + ")";
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+bool failed(int status) {
+  return WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) != 0);
+}
+
+int exit_code_of(int status) {
+  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+void validate(const LaunchOptions& o) {
+  TORCH_CHECK(!o.command().empty(), o.name(),
+              ": no program given; usage: paratrain launch [options] -- PROGRAM ARGS...");
+  TORCH_CHECK(o.nproc_per_node() >= 0, "--nproc-per-node must be at least 1, got ",
+              o.nproc_per_node());
+  TORCH_CHECK(o.nnodes() >= 1, "--nnodes must be at least 1, got ", o.nnodes());
+  TORCH_CHECK(o.node_rank() >= 0 && o.node_rank() < o.nnodes(), "--node-rank ", o.node_rank(),
+              " is out of range for --nnodes ", o.nnodes(), ": it must be in [0, ",
+              o.nnodes() - 1, "]");
+  TORCH_CHECK(o.nnodes() == 1 || !o.master_addr().empty(), "--nnodes ", o.nnodes(),
+              " needs --master-addr: the address of node 0, which every node can reach");
+  TORCH_CHECK(!(o.standalone() && o.nnodes() > 1),
+              "--standalone is for one node; with --nnodes ", o.nnodes(),
+              " give --master-addr and --master-port");
+  TORCH_CHECK(o.master_port() > 0 && o.master_port() < 65536, "--master-port ", o.master_port(),
+              " is not a TCP port: it must be in [1, 65535]");
+  TORCH_CHECK(o.backend().empty() || o.backend() == "auto" || o.backend() == "gloo" ||
+                  o.backend() == "mpi" || o.backend() == "nccl",
+              "unknown --backend '", o.backend(), "': choose gloo, mpi or nccl");
+  std::set<int> seen;
+  for (int d : o.devices()) {
+    TORCH_CHECK(d >= 0, "--devices: GPU index ", d, " is negative");
+    TORCH_CHECK(seen.insert(d).second, "--devices lists GPU ", d, " twice");
+  }
+  TORCH_CHECK(!find_program(o.command()[0]).empty(), o.name(), ": program '", o.command()[0],
+              "' not found: it is neither an executable file nor a command on PATH");
+}
+
+int resolved_nproc(const LaunchOptions& o) {
+  if (o.nproc_per_node() > 0) {
+    return o.nproc_per_node();
+  }
+  return o.devices().empty() ? 1 : static_cast<int>(o.devices().size());
+}
+
+// Runs a job through mpirun: mpirun starts the shim on each rank, the shim relays that rank's
+// output and reports its failure; this process only watches mpirun.
+LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
+  TORCH_CHECK(o.nnodes() == 1, "--backend mpi with --nnodes ", o.nnodes(),
+              " is not supported: on several nodes run mpirun (or srun) with a host file yourself");
+  TORCH_CHECK(!o.mpi_shim().empty(), "--backend mpi needs the paratrain CLI as its per-rank shim");
+  std::string mpirun = find_program("mpirun");
+  TORCH_CHECK(!mpirun.empty(),
+              "--backend mpi: mpirun not found on PATH; install Open MPI (openmpi-bin)");
+  std::vector<std::string> cmd{mpirun, "-np", std::to_string(nproc)};
+  // Several ranks on a 2-core machine would otherwise be refused, and Open MPI's default
+  // binding pins each rank to one core, starving libtorch's intra-op threads.
+  cmd.insert(cmd.end(), {"--oversubscribe", "--bind-to", "none"});
+  if (::geteuid() == 0) {
+    cmd.push_back("--allow-run-as-root");
+  }
+  cmd.insert(cmd.end(), o.mpi_shim().begin(), o.mpi_shim().end());
+  if (!o.log_dir().empty()) {
+    cmd.insert(cmd.end(), {"--log-dir", o.log_dir()});
+  }
+  if (!o.devices().empty()) {
+    std::string list;
+    for (int d : o.devices()) {
+      list += (list.empty() ? "" : ",") + std::to_string(d);
+    }
+    cmd.insert(cmd.end(), {"--devices", list});
+  }
+  cmd.insert(cmd.end(), {"--master-addr", o.master_addr().empty() ? "127.0.0.1" : o.master_addr(),
+                         "--master-port", std::to_string(o.master_port())});
+  for (const auto& kv : o.env()) {
+    cmd.insert(cmd.end(), {"--env", kv.first + "=" + kv.second});
+  }
+  cmd.push_back("--");
+  cmd.insert(cmd.end(), o.command().begin(), o.command().end());
+
+  LaunchOptions outer = o;
+  outer.backend("").command(cmd).nproc_per_node(1).devices({}).log_dir("").prefix_output(false)
+      .first_rank(0).world_size(1).env({{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                         {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"},
+                                         {"PARATRAIN_BACKEND", "mpi"}});
+  LaunchResult r = launch(outer);
+  if (r.first_failure) {
+    r.summary = o.name() + ": mpirun " +
+                (r.first_failure->signal ? "was killed by signal " +
+                                               std::to_string(r.first_failure->signal)
+                                         : "exited with code " +
+                                               std::to_string(r.first_failure->exit_code)) +
+                "; the failing rank's report is above";
+  }
+  return r;
+}
+
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  validate(o);
+  const int nproc = resolved_nproc(o);
+  TORCH_CHECK(o.devices().empty() || static_cast<int>(o.devices().size()) >= nproc,
+              "--nproc-per-node ", nproc, " needs as many devices, but --devices lists only ",
+              o.devices().size());
+  if (o.backend() == "mpi" && o.first_rank() < 0) {
+    return launch_mpirun(o, nproc);
+  }
+
+  const bool shim = o.first_rank() >= 0;
+  const int world_size = shim ? o.world_size() : nproc * o.nnodes();
+  std::string master_addr = o.master_addr().empty() ? "127.0.0.1" : o.master_addr();
+  int master_port = o.master_port();
+  if (o.standalone()) {
+    master_addr = "127.0.0.1";
+    master_port = pick_free_port();
+  }
+  if (!o.log_dir().empty()) {
+    ::mkdir(o.log_dir().c_str(), 0755);
+    struct stat st;
+    TORCH_CHECK(::stat(o.log_dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--log-dir '",
+                o.log_dir(), "' is not a directory and cannot be created");
+  }
+
+  // Signals: forward SIGINT/SIGTERM, and wake on SIGCHLD.
+  TORCH_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe: ", std::strerror(errno));
+  struct sigaction sa{};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  struct sigaction old_int, old_term, old_chld;
+  ::sigaction(SIGINT, &sa, &old_int);
+  ::sigaction(SIGTERM, &sa, &old_term);
+  ::sigaction(SIGCHLD, &sa, &old_chld);
+
+  const std::string program = find_program(o.command()[0]);
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const pid_t launcher_pid = ::getpid();
+
+  std::vector<Worker> workers(nproc);
+  for (int local = 0; local < nproc; ++local) {
+    Worker& w = workers[local];
+    w.local_rank = shim ? -1 : local;
+    w.rank = shim ? o.first_rank() : o.node_rank() * nproc + local;
+    w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
+    if (!o.log_dir().empty()) {
+      w.log_path = o.log_dir() + "/rank_" + std::to_string(w.rank) + ".log";
+      w.log = std::make_unique<std::ofstream>(w.log_path, std::ios::trunc);
+    }
+    std::map<std::string, std::string> env = o.env();
+    const char* ompi_local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    const char* ompi_local_size = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    int local_rank = shim ? (ompi_local ? std::atoi(ompi_local) : 0) : local;
+    int local_world = shim ? (ompi_local_size ? std::atoi(ompi_local_size) : world_size) : nproc;
+    env["RANK"] = std::to_string(w.rank);
+    env["WORLD_SIZE"] = std::to_string(world_size);
+    env["LOCAL_RANK"] = std::to_string(local_rank);
+    env["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
+    env["GROUP_RANK"] = std::to_string(shim ? w.rank / std::max(1, local_world) : o.node_rank());
+    env["ROLE_RANK"] = env["RANK"];
+    env["MASTER_ADDR"] = master_addr;
+    env["MASTER_PORT"] = std::to_string(master_port);
+    if (!o.devices().empty()) {
+      std::string list;
+      for (int d : o.devices()) {
+        list += (list.empty() ? "" : ",") + std::to_string(d);
+      }
+      env["CUDA_VISIBLE_DEVICES"] = list;
+    }
+    if (!o.backend().empty() && o.backend() != "auto") {
+      env["PARATRAIN_BACKEND"] = o.backend();
+    }
+    // As torchrun: split the cores between local workers unless the user chose.
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && o.env().count("OMP_NUM_THREADS") == 0) {
+      env["OMP_NUM_THREADS"] =
+          std::to_string(std::max(1u, cores / static_cast<unsigned>(std::max(1, local_world))));
+    }
+    std::vector<std::string> env_strings = build_environment(env);
+    std::vector<std::string> args = o.command();
+    args[0] = o.command()[0];
+    auto argv = c_strings(args);
+    auto envp = c_strings(env_strings);
+
+    int out_pipe[2];
+    int err_pipe[2];
+    TORCH_CHECK(::pipe2(out_pipe, O_CLOEXEC) == 0 && ::pipe2(err_pipe, O_CLOEXEC) == 0,
+                "pipe: ", std::strerror(errno));
+    pid_t pid = ::fork();
+    TORCH_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
+    if (pid == 0) {
+      // Child: only async-signal-safe calls until exec.
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher_pid) {
+        ::_exit(127);
+      }
+      struct sigaction dfl{};
+      dfl.sa_handler = SIG_DFL;
+      ::sigaction(SIGINT, &dfl, nullptr);
+      ::sigaction(SIGTERM, &dfl, nullptr);
+      ::sigaction(SIGCHLD, &dfl, nullptr);
+      ::dup2(out_pipe[1], 1);
+      ::dup2(err_pipe[1], 2);
+      ::execve(program.c_str(), argv.data(), envp.data());
+      const char msg[] = "paratrain launch: exec failed\n";
+      ssize_t ignored = ::write(2, msg, sizeof(msg) - 1);
+      (void)ignored;
+      ::_exit(127);
+    }
+    ::setpgid(pid, pid);  // also from the parent, so killpg works even before the child runs
+    ::close(out_pipe[1]);
+    ::close(err_pipe[1]);
+    w.pid = pid;
+    w.running = true;
+    w.streams[0].fd = out_pipe[0];
+    w.streams[0].out_fd = 1;
+    w.streams[1].fd = err_pipe[0];
+    w.streams[1].out_fd = 2;
+  }
+
+  LaunchResult result;
+  bool stopping = false;
+  Clock::time_point kill_deadline;
+  bool killed = false;
+  int running = nproc;
+  int failed_rank_index = -1;
+
+  auto signal_all = [&](int sig) {
+    for (auto& w : workers) {
+      ::killpg(w.pid, sig);  // also reaches what the worker started; ESRCH once all are gone
+    }
+  };
+  auto begin_stop = [&](int sig) {
+    if (!stopping) {
+      stopping = true;
+      kill_deadline = Clock::now() + o.kill_grace();
+      signal_all(sig);
+    }
+  };
+
+  Clock::time_point drain_deadline{};
+  for (;;) {
+    // Reap.
+    for (size_t i = 0; i < workers.size(); ++i) {
+      Worker& w = workers[i];
+      if (!w.running) {
+        continue;
+      }
+      int status = 0;
+      pid_t r = ::waitpid(w.pid, &status, WNOHANG);
+      if (r == w.pid) {
+        w.running = false;
+        w.status = status;
+        --running;
+        if (failed(status) && !result.first_failure && result.interrupted_by == 0 && !stopping) {
+          WorkerFailure f;
+          f.rank = w.rank;
+          f.local_rank = w.local_rank;
+          f.pid = w.pid;
+          f.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+          f.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+          f.time = now_iso8601();
+          f.log_file = w.log_path;
+          result.first_failure = f;
+          result.exit_code = exit_code_of(status);
+          failed_rank_index = static_cast<int>(i);
+          begin_stop(SIGTERM);
+        }
+      }
+    }
+    if (running == 0 && drain_deadline == Clock::time_point{}) {
+      // Whatever the workers left behind goes now, and their pipes get a moment to drain.
+      signal_all(SIGKILL);
+      drain_deadline = Clock::now() + std::chrono::milliseconds(1000);
+    }
+    if (stopping && !killed && running > 0 && Clock::now() >= kill_deadline) {
+      signal_all(SIGKILL);
+      killed = true;
+    }
+    bool open_streams = false;
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Worker*, Stream*>> owners;
+    fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    owners.push_back({nullptr, nullptr});
+    for (auto& w : workers) {
+      for (auto& s : w.streams) {
+        if (s.fd >= 0) {
+          fds.push_back({s.fd, POLLIN, 0});
+          owners.push_back({&w, &s});
+          open_streams = true;
+        }
+      }
+    }
+    if (running == 0 && (!open_streams || Clock::now() >= drain_deadline)) {
+      break;
+    }
+    int n = ::poll(fds.data(), fds.size(), 50);
+    if (n < 0 && errno != EINTR) {
+      break;
+    }
+    if (n <= 0) {
+      continue;
+    }
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if (fds[k].revents == 0) {
+        continue;
+      }
+      if (k == 0) {
+        unsigned char sig;
+        while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+          if ((sig == SIGINT || sig == SIGTERM) && result.interrupted_by == 0 &&
+              !result.first_failure) {
+            result.interrupted_by = sig;
+            result.exit_code = 128 + sig;
+            begin_stop(sig);
+          }
+        }
+        continue;
+      }
+      owners[k].first->pump(*owners[k].second);
+    }
+  }
+  for (auto& w : workers) {
+    for (auto& s : w.streams) {
+      if (s.fd >= 0) {
+        ::close(s.fd);
+      }
+    }
+  }
+
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  ::sigaction(SIGCHLD, &old_chld, nullptr);
+  ::close(g_signal_pipe[0]);
+  ::close(g_signal_pipe[1]);
+
+  int others = 0;
+  for (size_t i = 0; i < workers.size(); ++i) {
+    if (static_cast<int>(i) != failed_rank_index) {
+      ++others;
+    }
+  }
+  if (result.first_failure) {
+    const WorkerFailure& f = *result.first_failure;
+    const Worker& w = workers[failed_rank_index];
+    std::ostringstream s;
+    s << o.name() << ": job failed: rank " << f.rank;
+    if (f.local_rank >= 0) {
+      s << " (local rank " << f.local_rank << ", pid " << f.pid << ")";
+    }
+    s << " " << describe_exit(w.status) << " at " << f.time << "; log: "
+      << (f.log_file.empty() ? "its lines above (use --log-dir for files)" : f.log_file);
+    if (others > 0) {
+      s << "; stopped the other " << others << " worker" << (others == 1 ? "" : "s");
+    }
+    result.summary = s.str();
+  } else if (result.interrupted_by != 0) {
+    result.summary = o.name() + ": interrupted by " + strsignal(result.interrupted_by) +
+                     "; stopped all " + std::to_string(nproc) + " worker" +
+                     (nproc == 1 ? "" : "s");
+  }
+  return result;
+}
+
+}  // namespace dist
+}  // namespace paratrain

@@ -1,0 +1,485 @@
+// The mpi backend: Open MPI called directly. Debian's libtorch is built without c10d's MPI backend,
+// and on CPU MPI is the fast path (shared-memory transport between local ranks), and the one that
+// mpirun and Slurm start on clusters.
+//
+// Threading: MPI is initialised with MPI_THREAD_SERIALIZED and every MPI call of a group is made by
+// that group's one worker thread, in issue order, so callers never block in MPI and the rank-wide
+// order of collectives is the order they were issued (the contract in process_group.h).
+// Collectives run as blocking calls on the worker: MPI's blocking collectives are its fastest
+// (non-blocking ones only progress inside MPI_Test calls). Point-to-point operations are started
+// non-blocking and polled between tasks, so a send waiting for its receiver never stops the worker
+// from starting the matching recv of a ring exchange.
+//
+// Deadlines: MPI has no timeouts, so wait() enforces the group's timeout itself. A collective
+// that times out stays stuck inside MPI: the group is marked broken, and at exit MPI_Finalize is
+// skipped (it would hang) so the process can end and mpirun can tear the job down.
+
+#include "backends.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+// The C API only: Open MPI's deprecated C++ bindings would need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <list>
+#include <mutex>
+#include <set>
+#include <thread>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+
+namespace {
+
+std::string mpi_error_string(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, length);
+}
+
+// Reductions MPI has no type for: fp16 and bf16, summed in float.
+template <typename T, typename Combine>
+void reduce_in_float(void* in, void* inout, int* len, Combine combine) {
+  auto* a = static_cast<const T*>(in);
+  auto* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    b[i] = T(combine(static_cast<float>(a[i]), static_cast<float>(b[i])));
+  }
+}
+
+template <typename T>
+void sum_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_in_float<T>(in, inout, len, [](float x, float y) { return x + y; });
+}
+template <typename T>
+void max_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_in_float<T>(in, inout, len, [](float x, float y) { return x > y ? x : y; });
+}
+template <typename T>
+void min_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_in_float<T>(in, inout, len, [](float x, float y) { return x < y ? x : y; });
+}
+
+struct MpiGlobals {
+  MPI_Datatype half16 = MPI_DATATYPE_NULL;  // two bytes, reduced by the ops below
+  MPI_Op half_sum, half_max, half_min, bf16_sum, bf16_max, bf16_min;
+};
+
+class MpiGroup;
+
+// Live groups, so that the exit handler can stop their workers before MPI_Finalize.
+std::mutex g_registry_mutex;
+std::set<MpiGroup*> g_groups;
+bool g_stuck = false;  // some collective never returned: MPI_Finalize would hang
+MpiGlobals g_mpi;
+
+void finalize_at_exit();
+
+void ensure_mpi_initialized() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      TORCH_CHECK(rc == MPI_SUCCESS, "mpi backend: MPI_Init_thread failed: ",
+                  mpi_error_string(rc));
+      TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
+                  "mpi backend: this MPI library does not support MPI_THREAD_SERIALIZED (got ",
+                  provided, "); rebuild Open MPI with thread support");
+      std::atexit(finalize_at_exit);
+    }
+    MPI_Type_contiguous(2, MPI_BYTE, &g_mpi.half16);
+    MPI_Type_commit(&g_mpi.half16);
+    MPI_Op_create(&sum_fn<c10::Half>, 1, &g_mpi.half_sum);
+    MPI_Op_create(&max_fn<c10::Half>, 1, &g_mpi.half_max);
+    MPI_Op_create(&min_fn<c10::Half>, 1, &g_mpi.half_min);
+    MPI_Op_create(&sum_fn<c10::BFloat16>, 1, &g_mpi.bf16_sum);
+    MPI_Op_create(&max_fn<c10::BFloat16>, 1, &g_mpi.bf16_max);
+    MPI_Op_create(&min_fn<c10::BFloat16>, 1, &g_mpi.bf16_min);
+  });
+}
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return MPI_FLOAT;
+    case at::kDouble:
+      return MPI_DOUBLE;
+    case at::kInt:
+      return MPI_INT32_T;
+    case at::kLong:
+      return MPI_INT64_T;
+    case at::kShort:
+      return MPI_INT16_T;
+    case at::kChar:
+      return MPI_INT8_T;
+    case at::kByte:
+    case at::kBool:
+      return MPI_UINT8_T;
+    case at::kHalf:
+    case at::kBFloat16:
+      return g_mpi.half16;
+    default:
+      TORCH_CHECK(false, "mpi backend: tensors of type ", t,
+                  " are not supported; use float, double, half, bfloat16 or an integer type");
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
+  if (t == at::kHalf || t == at::kBFloat16) {
+    bool half = t == at::kHalf;
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        return half ? g_mpi.half_sum : g_mpi.bf16_sum;
+      case ReduceOp::kMax:
+        return half ? g_mpi.half_max : g_mpi.bf16_max;
+      case ReduceOp::kMin:
+        return half ? g_mpi.half_min : g_mpi.bf16_min;
+    }
+  }
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // MPI has no average: sum, then divide on the worker.
+      return MPI_SUM;
+    case ReduceOp::kMax:
+      return t == at::kBool ? MPI_BOR : MPI_MAX;
+    case ReduceOp::kMin:
+      return t == at::kBool ? MPI_BAND : MPI_MIN;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+void check_cpu(const at::Tensor& t, const char* op) {
+  TORCH_CHECK(t.device().is_cpu(), "mpi backend: ", op, " got a tensor on ", t.device(),
+              "; this backend moves CPU tensors (use the nccl backend for CUDA tensors)");
+}
+
+// Shared between a Work handle and the worker thread.
+struct Task {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;      // guarded by mutex
+  std::string error;      // guarded by mutex; empty on success
+  std::string what;       // "allreduce (sum, 4096 bytes)"
+  int64_t seq = 0;
+  bool collective = true;
+  // Runs on the worker. Collectives complete inside `start`; point-to-point ones return a
+  // request to poll.
+  std::function<MPI_Request()> start;
+
+  void finish(std::string err) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      done = true;
+      error = std::move(err);
+    }
+    cv.notify_all();
+  }
+};
+
+class MpiWork : public Work {
+ public:
+  MpiWork(std::shared_ptr<MpiGroup> group, std::shared_ptr<Task> task)
+      : group_(std::move(group)), task_(std::move(task)) {}
+  void wait() override;
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(task_->mutex);
+    return task_->done;
+  }
+
+ private:
+  std::shared_ptr<MpiGroup> group_;
+  std::shared_ptr<Task> task_;
+};
+
+class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGroup> {
+ public:
+  MpiGroup(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout)
+      : ProcessGroup(rank, size, timeout), comm_(comm) {
+    worker_ = std::thread([this] { run(); });
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_groups.insert(this);
+  }
+
+  ~MpiGroup() override {
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mutex);
+      g_groups.erase(this);
+    }
+    stop();
+  }
+
+  std::string backend_name() const override { return "mpi"; }
+
+  // Stops the worker once its queue is drained. A worker stuck in a collective cannot be joined:
+  // it is left behind and MPI_Finalize skipped (see the top of this file).
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) {
+        return;
+      }
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) {
+      if (stuck_) {
+        worker_.detach();
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        g_stuck = true;
+      } else {
+        worker_.join();
+      }
+    }
+  }
+
+  std::string fail(const Task& task, const std::string& why, bool timed_out) {
+    std::string message = describe(task.what, task.seq) + " failed: " + why;
+    if (timed_out) {
+      stuck_ = true;
+      if (task.collective) {
+        message +=
+            "; MPI cannot tell which ranks did not arrive: look for the rank that failed or is "
+            "behind in the other ranks' output";
+      }
+    }
+    mark_broken(message);
+    return message;
+  }
+
+ protected:
+  WorkPtr do_allreduce(at::Tensor& tensor, ReduceOp op, int64_t seq) override {
+    check_cpu(tensor, "allreduce");
+    MPI_Datatype type = mpi_type(tensor.scalar_type());
+    MPI_Op mop = mpi_op(op, tensor.scalar_type());
+    return submit(
+        std::string("allreduce (") + to_string(op) + ", " + std::to_string(tensor.nbytes()) +
+            " bytes)",
+        seq, true, [this, tensor, type, mop, op]() mutable {
+          check(MPI_Allreduce(MPI_IN_PLACE, tensor.data_ptr(), tensor.numel(), type, mop, comm_));
+          if (op == ReduceOp::kAvg) {
+            tensor.div_(size());
+          }
+          return MPI_REQUEST_NULL;
+        });
+  }
+
+  WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) override {
+    check_cpu(tensor, "broadcast");
+    return submit("broadcast (root " + std::to_string(root) + ")", seq, true,
+                  [this, tensor, root]() mutable {
+                    check(MPI_Bcast(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, root, comm_));
+                    return MPI_REQUEST_NULL;
+                  });
+  }
+
+  WorkPtr do_allgather(std::vector<at::Tensor>& outputs,
+                       const at::Tensor& input,
+                       int64_t seq) override {
+    check_cpu(input, "allgather");
+    for (auto& o : outputs) {
+      check_cpu(o, "allgather");
+    }
+    return submit("allgather", seq, true, [this, outputs, input]() mutable {
+      at::Tensor flat = at::empty({size() * input.numel()}, input.options());
+      check(MPI_Allgather(input.data_ptr(), input.nbytes(), MPI_BYTE, flat.data_ptr(),
+                          input.nbytes(), MPI_BYTE, comm_));
+      auto parts = flat.chunk(size());
+      for (int r = 0; r < size(); ++r) {
+        outputs[r].copy_(parts[r].view(input.sizes()));
+      }
+      return MPI_REQUEST_NULL;
+    });
+  }
+
+  WorkPtr do_reduce_scatter(at::Tensor& output,
+                            const std::vector<at::Tensor>& inputs,
+                            ReduceOp op,
+                            int64_t seq) override {
+    check_cpu(output, "reduce_scatter");
+    for (auto& i : inputs) {
+      check_cpu(i, "reduce_scatter");
+    }
+    MPI_Datatype type = mpi_type(output.scalar_type());
+    MPI_Op mop = mpi_op(op, output.scalar_type());
+    return submit(std::string("reduce_scatter (") + to_string(op) + ")", seq, true,
+                  [this, output, inputs, type, mop, op]() mutable {
+                    at::Tensor flat = at::cat(inputs).contiguous();
+                    check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(),
+                                                   output.numel(), type, mop, comm_));
+                    if (op == ReduceOp::kAvg) {
+                      output.div_(size());
+                    }
+                    return MPI_REQUEST_NULL;
+                  });
+  }
+
+  WorkPtr do_barrier(int64_t seq) override {
+    return submit("barrier", seq, true, [this]() {
+      check(MPI_Barrier(comm_));
+      return MPI_REQUEST_NULL;
+    });
+  }
+
+  WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
+    check_cpu(tensor, "send");
+    return submit("send (to rank " + std::to_string(dst) + ", tag " + std::to_string(tag) + ")",
+                  seq, false, [this, tensor, dst, tag]() {
+                    MPI_Request request;
+                    check(MPI_Isend(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, dst, tag, comm_,
+                                    &request));
+                    return request;
+                  });
+  }
+
+  WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
+    check_cpu(tensor, "recv");
+    return submit(
+        "recv (from rank " + std::to_string(src) + ", tag " + std::to_string(tag) + ")", seq,
+        false, [this, tensor, src, tag]() mutable {
+          MPI_Request request;
+          check(MPI_Irecv(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, src, tag, comm_,
+                          &request));
+          return request;
+        });
+  }
+
+ private:
+  static void check(int rc) {
+    if (rc != MPI_SUCCESS) {
+      throw std::runtime_error(mpi_error_string(rc));
+    }
+  }
+
+  WorkPtr submit(std::string what, int64_t seq, bool collective, std::function<MPI_Request()> fn) {
+    auto task = std::make_shared<Task>();
+    task->what = std::move(what);
+    task->seq = seq;
+    task->collective = collective;
+    task->start = std::move(fn);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(task);
+    }
+    cv_.notify_all();
+    return std::make_shared<MpiWork>(shared_from_this(), task);
+  }
+
+  void run() {
+    // Requests of started sends and receives, polled while no new task is queued.
+    std::list<std::pair<MPI_Request, std::shared_ptr<Task>>> pending;
+    for (;;) {
+      std::shared_ptr<Task> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (pending.empty()) {
+          cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        }
+        if (!queue_.empty()) {
+          task = queue_.front();
+          queue_.pop_front();
+        } else if (stopping_ && pending.empty()) {
+          return;
+        }
+      }
+      if (task) {
+        try {
+          MPI_Request request = task->start();
+          if (request == MPI_REQUEST_NULL) {
+            task->finish("");
+          } else {
+            pending.emplace_back(request, task);
+          }
+        } catch (const std::exception& e) {
+          task->finish(e.what());
+        }
+        continue;
+      }
+      bool progressed = false;
+      for (auto it = pending.begin(); it != pending.end();) {
+        int flag = 0;
+        MPI_Status status;
+        int rc = MPI_Test(&it->first, &flag, &status);
+        if (rc != MPI_SUCCESS || flag) {
+          it->second->finish(rc == MPI_SUCCESS ? "" : mpi_error_string(rc));
+          it = pending.erase(it);
+          progressed = true;
+        } else {
+          ++it;
+        }
+      }
+      if (!progressed) {
+        // Keep the latency of a waiting recv low without spinning a whole core.
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+
+  MPI_Comm comm_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Task>> queue_;  // guarded by mutex_
+  bool stopping_ = false;                    // guarded by mutex_
+  std::atomic<bool> stuck_{false};
+  std::thread worker_;
+};
+
+void MpiWork::wait() {
+  std::unique_lock<std::mutex> lock(task_->mutex);
+  bool finished = task_->cv.wait_for(lock, group_->timeout(), [this] { return task_->done; });
+  if (!finished) {
+    lock.unlock();
+    throw CollectiveError(group_->fail(
+        *task_, "timed out after " + std::to_string(group_->timeout().count()) + " ms", true));
+  }
+  if (!task_->error.empty()) {
+    std::string error = task_->error;
+    lock.unlock();
+    throw CollectiveError(group_->fail(*task_, error, false));
+  }
+}
+
+void finalize_at_exit() {
+  std::vector<MpiGroup*> groups;
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    groups.assign(g_groups.begin(), g_groups.end());
+  }
+  for (MpiGroup* g : groups) {
+    g->stop();
+  }
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!g_stuck && !finalized) {
+    MPI_Finalize();
+  }
+}
+
+}  // namespace
+
+ProcessGroupPtr make_mpi_group(std::chrono::milliseconds timeout) {
+  ensure_mpi_initialized();
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  int rank = 0;
+  int size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  return std::make_shared<MpiGroup>(comm, rank, size, timeout);
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain
