@@ -106,6 +106,11 @@ int run_launch(const std::vector<std::string>& argv) {
   }
 
   dist::LaunchResult result = dist::launch(o);
+  // Under mpirun, a shim is stopped by mpirun when another rank failed: that rank's shim already
+  // reported the failure, and mpirun reports the job's end.
+  if (args.has("from-mpirun") && result.interrupted_by != 0) {
+    return result.exit_code;
+  }
   if (!result.summary.empty()) {
     std::cerr << result.summary << std::endl;
   }

@@ -43,13 +43,15 @@ class C10dWork : public Work {
  public:
   C10dWork(std::shared_ptr<C10dGroup<Engine>> group,
            c10::intrusive_ptr<c10d::Work> work,
-           std::string what,
+           std::string op,
+           std::string detail,
            int64_t seq,
            bool collective,
            std::function<void()> on_success)
       : group_(std::move(group)),
         work_(std::move(work)),
-        what_(std::move(what)),
+        op_(std::move(op)),
+        detail_(std::move(detail)),
         seq_(seq),
         collective_(collective),
         on_success_(std::move(on_success)) {}
@@ -60,7 +62,8 @@ class C10dWork : public Work {
  private:
   std::shared_ptr<C10dGroup<Engine>> group_;  // kept alive while work on it is pending
   c10::intrusive_ptr<c10d::Work> work_;
-  std::string what_;
+  std::string op_;
+  std::string detail_;
   int64_t seq_;
   bool collective_;
   std::function<void()> on_success_;
@@ -91,8 +94,12 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   std::string backend_name() const override { return name_; }
 
   // Called by C10dWork::wait when c10d reports a failure.
-  std::string fail(const std::string& what, int64_t seq, bool collective, const std::string& why) {
-    std::string message = describe(what, seq) + " failed: " + why;
+  std::string fail(const std::string& op,
+                   const std::string& detail,
+                   int64_t seq,
+                   bool collective,
+                   const std::string& why) {
+    std::string message = describe(op, seq, detail) + " failed: " + why;
     if (collective && monitor_) {
       message += monitor_->explain(seq);
     }
@@ -106,11 +113,19 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     opts.timeout = timeout();
-    std::vector<at::Tensor> tensors{tensor};
+    at::Tensor wire = widened(tensor);
+    std::vector<at::Tensor> tensors{wire};
     auto work = engine_->allreduce(tensors, opts);
     std::function<void()> finish;
-    if (op == ReduceOp::kAvg) {
-      finish = [tensor, n = size()]() mutable { tensor.div_(n); };
+    if (op == ReduceOp::kAvg || !wire.is_same(tensor)) {
+      finish = [tensor, wire, op, n = size()]() mutable {
+        if (op == ReduceOp::kAvg) {
+          wire.div_(n);
+        }
+        if (!wire.is_same(tensor)) {
+          tensor.copy_(wire);
+        }
+      };
     }
     return wrap(std::move(work), "allreduce", seq, true, std::move(finish),
                 std::string(to_string(op)) + ", " + std::to_string(tensor.nbytes()) + " bytes");
@@ -145,7 +160,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                             ReduceOp op,
                             int64_t seq) override {
     issued(seq);
-    at::Tensor flat = at::cat(inputs).contiguous();
+    at::Tensor flat = widened(at::cat(inputs).contiguous());
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     opts.timeout = timeout();
@@ -182,6 +197,15 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   }
 
  private:
+  // libtorch 1.13's Gloo reduces no bfloat16 ("Invalid scalar type"): such tensors travel as a
+  // float copy, which is exact for the sum of a few bf16 values and rounds once on the way back.
+  at::Tensor widened(const at::Tensor& t) const {
+    if (name_ == "gloo" && t.scalar_type() == at::kBFloat16) {
+      return t.to(at::kFloat);
+    }
+    return t;
+  }
+
   void issued(int64_t seq) {
     if (monitor_) {
       monitor_->set_issued(seq + 1);
@@ -194,9 +218,8 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                bool collective,
                std::function<void()> finish,
                const std::string& detail) {
-    std::string what = detail.empty() ? std::string(op) : std::string(op) + " (" + detail + ")";
-    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), what, seq, collective,
-                                      std::move(finish));
+    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), op,
+                                              detail, seq, collective, std::move(finish));
   }
 
   std::string name_;
@@ -227,7 +250,7 @@ void C10dWork<Engine>::wait() {
     }
   }
   if (!why.empty()) {
-    error_ = group_->fail(what_, seq_, collective_, why);
+    error_ = group_->fail(op_, detail_, seq_, collective_, why);
     throw CollectiveError(error_);
   }
   if (on_success_) {

@@ -7,6 +7,12 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <c10/macros/Macros.h>
+#include <c10/util/Logging.h>
+#ifdef C10_USE_GLOG
+#include <glog/logging.h>
+#endif
+
 #include <cmath>
 #include <cstdlib>
 
@@ -81,6 +87,31 @@ Endpoint parse_tcp(const std::string& url) {
   return e;
 }
 
+// c10d logs every failed connect and bind attempt to stderr before it throws; the exception says
+// the same, and we turn it into one line. Quiet those logs while the store opens.
+class QuietC10dLogs {
+ public:
+  QuietC10dLogs() {
+#ifdef C10_USE_GLOG
+    saved_ = FLAGS_minloglevel;
+    FLAGS_minloglevel = 3;  // FATAL only
+#else
+    saved_ = FLAGS_caffe2_log_level;
+    FLAGS_caffe2_log_level = 3;
+#endif
+  }
+  ~QuietC10dLogs() {
+#ifdef C10_USE_GLOG
+    FLAGS_minloglevel = saved_;
+#else
+    FLAGS_caffe2_log_level = saved_;
+#endif
+  }
+
+ private:
+  int saved_;
+};
+
 // Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
 // generic; users get one line saying what to check.
 c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
@@ -92,13 +123,16 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
   o.port = static_cast<std::uint16_t>(e.port);
   o.isServer = server;
   o.timeout = timeout;
-  if (server) {
+  // Each rank's main client counts itself in (c10d only counts clients that know numWorkers), and
+  // the server waits for all of them; extra clients (rank < 0) do neither.
+  if (rank >= 0) {
     o.numWorkers = world_size;
     o.waitWorkers = true;
   } else {
-    o.waitWorkers = rank >= 0;  // the main client of each rank counts itself in
+    o.waitWorkers = false;
   }
   try {
+    QuietC10dLogs quiet;
     return c10::make_intrusive<c10d::TCPStore>(e.host, o);
   } catch (const std::exception& ex) {
     std::string why = detail::engine_message(ex);

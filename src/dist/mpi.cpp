@@ -170,7 +170,8 @@ struct Task {
   std::condition_variable cv;
   bool done = false;      // guarded by mutex
   std::string error;      // guarded by mutex; empty on success
-  std::string what;       // "allreduce (sum, 4096 bytes)"
+  std::string op;         // "allreduce"
+  std::string detail;     // "sum, 4096 bytes"
   int64_t seq = 0;
   bool collective = true;
   // Runs on the worker. Collectives complete inside `start`; point-to-point ones return a
@@ -244,7 +245,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   std::string fail(const Task& task, const std::string& why, bool timed_out) {
-    std::string message = describe(task.what, task.seq) + " failed: " + why;
+    std::string message = describe(task.op, task.seq, task.detail) + " failed: " + why;
     if (timed_out) {
       stuck_ = true;
       if (task.collective) {
@@ -263,8 +264,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     MPI_Datatype type = mpi_type(tensor.scalar_type());
     MPI_Op mop = mpi_op(op, tensor.scalar_type());
     return submit(
-        std::string("allreduce (") + to_string(op) + ", " + std::to_string(tensor.nbytes()) +
-            " bytes)",
+        "allreduce", std::string(to_string(op)) + ", " + std::to_string(tensor.nbytes()) + " bytes",
         seq, true, [this, tensor, type, mop, op]() mutable {
           check(MPI_Allreduce(MPI_IN_PLACE, tensor.data_ptr(), tensor.numel(), type, mop, comm_));
           if (op == ReduceOp::kAvg) {
@@ -276,7 +276,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
   WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) override {
     check_cpu(tensor, "broadcast");
-    return submit("broadcast (root " + std::to_string(root) + ")", seq, true,
+    return submit("broadcast", "root " + std::to_string(root), seq, true,
                   [this, tensor, root]() mutable {
                     check(MPI_Bcast(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, root, comm_));
                     return MPI_REQUEST_NULL;
@@ -290,7 +290,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     for (auto& o : outputs) {
       check_cpu(o, "allgather");
     }
-    return submit("allgather", seq, true, [this, outputs, input]() mutable {
+    return submit("allgather", "", seq, true, [this, outputs, input]() mutable {
       at::Tensor flat = at::empty({size() * input.numel()}, input.options());
       check(MPI_Allgather(input.data_ptr(), input.nbytes(), MPI_BYTE, flat.data_ptr(),
                           input.nbytes(), MPI_BYTE, comm_));
@@ -312,7 +312,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     }
     MPI_Datatype type = mpi_type(output.scalar_type());
     MPI_Op mop = mpi_op(op, output.scalar_type());
-    return submit(std::string("reduce_scatter (") + to_string(op) + ")", seq, true,
+    return submit("reduce_scatter", to_string(op), seq, true,
                   [this, output, inputs, type, mop, op]() mutable {
                     at::Tensor flat = at::cat(inputs).contiguous();
                     check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(),
@@ -325,7 +325,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   WorkPtr do_barrier(int64_t seq) override {
-    return submit("barrier", seq, true, [this]() {
+    return submit("barrier", "", seq, true, [this]() {
       check(MPI_Barrier(comm_));
       return MPI_REQUEST_NULL;
     });
@@ -333,8 +333,8 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
     check_cpu(tensor, "send");
-    return submit("send (to rank " + std::to_string(dst) + ", tag " + std::to_string(tag) + ")",
-                  seq, false, [this, tensor, dst, tag]() {
+    return submit("send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq,
+                  false, [this, tensor, dst, tag]() {
                     MPI_Request request;
                     check(MPI_Isend(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, dst, tag, comm_,
                                     &request));
@@ -345,8 +345,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
     check_cpu(tensor, "recv");
     return submit(
-        "recv (from rank " + std::to_string(src) + ", tag " + std::to_string(tag) + ")", seq,
-        false, [this, tensor, src, tag]() mutable {
+        "recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq, false, [this, tensor, src, tag]() mutable {
           MPI_Request request;
           check(MPI_Irecv(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, src, tag, comm_,
                           &request));
@@ -361,9 +360,14 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     }
   }
 
-  WorkPtr submit(std::string what, int64_t seq, bool collective, std::function<MPI_Request()> fn) {
+  WorkPtr submit(std::string op,
+                 std::string detail,
+                 int64_t seq,
+                 bool collective,
+                 std::function<MPI_Request()> fn) {
     auto task = std::make_shared<Task>();
-    task->what = std::move(what);
+    task->op = std::move(op);
+    task->detail = std::move(detail);
     task->seq = seq;
     task->collective = collective;
     task->start = std::move(fn);

@@ -1,0 +1,207 @@
+// Bad input: one clear line and a non-zero exit, never a hang or a crash. Each case runs a real
+// process with the bad setting and checks the line it prints.
+
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+// A worker started by hand (no launcher) with the given contract variables.
+ProcessResult run_worker(const std::map<std::string, std::string>& env,
+                         const std::string& mode = "init",
+                         double timeout = 60) {
+  std::map<std::string, std::string> all{{"OMPI_COMM_WORLD_SIZE", "<unset>"},
+                                         {"PARATRAIN_BACKEND", "<unset>"},
+                                         {"MASTER_ADDR", "<unset>"},
+                                         {"MASTER_PORT", "<unset>"},
+                                         {"LOCAL_WORLD_SIZE", "<unset>"},
+                                         {"LOCAL_RANK", "<unset>"}};
+  for (const auto& kv : env) {
+    all[kv.first] = kv.second;
+  }
+  return run_process({worker_path(), mode}, all, timeout);
+}
+
+int count_lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) {
+    n += c == '\n';
+  }
+  return n;
+}
+
+TEST(BadInput, WorldSizeZero) {
+  auto r = run_worker({{"RANK", "0"}, {"WORLD_SIZE", "0"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: WORLD_SIZE=0 is not a valid world size: it must be at least 1"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, RankNotBelowWorldSize) {
+  auto r = run_worker({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: RANK=2 is out of range for WORLD_SIZE=2: it must be in [0, 1]"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, MissingMasterAddrForMultiNode) {
+  auto r = run_worker({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
+                       {"LOCAL_RANK", "0"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: MASTER_ADDR is not set, and this job spans several nodes"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, UnreachableMaster) {
+  // Nobody serves this port: rank 1 gives up after the timeout with one line naming the master.
+  int port = free_port();
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_worker({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)}, {"PARATRAIN_TIMEOUT", "3"}});
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: rank 1 could not reach the master at 127.0.0.1:" +
+                          std::to_string(port) + " within 3000 ms"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("check MASTER_ADDR/MASTER_PORT"), std::string::npos) << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_LT(seconds, 30);
+}
+
+TEST(BadInput, PortAlreadyInUse) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  auto r = run_worker({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)}, {"PARATRAIN_TIMEOUT", "5"}});
+  ::close(fd);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: rank 0 cannot serve the store on port " + std::to_string(port) +
+                          " of 127.0.0.1: address already in use"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, UnknownBackend) {
+  auto r = run_worker({{"PARATRAIN_BACKEND", "carrier-pigeon"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: unknown backend 'carrier-pigeon': choose auto, gloo, mpi or nccl"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(BadInput, NcclWithoutCuda) {
+  auto r = run_worker({{"PARATRAIN_BACKEND", "nccl"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("backend 'nccl' is not in this build"), std::string::npos) << r.output;
+}
+
+TEST(BadInput, PeerDiesMidCollective) {
+  // Rank 1 leaves (exit 0, so the launcher does not stop the job); rank 0's allreduce fails and
+  // its error names the operation, itself and rank 1.
+  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
+                        worker_path(), "die", "1"},
+                       {{"PARATRAIN_TIMEOUT", "20"}}, 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: error: allreduce #0 (sum, 262144 bytes) on rank 0 of 2 "
+                          "(gloo) failed: "),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("ranks that did not arrive: rank 1 ("), std::string::npos) << r.output;
+}
+
+TEST(BadInput, CollectiveTimeoutNamesTheLateRank) {
+  // Rank 2 of 3 sleeps past the 3 s timeout; ranks 0 and 1 report a timeout naming rank 2.
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "3", "--",
+                        worker_path(), "late", "2", "60"},
+                       {{"PARATRAIN_TIMEOUT", "3"}}, 120);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("error: allreduce #0 (sum, 262144 bytes) on rank "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("failed: timed out after 3000 ms"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ranks that did not arrive: rank 2 (has not issued this collective; it "
+                          "has issued 0 so far)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(seconds, 40) << "the job was not torn down soon after the timeout";
+}
+
+TEST(BadInput, MpiCollectiveTimeout) {
+#ifndef PARATRAIN_WITH_MPI
+  GTEST_SKIP() << "this build has no mpi backend";
+#endif
+  auto r = run_process({cli_path(), "launch", "--backend", "mpi", "--nproc-per-node", "2", "--",
+                        worker_path(), "late", "1", "60"},
+                       {{"PARATRAIN_TIMEOUT", "3"}}, 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: error: allreduce #0 (sum, 262144 bytes) on rank 0 of 2 (mpi) "
+                          "failed: timed out after 3000 ms"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST(BadInput, LauncherArguments) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases{
+      {{"--nproc-per-node", "0", "--", "/bin/true"}, "--nproc-per-node must be at least 1, got 0"},
+      {{"--devices", "0,0", "--", "/bin/true"}, "--devices '0,0' lists GPU 0 twice"},
+      {{"--devices", "0,gpu1", "--", "/bin/true"}, "'gpu1' is not a GPU index"},
+      {{"--nproc-per-node", "2", "--", "/no/such/program"},
+       "program '/no/such/program' not found"},
+      {{"--nproc-per-node", "2", "--", "no-such-program-on-path"},
+       "program 'no-such-program-on-path' not found"},
+      {{"--nnodes", "2", "--", "/bin/true"}, "--nnodes 2 needs --master-addr"},
+      {{"--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--", "/bin/true"},
+       "--node-rank 2 is out of range for --nnodes 2"},
+      {{"--nproc-per-node", "two", "--", "/bin/true"}, "--nproc-per-node 'two' is not an integer"},
+      {{"--bogus", "--", "/bin/true"}, "unknown option --bogus"},
+      {{"--nproc-per-node", "2"}, "no program given"},
+      {{"--backend", "smoke-signals", "--", "/bin/true"}, "unknown --backend 'smoke-signals'"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{cli_path(), "launch"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto r = run_process(argv, {}, 30);
+    EXPECT_NE(r.exit_code, 0) << c.message;
+    EXPECT_NE(r.output.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain

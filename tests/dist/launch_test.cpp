@@ -1,0 +1,314 @@
+// paratrain launch and paratrain::spawn with real processes: the environment each rank sees, the
+// device mapping, output relaying, teardown on failure, signals, and no process left behind.
+
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+std::map<std::string, std::string> env_line(const std::string& output, int rank) {
+  std::string prefix = "[rank " + std::to_string(rank) + "]: ENV ";
+  auto pos = output.find(prefix);
+  std::map<std::string, std::string> vars;
+  if (pos == std::string::npos) {
+    return vars;
+  }
+  std::string line = output.substr(pos + prefix.size(), output.find('\n', pos) - pos - prefix.size());
+  std::istringstream in(line);
+  std::string kv;
+  while (in >> kv) {
+    auto eq = kv.find('=');
+    vars[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return vars;
+}
+
+void expect_no_leftovers(const std::string& token) {
+  // The launcher has returned; give the kernel a moment to finish reaping.
+  std::vector<int> left;
+  for (int i = 0; i < 20; ++i) {
+    left = processes_with(token);
+    if (left.empty()) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " process(es) of the job left behind, first pid "
+                            << (left.empty() ? 0 : left[0]);
+  for (int pid : left) {
+    ::kill(pid, SIGKILL);
+  }
+}
+
+TEST(Launch, EnvironmentContract) {
+  std::string token = unique_token("env");
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "3", "--master-port", "29577",
+                        "--", probe_path(), "env", token},
+                       {{"OMP_NUM_THREADS", "<unset>"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    auto vars = env_line(r.output, rank);
+    ASSERT_FALSE(vars.empty()) << r.output;
+    EXPECT_EQ(vars["RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["WORLD_SIZE"], "3");
+    EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], "3");
+    EXPECT_EQ(vars["GROUP_RANK"], "0");
+    EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(vars["MASTER_PORT"], "29577");
+    EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "<unset>");
+    // cores / local workers, at least 1
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    EXPECT_EQ(vars["OMP_NUM_THREADS"], std::to_string(std::max(1u, cores / 3)));
+  }
+}
+
+TEST(Launch, UserOmpNumThreadsWins) {
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "env",
+                        unique_token("omp")},
+                       {{"OMP_NUM_THREADS", "7"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(env_line(r.output, 1)["OMP_NUM_THREADS"], "7");
+}
+
+TEST(Launch, MultiNodeRanks) {
+  // Node 1 of 2 with 2 workers each: global ranks 2 and 3.
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--nnodes", "2",
+                        "--node-rank", "1", "--master-addr", "127.0.0.1", "--", probe_path(),
+                        "env", unique_token("nodes")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto vars = env_line(r.output, 3);
+  EXPECT_EQ(vars["RANK"], "3");
+  EXPECT_EQ(vars["LOCAL_RANK"], "1");
+  EXPECT_EQ(vars["WORLD_SIZE"], "4");
+  EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], "2");
+  EXPECT_EQ(vars["GROUP_RANK"], "1");
+  EXPECT_FALSE(env_line(r.output, 2).empty());
+}
+
+TEST(Launch, DeviceMapping) {
+  // The notes' case: GPUs 0, 1 and 3 of four. One worker per listed device by default, each sees
+  // all three (CUDA_VISIBLE_DEVICES) and uses cuda:LOCAL_RANK, i.e. physical GPU 0, 1, 3.
+  auto r = run_process({cli_path(), "launch", "--devices", "0,1,3", "--", probe_path(), "env",
+                        unique_token("dev")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    auto vars = env_line(r.output, rank);
+    ASSERT_FALSE(vars.empty()) << r.output;
+    EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "0,1,3");
+    EXPECT_EQ(vars["WORLD_SIZE"], "3");
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank));
+  }
+  EXPECT_TRUE(env_line(r.output, 3).empty()) << "a fourth worker was started";
+}
+
+TEST(Launch, StandalonePicksAFreePort) {
+  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
+                        probe_path(), "env", unique_token("standalone")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto a = env_line(r.output, 0);
+  auto b = env_line(r.output, 1);
+  EXPECT_EQ(a["MASTER_PORT"], b["MASTER_PORT"]);
+  EXPECT_NE(a["MASTER_PORT"], "29500");
+  EXPECT_GT(std::stoi(a["MASTER_PORT"]), 0);
+}
+
+TEST(Launch, BackendFlagReachesWorkers) {
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "1", "--backend", "gloo", "--",
+                        probe_path(), "env", unique_token("backend")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(env_line(r.output, 0)["PARATRAIN_BACKEND"], "gloo");
+}
+
+TEST(Launch, LinesArePrefixedAndNeverInterleave) {
+  std::string dir = "/tmp/" + unique_token("paratrain-logs");
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--log-dir", dir, "--",
+                        probe_path(), "spam", "400", unique_token("spam")});
+  ASSERT_EQ(r.exit_code, 0) << r.output.substr(0, 2000);
+  std::regex good(R"(\[rank ([01])\]: line (\d+) ([a-z])\3{299} end)");
+  std::istringstream in(r.output);
+  std::string line;
+  int counts[2] = {0, 0};
+  while (std::getline(in, line)) {
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, good)) << "garbled line: " << line.substr(0, 200);
+    int rank = std::stoi(m[1]);
+    EXPECT_EQ(m[3].str()[0], static_cast<char>('a' + rank)) << "a line of rank " << rank
+                                                            << " carries another rank's text";
+    ++counts[rank];
+  }
+  EXPECT_EQ(counts[0], 400);
+  EXPECT_EQ(counts[1], 400);
+  // --log-dir: one file per rank, without prefixes.
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream log(dir + "/rank_" + std::to_string(rank) + ".log");
+    ASSERT_TRUE(log.good()) << "no log file for rank " << rank;
+    int n = 0;
+    while (std::getline(log, line)) {
+      EXPECT_EQ(line.rfind("line ", 0), 0u) << line.substr(0, 80);
+      ++n;
+    }
+    EXPECT_EQ(n, 400);
+  }
+}
+
+TEST(Launch, FailingWorkerTearsDownTheJob) {
+  std::string token = unique_token("exit3");
+  std::string dir = "/tmp/" + unique_token("paratrain-logs");
+  auto start = std::chrono::steady_clock::now();
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "3", "--log-dir", dir, "--",
+                        probe_path(), "exit", "1", "3", token},
+                       {}, 60);
+  double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  // The summary: first failing rank, its exit code, the time, and its log file.
+  std::regex summary(
+      R"(paratrain launch: job failed: rank 1 \(local rank 1, pid \d+\) exited with code 3 at )"
+      R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[-+]\d{4}; log: )" +
+      dir + R"(/rank_1\.log; stopped the other 2 workers)");
+  EXPECT_TRUE(std::regex_search(r.output, summary)) << r.output;
+  EXPECT_LT(seconds, 10.0) << "the others were not stopped within 5 s of the failure";
+  expect_no_leftovers(token);
+}
+
+TEST(Launch, WorkerKilledBySignal) {
+  std::string token = unique_token("sig");
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(),
+                        "signal", "0", std::to_string(SIGSEGV), token},
+                       {}, 60);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGSEGV) << r.output;
+  EXPECT_NE(r.output.find("job failed: rank 0 (local rank 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 11 (Segmentation fault)"), std::string::npos)
+      << r.output;
+  expect_no_leftovers(token);
+}
+
+TEST(Launch, SigintReachesEveryWorker) {
+  std::string token = unique_token("sigint");
+  RunningProcess p = start_process(
+      {cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "wait", token});
+  ASSERT_TRUE(p.wait_for_output("[rank 1]: ready", 30)) << p.output;
+  ASSERT_TRUE(p.wait_for_output("[rank 0]: ready", 30)) << p.output;
+  ASSERT_GE(processes_with(token).size(), 4u) << "2 workers and their children should run";
+  ::kill(p.pid, SIGINT);
+  ProcessResult r = p.finish(30);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.output;
+  EXPECT_NE(r.output.find("interrupted by Interrupt; stopped all 2 workers"), std::string::npos)
+      << r.output;
+  expect_no_leftovers(token);
+}
+
+TEST(Launch, SigtermReachesEveryWorker) {
+  std::string token = unique_token("sigterm");
+  RunningProcess p = start_process(
+      {cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "wait", token});
+  ASSERT_TRUE(p.wait_for_output("[rank 1]: ready", 30)) << p.output;
+  ASSERT_TRUE(p.wait_for_output("[rank 0]: ready", 30)) << p.output;
+  ::kill(p.pid, SIGTERM);
+  ProcessResult r = p.finish(30);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  expect_no_leftovers(token);
+}
+
+TEST(Launch, KilledLauncherTakesWorkersAlong) {
+  // SIGKILL cannot be forwarded: the workers' parent-death signal ends them instead.
+  std::string token = unique_token("sigkill");
+  RunningProcess p = start_process(
+      {cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "wait", token});
+  ASSERT_TRUE(p.wait_for_output("[rank 1]: ready", 30)) << p.output;
+  ASSERT_TRUE(p.wait_for_output("[rank 0]: ready", 30)) << p.output;
+  ::kill(p.pid, SIGKILL);
+  p.finish(10);
+  std::vector<int> left;
+  for (int i = 0; i < 30 && !(left = processes_with(token)).empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  // The workers die with the launcher; their own children are reparented and are the workers'
+  // responsibility (a worker killed with SIGKILL cannot clean up), so only the workers count here.
+  int workers_left = 0;
+  for (int pid : left) {
+    std::ifstream in("/proc/" + std::to_string(pid) + "/cmdline");
+    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (cmd.find("wait") != std::string::npos) {
+      ++workers_left;
+    }
+    ::kill(pid, SIGKILL);
+  }
+  EXPECT_EQ(workers_left, 0);
+}
+
+TEST(Launch, MpiBackendRunsThroughMpirun) {
+#ifndef PARATRAIN_WITH_MPI
+  GTEST_SKIP() << "this build has no mpi backend";
+#endif
+  std::string token = unique_token("mpi");
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "3", "--backend", "mpi", "--",
+                        probe_path(), "env", token},
+                       {{"OMP_NUM_THREADS", "<unset>"}}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    auto vars = env_line(r.output, rank);
+    ASSERT_FALSE(vars.empty()) << r.output;
+    EXPECT_EQ(vars["RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["WORLD_SIZE"], "3");
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["PARATRAIN_BACKEND"], "mpi");
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    EXPECT_EQ(vars["OMP_NUM_THREADS"], std::to_string(std::max(1u, cores / 3)));
+  }
+}
+
+TEST(Launch, MpiWorkerFailureEndsTheJob) {
+#ifndef PARATRAIN_WITH_MPI
+  GTEST_SKIP() << "this build has no mpi backend";
+#endif
+  std::string token = unique_token("mpiexit");
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--backend", "mpi", "--",
+                        probe_path(), "exit", "1", "3", token},
+                       {}, 60);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("job failed: rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3"), std::string::npos) << r.output;
+  expect_no_leftovers(token);
+}
+
+TEST(Spawn, ChildrenRunAndParentContinues) {
+  auto r = run_process({spawn_probe_path(), "2"}, {{"PARATRAIN_TIMEOUT", "60"}}, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: child 0 of 2 sum 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: child 1 of 2 sum 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("parent: all 2 children done"), std::string::npos) << r.output;
+  // The parent line comes once: children never return into main().
+  EXPECT_EQ(r.output.find("parent:"), r.output.rfind("parent:")) << r.output;
+}
+
+TEST(Spawn, FailingChildIsReported) {
+  auto r = run_process({spawn_probe_path(), "3", "fail"}, {{"PARATRAIN_TIMEOUT", "20"}}, 120);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: error: child 1 fails on purpose"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("parent: spawn failed: paratrain spawn: job failed: rank 1"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain

@@ -1,0 +1,199 @@
+#include "test_util.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+extern char** environ;
+
+namespace paratrain {
+namespace testing {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+void fill_result(int status, ProcessResult& r) {
+  if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signal = WTERMSIG(status);
+  }
+}
+}  // namespace
+
+RunningProcess start_process(const std::vector<std::string>& argv,
+                             const std::map<std::string, std::string>& env) {
+  std::map<std::string, std::string> all;
+  for (char** e = environ; *e; ++e) {
+    std::string kv = *e;
+    auto eq = kv.find('=');
+    all[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  for (const auto& kv : env) {
+    if (kv.second == "<unset>") {
+      all.erase(kv.first);
+    } else {
+      all[kv.first] = kv.second;
+    }
+  }
+  std::vector<std::string> env_strings;
+  for (const auto& kv : all) {
+    env_strings.push_back(kv.first + "=" + kv.second);
+  }
+  std::vector<char*> envp;
+  for (auto& s : env_strings) {
+    envp.push_back(&s[0]);
+  }
+  envp.push_back(nullptr);
+  std::vector<std::string> args = argv;
+  std::vector<char*> cargv;
+  for (auto& a : args) {
+    cargv.push_back(&a[0]);
+  }
+  cargv.push_back(nullptr);
+
+  int fds[2];
+  EXPECT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::dup2(fds[1], 1);
+    ::dup2(fds[1], 2);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ::execve(cargv[0], cargv.data(), envp.data());
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  RunningProcess p;
+  p.pid = pid;
+  p.output_fd = fds[0];
+  return p;
+}
+
+bool RunningProcess::wait_for_output(const std::string& text, double timeout_seconds) {
+  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
+  while (output.find(text) == std::string::npos && Clock::now() < deadline) {
+    pollfd pfd{output_fd, POLLIN, 0};
+    if (::poll(&pfd, 1, 50) > 0) {
+      char buf[4096];
+      ssize_t n = ::read(output_fd, buf, sizeof(buf));
+      if (n > 0) {
+        output.append(buf, static_cast<size_t>(n));
+      } else if (n == 0) {
+        break;
+      }
+    }
+  }
+  return output.find(text) != std::string::npos;
+}
+
+ProcessResult RunningProcess::finish(double timeout_seconds) {
+  ProcessResult r;
+  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
+  bool eof = false;
+  int status = 0;
+  bool exited = false;
+  while (!(eof && exited)) {
+    if (Clock::now() > deadline && !r.timed_out) {
+      r.timed_out = true;
+      ::kill(-pid, SIGKILL);
+    }
+    if (!eof) {
+      pollfd pfd{output_fd, POLLIN, 0};
+      if (::poll(&pfd, 1, 50) > 0) {
+        char buf[4096];
+        ssize_t n = ::read(output_fd, buf, sizeof(buf));
+        if (n > 0) {
+          output.append(buf, static_cast<size_t>(n));
+        } else if (n == 0) {
+          eof = true;
+        }
+      }
+    }
+    if (!exited && ::waitpid(pid, &status, WNOHANG) == pid) {
+      exited = true;
+      // Whatever still holds the pipe open past this point is a leftover: give it a moment.
+      if (!eof) {
+        deadline = std::min(deadline, Clock::now() + std::chrono::seconds(3));
+      }
+    }
+    if (exited && Clock::now() > deadline) {
+      break;
+    }
+  }
+  ::close(output_fd);
+  fill_result(status, r);
+  r.output = output;
+  return r;
+}
+
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env,
+                          double timeout_seconds) {
+  RunningProcess p = start_process(argv, env);
+  return p.finish(timeout_seconds);
+}
+
+std::vector<int> processes_with(const std::string& token) {
+  std::vector<int> pids;
+  DIR* dir = ::opendir("/proc");
+  if (dir == nullptr) {
+    return pids;
+  }
+  while (dirent* e = ::readdir(dir)) {
+    int pid = std::atoi(e->d_name);
+    if (pid <= 0 || pid == ::getpid()) {
+      continue;
+    }
+    std::ifstream in(std::string("/proc/") + e->d_name + "/cmdline", std::ios::binary);
+    std::string cmd((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ifstream st(std::string("/proc/") + e->d_name + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(st)), std::istreambuf_iterator<char>());
+    auto close = stat.rfind(')');
+    bool zombie = close != std::string::npos && stat.size() > close + 2 && stat[close + 2] == 'Z';
+    if (!zombie && cmd.find(token) != std::string::npos) {
+      pids.push_back(pid);
+    }
+  }
+  ::closedir(dir);
+  return pids;
+}
+
+std::string unique_token(const std::string& prefix) {
+  static std::atomic<int> counter{0};
+  return prefix + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+std::string cli_path() { return PARATRAIN_TEST_CLI; }
+std::string worker_path() { return PARATRAIN_TEST_WORKER; }
+std::string probe_path() { return PARATRAIN_TEST_PROBE; }
+std::string spawn_probe_path() { return PARATRAIN_TEST_SPAWN_PROBE; }
+
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+}  // namespace testing
+}  // namespace paratrain

@@ -1,0 +1,57 @@
+#pragma once
+
+// Helpers for tests that start real processes: run a command with extra environment and a
+// deadline, capture its output, and look for processes left behind.
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace testing {
+
+struct ProcessResult {
+  int exit_code = -1;  ///< -1 when killed by a signal
+  int signal = 0;
+  bool timed_out = false;
+  std::string output;  ///< stdout and stderr, interleaved as written
+};
+
+/// Runs argv with `env` added to this process's environment; kills it (and its process group)
+/// after `timeout_seconds`, which counts as a test failure in the callers.
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env = {},
+                          double timeout_seconds = 120);
+
+/// A started process, for tests that signal it while it runs.
+struct RunningProcess {
+  int pid = -1;
+  int output_fd = -1;
+  std::string output;
+  /// Reads output until `text` appears or the deadline passes; returns whether it appeared.
+  bool wait_for_output(const std::string& text, double timeout_seconds);
+  /// Waits for exit (reading output); kills after the deadline.
+  ProcessResult finish(double timeout_seconds);
+};
+RunningProcess start_process(const std::vector<std::string>& argv,
+                             const std::map<std::string, std::string>& env = {});
+
+/// PIDs of live processes whose command line contains `token`.
+std::vector<int> processes_with(const std::string& token);
+
+/// Unique token for marking the processes of one test.
+std::string unique_token(const std::string& prefix);
+
+/// Paths of the built programs (from CMake).
+std::string cli_path();
+std::string worker_path();
+std::string probe_path();
+std::string spawn_probe_path();
+
+/// A port nobody listens on right now.
+int free_port();
+
+}  // namespace testing
+}  // namespace paratrain
