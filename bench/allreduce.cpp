@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,7 +25,6 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
-#include <unistd.h>
 
 namespace paratrain {
 namespace cli {
@@ -76,9 +76,8 @@ struct Row {
 std::string to_json(const Row& r) {
   std::ostringstream s;
   s << std::setprecision(6) << "{\"benchmark\": \"allreduce\", \"backend\": \"" << r.backend
-    << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes
-    << ", \"seconds\": " << r.seconds << ", \"busbw_gbps\": " << r.busbw_gbps
-    << ", \"iterations\": " << r.iterations << "}";
+    << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes << ", \"seconds\": " << r.seconds
+    << ", \"busbw_gbps\": " << r.busbw_gbps << ", \"iterations\": " << r.iterations << "}";
   return s.str();
 }
 
@@ -170,8 +169,7 @@ std::vector<Row> read_rows(const std::string& path) {
 }  // namespace
 
 int run_bench_allreduce(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"backends", "ranks", "min-bytes", "max-bytes", "factor", "iters", "out"},
+  Args args(argv, {"backends", "ranks", "min-bytes", "max-bytes", "factor", "iters", "out"},
             {"json", "help", "worker"});
   if (args.has("help")) {
     std::cout << "usage: paratrain bench allreduce [--backends gloo,mpi] [--ranks 2]\n"
@@ -217,8 +215,8 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
   ::close(fd);
   const std::string out_path = tmpl;
 
-  std::vector<std::string> worker_args{self_path(), "bench", "allreduce", "--worker", "--out",
-                                       out_path};
+  std::vector<std::string> worker_args{self_path(), "bench", "allreduce",
+                                       "--worker",  "--out", out_path};
   for (const char* name : {"min-bytes", "max-bytes", "factor", "iters"}) {
     if (args.has(name)) {
       worker_args.push_back(std::string("--") + name);
@@ -257,7 +255,8 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
   }
   std::cout << std::left << std::setw(8) << "backend" << std::right << std::setw(7) << "ranks"
             << std::setw(11) << "size" << std::setw(14) << "time (ms)" << std::setw(15)
-            << "busbw (GB/s)" << std::setw(8) << "iters" << "\n";
+            << "busbw (GB/s)" << std::setw(8) << "iters"
+            << "\n";
   for (const auto& r : rows) {
     std::cout << std::left << std::setw(8) << r.backend << std::right << std::setw(7) << r.ranks
               << std::setw(11) << human_bytes(r.bytes) << std::setw(14) << std::fixed

@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build ccache pkg-config
+  build-essential cmake ninja-build ccache pkg-config git
+  clang-format          # scripts/check-format.sh
   libtorch-dev          # libtorch 1.13.1 (CPU), with c10d (Gloo, TCPStore)
   libgloo-dev           # headers that c10d's ProcessGroupGloo.hpp includes
   libopenblas0-pthread  # without it libtorch falls back to the reference BLAS (5x slower)

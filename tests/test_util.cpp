@@ -85,7 +85,8 @@ RunningProcess start_process(const std::vector<std::string>& argv,
 }
 
 bool RunningProcess::wait_for_output(const std::string& text, double timeout_seconds) {
-  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
+  auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
   while (output.find(text) == std::string::npos && Clock::now() < deadline) {
     pollfd pfd{output_fd, POLLIN, 0};
     if (::poll(&pfd, 1, 50) > 0) {
@@ -103,7 +104,8 @@ bool RunningProcess::wait_for_output(const std::string& text, double timeout_sec
 
 ProcessResult RunningProcess::finish(double timeout_seconds) {
   ProcessResult r;
-  auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
+  auto deadline =
+      Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
   bool eof = false;
   int status = 0;
   bool exited = false;
@@ -178,10 +180,18 @@ std::string unique_token(const std::string& prefix) {
   return prefix + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
-std::string cli_path() { return PARATRAIN_TEST_CLI; }
-std::string worker_path() { return PARATRAIN_TEST_WORKER; }
-std::string probe_path() { return PARATRAIN_TEST_PROBE; }
-std::string spawn_probe_path() { return PARATRAIN_TEST_SPAWN_PROBE; }
+std::string cli_path() {
+  return PARATRAIN_TEST_CLI;
+}
+std::string worker_path() {
+  return PARATRAIN_TEST_WORKER;
+}
+std::string probe_path() {
+  return PARATRAIN_TEST_PROBE;
+}
+std::string spawn_probe_path() {
+  return PARATRAIN_TEST_SPAWN_PROBE;
+}
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

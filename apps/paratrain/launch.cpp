@@ -32,9 +32,9 @@ const char* kLaunchUsage =
 
 int run_launch(const std::vector<std::string>& argv) {
   Args args(argv,
-            {"nproc-per-node", "nproc_per_node", "nnodes", "node-rank", "node_rank",
-             "master-addr", "master_addr", "master-port", "master_port", "devices", "log-dir",
-             "log_dir", "backend", "env"},
+            {"nproc-per-node", "nproc_per_node", "nnodes", "node-rank", "node_rank", "master-addr",
+             "master_addr", "master-port", "master_port", "devices", "log-dir", "log_dir",
+             "backend", "env"},
             {"standalone", "help", "no-prefix", "from-mpirun"});
   if (args.has("help")) {
     std::cout << kLaunchUsage;

@@ -30,7 +30,8 @@ const char* kUsage =
     "usage: paratrain <command> [options]\n"
     "\n"
     "commands:\n"
-    "  info                    libtorch version, backends in this build, CPU threads, CUDA devices\n"
+    "  info                    libtorch version, backends in this build, CPU threads, CUDA "
+    "devices\n"
     "  launch [opts] -- PROG   start PROG once per rank with torchrun's environment (see\n"
     "                          `paratrain launch --help`)\n"
     "  bench allreduce         allreduce time and bus bandwidth per backend\n";

@@ -173,8 +173,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
         output.div_(n);
       }
     };
-    return wrap(std::move(work), "reduce_scatter", seq, true, std::move(finish),
-                to_string(op));
+    return wrap(std::move(work), "reduce_scatter", seq, true, std::move(finish), to_string(op));
   }
 
   WorkPtr do_barrier(int64_t seq) override {
@@ -218,8 +217,8 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                bool collective,
                std::function<void()> finish,
                const std::string& detail) {
-    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), op,
-                                              detail, seq, collective, std::move(finish));
+    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), op, detail,
+                                              seq, collective, std::move(finish));
   }
 
   std::string name_;

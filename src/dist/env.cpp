@@ -73,9 +73,9 @@ RankInfo discover_rank_info(const std::function<const char*(const char*)>& geten
     TORCH_CHECK(info.local_world_size >= 1 && info.local_world_size <= info.world_size,
                 d.local_world_size, "=", info.local_world_size, " is out of range for ",
                 d.world_size, "=", info.world_size);
-    TORCH_CHECK(info.local_rank >= 0 && info.local_rank < info.local_world_size, d.local_rank,
-                "=", info.local_rank, " is out of range: it must be in [0, ",
-                info.local_world_size - 1, "]");
+    TORCH_CHECK(info.local_rank >= 0 && info.local_rank < info.local_world_size, d.local_rank, "=",
+                info.local_rank, " is out of range: it must be in [0, ", info.local_world_size - 1,
+                "]");
     info.group_rank = get(d.group_rank) ? parse_int(get(d.group_rank), d.group_rank)
                                         : info.rank / info.local_world_size;
     break;
@@ -85,8 +85,8 @@ RankInfo discover_rank_info(const std::function<const char*(const char*)>& geten
   }
   if (get("MASTER_PORT")) {
     info.master_port = parse_int(get("MASTER_PORT"), "MASTER_PORT");
-    TORCH_CHECK(info.master_port > 0 && info.master_port < 65536, "MASTER_PORT=",
-                info.master_port, " is not a TCP port: it must be in [1, 65535]");
+    TORCH_CHECK(info.master_port > 0 && info.master_port < 65536, "MASTER_PORT=", info.master_port,
+                " is not a TCP port: it must be in [1, 65535]");
   }
   return info;
 }

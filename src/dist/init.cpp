@@ -74,8 +74,8 @@ struct Endpoint {
 Endpoint parse_tcp(const std::string& url) {
   std::string rest = url.substr(std::string("tcp://").size());
   auto colon = rest.rfind(':');
-  TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(),
-              "init_method '", url, "' must look like tcp://host:port");
+  TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(), "init_method '",
+              url, "' must look like tcp://host:port");
   Endpoint e;
   e.host = rest.substr(0, colon);
   if (e.host.size() > 2 && e.host.front() == '[' && e.host.back() == ']') {
@@ -114,11 +114,8 @@ class QuietC10dLogs {
 
 // Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
 // generic; users get one line saying what to check.
-c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
-                                                int rank,
-                                                int world_size,
-                                                std::chrono::milliseconds timeout,
-                                                bool server) {
+c10::intrusive_ptr<c10d::Store> open_tcp_store(
+    const Endpoint& e, int rank, int world_size, std::chrono::milliseconds timeout, bool server) {
   c10d::TCPStoreOptions o;
   o.port = static_cast<std::uint16_t>(e.port);
   o.isServer = server;
@@ -193,9 +190,8 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   if (backend == "mpi") {
     // MPI brings its own rendezvous (mpirun's runtime); rank and size come from it.
     auto pg = detail::make_mpi_group(timeout);
-    TORCH_CHECK(options.world_size() < 0 || options.world_size() == pg->size(),
-                "world_size ", options.world_size(), " was asked for, but mpirun started ",
-                pg->size(), " ranks");
+    TORCH_CHECK(options.world_size() < 0 || options.world_size() == pg->size(), "world_size ",
+                options.world_size(), " was asked for, but mpirun started ", pg->size(), " ranks");
     return pg;
   }
 #endif
@@ -243,8 +239,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     } else {
       store = open_tcp_store(e, rank, world_size, timeout, rank == 0);
       monitor_client = [e, timeout]() {
-        return open_tcp_store(e, -1, 0, std::min(timeout, std::chrono::milliseconds(10000)),
-                              false);
+        return open_tcp_store(e, -1, 0, std::min(timeout, std::chrono::milliseconds(10000)), false);
       };
     }
     hostname = is_loopback(e.host) ? "127.0.0.1" : "";

@@ -127,8 +127,8 @@ std::string now_iso8601() {
 
 // One relayed stream of one worker: bytes in, whole prefixed lines out.
 struct Stream {
-  int fd = -1;      // read end, -1 once closed
-  int out_fd = 1;   // where lines go (1 or 2)
+  int fd = -1;     // read end, -1 once closed
+  int out_fd = 1;  // where lines go (1 or 2)
   std::string partial;
 };
 
@@ -229,13 +229,12 @@ void validate(const LaunchOptions& o) {
               o.nproc_per_node());
   TORCH_CHECK(o.nnodes() >= 1, "--nnodes must be at least 1, got ", o.nnodes());
   TORCH_CHECK(o.node_rank() >= 0 && o.node_rank() < o.nnodes(), "--node-rank ", o.node_rank(),
-              " is out of range for --nnodes ", o.nnodes(), ": it must be in [0, ",
-              o.nnodes() - 1, "]");
+              " is out of range for --nnodes ", o.nnodes(), ": it must be in [0, ", o.nnodes() - 1,
+              "]");
   TORCH_CHECK(o.nnodes() == 1 || !o.master_addr().empty(), "--nnodes ", o.nnodes(),
               " needs --master-addr: the address of node 0, which every node can reach");
-  TORCH_CHECK(!(o.standalone() && o.nnodes() > 1),
-              "--standalone is for one node; with --nnodes ", o.nnodes(),
-              " give --master-addr and --master-port");
+  TORCH_CHECK(!(o.standalone() && o.nnodes() > 1), "--standalone is for one node; with --nnodes ",
+              o.nnodes(), " give --master-addr and --master-port");
   TORCH_CHECK(o.master_port() > 0 && o.master_port() < 65536, "--master-port ", o.master_port(),
               " is not a TCP port: it must be in [1, 65535]");
   TORCH_CHECK(o.backend().empty() || o.backend() == "auto" || o.backend() == "gloo" ||
@@ -312,15 +311,21 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
     mpirun_env[kv.first] = kv.second;
   }
   LaunchOptions outer = o;
-  outer.backend("").command(cmd).nproc_per_node(1).devices({}).log_dir("").prefix_output(false)
-      .first_rank(0).world_size(1).env(mpirun_env);
+  outer.backend("")
+      .command(cmd)
+      .nproc_per_node(1)
+      .devices({})
+      .log_dir("")
+      .prefix_output(false)
+      .first_rank(0)
+      .world_size(1)
+      .env(mpirun_env);
   LaunchResult r = launch(outer);
   if (r.first_failure) {
     r.summary = o.name() + ": mpirun " +
-                (r.first_failure->signal ? "was killed by signal " +
-                                               std::to_string(r.first_failure->signal)
-                                         : "exited with code " +
-                                               std::to_string(r.first_failure->exit_code)) +
+                (r.first_failure->signal
+                     ? "was killed by signal " + std::to_string(r.first_failure->signal)
+                     : "exited with code " + std::to_string(r.first_failure->exit_code)) +
                 "; the failing rank's report is above";
   }
   return r;
@@ -355,7 +360,7 @@ LaunchResult launch(const LaunchOptions& o) {
 
   // Signals: forward SIGINT/SIGTERM, and wake on SIGCHLD.
   TORCH_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe: ", std::strerror(errno));
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
@@ -425,7 +430,7 @@ LaunchResult launch(const LaunchOptions& o) {
       if (::getppid() != launcher_pid) {
         ::_exit(127);
       }
-      struct sigaction dfl{};
+      struct sigaction dfl {};
       dfl.sa_handler = SIG_DFL;
       ::sigaction(SIGINT, &dfl, nullptr);
       ::sigaction(SIGTERM, &dfl, nullptr);
@@ -587,8 +592,7 @@ LaunchResult launch(const LaunchOptions& o) {
     result.summary = s.str();
   } else if (result.interrupted_by != 0) {
     result.summary = o.name() + ": interrupted by " + strsignal(result.interrupted_by) +
-                     "; stopped all " + std::to_string(nproc) + " worker" +
-                     (nproc == 1 ? "" : "s");
+                     "; stopped all " + std::to_string(nproc) + " worker" + (nproc == 1 ? "" : "s");
   }
   return result;
 }

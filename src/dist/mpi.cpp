@@ -90,8 +90,7 @@ void ensure_mpi_initialized() {
     if (!initialized) {
       int provided = 0;
       int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-      TORCH_CHECK(rc == MPI_SUCCESS, "mpi backend: MPI_Init_thread failed: ",
-                  mpi_error_string(rc));
+      TORCH_CHECK(rc == MPI_SUCCESS, "mpi backend: MPI_Init_thread failed: ", mpi_error_string(rc));
       TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
                   "mpi backend: this MPI library does not support MPI_THREAD_SERIALIZED (got ",
                   provided, "); rebuild Open MPI with thread support");
@@ -168,10 +167,10 @@ void check_cpu(const at::Tensor& t, const char* op) {
 struct Task {
   std::mutex mutex;
   std::condition_variable cv;
-  bool done = false;      // guarded by mutex
-  std::string error;      // guarded by mutex; empty on success
-  std::string op;         // "allreduce"
-  std::string detail;     // "sum, 4096 bytes"
+  bool done = false;   // guarded by mutex
+  std::string error;   // guarded by mutex; empty on success
+  std::string op;      // "allreduce"
+  std::string detail;  // "sum, 4096 bytes"
   int64_t seq = 0;
   bool collective = true;
   // Runs on the worker. Collectives complete inside `start`; point-to-point ones return a
@@ -333,22 +332,22 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
     check_cpu(tensor, "send");
-    return submit("send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq,
-                  false, [this, tensor, dst, tag]() {
-                    MPI_Request request;
-                    check(MPI_Isend(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, dst, tag, comm_,
-                                    &request));
-                    return request;
-                  });
+    return submit(
+        "send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq, false,
+        [this, tensor, dst, tag]() {
+          MPI_Request request;
+          check(MPI_Isend(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, dst, tag, comm_, &request));
+          return request;
+        });
   }
 
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
     check_cpu(tensor, "recv");
     return submit(
-        "recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq, false, [this, tensor, src, tag]() mutable {
+        "recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq, false,
+        [this, tensor, src, tag]() mutable {
           MPI_Request request;
-          check(MPI_Irecv(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, src, tag, comm_,
-                          &request));
+          check(MPI_Irecv(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, src, tag, comm_, &request));
           return request;
         });
   }

@@ -61,8 +61,8 @@ void ProcessGroup::check_not_broken(const char* op) const {
 void ProcessGroup::check_tensor(const at::Tensor& t, const char* op, const char* what) const {
   TORCH_CHECK(t.defined(), backend_name(), " ", op, ": ", what, " is an undefined tensor");
   TORCH_CHECK(t.is_contiguous(), backend_name(), " ", op, ": ", what,
-              " must be contiguous (call .contiguous() first); got sizes ", t.sizes(),
-              " strides ", t.strides());
+              " must be contiguous (call .contiguous() first); got sizes ", t.sizes(), " strides ",
+              t.strides());
   TORCH_CHECK(!t.is_sparse(), backend_name(), " ", op, ": ", what, " must be dense");
 }
 

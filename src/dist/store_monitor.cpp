@@ -65,8 +65,8 @@ void StoreMonitor::run() {
         store = make_client_();
         store->setTimeout(std::chrono::seconds(5));
       }
-      std::string value = std::to_string(issued_.load(std::memory_order_relaxed)) + ":" +
-                          std::to_string(count++);
+      std::string value =
+          std::to_string(issued_.load(std::memory_order_relaxed)) + ":" + std::to_string(count++);
       store->set(heartbeat_key(rank_), std::vector<uint8_t>(value.begin(), value.end()));
     } catch (const std::exception&) {
       // The store's host (rank 0) is gone or shutting down: nothing left to tell anyone.
@@ -107,8 +107,8 @@ std::string StoreMonitor::explain(int64_t seq) {
     } else if (a != first.end() && a->second.count == b->second.count) {
       why = "stopped responding, its process has probably exited";
     } else if (b->second.issued <= seq) {
-      why = "has not issued this collective; it has issued " +
-            std::to_string(b->second.issued) + " so far";
+      why = "has not issued this collective; it has issued " + std::to_string(b->second.issued) +
+            " so far";
     }
     if (!why.empty()) {
       missing << (n++ ? ", " : "") << "rank " << r << " (" << why << ")";

@@ -22,17 +22,18 @@ class Collectives : public ::testing::TestWithParam<Case> {};
 
 TEST_P(Collectives, MatchLocalResults) {
   const Case c = GetParam();
-  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node",
-                        std::to_string(c.ranks), "--backend", c.backend, "--", worker_path(),
-                        "collectives"},
-                       {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  auto r = run_process(
+      {cli_path(), "launch", "--standalone", "--nproc-per-node", std::to_string(c.ranks),
+       "--backend", c.backend, "--", worker_path(), "collectives"},
+      {{"PARATRAIN_TIMEOUT", "60"}}, 240);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < c.ranks; ++rank) {
     std::string line = "[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) +
                        " of " + std::to_string(c.ranks) + " (" + c.backend +
                        "): all collectives ok";
-    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n" << r.output;
+    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n"
+                                                      << r.output;
   }
   EXPECT_EQ(r.output.find("MISMATCH"), std::string::npos) << r.output;
 }
@@ -62,8 +63,11 @@ INSTANTIATE_TEST_SUITE_P(Backends,
 TEST(WorldOfOne, RunsWithoutAnyLauncher) {
   // No RANK, WORLD_SIZE or MASTER_ADDR: a plain program is a world of one, with no network.
   auto r = run_process({worker_path(), "collectives"},
-                       {{"RANK", "<unset>"}, {"WORLD_SIZE", "<unset>"}, {"MASTER_ADDR", "<unset>"},
-                        {"OMPI_COMM_WORLD_SIZE", "<unset>"}, {"PARATRAIN_BACKEND", "<unset>"}},
+                       {{"RANK", "<unset>"},
+                        {"WORLD_SIZE", "<unset>"},
+                        {"MASTER_ADDR", "<unset>"},
+                        {"OMPI_COMM_WORLD_SIZE", "<unset>"},
+                        {"PARATRAIN_BACKEND", "<unset>"}},
                        120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 0 of 1 (gloo): all collectives ok"), std::string::npos) << r.output;
@@ -74,8 +78,8 @@ TEST(InitMethods, TcpAndFile) {
   // method from PARATRAIN_INIT_METHOD.
   int port = free_port();
   for (const std::string& method :
-       {"tcp://127.0.0.1:" + std::to_string(port), std::string("file://") + "/tmp/" +
-                                                        unique_token("paratrain-filestore")}) {
+       {"tcp://127.0.0.1:" + std::to_string(port),
+        std::string("file://") + "/tmp/" + unique_token("paratrain-filestore")}) {
     auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
                           worker_path(), "init"},
                          {{"PARATRAIN_INIT_METHOD", method}, {"PARATRAIN_TIMEOUT", "30"}}, 120);

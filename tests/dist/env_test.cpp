@@ -39,9 +39,13 @@ TEST(RankDiscovery, NothingSetIsAWorldOfOne) {
 }
 
 TEST(RankDiscovery, TorchrunContract) {
-  RankInfo info = discover({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                            {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"},
-                            {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "1234"}});
+  RankInfo info = discover({{"RANK", "5"},
+                            {"WORLD_SIZE", "8"},
+                            {"LOCAL_RANK", "1"},
+                            {"LOCAL_WORLD_SIZE", "4"},
+                            {"GROUP_RANK", "1"},
+                            {"MASTER_ADDR", "node0"},
+                            {"MASTER_PORT", "1234"}});
   EXPECT_EQ(info.source, "torchrun");
   EXPECT_EQ(info.rank, 5);
   EXPECT_EQ(info.world_size, 8);
@@ -54,7 +58,8 @@ TEST(RankDiscovery, TorchrunContract) {
 }
 
 TEST(RankDiscovery, OpenMpi) {
-  RankInfo info = discover({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
+  RankInfo info = discover({{"OMPI_COMM_WORLD_RANK", "2"},
+                            {"OMPI_COMM_WORLD_SIZE", "3"},
                             {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                             {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
   EXPECT_EQ(info.source, "openmpi");
@@ -65,8 +70,11 @@ TEST(RankDiscovery, OpenMpi) {
 }
 
 TEST(RankDiscovery, Slurm) {
-  RankInfo info = discover({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
-                            {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NODEID", "1"}});
+  RankInfo info = discover({{"SLURM_PROCID", "3"},
+                            {"SLURM_NTASKS", "4"},
+                            {"SLURM_LOCALID", "1"},
+                            {"SLURM_NTASKS_PER_NODE", "2"},
+                            {"SLURM_NODEID", "1"}});
   EXPECT_EQ(info.source, "slurm");
   EXPECT_EQ(info.rank, 3);
   EXPECT_EQ(info.world_size, 4);
@@ -77,21 +85,27 @@ TEST(RankDiscovery, Slurm) {
 
 TEST(RankDiscovery, FirstMatchWins) {
   // Inside a Slurm allocation under mpirun under paratrain launch: torchrun's variables win.
-  RankInfo info = discover({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"},
-                            {"OMPI_COMM_WORLD_SIZE", "5"}, {"SLURM_PROCID", "7"},
+  RankInfo info = discover({{"RANK", "1"},
+                            {"WORLD_SIZE", "2"},
+                            {"OMPI_COMM_WORLD_RANK", "0"},
+                            {"OMPI_COMM_WORLD_SIZE", "5"},
+                            {"SLURM_PROCID", "7"},
                             {"SLURM_NTASKS", "9"}});
   EXPECT_EQ(info.source, "torchrun");
   EXPECT_EQ(info.rank, 1);
   EXPECT_EQ(info.world_size, 2);
-  info = discover({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "5"},
-                   {"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "9"}});
+  info = discover({{"OMPI_COMM_WORLD_RANK", "0"},
+                   {"OMPI_COMM_WORLD_SIZE", "5"},
+                   {"SLURM_PROCID", "7"},
+                   {"SLURM_NTASKS", "9"}});
   EXPECT_EQ(info.source, "openmpi");
   EXPECT_EQ(info.world_size, 5);
 }
 
 TEST(RankDiscovery, BadValuesNameTheVariable) {
-  EXPECT_NE(error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0 is not a valid world size"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0 is not a valid world size"),
+      std::string::npos);
   EXPECT_NE(error_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}}).find("RANK=2 is out of range"),
             std::string::npos);
   EXPECT_NE(error_of({{"RANK", "-1"}, {"WORLD_SIZE", "2"}}).find("RANK=-1 is out of range"),

@@ -20,12 +20,10 @@ namespace {
 ProcessResult run_worker(const std::map<std::string, std::string>& env,
                          const std::string& mode = "init",
                          double timeout = 60) {
-  std::map<std::string, std::string> all{{"OMPI_COMM_WORLD_SIZE", "<unset>"},
-                                         {"PARATRAIN_BACKEND", "<unset>"},
-                                         {"MASTER_ADDR", "<unset>"},
-                                         {"MASTER_PORT", "<unset>"},
-                                         {"LOCAL_WORLD_SIZE", "<unset>"},
-                                         {"LOCAL_RANK", "<unset>"}};
+  std::map<std::string, std::string> all{
+      {"OMPI_COMM_WORLD_SIZE", "<unset>"}, {"PARATRAIN_BACKEND", "<unset>"},
+      {"MASTER_ADDR", "<unset>"},          {"MASTER_PORT", "<unset>"},
+      {"LOCAL_WORLD_SIZE", "<unset>"},     {"LOCAL_RANK", "<unset>"}};
   for (const auto& kv : env) {
     all[kv.first] = kv.second;
   }
@@ -59,8 +57,8 @@ TEST(BadInput, RankNotBelowWorldSize) {
 }
 
 TEST(BadInput, MissingMasterAddrForMultiNode) {
-  auto r = run_worker({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"},
-                       {"LOCAL_RANK", "0"}});
+  auto r = run_worker(
+      {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("error: MASTER_ADDR is not set, and this job spans several nodes"),
             std::string::npos)
@@ -72,8 +70,11 @@ TEST(BadInput, UnreachableMaster) {
   // Nobody serves this port: rank 1 gives up after the timeout with one line naming the master.
   int port = free_port();
   auto start = std::chrono::steady_clock::now();
-  auto r = run_worker({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", std::to_string(port)}, {"PARATRAIN_TIMEOUT", "3"}});
+  auto r = run_worker({{"RANK", "1"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)},
+                       {"PARATRAIN_TIMEOUT", "3"}});
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("error: rank 1 could not reach the master at 127.0.0.1:" +
@@ -96,8 +97,11 @@ TEST(BadInput, PortAlreadyInUse) {
   ASSERT_EQ(::listen(fd, 1), 0);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   int port = ntohs(addr.sin_port);
-  auto r = run_worker({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                       {"MASTER_PORT", std::to_string(port)}, {"PARATRAIN_TIMEOUT", "5"}});
+  auto r = run_worker({{"RANK", "0"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)},
+                       {"PARATRAIN_TIMEOUT", "5"}});
   ::close(fd);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("error: rank 0 cannot serve the store on port " + std::to_string(port) +
@@ -110,8 +114,9 @@ TEST(BadInput, PortAlreadyInUse) {
 TEST(BadInput, UnknownBackend) {
   auto r = run_worker({{"PARATRAIN_BACKEND", "carrier-pigeon"}});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.output.find("error: unknown backend 'carrier-pigeon': choose auto, gloo, mpi or nccl"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("error: unknown backend 'carrier-pigeon': choose auto, gloo, mpi or nccl"),
+      std::string::npos)
       << r.output;
 }
 
@@ -179,8 +184,7 @@ TEST(BadInput, LauncherArguments) {
       {{"--nproc-per-node", "0", "--", "/bin/true"}, "--nproc-per-node must be at least 1, got 0"},
       {{"--devices", "0,0", "--", "/bin/true"}, "--devices '0,0' lists GPU 0 twice"},
       {{"--devices", "0,gpu1", "--", "/bin/true"}, "'gpu1' is not a GPU index"},
-      {{"--nproc-per-node", "2", "--", "/no/such/program"},
-       "program '/no/such/program' not found"},
+      {{"--nproc-per-node", "2", "--", "/no/such/program"}, "program '/no/such/program' not found"},
       {{"--nproc-per-node", "2", "--", "no-such-program-on-path"},
        "program 'no-such-program-on-path' not found"},
       {{"--nnodes", "2", "--", "/bin/true"}, "--nnodes 2 needs --master-addr"},

@@ -25,7 +25,8 @@ std::map<std::string, std::string> env_line(const std::string& output, int rank)
   if (pos == std::string::npos) {
     return vars;
   }
-  std::string line = output.substr(pos + prefix.size(), output.find('\n', pos) - pos - prefix.size());
+  std::string line =
+      output.substr(pos + prefix.size(), output.find('\n', pos) - pos - prefix.size());
   std::istringstream in(line);
   std::string kv;
   while (in >> kv) {
@@ -86,8 +87,8 @@ TEST(Launch, UserOmpNumThreadsWins) {
 TEST(Launch, MultiNodeRanks) {
   // Node 1 of 2 with 2 workers each: global ranks 2 and 3.
   auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--nnodes", "2",
-                        "--node-rank", "1", "--master-addr", "127.0.0.1", "--", probe_path(),
-                        "env", unique_token("nodes")});
+                        "--node-rank", "1", "--master-addr", "127.0.0.1", "--", probe_path(), "env",
+                        unique_token("nodes")});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto vars = env_line(r.output, 3);
   EXPECT_EQ(vars["RANK"], "3");
@@ -101,8 +102,8 @@ TEST(Launch, MultiNodeRanks) {
 TEST(Launch, DeviceMapping) {
   // The notes' case: GPUs 0, 1 and 3 of four. One worker per listed device by default, each sees
   // all three (CUDA_VISIBLE_DEVICES) and uses cuda:LOCAL_RANK, i.e. physical GPU 0, 1, 3.
-  auto r = run_process({cli_path(), "launch", "--devices", "0,1,3", "--", probe_path(), "env",
-                        unique_token("dev")});
+  auto r = run_process(
+      {cli_path(), "launch", "--devices", "0,1,3", "--", probe_path(), "env", unique_token("dev")});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
     auto vars = env_line(r.output, rank);
@@ -145,8 +146,8 @@ TEST(Launch, LinesArePrefixedAndNeverInterleave) {
     std::smatch m;
     ASSERT_TRUE(std::regex_match(line, m, good)) << "garbled line: " << line.substr(0, 200);
     int rank = std::stoi(m[1]);
-    EXPECT_EQ(m[3].str()[0], static_cast<char>('a' + rank)) << "a line of rank " << rank
-                                                            << " carries another rank's text";
+    EXPECT_EQ(m[3].str()[0], static_cast<char>('a' + rank))
+        << "a line of rank " << rank << " carries another rank's text";
     ++counts[rank];
   }
   EXPECT_EQ(counts[0], 400);
@@ -171,8 +172,7 @@ TEST(Launch, FailingWorkerTearsDownTheJob) {
   auto r = run_process({cli_path(), "launch", "--nproc-per-node", "3", "--log-dir", dir, "--",
                         probe_path(), "exit", "1", "3", token},
                        {}, 60);
-  double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 3) << r.output;
   // The summary: first failing rank, its exit code, the time, and its log file.
@@ -187,8 +187,8 @@ TEST(Launch, FailingWorkerTearsDownTheJob) {
 
 TEST(Launch, WorkerKilledBySignal) {
   std::string token = unique_token("sig");
-  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(),
-                        "signal", "0", std::to_string(SIGSEGV), token},
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "signal",
+                        "0", std::to_string(SIGSEGV), token},
                        {}, 60);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 128 + SIGSEGV) << r.output;

@@ -26,8 +26,8 @@ namespace {
 int g_failures = 0;
 
 void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
-  if (got.sizes() != want.sizes() || !torch::allclose(got.to(torch::kDouble), want.to(torch::kDouble),
-                                                      1e-5, 1e-6)) {
+  if (got.sizes() != want.sizes() ||
+      !torch::allclose(got.to(torch::kDouble), want.to(torch::kDouble), 1e-5, 1e-6)) {
     std::ostringstream s;
     s << "MISMATCH " << what << ": got " << got.flatten().slice(0, 0, 6) << " want "
       << want.flatten().slice(0, 0, 6);
@@ -87,7 +87,8 @@ void check_collectives(dist::ProcessGroup& pg) {
             ++g_failures;
           }
         } else {
-          expect_close(t, want.to(type), std::string("allreduce ") + dist::to_string(op) + " " + tag);
+          expect_close(t, want.to(type),
+                       std::string("allreduce ") + dist::to_string(op) + " " + tag);
         }
       }
       if (type == torch::kBFloat16) {
@@ -96,7 +97,8 @@ void check_collectives(dist::ProcessGroup& pg) {
       for (int root = 0; root < n; ++root) {
         at::Tensor t = contribution(me, numel, type);
         pg.broadcast(t, root)->wait();
-        expect_close(t, contribution(root, numel, type), "broadcast root " + std::to_string(root) + " " + tag);
+        expect_close(t, contribution(root, numel, type),
+                     "broadcast root " + std::to_string(root) + " " + tag);
       }
       std::vector<at::Tensor> outs;
       for (int r = 0; r < n; ++r) {
@@ -104,7 +106,8 @@ void check_collectives(dist::ProcessGroup& pg) {
       }
       pg.allgather(outs, contribution(me, numel, type))->wait();
       for (int r = 0; r < n; ++r) {
-        expect_close(outs[r], contribution(r, numel, type), "allgather slot " + std::to_string(r) + " " + tag);
+        expect_close(outs[r], contribution(r, numel, type),
+                     "allgather slot " + std::to_string(r) + " " + tag);
       }
       // reduce_scatter: rank r's inputs[j] = contribution(r)*(j+1); output j = sum_r of that.
       std::vector<at::Tensor> inputs;
@@ -118,7 +121,8 @@ void check_collectives(dist::ProcessGroup& pg) {
         pg.reduce_scatter(out, inputs, dist::ReduceOp::kAvg)->wait();
         expect_close(out, (stacked.mean(0) * (me + 1)).to(type), "reduce_scatter avg " + tag);
         pg.reduce_scatter(out, inputs, dist::ReduceOp::kMax)->wait();
-        expect_close(out, (std::get<0>(stacked.max(0)) * (me + 1)).to(type), "reduce_scatter max " + tag);
+        expect_close(out, (std::get<0>(stacked.max(0)) * (me + 1)).to(type),
+                     "reduce_scatter max " + tag);
       }
     }
   }
@@ -153,7 +157,8 @@ void check_collectives(dist::ProcessGroup& pg) {
       auto r = pg.recv(in, prev, 5);
       r->wait();
       s->wait();
-      expect_close(in, contribution(prev, numel, torch::kFloat), "ring recv " + std::to_string(numel));
+      expect_close(in, contribution(prev, numel, torch::kFloat),
+                   "ring recv " + std::to_string(numel));
     }
   }
 }
@@ -170,8 +175,8 @@ int main(int argc, char** argv) {
     auto pg = dist::init_process_group(options);
     if (mode == "init") {
       pg->barrier()->wait();
-      std::cout << "rank " << pg->rank() << " of " << pg->size() << " joined (" << pg->backend_name()
-                << ")" << std::endl;
+      std::cout << "rank " << pg->rank() << " of " << pg->size() << " joined ("
+                << pg->backend_name() << ")" << std::endl;
       return 0;
     }
     if (mode == "die" || mode == "late") {
@@ -190,7 +195,8 @@ int main(int argc, char** argv) {
     }
     check_collectives(*pg);
     if (g_failures > 0) {
-      std::cout << "rank " << pg->rank() << ": " << g_failures << " collective checks failed" << std::endl;
+      std::cout << "rank " << pg->rank() << ": " << g_failures << " collective checks failed"
+                << std::endl;
       return 1;
     }
     std::cout << "rank " << pg->rank() << " of " << pg->size() << " (" << pg->backend_name()

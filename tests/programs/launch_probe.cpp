@@ -49,9 +49,9 @@ int main(int argc, char** argv) {
   const int rank = std::atoi(env("RANK").c_str());
   if (mode == "env") {
     std::cout << "ENV";
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                             "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
-                             "OMP_NUM_THREADS", "PARATRAIN_BACKEND"}) {
+    for (const char* name :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+          "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PARATRAIN_BACKEND"}) {
       std::cout << " " << name << "=" << env(name);
     }
     std::cout << std::endl;
