@@ -61,7 +61,7 @@ int iterations_for(long long bytes, int requested) {
     return requested;
   }
   long long it = (256LL << 20) / std::max(1LL, bytes);
-  return static_cast<int>(std::clamp<long long>(it, 5, 200));
+  return static_cast<int>(std::clamp<long long>(it, 20, 200));
 }
 
 struct Row {

@@ -73,6 +73,31 @@ TEST(WorldOfOne, RunsWithoutAnyLauncher) {
   EXPECT_NE(r.output.find("rank 0 of 1 (gloo): all collectives ok"), std::string::npos) << r.output;
 }
 
+TEST(Example, AllreduceSmokeUnderLaunchAndMpirun) {
+  auto r = run_process(
+      {cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--", PARATRAIN_TEST_SMOKE},
+      {{"PARATRAIN_TIMEOUT", "60"}}, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: rank 1 of 2 (gloo): allreduce sum = 3, expected 3 ok"),
+            std::string::npos)
+      << r.output;
+#ifdef PARATRAIN_WITH_MPI
+  // Plain mpirun, no paratrain launcher and no PARATRAIN_BACKEND: "auto" must pick mpi.
+  std::vector<std::string> argv{"/usr/bin/mpirun", "-np", "2", "--oversubscribe"};
+  argv.push_back("--allow-run-as-root");
+  argv.push_back(PARATRAIN_TEST_SMOKE);
+  r = run_process(argv,
+                  {{"PARATRAIN_BACKEND", "<unset>"},
+                   {"RANK", "<unset>"},
+                   {"WORLD_SIZE", "<unset>"},
+                   {"PARATRAIN_TIMEOUT", "60"}},
+                  120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 0 of 2 (mpi): allreduce sum = 3, expected 3 ok"), std::string::npos)
+      << r.output;
+#endif
+}
+
 TEST(InitMethods, TcpAndFile) {
   // tcp://host:port and file:// through the smoke example's sibling: the worker reads the init
   // method from PARATRAIN_INIT_METHOD.
