@@ -115,16 +115,7 @@ ProcessResult RunningProcess::finish(double timeout_seconds) {
       ::kill(-pid, SIGKILL);
     }
     if (!eof) {
-      pollfd pfd{output_fd, POLLIN, 0};
-      if (::poll(&pfd, 1, 50) > 0) {
-        char buf[4096];
-        ssize_t n = ::read(output_fd, buf, sizeof(buf));
-        if (n > 0) {
-          output.append(buf, static_cast<size_t>(n));
-        } else if (n == 0) {
-          eof = true;
-        }
-      }
+      eof = !read_some();
     }
     if (!exited && ::waitpid(pid, &status, WNOHANG) == pid) {
       exited = true;

@@ -30,6 +30,8 @@ struct RunningProcess {
   int pid = -1;
   int output_fd = -1;
   std::string output;
+  /// Reads what arrives within 50 ms; false at end of output.
+  bool read_some();
   /// Reads output until `text` appears or the deadline passes; returns whether it appeared.
   bool wait_for_output(const std::string& text, double timeout_seconds);
   /// Waits for exit (reading output); kills after the deadline.

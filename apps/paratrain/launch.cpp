@@ -90,19 +90,8 @@ int run_launch(const std::vector<std::string>& argv) {
       throw UsageError("--from-mpirun is internal: it is what mpirun runs for --backend mpi");
     }
     o.backend("mpi").first_rank(std::atoi(rank)).world_size(std::atoi(size)).nproc_per_node(1);
-    // Each shim starts one worker: the device list stays whole (CUDA_VISIBLE_DEVICES), the
+    // Each shim starts one worker; the device list stays whole (CUDA_VISIBLE_DEVICES) and the
     // worker picks cuda:LOCAL_RANK from it.
-    auto devices = o.devices();
-    o.devices({});
-    auto extra = o.env();
-    if (!devices.empty()) {
-      std::string list;
-      for (int d : devices) {
-        list += (list.empty() ? "" : ",") + std::to_string(d);
-      }
-      extra["CUDA_VISIBLE_DEVICES"] = list;
-    }
-    o.env(extra);
   }
 
   dist::LaunchResult result = dist::launch(o);

@@ -46,6 +46,14 @@ std::vector<int> parse_device_list(const std::string& text) {
   return devices;
 }
 
+std::string format_device_list(const std::vector<int>& devices) {
+  std::string list;
+  for (int d : devices) {
+    list += (list.empty() ? "" : ",") + std::to_string(d);
+  }
+  return list;
+}
+
 std::string find_program(const std::string& name) {
   if (name.empty()) {
     return "";
@@ -277,11 +285,7 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
     cmd.insert(cmd.end(), {"--log-dir", o.log_dir()});
   }
   if (!o.devices().empty()) {
-    std::string list;
-    for (int d : o.devices()) {
-      list += (list.empty() ? "" : ",") + std::to_string(d);
-    }
-    cmd.insert(cmd.end(), {"--devices", list});
+    cmd.insert(cmd.end(), {"--devices", format_device_list(o.devices())});
   }
   cmd.insert(cmd.end(), {"--master-addr", o.master_addr().empty() ? "127.0.0.1" : o.master_addr(),
                          "--master-port", std::to_string(o.master_port())});
@@ -397,11 +401,7 @@ LaunchResult launch(const LaunchOptions& o) {
     env["MASTER_ADDR"] = master_addr;
     env["MASTER_PORT"] = std::to_string(master_port);
     if (!o.devices().empty()) {
-      std::string list;
-      for (int d : o.devices()) {
-        list += (list.empty() ? "" : ",") + std::to_string(d);
-      }
-      env["CUDA_VISIBLE_DEVICES"] = list;
+      env["CUDA_VISIBLE_DEVICES"] = format_device_list(o.devices());
     }
     if (!o.backend().empty() && o.backend() != "auto") {
       env["PARATRAIN_BACKEND"] = o.backend();

@@ -88,6 +88,9 @@ LaunchResult launch(const LaunchOptions& options);
 /// "0,1,3" -> {0, 1, 3}; throws on non-numbers, negatives, duplicates and empty entries.
 std::vector<int> parse_device_list(const std::string& text);
 
+/// {0, 1, 3} -> "0,1,3".
+std::string format_device_list(const std::vector<int>& devices);
+
 /// Resolves a program name like execvp would; "" when it cannot be run.
 std::string find_program(const std::string& name);
 
