@@ -84,20 +84,24 @@ RunningProcess start_process(const std::vector<std::string>& argv,
   return p;
 }
 
+bool RunningProcess::read_some() {
+  pollfd pfd{output_fd, POLLIN, 0};
+  if (::poll(&pfd, 1, 50) > 0) {
+    char buf[4096];
+    ssize_t n = ::read(output_fd, buf, sizeof(buf));
+    if (n > 0) {
+      output.append(buf, static_cast<size_t>(n));
+    } else if (n == 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 bool RunningProcess::wait_for_output(const std::string& text, double timeout_seconds) {
   auto deadline =
       Clock::now() + std::chrono::milliseconds(static_cast<int>(timeout_seconds * 1000));
-  while (output.find(text) == std::string::npos && Clock::now() < deadline) {
-    pollfd pfd{output_fd, POLLIN, 0};
-    if (::poll(&pfd, 1, 50) > 0) {
-      char buf[4096];
-      ssize_t n = ::read(output_fd, buf, sizeof(buf));
-      if (n > 0) {
-        output.append(buf, static_cast<size_t>(n));
-      } else if (n == 0) {
-        break;
-      }
-    }
+  while (output.find(text) == std::string::npos && Clock::now() < deadline && read_some()) {
   }
   return output.find(text) != std::string::npos;
 }
