@@ -166,6 +166,19 @@ std::vector<Row> read_rows(const std::string& path) {
   return rows;
 }
 
+// (mpi row, gloo row) for each size both backends measured.
+std::vector<std::pair<Row, Row>> mpi_gloo_pairs(const std::vector<Row>& rows) {
+  std::vector<std::pair<Row, Row>> pairs;
+  for (const auto& a : rows) {
+    for (const auto& b : rows) {
+      if (a.backend == "mpi" && b.backend == "gloo" && a.bytes == b.bytes && a.ranks == b.ranks) {
+        pairs.emplace_back(a, b);
+      }
+    }
+  }
+  return pairs;
+}
+
 }  // namespace
 
 int run_bench_allreduce(const std::vector<std::string>& argv) {
@@ -250,7 +263,13 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
     }
     std::cout << "{\"benchmark\": \"allreduce\", \"backend\": \"memcpy\", \"ranks\": 1, "
               << "\"bytes\": " << ref_bytes << ", \"seconds\": " << ref_bytes / memcpy_bw / 1e9
-              << ", \"busbw_gbps\": " << memcpy_bw << "}" << std::endl;
+              << ", \"busbw_gbps\": " << memcpy_bw << "}\n";
+    for (const auto& [a, b] : mpi_gloo_pairs(rows)) {
+      std::cout << "{\"benchmark\": \"allreduce\", \"comparison\": \"mpi/gloo\", \"ranks\": "
+                << a.ranks << ", \"bytes\": " << a.bytes
+                << ", \"busbw_ratio\": " << a.busbw_gbps / b.busbw_gbps << "}\n";
+    }
+    std::cout.flush();
     return 0;
   }
   std::cout << std::left << std::setw(8) << "backend" << std::right << std::setw(7) << "ranks"
@@ -266,16 +285,9 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
   std::cout << "memcpy " << human_bytes(ref_bytes) << ": " << std::fixed << std::setprecision(2)
             << memcpy_bw << " GB/s (physical reference)\n";
   // Side-by-side ratio per size when both CPU backends ran.
-  for (const auto& a : rows) {
-    if (a.backend != "mpi") {
-      continue;
-    }
-    for (const auto& b : rows) {
-      if (b.backend == "gloo" && b.bytes == a.bytes && a.ranks == b.ranks) {
-        std::cout << "mpi/gloo busbw at " << human_bytes(a.bytes) << ": " << std::setprecision(2)
-                  << a.busbw_gbps / b.busbw_gbps << "x\n";
-      }
-    }
+  for (const auto& [a, b] : mpi_gloo_pairs(rows)) {
+    std::cout << "mpi/gloo busbw at " << human_bytes(a.bytes) << ": " << std::setprecision(2)
+              << a.busbw_gbps / b.busbw_gbps << "x\n";
   }
   return 0;
 }

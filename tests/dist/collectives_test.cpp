@@ -98,6 +98,33 @@ TEST(Example, AllreduceSmokeUnderLaunchAndMpirun) {
 #endif
 }
 
+TEST(Bench, AllreduceJsonRows) {
+  // Not a timing test: the benchmark runs end to end and its --json rows carry the promised fields.
+  auto r = run_process({cli_path(), "bench", "allreduce", "--json", "--min-bytes", "1K",
+                        "--max-bytes", "4K", "--iters", "3"},
+                       {}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> backends{"gloo"};
+#ifdef PARATRAIN_WITH_MPI
+  backends.push_back("mpi");
+#endif
+  for (const auto& b : backends) {
+    for (const char* bytes : {"1024", "4096"}) {
+      std::string row = "{\"benchmark\": \"allreduce\", \"backend\": \"" + b +
+                        "\", \"ranks\": 2, \"bytes\": " + bytes + ", \"seconds\": ";
+      EXPECT_NE(r.output.find(row), std::string::npos) << row << "\n" << r.output;
+    }
+  }
+  EXPECT_NE(r.output.find("\"busbw_gbps\": "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"backend\": \"memcpy\""), std::string::npos) << r.output;
+#ifdef PARATRAIN_WITH_MPI
+  EXPECT_NE(r.output.find("\"comparison\": \"mpi/gloo\""), std::string::npos) << r.output;
+#endif
+  for (char c : r.output) {
+    ASSERT_NE(c, '[') << "--json output must hold only JSON rows:\n" << r.output;
+  }
+}
+
 TEST(InitMethods, TcpAndFile) {
   // tcp://host:port and file:// through the smoke example's sibling: the worker reads the init
   // method from PARATRAIN_INIT_METHOD.
