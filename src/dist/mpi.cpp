@@ -2,17 +2,22 @@
 // and on CPU MPI is the fast path (shared-memory transport between local ranks), and the one that
 // mpirun and Slurm start on clusters.
 //
-// Threading: MPI is initialised with MPI_THREAD_SERIALIZED and every MPI call of a group is made by
-// that group's one worker thread, in issue order, so callers never block in MPI and the rank-wide
-// order of collectives is the order they were issued (the contract in process_group.h).
+// Threading: every MPI call of a group is made by that group's one worker thread, in issue order,
+// so callers never block in MPI and the rank-wide order of collectives is the order they were
+// issued (the contract in process_group.h). Several groups mean several threads inside MPI at
+// once, so MPI is initialised with MPI_THREAD_MULTIPLE; a library that offers only
+// MPI_THREAD_SERIALIZED gets one group at a time. The worker's state is shared with its thread, so
+// a thread left stuck in MPI by a timed-out collective never touches a destroyed group.
 // Collectives run as blocking calls on the worker: MPI's blocking collectives are its fastest
 // (non-blocking ones only progress inside MPI_Test calls). Point-to-point operations are started
 // non-blocking and polled between tasks, so a send waiting for its receiver never stops the worker
 // from starting the matching recv of a ring exchange.
 //
 // Deadlines: MPI has no timeouts, so wait() enforces the group's timeout itself. A collective
-// that times out stays stuck inside MPI: the group is marked broken, and at exit MPI_Finalize is
-// skipped (it would hang) so the process can end and mpirun can tear the job down.
+// that times out stays stuck inside MPI: the group is marked broken, its thread is abandoned when
+// the group is destroyed, and at exit MPI_Finalize is skipped (it would hang) so the process can
+// end and mpirun can tear the job down. Sends and receives still pending when a group is destroyed
+// are cancelled.
 
 #include "backends.h"
 
@@ -73,12 +78,13 @@ struct MpiGlobals {
   MPI_Op half_sum, half_max, half_min, bf16_sum, bf16_max, bf16_min;
 };
 
-class MpiGroup;
+struct MpiWorker;
 
-// Live groups, so that the exit handler can stop their workers before MPI_Finalize.
+// Workers of live groups, so that the exit handler can stop them before MPI_Finalize.
 std::mutex g_registry_mutex;
-std::set<MpiGroup*> g_groups;
-bool g_stuck = false;  // some collective never returned: MPI_Finalize would hang
+std::set<std::shared_ptr<MpiWorker>> g_workers;  // guarded by g_registry_mutex
+bool g_stuck = false;  // some worker never came back from MPI: MPI_Finalize would hang
+int g_thread_level = MPI_THREAD_SINGLE;
 MpiGlobals g_mpi;
 
 void finalize_at_exit();
@@ -205,6 +211,87 @@ struct Task {
   }
 };
 
+// A group's queue and its thread's state. Shared by the group and the thread (see the top).
+struct MpiWorker {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Task>> queue;  // guarded by mutex
+  bool stopping = false;                    // guarded by mutex
+  bool exited = false;                      // guarded by mutex
+
+  static void run(std::shared_ptr<MpiWorker> self) {
+    // Requests of started sends and receives, polled while no new task is queued.
+    std::list<std::pair<MPI_Request, std::shared_ptr<Task>>> pending;
+    for (;;) {
+      std::shared_ptr<Task> task;
+      bool stopping = false;
+      {
+        std::unique_lock<std::mutex> lock(self->mutex);
+        if (pending.empty()) {
+          self->cv.wait(lock, [&] { return self->stopping || !self->queue.empty(); });
+        }
+        if (!self->queue.empty()) {
+          task = self->queue.front();
+          self->queue.pop_front();
+        }
+        stopping = self->stopping;
+      }
+      if (task) {
+        try {
+          MPI_Request request = task->start();
+          if (request == MPI_REQUEST_NULL) {
+            task->finish("");
+          } else {
+            pending.emplace_back(request, task);
+          }
+        } catch (const std::exception& e) {
+          task->finish(e.what());
+        }
+        continue;
+      }
+      if (stopping) {
+        // The group is gone: nobody will wait for what is still pending.
+        for (auto& p : pending) {
+          MPI_Cancel(&p.first);
+          MPI_Request_free(&p.first);
+          p.second->finish("cancelled: the process group was destroyed");
+        }
+        std::lock_guard<std::mutex> lock(self->mutex);
+        self->exited = true;
+        self->cv.notify_all();
+        return;
+      }
+      bool progressed = false;
+      for (auto it = pending.begin(); it != pending.end();) {
+        int flag = 0;
+        int rc = MPI_Test(&it->first, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS || flag) {
+          it->second->finish(rc == MPI_SUCCESS ? "" : mpi_error_string(rc));
+          it = pending.erase(it);
+          progressed = true;
+        } else {
+          ++it;
+        }
+      }
+      if (!progressed) {
+        // Keep the latency of a waiting recv low without spinning a whole core.
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+
+  // Asks the thread to finish its queue and waits up to `deadline` for it; false when it is
+  // stuck in MPI (then it is abandoned, and MPI_Finalize skipped).
+  bool stop(std::chrono::milliseconds deadline) {
+    std::unique_lock<std::mutex> lock(mutex);
+    stopping = true;
+    cv.notify_all();
+    return cv.wait_for(lock, deadline, [this] { return exited; });
+  }
+};
+
+class MpiGroup;
+
 class MpiWork : public Work {
  public:
   MpiWork(std::shared_ptr<MpiGroup> group, std::shared_ptr<Task> task)
@@ -220,56 +307,41 @@ class MpiWork : public Work {
   std::shared_ptr<Task> task_;
 };
 
+// MPI counts are ints: larger messages would be refused or, past 4 GiB, silently cut.
+int mpi_count(int64_t n, const char* op) {
+  TORCH_CHECK(n <= std::numeric_limits<int>::max(), "mpi backend: ", op, " of ", n,
+              " elements is larger than one MPI message can carry (2^31 - 1); split the tensor");
+  return static_cast<int>(n);
+}
+
 class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGroup> {
  public:
   MpiGroup(MPI_Comm comm, int rank, int size, std::chrono::milliseconds timeout)
-      : ProcessGroup(rank, size, timeout), comm_(comm) {
-    worker_ = std::thread([this] { run(); });
+      : ProcessGroup(rank, size, timeout), comm_(comm), worker_(std::make_shared<MpiWorker>()) {
+    std::thread(&MpiWorker::run, worker_).detach();  // ends by itself; see MpiWorker::stop
     std::lock_guard<std::mutex> lock(g_registry_mutex);
-    g_groups.insert(this);
+    g_workers.insert(worker_);
   }
 
   ~MpiGroup() override {
-    {
-      std::lock_guard<std::mutex> lock(g_registry_mutex);
-      g_groups.erase(this);
+    bool stopped = worker_->stop(timeout());
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    g_workers.erase(worker_);
+    if (!stopped) {
+      g_stuck = true;
+    } else {
+      MPI_Comm_free(&comm_);
     }
-    stop();
   }
 
   std::string backend_name() const override { return "mpi"; }
 
-  // Stops the worker once its queue is drained. A worker stuck in a collective cannot be joined:
-  // it is left behind and MPI_Finalize skipped (see the top of this file).
-  void stop() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_) {
-        return;
-      }
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) {
-      if (stuck_) {
-        worker_.detach();
-        std::lock_guard<std::mutex> lock(g_registry_mutex);
-        g_stuck = true;
-      } else {
-        worker_.join();
-      }
-    }
-  }
-
   std::string fail(const Task& task, const std::string& why, bool timed_out) {
     std::string message = describe(task.op, task.seq, task.detail) + " failed: " + why;
-    if (timed_out) {
-      stuck_ = true;
-      if (task.collective) {
-        message +=
-            "; MPI cannot tell which ranks did not arrive: look for the rank that failed or is "
-            "behind in the other ranks' output";
-      }
+    if (timed_out && task.collective) {
+      message +=
+          "; MPI cannot tell which ranks did not arrive: look for the rank that failed or is "
+          "behind in the other ranks' output";
     }
     mark_broken(message);
     return message;
@@ -282,18 +354,20 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     MPI_Op mop = mpi_op(op, tensor.scalar_type());
     return submit(
         "allreduce", std::string(to_string(op)) + ", " + std::to_string(tensor.nbytes()) + " bytes",
-        seq, true, [this, tensor, type, mop, op]() mutable {
+        seq, true, [comm = comm_, n = size(), tensor, type, mop, op]() mutable {
           // Large tensors go in chunks that stay in cache while Open MPI reduces them (see
           // chunk_bytes()); every rank splits the same way, so the calls match.
-          const int64_t per_chunk = std::max<int64_t>(1, chunk_bytes() / tensor.element_size());
+          const int64_t per_chunk =
+              std::min<int64_t>(std::max<int64_t>(1, chunk_bytes() / tensor.element_size()),
+                                std::numeric_limits<int>::max());
           auto* base = static_cast<char*>(tensor.data_ptr());
           for (int64_t start = 0; start < tensor.numel(); start += per_chunk) {
             const int64_t count = std::min(per_chunk, tensor.numel() - start);
             check(MPI_Allreduce(MPI_IN_PLACE, base + start * tensor.element_size(),
-                                static_cast<int>(count), type, mop, comm_));
+                                static_cast<int>(count), type, mop, comm));
           }
           if (op == ReduceOp::kAvg) {
-            tensor.div_(size());
+            tensor.div_(n);
           }
           return MPI_REQUEST_NULL;
         });
@@ -301,9 +375,10 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
   WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) override {
     check_cpu(tensor, "broadcast");
+    const int count = mpi_count(tensor.nbytes(), "broadcast");
     return submit("broadcast", "root " + std::to_string(root), seq, true,
-                  [this, tensor, root]() mutable {
-                    check(MPI_Bcast(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, root, comm_));
+                  [comm = comm_, tensor, root, count]() mutable {
+                    check(MPI_Bcast(tensor.data_ptr(), count, MPI_BYTE, root, comm));
                     return MPI_REQUEST_NULL;
                   });
   }
@@ -315,16 +390,19 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     for (auto& o : outputs) {
       check_cpu(o, "allgather");
     }
-    return submit("allgather", "", seq, true, [this, outputs, input]() mutable {
-      at::Tensor flat = at::empty({size() * input.numel()}, input.options());
-      check(MPI_Allgather(input.data_ptr(), input.nbytes(), MPI_BYTE, flat.data_ptr(),
-                          input.nbytes(), MPI_BYTE, comm_));
-      auto parts = flat.chunk(size());
-      for (int r = 0; r < size(); ++r) {
-        outputs[r].copy_(parts[r].view(input.sizes()));
-      }
-      return MPI_REQUEST_NULL;
-    });
+    const int count = mpi_count(input.nbytes(), "allgather");
+    mpi_count(input.nbytes() * size(), "allgather");
+    return submit("allgather", "", seq, true,
+                  [comm = comm_, n = size(), outputs, input, count]() mutable {
+                    at::Tensor flat = at::empty({n * input.numel()}, input.options());
+                    check(MPI_Allgather(input.data_ptr(), count, MPI_BYTE, flat.data_ptr(), count,
+                                        MPI_BYTE, comm));
+                    auto parts = flat.chunk(n);
+                    for (int r = 0; r < n; ++r) {
+                      outputs[r].copy_(parts[r].view(input.sizes()));
+                    }
+                    return MPI_REQUEST_NULL;
+                  });
   }
 
   WorkPtr do_reduce_scatter(at::Tensor& output,
@@ -337,45 +415,46 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     }
     MPI_Datatype type = mpi_type(output.scalar_type());
     MPI_Op mop = mpi_op(op, output.scalar_type());
+    const int count = mpi_count(output.numel(), "reduce_scatter");
     return submit("reduce_scatter", to_string(op), seq, true,
-                  [this, output, inputs, type, mop, op]() mutable {
+                  [comm = comm_, n = size(), output, inputs, type, mop, op, count]() mutable {
                     at::Tensor flat = at::cat(inputs).contiguous();
-                    check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(),
-                                                   output.numel(), type, mop, comm_));
+                    check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(), count, type,
+                                                   mop, comm));
                     if (op == ReduceOp::kAvg) {
-                      output.div_(size());
+                      output.div_(n);
                     }
                     return MPI_REQUEST_NULL;
                   });
   }
 
   WorkPtr do_barrier(int64_t seq) override {
-    return submit("barrier", "", seq, true, [this]() {
-      check(MPI_Barrier(comm_));
+    return submit("barrier", "", seq, true, [comm = comm_]() {
+      check(MPI_Barrier(comm));
       return MPI_REQUEST_NULL;
     });
   }
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
     check_cpu(tensor, "send");
-    return submit(
-        "send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq, false,
-        [this, tensor, dst, tag]() {
-          MPI_Request request;
-          check(MPI_Isend(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, dst, tag, comm_, &request));
-          return request;
-        });
+    const int count = mpi_count(tensor.nbytes(), "send");
+    return submit("send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq,
+                  false, [comm = comm_, tensor, dst, tag, count]() {
+                    MPI_Request request;
+                    check(MPI_Isend(tensor.data_ptr(), count, MPI_BYTE, dst, tag, comm, &request));
+                    return request;
+                  });
   }
 
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
     check_cpu(tensor, "recv");
-    return submit(
-        "recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq, false,
-        [this, tensor, src, tag]() mutable {
-          MPI_Request request;
-          check(MPI_Irecv(tensor.data_ptr(), tensor.nbytes(), MPI_BYTE, src, tag, comm_, &request));
-          return request;
-        });
+    const int count = mpi_count(tensor.nbytes(), "recv");
+    return submit("recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq,
+                  false, [comm = comm_, tensor, src, tag, count]() mutable {
+                    MPI_Request request;
+                    check(MPI_Irecv(tensor.data_ptr(), count, MPI_BYTE, src, tag, comm, &request));
+                    return request;
+                  });
   }
 
  private:
@@ -397,70 +476,15 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     task->collective = collective;
     task->start = std::move(fn);
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(task);
+      std::lock_guard<std::mutex> lock(worker_->mutex);
+      worker_->queue.push_back(task);
     }
-    cv_.notify_all();
+    worker_->cv.notify_all();
     return std::make_shared<MpiWork>(shared_from_this(), task);
   }
 
-  void run() {
-    // Requests of started sends and receives, polled while no new task is queued.
-    std::list<std::pair<MPI_Request, std::shared_ptr<Task>>> pending;
-    for (;;) {
-      std::shared_ptr<Task> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        if (pending.empty()) {
-          cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        }
-        if (!queue_.empty()) {
-          task = queue_.front();
-          queue_.pop_front();
-        } else if (stopping_ && pending.empty()) {
-          return;
-        }
-      }
-      if (task) {
-        try {
-          MPI_Request request = task->start();
-          if (request == MPI_REQUEST_NULL) {
-            task->finish("");
-          } else {
-            pending.emplace_back(request, task);
-          }
-        } catch (const std::exception& e) {
-          task->finish(e.what());
-        }
-        continue;
-      }
-      bool progressed = false;
-      for (auto it = pending.begin(); it != pending.end();) {
-        int flag = 0;
-        MPI_Status status;
-        int rc = MPI_Test(&it->first, &flag, &status);
-        if (rc != MPI_SUCCESS || flag) {
-          it->second->finish(rc == MPI_SUCCESS ? "" : mpi_error_string(rc));
-          it = pending.erase(it);
-          progressed = true;
-        } else {
-          ++it;
-        }
-      }
-      if (!progressed) {
-        // Keep the latency of a waiting recv low without spinning a whole core.
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-      }
-    }
-  }
-
   MPI_Comm comm_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Task>> queue_;  // guarded by mutex_
-  bool stopping_ = false;                    // guarded by mutex_
-  std::atomic<bool> stuck_{false};
-  std::thread worker_;
+  std::shared_ptr<MpiWorker> worker_;
 };
 
 void MpiWork::wait() {
@@ -479,18 +503,20 @@ void MpiWork::wait() {
 }
 
 void finalize_at_exit() {
-  std::vector<MpiGroup*> groups;
+  std::set<std::shared_ptr<MpiWorker>> workers;
   {
     std::lock_guard<std::mutex> lock(g_registry_mutex);
-    groups.assign(g_groups.begin(), g_groups.end());
+    workers = g_workers;
   }
-  for (MpiGroup* g : groups) {
-    g->stop();
+  bool stuck = false;
+  for (const auto& w : workers) {
+    // Groups still alive at exit (held by a static, say): a short grace for their queues.
+    stuck = !w->stop(std::chrono::seconds(10)) || stuck;
   }
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!g_stuck && !finalized) {
+  if (!g_stuck && !stuck && !finalized) {
     MPI_Finalize();
   }
 }
@@ -499,6 +525,12 @@ void finalize_at_exit() {
 
 ProcessGroupPtr make_mpi_group(std::chrono::milliseconds timeout) {
   ensure_mpi_initialized();
+  {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    TORCH_CHECK(g_thread_level >= MPI_THREAD_MULTIPLE || g_workers.empty(),
+                "mpi backend: this MPI library gives thread level ", g_thread_level,
+                ", not MPI_THREAD_MULTIPLE, so only one mpi process group can exist at a time");
+  }
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
