@@ -57,7 +57,21 @@ class C10dWork : public Work {
         on_success_(std::move(on_success)) {}
 
   void wait() override;
-  bool is_completed() override { return done_ || work_->isCompleted(); }
+  // Completion includes the finishing step (avg's division, copying a bf16 or reduce_scatter
+  // result back), so a caller that polls and then reads sees final values.
+  bool is_completed() override {
+    if (done_ || !error_.empty()) {
+      return true;
+    }
+    if (!work_->isCompleted()) {
+      return false;
+    }
+    try {
+      wait();  // does not block now; a failure is kept and rethrown by the caller's wait()
+    } catch (const CollectiveError&) {
+    }
+    return true;
+  }
 
  private:
   std::shared_ptr<C10dGroup<Engine>> group_;  // kept alive while work on it is pending
@@ -136,7 +150,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.timeout = timeout();
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{as_bits(tensor)};
     return wrap(engine_->broadcast(tensors, opts), "broadcast", seq, true, nullptr,
                 "root " + std::to_string(root));
   }
@@ -147,8 +161,11 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     issued(seq);
     c10d::AllgatherOptions opts;
     opts.timeout = timeout();
-    std::vector<std::vector<at::Tensor>> out{outputs};
-    std::vector<at::Tensor> in{input};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (const auto& o : outputs) {
+      out[0].push_back(as_bits(o));
+    }
+    std::vector<at::Tensor> in{as_bits(input)};
     return wrap(engine_->allgather(out, in, opts), "allgather", seq, true, nullptr, "");
   }
 
@@ -201,6 +218,14 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   at::Tensor widened(const at::Tensor& t) const {
     if (name_ == "gloo" && t.scalar_type() == at::kBFloat16) {
       return t.to(at::kFloat);
+    }
+    return t;
+  }
+
+  // Moving bf16 without arithmetic: the same bytes viewed as fp16, a 2-byte type Gloo knows.
+  at::Tensor as_bits(const at::Tensor& t) const {
+    if (name_ == "gloo" && t.scalar_type() == at::kBFloat16) {
+      return t.view(at::kHalf);
     }
     return t;
   }

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 
 namespace paratrain {
 namespace dist {
@@ -89,27 +90,48 @@ Endpoint parse_tcp(const std::string& url) {
 
 // c10d logs every failed connect and bind attempt to stderr before it throws; the exception says
 // the same, and we turn it into one line. Quiet those logs while the store opens.
+// The log level is process-wide and the heartbeat thread opens stores too: nested or concurrent
+// users share one saved level.
 class QuietC10dLogs {
  public:
   QuietC10dLogs() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (depth()++ > 0) {
+      return;
+    }
 #ifdef C10_USE_GLOG
-    saved_ = FLAGS_minloglevel;
+    saved() = FLAGS_minloglevel;
     FLAGS_minloglevel = 3;  // FATAL only
 #else
-    saved_ = FLAGS_caffe2_log_level;
+    saved() = FLAGS_caffe2_log_level;
     FLAGS_caffe2_log_level = 3;
 #endif
   }
   ~QuietC10dLogs() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (--depth() > 0) {
+      return;
+    }
 #ifdef C10_USE_GLOG
-    FLAGS_minloglevel = saved_;
+    FLAGS_minloglevel = saved();
 #else
-    FLAGS_caffe2_log_level = saved_;
+    FLAGS_caffe2_log_level = saved();
 #endif
   }
 
  private:
-  int saved_;
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& depth() {
+    static int d = 0;
+    return d;
+  }
+  static int& saved() {
+    static int v = 0;
+    return v;
+  }
 };
 
 // Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
@@ -120,14 +142,9 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(
   o.port = static_cast<std::uint16_t>(e.port);
   o.isServer = server;
   o.timeout = timeout;
-  // Each rank's main client counts itself in (c10d only counts clients that know numWorkers), and
-  // the server waits for all of them; extra clients (rank < 0) do neither.
-  if (rank >= 0) {
-    o.numWorkers = world_size;
-    o.waitWorkers = true;
-  } else {
-    o.waitWorkers = false;
-  }
+  // c10d's own wait for workers (numWorkers/waitWorkers) stops at its timeout without an error in
+  // 1.13; join() below counts the ranks itself and says who is missing.
+  o.waitWorkers = false;
   try {
     QuietC10dLogs quiet;
     return c10::make_intrusive<c10d::TCPStore>(e.host, o);
@@ -140,16 +157,39 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(
                   ": address already in use; choose another MASTER_PORT (or launch with "
                   "--standalone, which picks a free port)");
     }
-    if (why.find("clients joined") != std::string::npos ||
-        why.find("Timed out waiting for clients") != std::string::npos) {
-      TORCH_CHECK(false, "rank 0 waited ", timeout.count(), " ms at ", where, " but not all ",
-                  world_size, " ranks joined (", why,
-                  "); check that every rank was started with the same MASTER_ADDR/MASTER_PORT "
-                  "and WORLD_SIZE");
-    }
     TORCH_CHECK(false, "rank ", rank, " could not reach the master at ", where, " within ",
                 timeout.count(), " ms (", why,
                 "); check MASTER_ADDR/MASTER_PORT and that rank 0 is running");
+  }
+}
+
+// Every rank counts itself in through the store and waits for the others, so that a missing or
+// duplicated rank is reported here, in words, instead of as a Gloo rendezvous timeout.
+void join(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout) {
+  const std::string rank_key = "paratrain/join/rank/" + std::to_string(rank);
+  TORCH_CHECK(store.add(rank_key, 1) == 1, "rank ", rank,
+              " joined twice: two processes were started with the same rank; check RANK");
+  const int64_t joined = store.add("paratrain/join/count", 1);
+  TORCH_CHECK(joined <= world_size, "more than WORLD_SIZE=", world_size,
+              " processes joined this job; check that every rank has the same WORLD_SIZE");
+  if (joined == world_size) {
+    store.set("paratrain/join/all", std::vector<uint8_t>{1});
+  }
+  try {
+    store.wait({"paratrain/join/all"}, timeout);
+  } catch (const std::exception&) {
+    std::string missing;
+    int n_missing = 0;
+    for (int r = 0; r < world_size; ++r) {
+      if (!store.check({"paratrain/join/rank/" + std::to_string(r)})) {
+        missing += (n_missing++ ? ", " : "") + std::to_string(r);
+      }
+    }
+    TORCH_CHECK(false, "rank ", rank, " waited ", timeout.count(), " ms for all ", world_size,
+                " ranks to join, but ", n_missing, " did not: rank", n_missing == 1 ? " " : "s ",
+                missing,
+                "; check that they were started with the same MASTER_ADDR/MASTER_PORT and "
+                "WORLD_SIZE");
   }
 }
 
@@ -248,6 +288,9 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
                 "': use env://, tcp://host:port or file:///path");
   }
 
+  if (world_size > 1) {
+    join(*store, rank, world_size, timeout);
+  }
   try {
     if (backend == "gloo") {
       return detail::make_gloo_group(store, monitor_client, rank, world_size, timeout, hostname);

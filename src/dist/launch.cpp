@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <ctime>
@@ -145,6 +146,7 @@ struct Worker {
   int local_rank = 0;
   pid_t pid = -1;
   bool running = false;
+  bool group_empty = false;  // its process group was seen empty: the pgid may be reused, skip it
   int status = 0;
   Stream streams[2];
   std::string prefix;
@@ -325,7 +327,10 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
       .world_size(1)
       .env(mpirun_env);
   LaunchResult r = launch(outer);
-  if (r.first_failure) {
+  if (r.interrupted_by != 0) {
+    r.summary = o.name() + ": interrupted by " + strsignal(r.interrupted_by) +
+                "; stopped mpirun and its " + std::to_string(nproc) + " ranks";
+  } else if (r.first_failure) {
     r.summary = o.name() + ": mpirun " +
                 (r.first_failure->signal
                      ? "was killed by signal " + std::to_string(r.first_failure->signal)
@@ -334,6 +339,70 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
   }
   return r;
 }
+
+// Sends `sig` to every worker's process group (which also holds what the worker started), and to
+// the groups of exited workers until they are seen empty: a group's id can be reused once empty.
+void signal_groups(std::vector<Worker>& workers, int sig) {
+  for (auto& w : workers) {
+    if (w.pid <= 0 || w.group_empty) {
+      continue;
+    }
+    if (!w.running && ::killpg(w.pid, 0) != 0 && errno == ESRCH) {
+      w.group_empty = true;
+      continue;
+    }
+    ::killpg(w.pid, sig);
+  }
+}
+
+// Owns what launch() sets up, so that an exception (a failed fork, say) leaves no worker running,
+// no descriptor open and no signal handler of ours installed.
+struct JobGuard {
+  std::vector<Worker> workers;
+  struct sigaction old_int {};
+  struct sigaction old_term {};
+  struct sigaction old_chld {};
+  bool handlers_installed = false;
+  int dev_null = -1;
+
+  ~JobGuard() {
+    bool any_running = false;
+    for (auto& w : workers) {
+      any_running = any_running || w.running;
+    }
+    if (any_running) {
+      signal_groups(workers, SIGKILL);
+      for (auto& w : workers) {
+        if (w.running) {
+          ::waitpid(w.pid, nullptr, 0);
+          w.running = false;
+        }
+      }
+    }
+    for (auto& w : workers) {
+      for (auto& s : w.streams) {
+        if (s.fd >= 0) {
+          ::close(s.fd);
+          s.fd = -1;
+        }
+      }
+    }
+    if (dev_null >= 0) {
+      ::close(dev_null);
+    }
+    if (handlers_installed) {
+      ::sigaction(SIGINT, &old_int, nullptr);
+      ::sigaction(SIGTERM, &old_term, nullptr);
+      ::sigaction(SIGCHLD, &old_chld, nullptr);
+      ::close(g_signal_pipe[0]);
+      ::close(g_signal_pipe[1]);
+      g_signal_pipe[0] = g_signal_pipe[1] = -1;
+    }
+  }
+};
+
+// One launch at a time per process: the signal handlers and their pipe are process-wide.
+std::atomic<bool> g_launch_active{false};
 
 }  // namespace
 
@@ -362,22 +431,33 @@ LaunchResult launch(const LaunchOptions& o) {
                 o.log_dir(), "' is not a directory and cannot be created");
   }
 
+  TORCH_CHECK(!g_launch_active.exchange(true), o.name(),
+              ": another launch is already running in this process");
+  struct ActiveReset {
+    ~ActiveReset() { g_launch_active = false; }
+  } active_reset;
+  JobGuard job;
+  std::vector<Worker>& workers = job.workers;
+
   // Signals: forward SIGINT/SIGTERM, and wake on SIGCHLD.
   TORCH_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) == 0, "pipe: ", std::strerror(errno));
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
-  struct sigaction old_int, old_term, old_chld;
-  ::sigaction(SIGINT, &sa, &old_int);
-  ::sigaction(SIGTERM, &sa, &old_term);
-  ::sigaction(SIGCHLD, &sa, &old_chld);
+  ::sigaction(SIGINT, &sa, &job.old_int);
+  ::sigaction(SIGTERM, &sa, &job.old_term);
+  ::sigaction(SIGCHLD, &sa, &job.old_chld);
+  job.handlers_installed = true;
+  // Workers run in their own process groups, i.e. in the background of a terminal: reading it
+  // would stop them (SIGTTIN) for good. They read /dev/null instead, as under mpirun.
+  job.dev_null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
 
   const std::string program = find_program(o.command()[0]);
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const pid_t launcher_pid = ::getpid();
 
-  std::vector<Worker> workers(nproc);
+  workers.resize(nproc);
   for (int local = 0; local < nproc; ++local) {
     Worker& w = workers[local];
     w.local_rank = shim ? -1 : local;
@@ -419,10 +499,21 @@ LaunchResult launch(const LaunchOptions& o) {
 
     int out_pipe[2];
     int err_pipe[2];
-    TORCH_CHECK(::pipe2(out_pipe, O_CLOEXEC) == 0 && ::pipe2(err_pipe, O_CLOEXEC) == 0,
-                "pipe: ", std::strerror(errno));
+    TORCH_CHECK(::pipe2(out_pipe, O_CLOEXEC) == 0, "pipe: ", std::strerror(errno));
+    if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      ::close(out_pipe[0]);
+      ::close(out_pipe[1]);
+      TORCH_CHECK(false, "pipe: ", std::strerror(errno));
+    }
     pid_t pid = ::fork();
-    TORCH_CHECK(pid >= 0, "fork failed: ", std::strerror(errno));
+    if (pid < 0) {
+      int err = errno;
+      for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) {
+        ::close(fd);
+      }
+      TORCH_CHECK(false, o.name(), ": cannot start worker ", w.rank,
+                  ": fork failed: ", std::strerror(err));
+    }
     if (pid == 0) {
       // Child: only async-signal-safe calls until exec.
       ::setpgid(0, 0);
@@ -435,6 +526,9 @@ LaunchResult launch(const LaunchOptions& o) {
       ::sigaction(SIGINT, &dfl, nullptr);
       ::sigaction(SIGTERM, &dfl, nullptr);
       ::sigaction(SIGCHLD, &dfl, nullptr);
+      if (job.dev_null >= 0) {
+        ::dup2(job.dev_null, 0);
+      }
       ::dup2(out_pipe[1], 1);
       ::dup2(err_pipe[1], 2);
       ::execve(program.c_str(), argv.data(), envp.data());
@@ -461,15 +555,15 @@ LaunchResult launch(const LaunchOptions& o) {
   int running = nproc;
   int failed_rank_index = -1;
 
-  auto signal_all = [&](int sig) {
-    for (auto& w : workers) {
-      ::killpg(w.pid, sig);  // also reaches what the worker started; ESRCH once all are gone
-    }
-  };
+  int stopped_running = 0;  // workers still running when the job was stopped
+  auto signal_all = [&](int sig) { signal_groups(workers, sig); };
   auto begin_stop = [&](int sig) {
     if (!stopping) {
       stopping = true;
       kill_deadline = Clock::now() + o.kill_grace();
+      for (const auto& w : workers) {
+        stopped_running += w.running ? 1 : 0;
+      }
       signal_all(sig);
     }
   };
@@ -531,11 +625,8 @@ LaunchResult launch(const LaunchOptions& o) {
       break;
     }
     int n = ::poll(fds.data(), fds.size(), 50);
-    if (n < 0 && errno != EINTR) {
-      break;
-    }
     if (n <= 0) {
-      continue;
+      continue;  // timeout, EINTR, or a transient error: the loop re-polls
     }
     for (size_t k = 0; k < fds.size(); ++k) {
       if (fds[k].revents == 0) {
@@ -556,26 +647,6 @@ LaunchResult launch(const LaunchOptions& o) {
       owners[k].first->pump(*owners[k].second);
     }
   }
-  for (auto& w : workers) {
-    for (auto& s : w.streams) {
-      if (s.fd >= 0) {
-        ::close(s.fd);
-      }
-    }
-  }
-
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  ::sigaction(SIGCHLD, &old_chld, nullptr);
-  ::close(g_signal_pipe[0]);
-  ::close(g_signal_pipe[1]);
-
-  int others = 0;
-  for (size_t i = 0; i < workers.size(); ++i) {
-    if (static_cast<int>(i) != failed_rank_index) {
-      ++others;
-    }
-  }
   if (result.first_failure) {
     const WorkerFailure& f = *result.first_failure;
     const Worker& w = workers[failed_rank_index];
@@ -586,13 +657,15 @@ LaunchResult launch(const LaunchOptions& o) {
     }
     s << " " << describe_exit(w.status) << " at " << f.time << "; log: "
       << (f.log_file.empty() ? "its lines above (use --log-dir for files)" : f.log_file);
-    if (others > 0) {
-      s << "; stopped the other " << others << " worker" << (others == 1 ? "" : "s");
+    if (stopped_running > 0) {
+      s << "; stopped the other " << stopped_running << " running worker"
+        << (stopped_running == 1 ? "" : "s");
     }
     result.summary = s.str();
   } else if (result.interrupted_by != 0) {
     result.summary = o.name() + ": interrupted by " + strsignal(result.interrupted_by) +
-                     "; stopped all " + std::to_string(nproc) + " worker" + (nproc == 1 ? "" : "s");
+                     "; stopped " + std::to_string(stopped_running) + " running worker" +
+                     (stopped_running == 1 ? "" : "s");
   }
   return result;
 }

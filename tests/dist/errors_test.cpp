@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 
 namespace paratrain {
 namespace testing {
@@ -109,6 +110,55 @@ TEST(BadInput, PortAlreadyInUse) {
             std::string::npos)
       << r.output;
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, RankThatNeverJoins) {
+  // Rank 0 of 2 alone: after the timeout it names the missing rank.
+  int port = free_port();
+  auto r = run_worker({{"RANK", "0"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "127.0.0.1"},
+                       {"MASTER_PORT", std::to_string(port)},
+                       {"PARATRAIN_TIMEOUT", "3"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: rank 0 waited 3000 ms for all 2 ranks to join, but 1 did not: "
+                          "rank 1; check that they were started with the same"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+TEST(BadInput, DuplicateRank) {
+  // Ranks 0, 1 and another 1 for a world of 2: the second rank 1 is refused by name.
+  int port = free_port();
+  std::map<std::string, std::string> env{{"WORLD_SIZE", "2"},
+                                         {"MASTER_ADDR", "127.0.0.1"},
+                                         {"MASTER_PORT", std::to_string(port)},
+                                         {"PARATRAIN_TIMEOUT", "10"},
+                                         {"OMPI_COMM_WORLD_SIZE", "<unset>"},
+                                         {"PARATRAIN_BACKEND", "<unset>"}};
+  auto with_rank = [&](const char* rank) {
+    auto e = env;
+    e["RANK"] = rank;
+    return e;
+  };
+  // The first two form the job and stay in it (rank 1 sleeps 6 s before its allreduce).
+  RunningProcess r0 = start_process({worker_path(), "late", "1", "6"}, with_rank("0"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  RunningProcess r1 = start_process({worker_path(), "late", "1", "6"}, with_rank("1"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+  RunningProcess r2 = start_process({worker_path(), "init"}, with_rank("1"));
+  ProcessResult a = r0.finish(60);
+  ProcessResult b = r1.finish(60);
+  ProcessResult c = r2.finish(60);
+  const std::string all = a.output + b.output + c.output;
+  EXPECT_NE(all.find("error: rank 1 joined twice: two processes were started with the same "
+                     "rank; check RANK"),
+            std::string::npos)
+      << all;
+  EXPECT_EQ(c.exit_code, 1) << all;
+  EXPECT_EQ(a.exit_code, 0) << all;  // the real job is unharmed
+  EXPECT_EQ(b.exit_code, 0) << all;
 }
 
 TEST(BadInput, UnknownBackend) {

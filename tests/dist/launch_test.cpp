@@ -179,7 +179,7 @@ TEST(Launch, FailingWorkerTearsDownTheJob) {
   std::regex summary(
       R"(paratrain launch: job failed: rank 1 \(local rank 1, pid \d+\) exited with code 3 at )"
       R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[-+]\d{4}; log: )" +
-      dir + R"(/rank_1\.log; stopped the other 2 workers)");
+      dir + R"(/rank_1\.log; stopped the other 2 running workers)");
   EXPECT_TRUE(std::regex_search(r.output, summary)) << r.output;
   EXPECT_LT(seconds, 10.0) << "the others were not stopped within 5 s of the failure";
   expect_no_leftovers(token);
@@ -209,7 +209,7 @@ TEST(Launch, SigintReachesEveryWorker) {
   ProcessResult r = p.finish(30);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.output;
-  EXPECT_NE(r.output.find("interrupted by Interrupt; stopped all 2 workers"), std::string::npos)
+  EXPECT_NE(r.output.find("interrupted by Interrupt; stopped 2 running workers"), std::string::npos)
       << r.output;
   expect_no_leftovers(token);
 }
