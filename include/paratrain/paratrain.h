@@ -4,6 +4,9 @@
 
 #include "paratrain/version.h"
 
+#include "paratrain/data/distributed_sampler.h"  // DistributedSampler
+#include "paratrain/data/fashion_mnist.h"        // FashionMNIST
+
 #include "paratrain/dist/env.h"            // RankInfo, discover_rank_info
 #include "paratrain/dist/init.h"           // init_process_group, InitOptions, local_device
 #include "paratrain/dist/launch.h"         // launch, LaunchOptions (paratrain launch)

@@ -1,0 +1,47 @@
+#pragma once
+
+// Fashion-MNIST from the gzip'd idx files that Debian's dataset-fashion-mnist package installs in
+// /usr/share/datasets/fashion-mnist (train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
+// t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz).
+//
+// Images come as float tensors [N, 1, 28, 28], scaled to [0, 1] and then normalised with the
+// dataset's mean 0.2860 and std 0.3530; targets as int64 [N] in 0..9.
+
+#include <torch/data/datasets/base.h>
+#include <torch/data/example.h>
+#include <torch/types.h>
+
+#include <string>
+
+namespace paratrain {
+namespace data {
+
+constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+constexpr double kFashionMnistMean = 0.2860;
+constexpr double kFashionMnistStd = 0.3530;
+
+class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
+ public:
+  enum class Split { kTrain, kTest };
+
+  /// Reads and checks both files of the split (magic numbers, dimensions, lengths). Throws
+  /// c10::Error naming the file and what is wrong with it.
+  explicit FashionMNIST(const std::string& root = kFashionMnistDir, Split split = Split::kTrain);
+
+  torch::data::Example<> get(size_t index) override;
+  c10::optional<size_t> size() const override;
+
+  const torch::Tensor& images() const { return images_; }
+  const torch::Tensor& targets() const { return targets_; }
+
+ private:
+  torch::Tensor images_;
+  torch::Tensor targets_;
+};
+
+/// Reads one gzip'd (or plain) idx file and checks its magic number: 2051 for images, 2049 for
+/// labels. Returns uint8 data shaped [N, 28, 28] or [N].
+torch::Tensor read_idx_file(const std::string& path, bool images);
+
+}  // namespace data
+}  // namespace paratrain
