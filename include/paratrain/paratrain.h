@@ -12,3 +12,6 @@
 #include "paratrain/dist/launch.h"         // launch, LaunchOptions (paratrain launch)
 #include "paratrain/dist/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
 #include "paratrain/dist/spawn.h"          // spawn
+
+#include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
+#include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions

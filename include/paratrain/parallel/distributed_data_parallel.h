@@ -1,0 +1,175 @@
+#pragma once
+
+// DistributedDataParallel for libtorch modules: the C++ counterpart of
+// torch.nn.parallel.DistributedDataParallel.
+//
+//   auto pg = paratrain::dist::init_process_group();
+//   auto model = torch::nn::Sequential(...);
+//   paratrain::DistributedDataParallel ddp(model, pg, paratrain::DDPOptions().bucket_cap_mb(25));
+//   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+//   for (...) {
+//     opt.zero_grad();
+//     auto loss = torch::nn::functional::cross_entropy(ddp.forward(x), y);
+//     loss.backward();   // gradients are averaged over the ranks when backward returns
+//     opt.step();
+//   }
+//
+// Note [How DDP reduces gradients]
+// At construction every rank checks that all ranks hold the same parameters (names, dtypes,
+// shapes), takes rank 0's parameters and buffers, and assigns the parameters to buckets in
+// reverse registration order (roughly the order backward produces their gradients): the first
+// bucket holds up to first_bucket_mb, the others up to bucket_cap_mb. A post-hook on each
+// parameter's gradient accumulator copies its gradient into the bucket's flat buffer when
+// backward has accumulated it; when a bucket is complete, and every bucket before it has been
+// launched, its communication hook starts (asynchronously), so the allreduce of the last layers
+// overlaps the backward of the first. An end-of-backward callback waits for every bucket and
+// writes the averaged gradients back (unless they already are views of the buckets).
+//
+// Threads: hooks and the callback run on the thread(s) the autograd engine uses for the
+// parameters' device (the caller's thread on CPU); state is guarded by one mutex. forward() and
+// backward() must not run concurrently on one DDP object.
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/any.h>
+
+#include "paratrain/dist/process_group.h"
+#include "paratrain/parallel/comm_hooks.h"
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+
+constexpr double kDefaultBucketCapMb = 25.0;
+constexpr double kDefaultFirstBucketMb = 1.0;
+
+struct DDPOptions {
+  /// Bucket size cap, MiB (PyTorch's default 25).
+  TORCH_ARG(double, bucket_cap_mb) = kDefaultBucketCapMb;
+  /// Cap of the first bucket (the last layers' gradients), MiB: small, so that communication
+  /// starts early in backward (PyTorch's default 1).
+  TORCH_ARG(double, first_bucket_mb) = kDefaultFirstBucketMb;
+  /// Broadcast buffers (BatchNorm running statistics) from rank 0 at each forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Parameters that may get no gradient in an iteration: found from the autograd graph at each
+  /// forward and marked ready, at the cost of a graph walk and one small allreduce per iteration.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Make each parameter's .grad a view into its bucket: saves a copy in and out and the memory
+  /// of one set of gradients.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Accepted for PyTorch compatibility: the graph is treated as possibly dynamic every iteration
+  /// (the bucket order is already fixed and every hook is already registered once).
+  TORCH_ARG(bool, static_graph) = false;
+};
+
+class DistributedDataParallel {
+ public:
+  /// Wraps `module` (any libtorch module holder with a forward, e.g. torch::nn::Sequential).
+  template <typename ModuleHolder>
+  DistributedDataParallel(ModuleHolder module,
+                          dist::ProcessGroupPtr pg,
+                          DDPOptions options = DDPOptions())
+      : DistributedDataParallel(
+            module.ptr(), torch::nn::AnyModule(module), std::move(pg), std::move(options)) {}
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Runs the module's forward (after broadcasting buffers, and checking that the previous
+  /// iteration's reduction finished).
+  template <typename... Args>
+  torch::Tensor forward(Args&&... args) {
+    pre_forward();
+    torch::Tensor out = any_.forward(std::forward<Args>(args)...);
+    post_forward(out);
+    return out;
+  }
+  template <typename... Args>
+  torch::Tensor operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// RAII: while alive, backward accumulates gradients locally without communication; the first
+  /// backward after it ends reduces the accumulated gradients (PyTorch's no_sync()).
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.require_sync_) {
+      ddp_.require_sync_ = false;
+    }
+    ~NoSyncGuard() { ddp_.require_sync_ = previous_; }
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// Replaces the communication hook (default AllreduceHook). Call before the first backward.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
+
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+  const dist::ProcessGroupPtr& process_group() const { return pg_; }
+  const DDPOptions& options() const { return options_; }
+  /// Parameter indices (in module()->parameters() order) of each bucket, in launch order.
+  std::vector<std::vector<size_t>> bucket_assignment() const;
+
+  /// Seconds spent in wait() for bucket reductions at the end of the last backward: the part of
+  /// communication not hidden behind backward.
+  double last_exposed_comm_seconds() const { return last_exposed_comm_seconds_; }
+
+ private:
+  struct Bucket {
+    at::Tensor flat;               // the bucket's gradients, contiguous
+    std::vector<size_t> params;    // indices into params_
+    std::vector<int64_t> offsets;  // element offset of each parameter in flat
+    size_t pending = 0;            // parameters not yet ready this iteration
+    bool launched = false;
+    dist::WorkPtr work;
+  };
+
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                          torch::nn::AnyModule any,
+                          dist::ProcessGroupPtr pg,
+                          DDPOptions options);
+
+  void verify_same_parameters();
+  void broadcast_state(bool parameters, bool buffers);
+  void build_buckets();
+  void register_hooks();
+  void pre_forward();
+  void post_forward(const torch::Tensor& output);
+  void on_gradient_ready(size_t index);  // hook of parameter `index`
+  void mark_ready_locked(size_t index);
+  void launch_ready_buckets_locked();
+  void finalize_backward();
+  at::Tensor slot(size_t index);
+  at::Tensor grad_alias(size_t index);
+
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::nn::AnyModule any_;
+  dist::ProcessGroupPtr pg_;
+  DDPOptions options_;
+  std::shared_ptr<CommHook> hook_;
+
+  std::vector<torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive for the hooks
+  std::vector<uintptr_t> hook_keys_;  // to remove the hooks when this object goes away
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<size_t, size_t>> location_;  // parameter -> (bucket, position)
+
+  std::mutex mutex_;  // guards everything below during backward
+  bool require_sync_ = true;
+  bool backward_started_ = false;
+  bool expecting_backward_ = false;  // set by forward, cleared by the end-of-backward callback
+  size_t next_bucket_ = 0;
+  std::vector<bool> ready_;  // parameter marked ready this iteration
+  std::vector<bool> used_;   // parameter reached by the last forward's graph
+  std::string unfinished_;   // names of parameters that got no gradient, when not finished
+  double last_exposed_comm_seconds_ = 0;
+};
+
+}  // namespace paratrain
