@@ -34,6 +34,8 @@ const char* kUsage =
     "devices\n"
     "  launch [opts] -- PROG   start PROG once per rank with torchrun's environment (see\n"
     "                          `paratrain launch --help`)\n"
+    "  train [opts]            train a model (linear, mlp) on Fashion-MNIST, alone or with DDP\n"
+    "                          (see `paratrain train --help`)\n"
     "  bench allreduce         allreduce time and bus bandwidth per backend\n";
 
 }  // namespace
@@ -52,6 +54,9 @@ int main(int argc, char** argv) {
     }
     if (command == "launch") {
       return paratrain::cli::run_launch(args);
+    }
+    if (command == "train") {
+      return paratrain::cli::run_train(args);
     }
     if (command == "bench") {
       return paratrain::cli::run_bench(args);

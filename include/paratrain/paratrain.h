@@ -6,6 +6,7 @@
 
 #include "paratrain/data/distributed_sampler.h"  // DistributedSampler
 #include "paratrain/data/fashion_mnist.h"        // FashionMNIST
+#include "paratrain/data/loader.h"               // TensorLoader, LoaderOptions
 
 #include "paratrain/dist/env.h"            // RankInfo, discover_rank_info
 #include "paratrain/dist/init.h"           // init_process_group, InitOptions, local_device
@@ -13,5 +14,7 @@
 #include "paratrain/dist/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
 #include "paratrain/dist/spawn.h"          // spawn
 
+#include "paratrain/models/registry.h"                     // models::make
 #include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
+#include "paratrain/train/safetensors.h"                   // save/load_safetensors, module_state

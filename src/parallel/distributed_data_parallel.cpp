@@ -39,12 +39,13 @@ std::string describe_param(const std::string& name, const at::Tensor& p) {
 
 }  // namespace
 
-DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                                                 torch::nn::AnyModule any,
-                                                 dist::ProcessGroupPtr pg,
-                                                 DDPOptions options)
+DistributedDataParallel::DistributedDataParallel(
+    std::shared_ptr<torch::nn::Module> module,
+    std::function<torch::Tensor(const torch::Tensor&)> forward,
+    dist::ProcessGroupPtr pg,
+    DDPOptions options)
     : module_(std::move(module)),
-      any_(std::move(any)),
+      forward_(std::move(forward)),
       pg_(std::move(pg)),
       options_(std::move(options)),
       hook_(std::make_shared<AllreduceHook>()) {

@@ -31,11 +31,11 @@
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/any.h>
 
 #include "paratrain/dist/process_group.h"
 #include "paratrain/parallel/comm_hooks.h"
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -67,29 +67,35 @@ struct DDPOptions {
 
 class DistributedDataParallel {
  public:
-  /// Wraps `module` (any libtorch module holder with a forward, e.g. torch::nn::Sequential).
+  /// Wraps `module`: any libtorch module holder whose forward takes and returns a tensor
+  /// (torch::nn::Sequential, torch::nn::Linear, a TORCH_MODULE of your own).
   template <typename ModuleHolder>
   DistributedDataParallel(ModuleHolder module,
                           dist::ProcessGroupPtr pg,
                           DDPOptions options = DDPOptions())
       : DistributedDataParallel(
-            module.ptr(), torch::nn::AnyModule(module), std::move(pg), std::move(options)) {}
+            module.ptr(),
+            [m = module.ptr()](const torch::Tensor& x) -> torch::Tensor { return m->forward(x); },
+            std::move(pg),
+            std::move(options)) {}
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
   /// Runs the module's forward (after broadcasting buffers, and checking that the previous
   /// iteration's reduction finished).
-  template <typename... Args>
-  torch::Tensor forward(Args&&... args) {
+  torch::Tensor forward(const torch::Tensor& input) {
+    return forward_with([&] { return forward_(input); });
+  }
+  torch::Tensor operator()(const torch::Tensor& input) { return forward(input); }
+  /// The same around any call producing the output, for modules whose forward takes other
+  /// arguments: ddp.forward_with([&] { return model->forward(a, b); }).
+  template <typename F>
+  torch::Tensor forward_with(F&& f) {
     pre_forward();
-    torch::Tensor out = any_.forward(std::forward<Args>(args)...);
+    torch::Tensor out = f();
     post_forward(out);
     return out;
-  }
-  template <typename... Args>
-  torch::Tensor operator()(Args&&... args) {
-    return forward(std::forward<Args>(args)...);
   }
 
   /// RAII: while alive, backward accumulates gradients locally without communication; the first
@@ -131,7 +137,7 @@ class DistributedDataParallel {
   };
 
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
-                          torch::nn::AnyModule any,
+                          std::function<torch::Tensor(const torch::Tensor&)> forward,
                           dist::ProcessGroupPtr pg,
                           DDPOptions options);
 
@@ -149,7 +155,7 @@ class DistributedDataParallel {
   at::Tensor grad_alias(size_t index);
 
   std::shared_ptr<torch::nn::Module> module_;
-  torch::nn::AnyModule any_;
+  std::function<torch::Tensor(const torch::Tensor&)> forward_;
   dist::ProcessGroupPtr pg_;
   DDPOptions options_;
   std::shared_ptr<CommHook> hook_;

@@ -1,0 +1,264 @@
+// paratrain train: train a model on a real dataset, on one process or with DDP over several.
+
+#include "args.h"
+#include "commands.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+const char* kTrainUsage =
+    "usage: paratrain train --model linear|mlp --dataset fashion-mnist --strategy single|ddp\n"
+    "         [--nproc N] [--backend auto|gloo|mpi] --epochs E [--steps S] --batch-size B\n"
+    "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
+    "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
+    "[--json]\n"
+    "\n"
+    "--batch-size is per rank. --steps caps the steps of each epoch. With --strategy ddp, --nproc "
+    "N\n"
+    "starts N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
+
+bool inside_a_job() {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"}) {
+    const char* value = std::getenv(v);
+    if (value != nullptr && value[0] != '\0') {
+      return true;
+    }
+  }
+  return false;
+}
+
+using Clock = std::chrono::steady_clock;
+
+}  // namespace
+
+int run_train(const std::vector<std::string>& argv) {
+  Args args(
+      argv,
+      {"model", "dataset", "strategy", "nproc", "backend", "epochs", "steps", "batch-size", "lr",
+       "momentum", "weight-decay", "seed", "workers", "data-dir", "save-weights", "load-weights"},
+      {"json", "help"});
+  if (args.has("help")) {
+    std::cout << kTrainUsage;
+    return 0;
+  }
+  const std::string model_name = args.get("model", "mlp");
+  const std::string dataset = args.get("dataset", "fashion-mnist");
+  const std::string strategy = args.get("strategy", "single");
+  const int epochs = args.get_int("epochs", 1);
+  const int steps = args.get_int("steps", 0);
+  const int batch_size = args.get_int("batch-size", 64);
+  const double lr = args.get_double("lr", 0.05);
+  const double momentum = args.get_double("momentum", 0.9);
+  const double weight_decay = args.get_double("weight-decay", 0.0);
+  const int seed = args.get_int("seed", 0);
+  const int workers = args.get_int("workers", 1);
+  const int nproc = args.get_int("nproc", 0);
+  const bool json = args.has("json");
+  const std::string data_dir = args.get("data-dir", data::kFashionMnistDir);
+
+  auto known_models = models::names();
+  if (std::find(known_models.begin(), known_models.end(), model_name) == known_models.end()) {
+    throw UsageError("unknown --model '" + model_name + "': choose linear or mlp");
+  }
+  if (dataset != "fashion-mnist") {
+    throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
+  }
+  if (strategy != "single" && strategy != "ddp") {
+    throw UsageError("unknown --strategy '" + strategy + "': choose single or ddp");
+  }
+  if (epochs <= 0) {
+    throw UsageError("--epochs must be positive, got " + std::to_string(epochs));
+  }
+  if (batch_size <= 0) {
+    throw UsageError("--batch-size must be positive, got " + std::to_string(batch_size));
+  }
+  if (steps < 0 || workers < 0 || lr <= 0 || momentum < 0 || weight_decay < 0) {
+    throw UsageError("--steps, --workers, --momentum and --weight-decay must be >= 0, --lr > 0");
+  }
+  if (nproc < 0 || (nproc > 0 && strategy != "ddp")) {
+    throw UsageError("--nproc needs --strategy ddp and a positive count");
+  }
+
+  // ddp with --nproc outside a job: become the launcher of N copies of this command.
+  if (strategy == "ddp" && nproc > 0 && !inside_a_job()) {
+    std::vector<std::string> command{self_path(), "train"};
+    for (size_t i = 0; i < argv.size(); ++i) {
+      if (argv[i] == "--nproc") {
+        ++i;
+        continue;
+      }
+      if (argv[i].rfind("--nproc=", 0) == 0) {
+        continue;
+      }
+      command.push_back(argv[i]);
+    }
+    dist::LaunchOptions o;
+    o.nproc_per_node(nproc).standalone(true).command(command).prefix_output(false).name(
+        "paratrain train");
+    const std::string backend = args.get("backend", "auto");
+    if (backend != "auto") {
+      o.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun", "--no-prefix"});
+    }
+    dist::LaunchResult r = dist::launch(o);
+    if (!r.summary.empty()) {
+      std::cerr << r.summary << std::endl;
+    }
+    return r.exit_code;
+  }
+
+  dist::ProcessGroupPtr pg;
+  if (strategy == "ddp") {
+    pg = dist::init_process_group(dist::InitOptions().backend(args.get("backend", "auto")));
+  }
+  const int rank = pg ? pg->rank() : 0;
+  const int world = pg ? pg->size() : 1;
+  const bool speak = rank == 0;
+  std::ostream& info = json ? std::cerr : std::cout;
+
+  // Data first: a missing dataset should fail before any training is set up.
+  data::FashionMNIST train(data_dir, data::FashionMNIST::Split::kTrain);
+  data::FashionMNIST test(data_dir, data::FashionMNIST::Split::kTest);
+  const torch::Device device = dist::local_device();
+
+  torch::manual_seed(seed);  // the same initial weights on every run
+  torch::nn::Sequential model = models::make(model_name);
+  if (args.has("load-weights")) {
+    load_module_state(*model, load_safetensors(args.get("load-weights")));
+  }
+  model->to(device);
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (pg) {
+    ddp = std::make_unique<DistributedDataParallel>(model, pg);
+  }
+  torch::optim::SGD optimizer(
+      model->parameters(),
+      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
+
+  data::DistributedSampler sampler(*train.size(), world, rank, /*shuffle=*/true,
+                                   static_cast<uint64_t>(seed));
+  const size_t steps_per_epoch =
+      std::min<size_t>(steps > 0 ? static_cast<size_t>(steps) : SIZE_MAX,
+                       (sampler.num_samples() + batch_size - 1) / batch_size);
+  if (speak) {
+    info << "paratrain train: model " << model_name << " (" <<
+        [&] {
+          int64_t n = 0;
+          for (const auto& p : model->parameters()) {
+            n += p.numel();
+          }
+          return n;
+        }()
+         << " parameters), dataset " << dataset << " (" << *train.size() << " train, "
+         << *test.size() << " test), strategy " << strategy << ", " << world << " rank"
+         << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device "
+         << device << ", batch " << batch_size << " per rank, " << steps_per_epoch
+         << " steps per epoch, lr " << lr << ", momentum " << momentum << ", weight decay "
+         << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
+         << " threads per rank" << std::endl;
+  }
+  const bool progress = speak && !json && ::isatty(1);
+
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    model->train();
+    sampler.set_epoch(static_cast<uint64_t>(epoch));
+    data::TensorLoader loader(train.images(), train.targets(), sampler.indices(),
+                              data::LoaderOptions(static_cast<size_t>(batch_size))
+                                  .workers(static_cast<size_t>(workers))
+                                  .pin_memory(device.is_cuda()));
+    double loss_sum = 0;
+    int64_t samples = 0;
+    auto start = Clock::now();
+    for (size_t step = 0; step < steps_per_epoch; ++step) {
+      auto batch = loader.next();
+      if (!batch) {
+        break;
+      }
+      auto x = batch->data.to(device, /*non_blocking=*/true);
+      auto y = batch->target.to(device, /*non_blocking=*/true);
+      optimizer.zero_grad();
+      auto out = ddp ? ddp->forward(x) : model->forward(x);
+      auto loss = torch::nn::functional::cross_entropy(out, y);
+      loss.backward();
+      optimizer.step();
+      loss_sum += loss.item<double>() * static_cast<double>(y.size(0));
+      samples += y.size(0);
+      if (progress && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
+        const int width = 30;
+        int filled = static_cast<int>(width * (step + 1) / steps_per_epoch);
+        std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f", epoch + 1, epochs,
+                    std::string(static_cast<size_t>(filled), '=').c_str(),
+                    std::string(static_cast<size_t>(width - filled), ' ').c_str(), step + 1,
+                    steps_per_epoch, loss_sum / std::max<int64_t>(1, samples));
+        std::fflush(stdout);
+      }
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+    // Test accuracy over the whole test set: each rank takes a contiguous share.
+    model->eval();
+    int64_t correct = 0;
+    int64_t seen = 0;
+    {
+      torch::NoGradGuard no_grad;
+      const int64_t n = test.images().size(0);
+      const int64_t begin = n * rank / world;
+      const int64_t end = n * (rank + 1) / world;
+      for (int64_t i = begin; i < end; i += 1000) {
+        const int64_t j = std::min(end, i + 1000);
+        auto out = model->forward(test.images().slice(0, i, j).to(device));
+        correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();
+        seen += j - i;
+      }
+    }
+    at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples),
+                                       static_cast<double>(correct), static_cast<double>(seen)},
+                                      torch::kDouble);
+    if (pg) {
+      pg->allreduce(totals)->wait();
+    }
+    const double train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+    const double accuracy = totals[2].item<double>() / std::max(1.0, totals[3].item<double>());
+    const double images_per_sec = totals[1].item<double>() / seconds;
+    if (speak) {
+      if (progress) {
+        std::printf("\n");
+      }
+      if (json) {
+        std::cout << std::setprecision(6) << "{\"epoch\": " << epoch + 1
+                  << ", \"train_loss\": " << train_loss << ", \"test_accuracy\": " << accuracy
+                  << ", \"images_per_sec\": " << images_per_sec << ", \"seconds\": " << seconds
+                  << "}" << std::endl;
+      } else {
+        std::cout << std::fixed << std::setprecision(4) << "epoch " << epoch + 1 << "/" << epochs
+                  << ": train_loss " << train_loss << ", test_accuracy " << accuracy
+                  << ", images/s " << std::setprecision(0) << images_per_sec << " ("
+                  << std::setprecision(1) << seconds << " s)" << std::endl;
+      }
+    }
+  }
+  if (args.has("save-weights") && speak) {
+    save_safetensors(module_state(*model), args.get("save-weights"));
+    info << "paratrain train: weights written to " << args.get("save-weights") << std::endl;
+  }
+  if (pg) {
+    pg->barrier()->wait();  // nobody leaves while rank 0 still writes
+  }
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace paratrain

@@ -1,0 +1,26 @@
+#pragma once
+
+// Models by name, for `paratrain train --model` and the benchmarks. Every model is a
+// torch::nn::Sequential with named children, so parameter names are stable ("linear0.weight").
+//
+//   linear  Flatten -> fc: Linear(784, 10)                       the notes' Net
+//   mlp     Flatten -> linear0: Linear(784, 512) -> bn0 -> relu0 -> dropout0
+//                   -> linear1: Linear(512, 256) -> bn1 -> relu1 -> dropout1
+//                   -> linear2: Linear(256, 10)                 the notes' classifier head
+
+#include <torch/nn/modules/container/sequential.h>
+
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace models {
+
+/// Builds model `name` for `num_classes` outputs; throws c10::Error listing the known names for an
+/// unknown one.
+torch::nn::Sequential make(const std::string& name, int64_t num_classes = 10);
+
+std::vector<std::string> names();
+
+}  // namespace models
+}  // namespace paratrain

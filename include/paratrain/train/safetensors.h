@@ -1,0 +1,34 @@
+#pragma once
+
+// Model state as safetensors (https://github.com/huggingface/safetensors format): an 8-byte
+// little-endian header length, a JSON header mapping each tensor name to its dtype, shape and byte
+// range, then the raw little-endian data. It is what the rest of the ecosystem reads (Python's
+// safetensors, candle, ...), carries no code, and needs no libtorch to parse.
+
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <map>
+#include <string>
+
+namespace paratrain {
+
+/// Writes `tensors` (moved to CPU, made contiguous) to `path`. Throws c10::Error on I/O errors.
+void save_safetensors(const std::map<std::string, torch::Tensor>& tensors, const std::string& path);
+
+/// Reads every tensor of a safetensors file. Throws c10::Error naming the file for anything that
+/// is not a well-formed safetensors file (bad length, bad JSON, unknown dtype, out-of-range
+/// offsets).
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
+
+/// A module's parameters and buffers by their libtorch names ("fc1.weight", "bn.running_mean").
+std::map<std::string, torch::Tensor> module_state(const torch::nn::Module& module);
+
+/// Copies a state into the module. With `strict` (the default, as PyTorch's load_state_dict) a
+/// missing or unexpected name is an error; a shape mismatch always is. The error names the
+/// tensors.
+void load_module_state(torch::nn::Module& module,
+                       const std::map<std::string, torch::Tensor>& state,
+                       bool strict = true);
+
+}  // namespace paratrain

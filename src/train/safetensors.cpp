@@ -1,0 +1,356 @@
+#include "paratrain/train/safetensors.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <cctype>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace paratrain {
+
+namespace {
+
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {
+    {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kHalf, "F16"},  {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},  {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},
+    {at::kByte, "U8"},   {at::kBool, "BOOL"},
+};
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& d : kDtypes) {
+    if (d.type == t) {
+      return d.name;
+    }
+  }
+  TORCH_CHECK(false, "safetensors: cannot store tensors of type ", t);
+}
+
+// A JSON reader for the safetensors header only: objects, arrays, strings, integers. Written
+// here because neither libtorch nor the project's other dependencies bring a JSON parser.
+class HeaderParser {
+ public:
+  HeaderParser(const std::string& text, const std::string& path) : s_(text), path_(path) {}
+
+  struct Entry {
+    std::string dtype;
+    std::vector<int64_t> shape;
+    int64_t begin = -1;
+    int64_t end = -1;
+  };
+
+  std::map<std::string, Entry> parse() {
+    std::map<std::string, Entry> out;
+    expect('{');
+    if (peek() == '}') {
+      ++i_;
+      return out;
+    }
+    while (true) {
+      std::string name = string();
+      expect(':');
+      if (name == "__metadata__") {
+        skip_value();
+      } else {
+        out[name] = entry(name);
+      }
+      if (peek() == ',') {
+        ++i_;
+        continue;
+      }
+      expect('}');
+      return out;
+    }
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) {
+    TORCH_CHECK(false, "safetensors: ", path_, " is not a valid safetensors file: ", what,
+                " at byte ", i_ + 8, " of the header");
+  }
+  char peek() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) {
+      ++i_;
+    }
+    if (i_ >= s_.size()) {
+      fail("the header ends early");
+    }
+    return s_[i_];
+  }
+  void expect(char c) {
+    if (peek() != c) {
+      fail(std::string("expected '") + c + "'");
+    }
+    ++i_;
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      if (s_[i_] == '\\' && i_ + 1 < s_.size()) {
+        ++i_;
+      }
+      out += s_[i_++];
+    }
+    if (i_ >= s_.size()) {
+      fail("unterminated string");
+    }
+    ++i_;
+    return out;
+  }
+  int64_t integer() {
+    peek();
+    size_t start = i_;
+    if (s_[i_] == '-') {
+      ++i_;
+    }
+    while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) {
+      ++i_;
+    }
+    if (start == i_) {
+      fail("expected a number");
+    }
+    return std::stoll(s_.substr(start, i_ - start));
+  }
+  std::vector<int64_t> int_array() {
+    std::vector<int64_t> out;
+    expect('[');
+    if (peek() == ']') {
+      ++i_;
+      return out;
+    }
+    while (true) {
+      out.push_back(integer());
+      if (peek() == ',') {
+        ++i_;
+        continue;
+      }
+      expect(']');
+      return out;
+    }
+  }
+  void skip_value() {
+    char c = peek();
+    if (c == '"') {
+      string();
+    } else if (c == '{' || c == '[') {
+      char close = c == '{' ? '}' : ']';
+      ++i_;
+      if (peek() == close) {
+        ++i_;
+        return;
+      }
+      while (true) {
+        if (c == '{') {
+          string();
+          expect(':');
+        }
+        skip_value();
+        if (peek() == ',') {
+          ++i_;
+          continue;
+        }
+        expect(close);
+        return;
+      }
+    } else {
+      while (i_ < s_.size() && s_[i_] != ',' && s_[i_] != '}' && s_[i_] != ']') {
+        ++i_;
+      }
+    }
+  }
+  Entry entry(const std::string& name) {
+    Entry e;
+    expect('{');
+    while (true) {
+      std::string key = string();
+      expect(':');
+      if (key == "dtype") {
+        e.dtype = string();
+      } else if (key == "shape") {
+        e.shape = int_array();
+      } else if (key == "data_offsets") {
+        auto offsets = int_array();
+        if (offsets.size() != 2) {
+          fail("data_offsets of '" + name + "' must hold two numbers");
+        }
+        e.begin = offsets[0];
+        e.end = offsets[1];
+      } else {
+        skip_value();
+      }
+      if (peek() == ',') {
+        ++i_;
+        continue;
+      }
+      expect('}');
+      break;
+    }
+    if (e.dtype.empty() || e.begin < 0) {
+      fail("tensor '" + name + "' lacks dtype or data_offsets");
+    }
+    return e;
+  }
+
+  const std::string& s_;
+  std::string path_;
+  size_t i_ = 0;
+};
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+    }
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
+                      const std::string& path) {
+  std::ostringstream header;
+  header << "{\"__metadata__\":{\"format\":\"pt\"}";
+  std::vector<torch::Tensor> data;
+  int64_t offset = 0;
+  for (const auto& kv : tensors) {
+    torch::Tensor t = kv.second.detach().to(torch::kCPU).contiguous();
+    header << ",\"" << json_escape(kv.first) << "\":{\"dtype\":\"" << dtype_name(t.scalar_type())
+           << "\",\"shape\":[";
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      header << (d ? "," : "") << t.size(d);
+    }
+    header << "],\"data_offsets\":[" << offset << "," << offset + t.nbytes() << "]}";
+    offset += static_cast<int64_t>(t.nbytes());
+    data.push_back(t);
+  }
+  header << "}";
+  std::string h = header.str();
+  while (h.size() % 8 != 0) {
+    h += ' ';  // the format pads the header to 8 bytes with spaces
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  TORCH_CHECK(out.good(), "safetensors: cannot write ", path);
+  uint64_t n = h.size();
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) {
+    len[i] = static_cast<unsigned char>(n >> (8 * i));
+  }
+  out.write(reinterpret_cast<const char*>(len), 8);
+  out.write(h.data(), static_cast<std::streamsize>(h.size()));
+  for (const auto& t : data) {
+    out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+  }
+  TORCH_CHECK(out.good(), "safetensors: writing ", path, " failed");
+}
+
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "safetensors: cannot open ", path);
+  in.seekg(0, std::ios::end);
+  const int64_t file_size = in.tellg();
+  in.seekg(0);
+  unsigned char len[8];
+  TORCH_CHECK(file_size >= 8 && in.read(reinterpret_cast<char*>(len), 8), "safetensors: ", path,
+              " is not a valid safetensors file: shorter than its 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) {
+    n |= static_cast<uint64_t>(len[i]) << (8 * i);
+  }
+  TORCH_CHECK(n >= 2 && static_cast<int64_t>(n) <= file_size - 8 && n < (100u << 20),
+              "safetensors: ", path, " is not a valid safetensors file: its header length ", n,
+              " does not fit a file of ", file_size, " bytes");
+  std::string header(n, '\0');
+  in.read(&header[0], static_cast<std::streamsize>(n));
+  TORCH_CHECK(!header.empty() && header[0] == '{', "safetensors: ", path,
+              " is not a valid safetensors file: the header is not a JSON object");
+  auto entries = HeaderParser(header, path).parse();
+  const int64_t data_size = file_size - 8 - static_cast<int64_t>(n);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& kv : entries) {
+    const auto& e = kv.second;
+    at::ScalarType type = at::kFloat;
+    bool known = false;
+    for (const auto& d : kDtypes) {
+      if (e.dtype == d.name) {
+        type = d.type;
+        known = true;
+      }
+    }
+    TORCH_CHECK(known, "safetensors: ", path, ": tensor '", kv.first, "' has unsupported dtype ",
+                e.dtype);
+    torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
+    TORCH_CHECK(
+        e.end - e.begin == static_cast<int64_t>(t.nbytes()) && e.begin >= 0 && e.end <= data_size,
+        "safetensors: ", path, ": tensor '", kv.first, "' has byte range [", e.begin, ", ", e.end,
+        ") that does not match its shape or the file");
+    in.seekg(8 + static_cast<int64_t>(n) + e.begin);
+    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    TORCH_CHECK(in.good(), "safetensors: ", path, " is truncated");
+    out[kv.first] = t;
+  }
+  return out;
+}
+
+std::map<std::string, torch::Tensor> module_state(const torch::nn::Module& module) {
+  std::map<std::string, torch::Tensor> state;
+  for (const auto& p : module.named_parameters(true)) {
+    state[p.key()] = p.value();
+  }
+  for (const auto& b : module.named_buffers(true)) {
+    state[b.key()] = b.value();
+  }
+  return state;
+}
+
+void load_module_state(torch::nn::Module& module,
+                       const std::map<std::string, torch::Tensor>& state,
+                       bool strict) {
+  auto mine = module_state(module);
+  std::string missing, unexpected;
+  for (const auto& kv : mine) {
+    if (!state.count(kv.first)) {
+      missing += (missing.empty() ? "" : ", ") + kv.first;
+    }
+  }
+  for (const auto& kv : state) {
+    if (!mine.count(kv.first)) {
+      unexpected += (unexpected.empty() ? "" : ", ") + kv.first;
+    }
+  }
+  for (const auto& kv : state) {
+    auto it = mine.find(kv.first);
+    if (it != mine.end()) {
+      TORCH_CHECK(it->second.sizes() == kv.second.sizes(), "weights do not match the model: '",
+                  kv.first, "' has shape ", kv.second.sizes(), " in the file but ",
+                  it->second.sizes(), " in the model");
+    }
+  }
+  if (strict && (!missing.empty() || !unexpected.empty())) {
+    std::string what;
+    if (!missing.empty()) {
+      what += "missing tensor(s) " + missing;
+    }
+    if (!unexpected.empty()) {
+      what += (what.empty() ? "" : "; ") + std::string("unexpected tensor(s) ") + unexpected;
+    }
+    TORCH_CHECK(false, "weights do not match the model: ", what);
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& kv : state) {
+    auto it = mine.find(kv.first);
+    if (it != mine.end()) {
+      it->second.copy_(kv.second);
+    }
+  }
+}
+
+}  // namespace paratrain

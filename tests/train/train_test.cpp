@@ -1,0 +1,138 @@
+// paratrain train end to end (the README's main job, shortened), its bad input, and the
+// safetensors format it writes.
+
+#include "test_util.h"
+
+#include "paratrain/models/registry.h"
+#include "paratrain/train/safetensors.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <regex>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+TEST(Train, MainJobShortened) {
+  // The README's main job with --steps: 2 DDP ranks, mlp, Fashion-MNIST. After 150 steps per rank
+  // of batch 64 the MLP is well past chance (10%); the full job reaches 85%.
+  std::string weights = "/tmp/" + unique_token("paratrain-weights") + ".safetensors";
+  auto r = run_process({cli_path(),     "train",
+                        "--model",      "mlp",
+                        "--dataset",    "fashion-mnist",
+                        "--strategy",   "ddp",
+                        "--nproc",      "2",
+                        "--epochs",     "1",
+                        "--steps",      "150",
+                        "--batch-size", "64",
+                        "--lr",         "0.05",
+                        "--momentum",   "0.9",
+                        "--json",       "--save-weights",
+                        weights},
+                       {{"PARATRAIN_TIMEOUT", "60"}}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  std::regex row(R"(\{"epoch": 1, "train_loss": ([0-9.e-]+), "test_accuracy": ([0-9.e-]+), )"
+                 R"("images_per_sec": ([0-9.e+-]+), "seconds": ([0-9.e-]+)\})");
+  ASSERT_TRUE(std::regex_search(r.output, m, row)) << r.output;
+  EXPECT_GT(std::stod(m[2]), 0.70) << r.output;
+  EXPECT_LT(std::stod(m[1]), 1.5) << r.output;
+  EXPECT_GT(std::stod(m[3]), 0) << r.output;
+  // The weights load back into the same model, by name.
+  auto state = load_safetensors(weights);
+  EXPECT_EQ(state.count("linear0.weight"), 1u);
+  EXPECT_EQ(state.at("linear0.weight").sizes(), (std::vector<int64_t>{512, 784}));
+  EXPECT_EQ(state.count("bn0.running_mean"), 1u);
+  auto model = models::make("mlp");
+  load_module_state(*model, state);
+  EXPECT_TRUE(torch::equal(model->named_parameters()["linear2.bias"], state.at("linear2.bias")));
+  std::remove(weights.c_str());
+}
+
+TEST(Train, SingleProcessLinear) {
+  auto r = run_process({cli_path(), "train", "--model", "linear", "--strategy", "single",
+                        "--epochs", "2", "--steps", "20", "--batch-size", "32"},
+                       {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("epoch 2/2: train_loss "), std::string::npos) << r.output;
+}
+
+TEST(Train, BadInput) {
+  std::string bad_file = "/tmp/" + unique_token("not-safetensors");
+  { std::ofstream(bad_file) << "hello"; }
+  std::string linear_weights = "/tmp/" + unique_token("linear") + ".safetensors";
+  save_safetensors(module_state(*models::make("linear")), linear_weights);
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases{
+      {{"--model", "cnn"}, "unknown --model 'cnn': choose linear or mlp"},
+      {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
+      {{"--strategy", "dp"}, "unknown --strategy 'dp': choose single or ddp"},
+      {{"--batch-size", "0"}, "--batch-size must be positive, got 0"},
+      {{"--epochs", "0"}, "--epochs must be positive, got 0"},
+      {{"--data-dir", "/nonexistent"},
+       "Fashion-MNIST: /nonexistent/train-images-idx3-ubyte.gz does not exist"},
+      {{"--model", "mlp", "--load-weights", linear_weights},
+       "weights do not match the model: missing tensor(s) bn0.bias"},
+      {{"--model", "mlp", "--load-weights", bad_file},
+       "is not a valid safetensors file: shorter than its 8-byte header length"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{cli_path(), "train", "--steps", "1"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto r = run_process(argv, {}, 60);
+    EXPECT_NE(r.exit_code, 0) << c.message;
+    EXPECT_NE(r.output.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.output;
+  }
+  std::remove(bad_file.c_str());
+  std::remove(linear_weights.c_str());
+}
+
+TEST(Safetensors, RoundTripAndMisshapedTensor) {
+  std::string path = "/tmp/" + unique_token("st") + ".safetensors";
+  std::map<std::string, torch::Tensor> state{
+      {"a", torch::randn({3, 4})},
+      {"b", torch::arange(5, torch::kLong)},
+      {"c", torch::randn({2}).to(torch::kBFloat16)},
+      {"d", torch::ones({0, 3})},
+  };
+  save_safetensors(state, path);
+  auto back = load_safetensors(path);
+  ASSERT_EQ(back.size(), 4u);
+  for (const auto& kv : state) {
+    EXPECT_TRUE(torch::equal(back.at(kv.first), kv.second)) << kv.first;
+  }
+  // A weight of the wrong shape is named with both shapes.
+  auto model = models::make("linear");
+  auto weights = module_state(*model);
+  weights["fc.weight"] = torch::zeros({10, 783});
+  try {
+    load_module_state(*model, weights);
+    FAIL() << "no error for a mis-shaped tensor";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("'fc.weight' has shape [10, 783] in the file but [10, 784] in the model"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  // Header length that does not fit the file.
+  {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    uint64_t n = 1000;
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << "{}";
+  }
+  EXPECT_THROW(load_safetensors(path), c10::Error);
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
