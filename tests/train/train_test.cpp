@@ -53,6 +53,19 @@ TEST(Train, MainJobShortened) {
   std::remove(weights.c_str());
 }
 
+TEST(Train, ExampleProgramTrains) {
+  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
+                        PARATRAIN_TEST_DDP_EXAMPLE, "1", "100"},
+                       {{"PARATRAIN_TIMEOUT", "60"}}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m,
+                                std::regex(R"(\[rank 0\]: epoch 1: mean loss [0-9.]+, )"
+                                           R"(test accuracy ([0-9.]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.6) << r.output;
+}
+
 TEST(Train, SingleProcessLinear) {
   auto r = run_process({cli_path(), "train", "--model", "linear", "--strategy", "single",
                         "--epochs", "2", "--steps", "20", "--batch-size", "32"},
