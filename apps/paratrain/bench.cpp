@@ -11,14 +11,18 @@ namespace cli {
 int run_bench(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help") {
     std::cout << "usage: paratrain bench <name> [options] [--json]\n\n"
-                 "  allreduce   time per allreduce and bus bandwidth, per backend\n";
+                 "  allreduce   time per allreduce and bus bandwidth, per backend\n"
+                 "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n";
     return args.empty() ? 2 : 0;
   }
   std::vector<std::string> rest(args.begin() + 1, args.end());
   if (args[0] == "allreduce") {
     return run_bench_allreduce(rest);
   }
-  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce");
+  if (args[0] == "ddp") {
+    return run_bench_ddp(rest);
+  }
+  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce, ddp");
 }
 
 }  // namespace cli

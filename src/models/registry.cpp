@@ -6,8 +6,52 @@ namespace paratrain {
 namespace models {
 
 std::vector<std::string> names() {
-  return {"linear", "mlp"};
+  return {"linear", "mlp", "resnet18_cifar"};
 }
+
+namespace {
+
+namespace nn = torch::nn;
+
+nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
+  return nn::Conv2d(
+      nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false));
+}
+
+// torchvision's BasicBlock: conv-bn-relu-conv-bn, plus the input (downsampled when the shape
+// changes), then relu.
+struct BasicBlockImpl : nn::Module {
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride) {
+    conv1 = register_module("conv1", conv(in, out, 3, stride));
+    bn1 = register_module("bn1", nn::BatchNorm2d(out));
+    conv2 = register_module("conv2", conv(out, out, 3, 1));
+    bn2 = register_module("bn2", nn::BatchNorm2d(out));
+    if (stride != 1 || in != out) {
+      downsample = register_module("downsample",
+                                   nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor identity = downsample ? downsample->forward(x) : x;
+    x = torch::relu(bn1(conv1(x)));
+    x = bn2(conv2(x));
+    return torch::relu(x + identity);
+  }
+  nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(BasicBlock);
+
+// A Sequential of blocks with a tensor-typed forward (Sequential's own is a template, which
+// nested Sequentials cannot call through AnyModule).
+struct StageImpl : nn::SequentialImpl {
+  using SequentialImpl::SequentialImpl;
+  torch::Tensor forward(torch::Tensor x) { return SequentialImpl::forward(x); }
+};
+TORCH_MODULE(Stage);
+
+}  // namespace
 
 torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
   namespace nn = torch::nn;
@@ -30,6 +74,26 @@ torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
     net->push_back("relu1", nn::ReLU());
     net->push_back("dropout1", nn::Dropout(0.5));
     net->push_back("linear2", nn::Linear(256, num_classes));
+    return net;
+  }
+  if (name == "resnet18_cifar") {
+    nn::Sequential net;
+    net->push_back("conv1", conv(3, 64, 3, 1));
+    net->push_back("bn1", nn::BatchNorm2d(64));
+    net->push_back("relu", nn::ReLU());
+    int64_t in = 64;
+    const int64_t widths[] = {64, 128, 256, 512};
+    for (int stage = 0; stage < 4; ++stage) {
+      Stage layer;
+      const int64_t out = widths[stage];
+      layer->push_back("0", BasicBlock(in, out, stage == 0 ? 1 : 2));
+      layer->push_back("1", BasicBlock(out, out, 1));
+      net->push_back("layer" + std::to_string(stage + 1), layer);
+      in = out;
+    }
+    net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
+    net->push_back("flatten", nn::Flatten());
+    net->push_back("fc", nn::Linear(512, num_classes));
     return net;
   }
   std::string known;

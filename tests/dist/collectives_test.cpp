@@ -125,6 +125,23 @@ TEST(Bench, AllreduceJsonRows) {
   }
 }
 
+TEST(Bench, DdpJsonRows) {
+  // Not a timing test: the DDP benchmark runs end to end (paratrain, independent trainers and
+  // PyTorch's DDP through Debian's python3-torch) and its rows carry the promised fields.
+  auto r = run_process({cli_path(), "bench", "ddp", "--workloads", "mlp", "--steps", "3", "--json"},
+                       {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* system : {"paratrain", "independent", "pytorch"}) {
+    std::string tag = std::string("\"system\": \"") + system + "\"";
+    EXPECT_NE(r.output.find(tag), std::string::npos) << tag << "\n" << r.output;
+  }
+  for (const char* key :
+       {"\"workload\": \"mlp\"", "\"ranks\": 2", "\"step_seconds\": ", "\"ratio_to_independent\": ",
+        "\"ratio_to_pytorch\": ", "\"hidden_comm_fraction\": "}) {
+    EXPECT_NE(r.output.find(key), std::string::npos) << key << "\n" << r.output;
+  }
+}
+
 TEST(InitMethods, TcpAndFile) {
   // tcp://host:port and file:// through the smoke example's sibling: the worker reads the init
   // method from PARATRAIN_INIT_METHOD.

@@ -7,6 +7,9 @@
 //   mlp     Flatten -> linear0: Linear(784, 512) -> bn0 -> relu0 -> dropout0
 //                   -> linear1: Linear(512, 256) -> bn1 -> relu1 -> dropout1
 //                   -> linear2: Linear(256, 10)                 the notes' classifier head
+//   resnet18_cifar  ResNet-18 (BasicBlock [2, 2, 2, 2]) with a CIFAR stem (3x3 conv, stride 1, no
+//                   max-pool) for 3x32x32 inputs; children named as torchvision's (conv1, bn1,
+//                   layer1..layer4 with blocks "0", "1", fc), so weights map one to one
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -17,7 +20,7 @@ namespace paratrain {
 namespace models {
 
 /// Builds model `name` for `num_classes` outputs; throws c10::Error listing the known names for an
-/// unknown one.
+/// unknown one. `paratrain train` offers the Fashion-MNIST models (linear, mlp).
 torch::nn::Sequential make(const std::string& name, int64_t num_classes = 10);
 
 std::vector<std::string> names();

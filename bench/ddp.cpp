@@ -1,0 +1,332 @@
+// paratrain bench ddp: DDP step time against the physical limit and against PyTorch's own DDP.
+//
+// For each workload (the mlp at batch 64 per rank, a CIFAR-style ResNet-18 at batch 16 per rank),
+// 2 ranks with 1 thread each, run one after the other in one invocation:
+//   paratrain    paratrain::DistributedDataParallel (mpi backend when built, else gloo)
+//   independent  two single-process trainers of the same model at the same time, no
+//                communication: the limit of data parallelism on this machine
+//   pytorch      torch.nn.parallel.DistributedDataParallel from Debian's python3-torch (the same
+//                libtorch build), gloo, via bench/ddp_pytorch.py
+// A step is zero_grad + forward + loss + backward + optimizer step on a fixed random batch; its
+// time is the slowest rank's; rows report the median over the timed steps.
+//
+// Hidden communication: the time DDP still waits for bucket reductions when backward ends
+// (exposed), against the time the same bucket allreduces take alone after training:
+// hidden = 1 - exposed / alone.
+
+#include "args.h"
+#include "commands.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  if (v.empty()) {
+    return 0;
+  }
+  std::sort(v.begin(), v.end());
+  size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Workload {
+  std::string name;
+  std::string model;
+  int batch;
+  std::vector<int64_t> shape;
+  int warmup;
+  int steps;
+};
+
+Workload workload(const std::string& name, int steps_override) {
+  if (name == "mlp") {
+    return {"mlp", "mlp", 64, {64, 1, 28, 28}, 10, steps_override > 0 ? steps_override : 60};
+  }
+  if (name == "resnet18") {
+    return {"resnet18", "resnet18_cifar",
+            16,         {16, 3, 32, 32},
+            2,          steps_override > 0 ? steps_override : 8};
+  }
+  throw UsageError("unknown workload '" + name + "': choose mlp or resnet18");
+}
+
+std::string row_json(const std::map<std::string, std::string>& fields) {
+  std::ostringstream s;
+  s << "{";
+  bool first = true;
+  for (const auto& kv : fields) {
+    s << (first ? "" : ", ") << "\"" << kv.first << "\": " << kv.second;
+    first = false;
+  }
+  s << "}";
+  return s.str();
+}
+
+std::string quoted(const std::string& s) {
+  return "\"" + s + "\"";
+}
+
+// One process of a measured system.
+int run_worker(const Args& args) {
+  torch::set_num_threads(1);
+  const std::string mode = args.get("mode");
+  const Workload w = workload(args.get("workload"), args.get_int("steps", 0));
+  const std::string out_path = args.get("out");
+  dist::ProcessGroupPtr pg;
+  if (mode == "ddp") {
+    pg = dist::init_process_group();
+  }
+  torch::manual_seed(0);
+  auto model = models::make(w.model);
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (pg) {
+    ddp = std::make_unique<DistributedDataParallel>(model, pg);
+  }
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  torch::Tensor x = torch::randn(w.shape);
+  torch::Tensor y = torch::randint(0, 10, {w.batch});
+  std::vector<double> times;
+  std::vector<double> exposed;
+  for (int step = 0; step < w.warmup + w.steps; ++step) {
+    if (pg) {
+      pg->barrier()->wait();
+    }
+    auto t0 = Clock::now();
+    opt.zero_grad();
+    auto out = ddp ? ddp->forward(x) : model->forward(x);
+    torch::nn::functional::cross_entropy(out, y).backward();
+    opt.step();
+    double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (pg) {
+      at::Tensor t = torch::tensor({seconds}, torch::kDouble);
+      pg->allreduce(t, dist::ReduceOp::kMax)->wait();
+      seconds = t.item<double>();
+    }
+    if (step >= w.warmup) {
+      times.push_back(seconds);
+      if (ddp) {
+        exposed.push_back(ddp->last_exposed_comm_seconds());
+      }
+    }
+  }
+  std::map<std::string, std::string> row{
+      {"workload", quoted(w.name)},
+      {"system", quoted(mode == "ddp" ? "paratrain" : "independent")},
+      {"ranks", "2"},
+      {"step_seconds", std::to_string(median(times))},
+      {"steps", std::to_string(times.size())}};
+  if (ddp) {
+    // The same bucket reductions with nothing else running.
+    std::vector<double> alone;
+    std::vector<at::Tensor> buckets;
+    for (const auto& b : ddp->bucket_assignment()) {
+      int64_t n = 0;
+      for (size_t i : b) {
+        n += model->parameters()[i].numel();
+      }
+      buckets.push_back(torch::ones({n}));
+    }
+    for (int rep = 0; rep < 5; ++rep) {
+      pg->barrier()->wait();
+      auto t0 = Clock::now();
+      std::vector<dist::WorkPtr> works;
+      for (auto& b : buckets) {
+        works.push_back(pg->allreduce(b));
+      }
+      for (auto& work : works) {
+        work->wait();
+      }
+      alone.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+    const double comm = median(alone);
+    const double hidden = comm > 0 ? std::clamp(1.0 - median(exposed) / comm, 0.0, 1.0) : 1.0;
+    row["backend"] = quoted(pg->backend_name());
+    row["comm_seconds"] = std::to_string(comm);
+    row["exposed_comm_seconds"] = std::to_string(median(exposed));
+    row["hidden_comm_fraction"] = std::to_string(hidden);
+    row["buckets"] = std::to_string(buckets.size());
+  } else {
+    const char* rank = std::getenv("RANK");
+    row["process"] = rank ? rank : "0";
+  }
+  if (!pg || pg->rank() == 0) {
+    std::ofstream out(out_path, std::ios::app);
+    out << row_json(row) << std::endl;
+  }
+  return 0;
+}
+
+std::string field(const std::string& line, const std::string& key) {
+  auto p = line.find("\"" + key + "\": ");
+  if (p == std::string::npos) {
+    return "";
+  }
+  p += key.size() + 4;
+  auto e = line.find_first_of(",}", p);
+  std::string v = line.substr(p, e - p);
+  if (!v.empty() && v.front() == '"') {
+    v = v.substr(1, v.size() - 2);
+  }
+  return v;
+}
+
+}  // namespace
+
+int run_bench_ddp(const std::vector<std::string>& argv) {
+  Args args(argv, {"workloads", "backend", "steps", "mode", "workload", "out"},
+            {"json", "help", "worker", "no-pytorch"});
+  if (args.has("help")) {
+    std::cout << "usage: paratrain bench ddp [--workloads mlp,resnet18] [--backend mpi|gloo]\n"
+                 "         [--steps N] [--no-pytorch] [--json]\n";
+    return 0;
+  }
+  if (args.has("worker")) {
+    return run_worker(args);
+  }
+  std::vector<std::string> workloads;
+  {
+    std::stringstream s(args.get("workloads", "mlp,resnet18"));
+    for (std::string w; std::getline(s, w, ',');) {
+      workload(w, 0);  // validates
+      workloads.push_back(w);
+    }
+  }
+  auto backends = dist::available_backends();
+  const std::string backend = args.get(
+      "backend",
+      std::find(backends.begin(), backends.end(), "mpi") != backends.end() ? "mpi" : "gloo");
+  const bool json = args.has("json");
+  const bool pytorch = !args.has("no-pytorch");
+  const std::string python = "/usr/bin/python3";
+  std::string script = self_path();
+  script = script.substr(0, script.rfind('/')) + "/../../bench/ddp_pytorch.py";
+  if (access(script.c_str(), R_OK) != 0) {
+    script = std::string(PARATRAIN_SOURCE_DIR) + "/bench/ddp_pytorch.py";
+  }
+  char tmpl[] = "/tmp/paratrain-bench-ddp-XXXXXX";
+  int fd = ::mkstemp(tmpl);
+  if (fd < 0) {
+    throw std::runtime_error("cannot create a temporary file for the results");
+  }
+  ::close(fd);
+  const std::string out = tmpl;
+
+  auto run = [&](const std::vector<std::string>& command, const std::string& be) {
+    dist::LaunchOptions o;
+    o.nproc_per_node(2).standalone(true).command(command).env({{"OMP_NUM_THREADS", "1"}});
+    if (!be.empty()) {
+      o.backend(be).mpi_shim({self_path(), "launch", "--from-mpirun"});
+    }
+    dist::LaunchResult r = dist::launch(o);
+    if (r.exit_code != 0) {
+      std::remove(out.c_str());
+      throw std::runtime_error("a benchmark job failed: " + r.summary);
+    }
+  };
+  for (const auto& name : workloads) {
+    const Workload w = workload(name, args.get_int("steps", 0));
+    std::vector<std::string> base{self_path(),  "bench", "ddp",   "--worker",
+                                  "--workload", name,    "--out", out};
+    if (args.has("steps")) {
+      base.insert(base.end(), {"--steps", args.get("steps")});
+    }
+    if (!json) {
+      std::cerr << "measuring " << name << ": paratrain DDP (" << backend << ")..." << std::endl;
+    }
+    auto ddp_cmd = base;
+    ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
+    run(ddp_cmd, backend);
+    if (!json) {
+      std::cerr << "measuring " << name << ": two independent trainers..." << std::endl;
+    }
+    auto single_cmd = base;
+    single_cmd.insert(single_cmd.end(), {"--mode", "single"});
+    run(single_cmd, "");
+    if (pytorch) {
+      if (!json) {
+        std::cerr << "measuring " << name << ": PyTorch DDP (gloo)..." << std::endl;
+      }
+      run({python, script, "--workload", name, "--batch", std::to_string(w.batch), "--steps",
+           std::to_string(w.steps), "--warmup", std::to_string(w.warmup), "--out", out},
+          "");
+    }
+  }
+  // Collect: one row per (workload, system); independent = the slower of its two processes.
+  std::ifstream in(out);
+  std::map<std::pair<std::string, std::string>, std::string> rows;
+  std::map<std::pair<std::string, std::string>, double> step;
+  for (std::string line; std::getline(in, line);) {
+    auto key = std::make_pair(field(line, "workload"), field(line, "system"));
+    double s = std::stod(field(line, "step_seconds"));
+    if (!step.count(key) || s > step[key]) {
+      step[key] = s;
+      rows[key] = line;
+    }
+  }
+  std::remove(out.c_str());
+  for (const auto& name : workloads) {
+    const double ours = step[{name, "paratrain"}];
+    const double indep = step[{name, "independent"}];
+    const bool have_pt = step.count({name, "pytorch"}) > 0;
+    const double theirs = have_pt ? step[{name, "pytorch"}] : 0;
+    const std::string& ddp_row = rows[{name, "paratrain"}];
+    if (json) {
+      for (const char* sys : {"paratrain", "independent", "pytorch"}) {
+        auto key = std::make_pair(name, std::string(sys));
+        if (!rows.count(key)) {
+          continue;
+        }
+        std::string line = rows[key];
+        if (std::string(sys) == "paratrain") {
+          line.pop_back();
+          line += ", \"ratio_to_independent\": " + std::to_string(ours / indep);
+          if (have_pt) {
+            line += ", \"ratio_to_pytorch\": " + std::to_string(ours / theirs);
+          }
+          line += "}";
+        }
+        std::cout << line << "\n";
+      }
+      continue;
+    }
+    std::cout << std::fixed << std::setprecision(1) << name << " (2 ranks x 1 thread):\n"
+              << "  paratrain DDP (" << field(ddp_row, "backend") << ")  " << ours * 1e3
+              << " ms/step\n"
+              << "  independent x2        " << indep * 1e3 << " ms/step\n";
+    if (have_pt) {
+      std::cout << "  PyTorch DDP (gloo)    " << theirs * 1e3 << " ms/step\n";
+    }
+    std::cout << std::setprecision(2) << "  paratrain / independent = " << ours / indep << "x";
+    if (have_pt) {
+      std::cout << ", paratrain / PyTorch = " << ours / theirs << "x";
+    }
+    std::cout << "\n  communication hidden behind backward: " << std::setprecision(0)
+              << 100 * std::stod(field(ddp_row, "hidden_comm_fraction")) << "% ("
+              << field(ddp_row, "buckets") << " buckets, allreduce alone " << std::setprecision(2)
+              << 1e3 * std::stod(field(ddp_row, "comm_seconds")) << " ms, exposed "
+              << 1e3 * std::stod(field(ddp_row, "exposed_comm_seconds")) << " ms)\n";
+  }
+  std::cout.flush();
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace paratrain
