@@ -137,10 +137,16 @@ int run_worker(const Args& args) {
     // The same bucket reductions with nothing else running.
     std::vector<double> alone;
     std::vector<at::Tensor> buckets;
+    std::vector<torch::Tensor> trainable;  // the parameters DDP indexes: those needing a gradient
+    for (const auto& p : model->parameters()) {
+      if (p.requires_grad()) {
+        trainable.push_back(p);
+      }
+    }
     for (const auto& b : ddp->bucket_assignment()) {
       int64_t n = 0;
       for (size_t i : b) {
-        n += model->parameters()[i].numel();
+        n += trainable[i].numel();
       }
       buckets.push_back(torch::ones({n}));
     }

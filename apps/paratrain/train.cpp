@@ -31,14 +31,17 @@ const char* kTrainUsage =
     "N\n"
     "starts N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
 
+// Started by a launcher that already made the ranks: paratrain launch / torchrun, mpirun, or srun
+// with several tasks (a plain sbatch shell has SLURM_PROCID too, but one task).
 bool inside_a_job() {
-  for (const char* v : {"RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID"}) {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_SIZE"}) {
     const char* value = std::getenv(v);
     if (value != nullptr && value[0] != '\0') {
       return true;
     }
   }
-  return false;
+  const char* tasks = std::getenv("SLURM_NTASKS");
+  return tasks != nullptr && std::atoi(tasks) > 1;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -225,10 +228,12 @@ int run_train(const std::vector<std::string>& argv) {
     }
     at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples),
                                        static_cast<double>(correct), static_cast<double>(seen)},
-                                      torch::kDouble);
+                                      torch::kDouble)
+                            .to(device);
     if (pg) {
       pg->allreduce(totals)->wait();
     }
+    totals = totals.cpu();
     const double train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
     const double accuracy = totals[2].item<double>() / std::max(1.0, totals[3].item<double>());
     const double images_per_sec = totals[1].item<double>() / seconds;

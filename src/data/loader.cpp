@@ -67,10 +67,16 @@ void TensorLoader::work(size_t worker) {
         return;
       }
     }
-    Batch b = make(batch);
-    {
+    try {
+      Batch b = make(batch);
       std::lock_guard<std::mutex> lock(mutex_);
       ready_.emplace(batch, std::move(b));
+    } catch (...) {
+      // An exception must not escape the thread (std::terminate): hand it to the consumer.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) {
+        error_ = std::current_exception();
+      }
     }
     cv_.notify_all();
   }
@@ -84,7 +90,10 @@ std::optional<Batch> TensorLoader::next() {
     return make(next_++);
   }
   std::unique_lock<std::mutex> lock(mutex_);
-  cv_.wait(lock, [&] { return ready_.count(next_) > 0; });
+  cv_.wait(lock, [&] { return ready_.count(next_) > 0 || error_; });
+  if (!ready_.count(next_)) {
+    std::rethrow_exception(error_);
+  }
   Batch b = std::move(ready_[next_]);
   ready_.erase(next_);
   ++next_;

@@ -22,7 +22,13 @@ class DecompressWork : public dist::Work {
       done_ = true;
     }
   }
-  bool is_completed() override { return done_ || inner_->is_completed(); }
+  // Complete only once the result is back in the bucket.
+  bool is_completed() override {
+    if (!done_ && inner_->is_completed()) {
+      wait();
+    }
+    return done_;
+  }
 
  private:
   dist::WorkPtr inner_;

@@ -68,7 +68,8 @@ DistributedDataParallel::DistributedDataParallel(
   }
   build_buckets();
   ready_.assign(params_.size(), false);
-  used_.assign(params_.size(), true);
+  used_.assign(params_.size(), !options_.find_unused_parameters());
+  in_graph_.assign(params_.size(), true);
   register_hooks();
 }
 
@@ -99,23 +100,33 @@ void DistributedDataParallel::verify_same_parameters() {
     sig << describe_param(names_[i], params_[i]) << "\n";
   }
   const std::string mine = sig.str();
-  at::Tensor length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  // On the parameters' device: nccl moves only CUDA tensors.
+  const auto on = torch::TensorOptions().device(params_[0].device());
+  at::Tensor length =
+      torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong).to(params_[0].device());
   std::vector<at::Tensor> lengths;
   for (int r = 0; r < pg_->size(); ++r) {
-    lengths.push_back(torch::zeros({1}, torch::kLong));
+    lengths.push_back(torch::zeros({1}, on.dtype(torch::kLong)));
   }
   pg_->allgather(lengths, length)->wait();
+  for (auto& l : lengths) {
+    l = l.cpu();
+  }
   int64_t longest = 0;
   for (const auto& l : lengths) {
     longest = std::max(longest, l.item<int64_t>());
   }
   at::Tensor bytes = torch::zeros({longest}, torch::kUInt8);
   std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  bytes = bytes.to(params_[0].device());
   std::vector<at::Tensor> all;
   for (int r = 0; r < pg_->size(); ++r) {
-    all.push_back(torch::zeros({longest}, torch::kUInt8));
+    all.push_back(torch::zeros({longest}, on.dtype(torch::kUInt8)));
   }
   pg_->allgather(all, bytes)->wait();
+  for (auto& a : all) {
+    a = a.cpu();
+  }
   auto text_of = [&](int r) {
     return std::string(static_cast<const char*>(all[r].data_ptr()),
                        static_cast<size_t>(lengths[r].item<int64_t>()));
@@ -281,38 +292,57 @@ void DistributedDataParallel::pre_forward() {
 }
 
 void DistributedDataParallel::post_forward(const torch::Tensor& output) {
-  if (!options_.find_unused_parameters() || pg_->size() == 1) {
+  if (pg_->size() == 1) {
     return;
   }
-  // Walk the autograd graph from the output: accumulators not reached belong to parameters that
-  // will get no gradient from this iteration's backward.
   std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  if (output.grad_fn()) {
-    stack.push_back(output.grad_fn().get());
-  }
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) {
-      continue;
+  if (options_.find_unused_parameters()) {
+    // Walk the autograd graph from the output: accumulators not reached belong to parameters that
+    // will get no gradient from this forward's backward.
+    std::vector<torch::autograd::Node*> stack;
+    if (output.grad_fn()) {
+      stack.push_back(output.grad_fn().get());
     }
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function) {
-        stack.push_back(edge.function.get());
+    while (!stack.empty()) {
+      torch::autograd::Node* node = stack.back();
+      stack.pop_back();
+      if (!seen.insert(node).second) {
+        continue;
+      }
+      for (const auto& edge : node->next_edges()) {
+        if (edge.function) {
+          stack.push_back(edge.function.get());
+        }
       }
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    used_[i] = seen.count(accumulators_[i].get()) > 0;
+  // As PyTorch, the decision to reduce is taken at forward: a backward of a forward run under
+  // no_sync() (or of no forward through this object at all) communicates nothing.
+  if (backward_started_) {
+    // The previous backward never reached its end-of-backward callback (it threw): start over.
+    backward_started_ = false;
+    expecting_backward_ = false;
+  }
+  if (require_sync_ && !expecting_backward_) {
+    expecting_backward_ = true;
+    std::fill(in_graph_.begin(), in_graph_.end(), false);
+  }
+  if (options_.find_unused_parameters()) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const bool reached = seen.count(accumulators_[i].get()) > 0;
+      used_[i] = used_[i] || reached;  // since the last reduction, no_sync forwards included
+      if (require_sync_) {
+        in_graph_[i] = in_graph_[i] || reached;  // forwards this reduction's backward will cover
+      }
+    }
   }
 }
 
 void DistributedDataParallel::on_gradient_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!require_sync_ || pg_->size() == 1) {
-    return;  // no_sync(), or a world of one: plain local gradients
+  if (!expecting_backward_) {
+    return;  // no_sync(), a world of one, or a backward not started through forward()
   }
   if (!backward_started_) {
     backward_started_ = true;
@@ -325,13 +355,18 @@ void DistributedDataParallel::on_gradient_ready(size_t index) {
     }
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     if (options_.find_unused_parameters()) {
+      // Parameters outside this backward's graph are ready now, with whatever gradient they
+      // accumulated under no_sync() (or none).
       for (size_t i = 0; i < params_.size(); ++i) {
-        if (!used_[i]) {
+        if (!in_graph_[i]) {
           mark_ready_locked(i);
         }
       }
     }
   }
+  TORCH_CHECK(!ready_[index], "DistributedDataParallel: parameter ", names_[index],
+              " received a gradient after it was already reduced in this backward; run one "
+              "backward per forward (or wrap the extra forwards in no_sync())");
   mark_ready_locked(index);
   launch_ready_buckets_locked();
 }
@@ -370,6 +405,7 @@ void DistributedDataParallel::launch_ready_buckets_locked() {
 void DistributedDataParallel::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   backward_started_ = false;
+  expecting_backward_ = false;
   if (next_bucket_ < buckets_.size()) {
     // Some parameters got no gradient: their buckets never started. Finish what did start (the
     // same on every rank), and report at the next forward, as PyTorch does.
@@ -398,14 +434,14 @@ void DistributedDataParallel::finalize_backward() {
   if (options_.find_unused_parameters()) {
     // Which parameters some rank used: those get the averaged gradient even where unused locally;
     // the others keep no gradient, as in single-process training.
-    at::Tensor used = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kInt);
-    for (size_t i = 0; i < params_.size(); ++i) {
-      used[static_cast<int64_t>(i)] = used_[i] ? 1 : 0;
-    }
+    std::vector<int> flags(used_.begin(), used_.end());
+    at::Tensor used = torch::tensor(flags, torch::kInt).to(params_[0].device());
     pg_->allreduce(used, dist::ReduceOp::kMax)->wait();
+    used = used.cpu();
     for (size_t i = 0; i < params_.size(); ++i) {
       globally_used[i] = used[static_cast<int64_t>(i)].item<int>() != 0;
     }
+    std::fill(used_.begin(), used_.end(), false);
   }
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cctype>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -207,8 +208,14 @@ std::string json_escape(const std::string& s) {
   for (char c : s) {
     if (c == '"' || c == '\\') {
       out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
     }
-    out += c;
   }
   return out;
 }
@@ -287,11 +294,19 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
     }
     TORCH_CHECK(known, "safetensors: ", path, ": tensor '", kv.first, "' has unsupported dtype ",
                 e.dtype);
+    // Check the byte range against the shape before allocating: a damaged header must not ask
+    // for terabytes.
+    int64_t nbytes = static_cast<int64_t>(c10::elementSize(type));
+    for (int64_t d : e.shape) {
+      TORCH_CHECK(d >= 0 && (d == 0 || nbytes <= std::max<int64_t>(1, data_size) / d),
+                  "safetensors: ", path, ": tensor '", kv.first, "' has a shape ", e.shape,
+                  " larger than the file");
+      nbytes *= d;
+    }
+    TORCH_CHECK(e.end - e.begin == nbytes && e.begin >= 0 && e.end <= data_size,
+                "safetensors: ", path, ": tensor '", kv.first, "' has byte range [", e.begin, ", ",
+                e.end, ") that does not match its shape or the file");
     torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
-    TORCH_CHECK(
-        e.end - e.begin == static_cast<int64_t>(t.nbytes()) && e.begin >= 0 && e.end <= data_size,
-        "safetensors: ", path, ": tensor '", kv.first, "' has byte range [", e.begin, ", ", e.end,
-        ") that does not match its shape or the file");
     in.seekg(8 + static_cast<int64_t>(n) + e.begin);
     in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
     TORCH_CHECK(in.good(), "safetensors: ", path, " is truncated");

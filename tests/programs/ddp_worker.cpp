@@ -10,6 +10,8 @@
 // Options: --steps N --batch B --bucket-cap-mb X --first-bucket-mb X --view --unused
 //          --micro-steps K (K-1 of them under no_sync) --hook fp16|bf16 --bn --no-broadcast-buffers
 //          --expect-unused-error --mismatch
+//          --sometimes (with --unused: the spare layer is used in even micro-batches only, so
+//          under no_sync it has a gradient that the final synced backward never touches)
 // Prints "rank R: ok ..." (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
 #include <paratrain/paratrain.h>
@@ -39,10 +41,14 @@ struct NetImpl : torch::nn::Module {
       x = norm(x);
     }
     x = torch::relu(x);
+    if (use_spare) {
+      x = x + 0.1 * spare(x);
+    }
     x = torch::relu(fc2(x));
     return fc3(x);
   }
   bool with_bn;
+  bool use_spare = false;  // --sometimes: the spare layer joins some micro-batches' forward
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, spare{nullptr};
   torch::nn::BatchNorm1d norm{nullptr};
 };
@@ -121,6 +127,7 @@ int main(int argc, char** argv) {
       for (int m = 0; m < K; ++m) {
         const int micro = s * K + m;
         torch::Tensor mine = rows(me, micro);
+        model->use_spare = reference->use_spare = opt.count("--sometimes") && m % 2 == 0;
         auto step_ddp = [&] {
           auto loss = torch::nn::functional::cross_entropy(ddp.forward(X.index_select(0, mine)),
                                                            Y.index_select(0, mine));
@@ -195,7 +202,7 @@ int main(int argc, char** argv) {
         worst_name = item.key();
       }
     }
-    if (unused) {
+    if (unused && !opt.count("--sometimes")) {
       // Unused everywhere: no gradient, so SGD never moved it (as in single-process training).
       if (!torch::equal(model->spare->weight, reference->spare->weight)) {
         std::cout << "MISMATCH the unused parameter moved" << std::endl;

@@ -15,6 +15,7 @@
 #include <torch/types.h>
 
 #include <condition_variable>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -71,6 +72,7 @@ class TensorLoader {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::map<size_t, Batch> ready_;  // guarded by mutex_
+  std::exception_ptr error_;       // guarded by mutex_: a worker's failure, rethrown by next()
   bool stop_ = false;              // guarded by mutex_
   std::vector<std::thread> threads_;
 };

@@ -119,7 +119,8 @@ class DistributedDataParallel {
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   const dist::ProcessGroupPtr& process_group() const { return pg_; }
   const DDPOptions& options() const { return options_; }
-  /// Parameter indices (in module()->parameters() order) of each bucket, in launch order.
+  /// Parameter indices of each bucket, in launch order; indices count the module's parameters
+  /// that require a gradient, in module()->parameters() order.
   std::vector<std::vector<size_t>> bucket_assignment() const;
 
   /// Seconds spent in wait() for bucket reductions at the end of the last backward: the part of
@@ -170,11 +171,13 @@ class DistributedDataParallel {
   std::mutex mutex_;  // guards everything below during backward
   bool require_sync_ = true;
   bool backward_started_ = false;
-  bool expecting_backward_ = false;  // set by forward, cleared by the end-of-backward callback
+  bool expecting_backward_ =
+      false;  // a synced forward ran; cleared by the end-of-backward callback
   size_t next_bucket_ = 0;
-  std::vector<bool> ready_;  // parameter marked ready this iteration
-  std::vector<bool> used_;   // parameter reached by the last forward's graph
-  std::string unfinished_;   // names of parameters that got no gradient, when not finished
+  std::vector<bool> ready_;     // parameter marked ready this iteration
+  std::vector<bool> used_;      // reached by some forward since the last reduction (no_sync too)
+  std::vector<bool> in_graph_;  // reached by the synced forwards this backward covers
+  std::string unfinished_;      // names of parameters that got no gradient, when not finished
   double last_exposed_comm_seconds_ = 0;
 };
 
