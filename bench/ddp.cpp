@@ -98,7 +98,8 @@ int run_worker(const Args& args) {
   auto model = models::make(w.model);
   std::unique_ptr<DistributedDataParallel> ddp;
   if (pg) {
-    ddp = std::make_unique<DistributedDataParallel>(model, pg);
+    ddp = std::make_unique<DistributedDataParallel>(
+        model, pg, DDPOptions().gradient_as_bucket_view(args.has("gradient-as-bucket-view")));
   }
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   torch::Tensor x = torch::randn(w.shape);
@@ -198,10 +199,10 @@ std::string field(const std::string& line, const std::string& key) {
 
 int run_bench_ddp(const std::vector<std::string>& argv) {
   Args args(argv, {"workloads", "backend", "steps", "mode", "workload", "out"},
-            {"json", "help", "worker", "no-pytorch"});
+            {"json", "help", "worker", "no-pytorch", "gradient-as-bucket-view"});
   if (args.has("help")) {
     std::cout << "usage: paratrain bench ddp [--workloads mlp,resnet18] [--backend mpi|gloo]\n"
-                 "         [--steps N] [--no-pytorch] [--json]\n";
+                 "         [--steps N] [--gradient-as-bucket-view] [--no-pytorch] [--json]\n";
     return 0;
   }
   if (args.has("worker")) {
@@ -253,6 +254,9 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
                                   "--workload", name,    "--out", out};
     if (args.has("steps")) {
       base.insert(base.end(), {"--steps", args.get("steps")});
+    }
+    if (args.has("gradient-as-bucket-view")) {
+      base.push_back("--gradient-as-bucket-view");
     }
     if (!json) {
       std::cerr << "measuring " << name << ": paratrain DDP (" << backend << ")..." << std::endl;
