@@ -10,6 +10,7 @@
 // of one iteration is the slowest rank's, and the row reports the median over iterations.
 
 #include "args.h"
+#include "bench_util.h"
 #include "commands.h"
 
 #include "paratrain/paratrain.h"
@@ -35,12 +36,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 std::string human_bytes(long long b) {
@@ -140,27 +135,14 @@ std::vector<Row> read_rows(const std::string& path) {
   std::vector<Row> rows;
   std::ifstream in(path);
   std::string line;
-  auto field = [](const std::string& l, const std::string& key) {
-    auto p = l.find("\"" + key + "\": ");
-    if (p == std::string::npos) {
-      return std::string();
-    }
-    p += key.size() + 4;
-    auto e = l.find_first_of(",}", p);
-    std::string v = l.substr(p, e - p);
-    if (!v.empty() && v.front() == '"') {
-      v = v.substr(1, v.size() - 2);
-    }
-    return v;
-  };
   while (std::getline(in, line)) {
     Row r;
-    r.backend = field(line, "backend");
-    r.ranks = std::stoi(field(line, "ranks"));
-    r.bytes = std::stoll(field(line, "bytes"));
-    r.seconds = std::stod(field(line, "seconds"));
-    r.busbw_gbps = std::stod(field(line, "busbw_gbps"));
-    r.iterations = std::stoi(field(line, "iterations"));
+    r.backend = json_field(line, "backend");
+    r.ranks = std::stoi(json_field(line, "ranks"));
+    r.bytes = std::stoll(json_field(line, "bytes"));
+    r.seconds = std::stod(json_field(line, "seconds"));
+    r.busbw_gbps = std::stod(json_field(line, "busbw_gbps"));
+    r.iterations = std::stoi(json_field(line, "iterations"));
     rows.push_back(r);
   }
   return rows;

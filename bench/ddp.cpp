@@ -15,6 +15,7 @@
 // hidden = 1 - exposed / alone.
 
 #include "args.h"
+#include "bench_util.h"
 #include "commands.h"
 
 #include "paratrain/paratrain.h"
@@ -37,15 +38,6 @@ namespace cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  if (v.empty()) {
-    return 0;
-  }
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct Workload {
   std::string name;
@@ -181,20 +173,6 @@ int run_worker(const Args& args) {
   return 0;
 }
 
-std::string field(const std::string& line, const std::string& key) {
-  auto p = line.find("\"" + key + "\": ");
-  if (p == std::string::npos) {
-    return "";
-  }
-  p += key.size() + 4;
-  auto e = line.find_first_of(",}", p);
-  std::string v = line.substr(p, e - p);
-  if (!v.empty() && v.front() == '"') {
-    v = v.substr(1, v.size() - 2);
-  }
-  return v;
-}
-
 }  // namespace
 
 int run_bench_ddp(const std::vector<std::string>& argv) {
@@ -284,8 +262,8 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   std::map<std::pair<std::string, std::string>, std::string> rows;
   std::map<std::pair<std::string, std::string>, double> step;
   for (std::string line; std::getline(in, line);) {
-    auto key = std::make_pair(field(line, "workload"), field(line, "system"));
-    double s = std::stod(field(line, "step_seconds"));
+    auto key = std::make_pair(json_field(line, "workload"), json_field(line, "system"));
+    double s = std::stod(json_field(line, "step_seconds"));
     if (!step.count(key) || s > step[key]) {
       step[key] = s;
       rows[key] = line;
@@ -318,7 +296,7 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
       continue;
     }
     std::cout << std::fixed << std::setprecision(1) << name << " (2 ranks x 1 thread):\n"
-              << "  paratrain DDP (" << field(ddp_row, "backend") << ")  " << ours * 1e3
+              << "  paratrain DDP (" << json_field(ddp_row, "backend") << ")  " << ours * 1e3
               << " ms/step\n"
               << "  independent x2        " << indep * 1e3 << " ms/step\n";
     if (have_pt) {
@@ -329,10 +307,11 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
       std::cout << ", paratrain / PyTorch = " << ours / theirs << "x";
     }
     std::cout << "\n  communication hidden behind backward: " << std::setprecision(0)
-              << 100 * std::stod(field(ddp_row, "hidden_comm_fraction")) << "% ("
-              << field(ddp_row, "buckets") << " buckets, allreduce alone " << std::setprecision(2)
-              << 1e3 * std::stod(field(ddp_row, "comm_seconds")) << " ms, exposed "
-              << 1e3 * std::stod(field(ddp_row, "exposed_comm_seconds")) << " ms)\n";
+              << 100 * std::stod(json_field(ddp_row, "hidden_comm_fraction")) << "% ("
+              << json_field(ddp_row, "buckets") << " buckets, allreduce alone "
+              << std::setprecision(2) << 1e3 * std::stod(json_field(ddp_row, "comm_seconds"))
+              << " ms, exposed " << 1e3 * std::stod(json_field(ddp_row, "exposed_comm_seconds"))
+              << " ms)\n";
   }
   std::cout.flush();
   return 0;

@@ -175,6 +175,14 @@ std::string unique_token(const std::string& prefix) {
   return prefix + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
 }
 
+std::map<std::string, std::string> world_of_one_env() {
+  return {{"RANK", "<unset>"},
+          {"WORLD_SIZE", "<unset>"},
+          {"MASTER_ADDR", "<unset>"},
+          {"OMPI_COMM_WORLD_SIZE", "<unset>"},
+          {"PARATRAIN_BACKEND", "<unset>"}};
+}
+
 std::string cli_path() {
   return PARATRAIN_TEST_CLI;
 }

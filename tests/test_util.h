@@ -40,6 +40,10 @@ struct RunningProcess {
 RunningProcess start_process(const std::vector<std::string>& argv,
                              const std::map<std::string, std::string>& env = {});
 
+/// Extra environment for a process that must run as a world of one, outside any launcher: the
+/// launcher and MPI variables of the test's own environment are removed.
+std::map<std::string, std::string> world_of_one_env();
+
 /// PIDs of live processes whose command line contains `token`.
 std::vector<int> processes_with(const std::string& token);
 

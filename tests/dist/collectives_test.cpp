@@ -62,13 +62,7 @@ INSTANTIATE_TEST_SUITE_P(Backends,
 
 TEST(WorldOfOne, RunsWithoutAnyLauncher) {
   // No RANK, WORLD_SIZE or MASTER_ADDR: a plain program is a world of one, with no network.
-  auto r = run_process({worker_path(), "collectives"},
-                       {{"RANK", "<unset>"},
-                        {"WORLD_SIZE", "<unset>"},
-                        {"MASTER_ADDR", "<unset>"},
-                        {"OMPI_COMM_WORLD_SIZE", "<unset>"},
-                        {"PARATRAIN_BACKEND", "<unset>"}},
-                       120);
+  auto r = run_process({worker_path(), "collectives"}, world_of_one_env(), 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 0 of 1 (gloo): all collectives ok"), std::string::npos) << r.output;
 }

@@ -86,13 +86,7 @@ INSTANTIATE_TEST_SUITE_P(Cases,
                          });
 
 TEST(Ddp, WorldOfOneIsPlainTraining) {
-  auto r = run_process({PARATRAIN_TEST_DDP_WORKER},
-                       {{"RANK", "<unset>"},
-                        {"WORLD_SIZE", "<unset>"},
-                        {"MASTER_ADDR", "<unset>"},
-                        {"OMPI_COMM_WORLD_SIZE", "<unset>"},
-                        {"PARATRAIN_BACKEND", "<unset>"}},
-                       120);
+  auto r = run_process({PARATRAIN_TEST_DDP_WORKER}, world_of_one_env(), 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 0: ok"), std::string::npos) << r.output;
 }
