@@ -438,8 +438,9 @@ void DistributedDataParallel::finalize_backward() {
     at::Tensor used = torch::tensor(flags, torch::kInt).to(params_[0].device());
     pg_->allreduce(used, dist::ReduceOp::kMax)->wait();
     used = used.cpu();
+    const int* flag = used.data_ptr<int>();  // one read, not an item() per parameter
     for (size_t i = 0; i < params_.size(); ++i) {
-      globally_used[i] = used[static_cast<int64_t>(i)].item<int>() != 0;
+      globally_used[i] = flag[i] != 0;
     }
     std::fill(used_.begin(), used_.end(), false);
   }
