@@ -16,5 +16,6 @@
 
 #include "paratrain/models/registry.h"                     // models::make
 #include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
+#include "paratrain/parallel/data_parallel.h"              // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
 #include "paratrain/train/safetensors.h"                   // save/load_safetensors, module_state

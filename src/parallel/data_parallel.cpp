@@ -1,0 +1,365 @@
+#include "paratrain/parallel/data_parallel.h"
+
+#include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "worker_team.h"
+
+#include <algorithm>
+#include <atomic>
+#include <sstream>
+
+namespace paratrain {
+
+void check_device_exists(const torch::Device& device) {
+  if (device.is_cpu()) {
+    TORCH_CHECK(!device.has_index() || device.index() == 0, "device ", device,
+                " does not exist: the CPU is cpu (or cpu:0)");
+    return;
+  }
+  if (device.is_cuda()) {
+    const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+    TORCH_CHECK(count > 0, "device ", device,
+                " does not exist: this machine (or this libtorch build) has no CUDA device");
+    TORCH_CHECK(!device.has_index() || device.index() < count, "device ", device,
+                " does not exist: there are ", count, " CUDA devices (cuda:0..cuda:", count - 1,
+                ")");
+    return;
+  }
+  TORCH_CHECK(false, "device ", device, " is not supported: use cpu or cuda:N");
+}
+
+struct DataParallel::State {
+  std::shared_ptr<torch::nn::Module> module;
+  ForwardFn forward;
+  std::vector<torch::Device> devices;
+  torch::Device output_device{torch::kCPU};
+  int64_t dim = 0;
+  // replicas[0] is the module itself; the others are clones on devices[i].
+  std::vector<std::shared_ptr<torch::nn::Module>> replicas;
+  std::vector<std::vector<at::Tensor>> params;   // per replica, in module->parameters() order
+  std::vector<std::vector<at::Tensor>> buffers;  // per replica, in module->buffers() order
+  std::vector<int64_t> copied_versions;          // the module's parameter versions last copied
+  std::atomic<int> live_graphs{0};  // gathered outputs whose backward has not run or been freed
+  std::unique_ptr<detail::WorkerTeam> team;
+  size_t last_used = 0;
+};
+
+namespace {
+
+using torch::autograd::variable_list;
+
+std::string describe_replica(size_t i, const torch::Device& d) {
+  std::ostringstream s;
+  s << "replica " << i << " on " << d;
+  return s.str();
+}
+
+// Runs tasks on the team and rethrows the first failure as one error that names the replica,
+// after every thread has finished (nothing is left running on the replicas).
+void run_replicas(detail::WorkerTeam& team,
+                  const std::vector<std::function<void()>>& tasks,
+                  const std::vector<torch::Device>& devices,
+                  const char* phase) {
+  std::vector<std::exception_ptr> errors = team.run(tasks);
+  for (size_t i = 0; i < errors.size(); ++i) {
+    if (errors[i]) {
+      TORCH_CHECK(false, "DataParallel: ", describe_replica(i, devices[i]), " failed in ", phase,
+                  ": ", detail::message_of(errors[i]));
+    }
+  }
+}
+
+// The gradient function of the gathered output (Note [How DataParallel runs replicas]). Inputs
+// (next edges): the k input chunks, then the module's parameters.
+struct GatherBackward : torch::autograd::Node {
+  std::shared_ptr<DataParallel::State> state;
+  std::vector<at::Tensor> outputs;         // each replica's output, with its graph
+  std::vector<at::Tensor> replica_inputs;  // each replica's chunk (a leaf), when it needs a grad
+  std::vector<torch::Device> chunk_devices;
+  std::vector<int64_t> sizes;  // rows of each chunk along dim
+  int64_t dim = 0;
+  size_t num_params = 0;
+
+  std::string name() const override { return "paratrain::DataParallelGatherBackward"; }
+
+  ~GatherBackward() override { release_variables(); }
+
+  void release_variables() override {
+    if (!outputs.empty()) {
+      outputs.clear();
+      replica_inputs.clear();
+      --state->live_graphs;
+    }
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    const size_t k = sizes.size();
+    variable_list result(k + num_params);
+    TORCH_CHECK(!outputs.empty(),
+                "DataParallel: backward through an output whose graph was already freed; pass "
+                "retain_graph=true to the first backward to run it twice");
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) {
+      return result;
+    }
+    auto& st = *state;
+    // Which parameters each replica is asked about: those of the module that need a gradient.
+    std::vector<size_t> wanted;
+    for (size_t j = 0; j < num_params; ++j) {
+      if (should_compute_output(k + j)) {
+        wanted.push_back(j);
+      }
+    }
+    std::vector<variable_list> replica_grads(k);
+    std::vector<std::function<void()>> tasks;
+    int64_t offset = 0;
+    for (size_t i = 0; i < k; ++i) {
+      at::Tensor g = grad.narrow(dim, offset, sizes[i]);
+      offset += sizes[i];
+      tasks.emplace_back([&, i, g] {
+        c10::DeviceGuard guard(st.devices[i]);
+        variable_list inputs;
+        const bool want_input = replica_inputs[i].defined() && should_compute_output(i);
+        if (want_input) {
+          inputs.push_back(replica_inputs[i]);
+        }
+        for (size_t j : wanted) {
+          inputs.push_back(st.params[i][j]);
+        }
+        if (inputs.empty()) {
+          return;
+        }
+        // retain_graph: the graph is freed with this node (release_variables), so a user's
+        // backward(retain_graph=true) can run twice.
+        replica_grads[i] = torch::autograd::grad({outputs[i]}, inputs, {g.to(st.devices[i], true)},
+                                                 /*retain_graph=*/true, /*create_graph=*/false,
+                                                 /*allow_unused=*/true);
+        if (!want_input) {
+          replica_grads[i].insert(replica_grads[i].begin(), at::Tensor());
+        }
+      });
+    }
+    run_replicas(*st.team, tasks, st.devices, "backward");
+    for (size_t i = 0; i < k; ++i) {
+      if (!replica_grads[i].empty() && replica_grads[i][0].defined()) {
+        result[i] = replica_grads[i][0].to(chunk_devices[i]);
+      }
+    }
+    // Sum each parameter's gradients on the module's device, replica 0's first (it is already
+    // there), in replica order, so the result does not depend on thread timing.
+    for (size_t w = 0; w < wanted.size(); ++w) {
+      at::Tensor sum;
+      for (size_t i = 0; i < k; ++i) {
+        if (replica_grads[i].empty()) {
+          continue;
+        }
+        const at::Tensor& g = replica_grads[i][w + 1];
+        if (!g.defined()) {
+          continue;
+        }
+        at::Tensor here = g.to(st.devices[0]);
+        if (sum.defined()) {
+          sum.add_(here);
+        } else {
+          sum = here.clone();  // grad() may hand back the incoming gradient itself
+        }
+      }
+      result[k + wanted[w]] = sum;
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module,
+                           ForwardFn forward,
+                           std::vector<torch::Device> devices,
+                           DataParallelOptions options)
+    : state_(std::make_shared<State>()) {
+  TORCH_CHECK(module != nullptr, "DataParallel: the module is null");
+  TORCH_CHECK(!devices.empty(),
+              "DataParallel: the device list is empty; name at least one device, e.g. "
+              "{torch::kCPU, torch::kCPU} or {cuda:0, cuda:1}");
+  for (const auto& d : devices) {
+    check_device_exists(d);
+  }
+  State& st = *state_;
+  st.module = std::move(module);
+  st.forward = std::move(forward);
+  st.devices = std::move(devices);
+  st.output_device = options.output_device().value_or(st.devices[0]);
+  check_device_exists(st.output_device);
+  st.dim = options.dim();
+  TORCH_CHECK(st.dim >= 0, "DataParallel: dim must be >= 0, got ", st.dim);
+
+  const torch::Device home = st.devices[0];
+  auto check_home = [&](const std::string& name, const at::Tensor& t) {
+    TORCH_CHECK(t.device() == home ||
+                    (home.is_cpu() && t.device().is_cpu()),  // cpu and cpu:0 are one device
+                "DataParallel: the module must have its parameters and buffers on devices[0] (",
+                home, "), but ", name, " is on ", t.device(), "; call module->to(", home,
+                ") first");
+  };
+  for (const auto& p : st.module->named_parameters()) {
+    check_home(p.key(), p.value());
+  }
+  for (const auto& b : st.module->named_buffers()) {
+    check_home(b.key(), b.value());
+  }
+
+  st.replicas.push_back(st.module);
+  for (size_t i = 1; i < st.devices.size(); ++i) {
+    try {
+      st.replicas.push_back(st.module->clone(st.devices[i]));
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "DataParallel: cannot clone the module for ", st.devices[i], ": ",
+                  e.what_without_backtrace(),
+                  " (derive the module from torch::nn::Cloneable<YourImpl> and implement "
+                  "reset())");
+    }
+  }
+  for (const auto& r : st.replicas) {
+    st.params.push_back(r->parameters());
+    st.buffers.push_back(r->buffers());
+  }
+
+  size_t cpu_replicas = 0;
+  for (const auto& d : st.devices) {
+    cpu_replicas += d.is_cpu() ? 1 : 0;
+  }
+  int threads = options.threads_per_replica();
+  TORCH_CHECK(threads >= 0, "DataParallel: threads_per_replica must be >= 0, got ", threads);
+  if (threads == 0) {
+    threads = std::max<int>(
+        1, at::get_num_threads() / static_cast<int>(std::max<size_t>(1, cpu_replicas)));
+  }
+  if (st.devices.size() > 1) {
+    st.team = std::make_unique<detail::WorkerTeam>(st.devices.size(), threads);
+  }
+}
+
+DataParallel::~DataParallel() = default;
+DataParallel::DataParallel(DataParallel&&) noexcept = default;
+DataParallel& DataParallel::operator=(DataParallel&&) noexcept = default;
+
+const std::shared_ptr<torch::nn::Module>& DataParallel::module() const {
+  return state_->module;
+}
+const std::vector<torch::Device>& DataParallel::devices() const {
+  return state_->devices;
+}
+torch::Device DataParallel::output_device() const {
+  return state_->output_device;
+}
+size_t DataParallel::last_replicas_used() const {
+  return state_->last_used;
+}
+
+torch::Tensor DataParallel::forward(const torch::Tensor& input) {
+  State& st = *state_;
+  TORCH_CHECK(input.defined(), "DataParallel: the input is an undefined tensor");
+  TORCH_CHECK(input.dim() > st.dim, "DataParallel: cannot split a ", input.dim(),
+              "-d input of shape ", input.sizes(), " along dim ", st.dim);
+  const int64_t batch = input.size(st.dim);
+  TORCH_CHECK(batch > 0, "DataParallel: the input has no samples along dim ", st.dim, " (shape ",
+              input.sizes(), ")");
+  if (st.devices.size() == 1) {  // as PyTorch: the module alone, output stays on devices[0]
+    st.last_used = 1;
+    return st.forward(*st.module, input.to(st.devices[0]));
+  }
+
+  std::vector<at::Tensor> chunks = input.chunk(static_cast<int64_t>(st.devices.size()), st.dim);
+  const size_t k = chunks.size();
+  st.last_used = k;
+
+  // Refresh the clones (Note [How DataParallel runs replicas]). An in-place copy into a clone
+  // whose graph from an earlier forward still waits for backward would invalidate that graph, so
+  // while such graphs live the parameters are copied only if the module's version counters moved
+  // (libtorch's optimizers update parameters without bumping them, hence not always by version).
+  {
+    torch::NoGradGuard no_grad;
+    const auto& mine = st.params[0];
+    bool changed = st.live_graphs.load() == 0 || st.copied_versions.size() != mine.size();
+    for (size_t j = 0; !changed && j < mine.size(); ++j) {
+      changed = st.copied_versions[j] != static_cast<int64_t>(mine[j]._version());
+    }
+    for (size_t i = 1; i < k; ++i) {
+      if (changed) {
+        for (size_t j = 0; j < mine.size(); ++j) {
+          st.params[i][j].copy_(mine[j], /*non_blocking=*/true);
+        }
+      }
+      for (size_t j = 0; j < st.buffers[0].size(); ++j) {
+        st.buffers[i][j].copy_(st.buffers[0][j], /*non_blocking=*/true);
+      }
+      st.replicas[i]->train(st.module->is_training());
+    }
+    if (changed) {
+      st.copied_versions.clear();
+      for (const auto& p : mine) {
+        st.copied_versions.push_back(static_cast<int64_t>(p._version()));
+      }
+    }
+  }
+
+  const bool grad_mode = torch::GradMode::is_enabled();
+  std::vector<at::Tensor> replica_inputs(k);
+  std::vector<at::Tensor> outputs(k);
+  std::vector<std::function<void()>> tasks;
+  for (size_t i = 0; i < k; ++i) {
+    tasks.emplace_back([&, i] {
+      c10::DeviceGuard guard(st.devices[i]);
+      // Each replica works on a leaf of its own: its graph ends here, and GatherBackward routes
+      // the chunk's gradient back to the caller's input.
+      at::Tensor x = chunks[i].to(st.devices[i], /*non_blocking=*/true).detach();
+      if (grad_mode && chunks[i].requires_grad()) {
+        x.requires_grad_(true);
+      }
+      replica_inputs[i] = x;
+      outputs[i] = st.forward(*st.replicas[i], x);
+      TORCH_CHECK(outputs[i].defined() && outputs[i].dim() > st.dim,
+                  "the module returned a tensor that cannot be gathered along dim ", st.dim);
+    });
+  }
+  run_replicas(*st.team, tasks, st.devices, "forward");
+
+  std::vector<at::Tensor> detached;
+  for (const auto& o : outputs) {
+    detached.push_back(o.detach().to(st.output_device));
+  }
+  at::Tensor gathered = torch::cat(detached, st.dim);
+
+  bool needs_grad = false;
+  for (const auto& o : outputs) {
+    needs_grad = needs_grad || o.requires_grad();
+  }
+  if (!grad_mode || !needs_grad || !torch::autograd::isDifferentiableType(gathered.scalar_type())) {
+    return gathered;
+  }
+  auto node = std::shared_ptr<GatherBackward>(new GatherBackward(), torch::autograd::deleteNode);
+  node->state = state_;
+  ++st.live_graphs;
+  node->outputs = outputs;
+  node->dim = st.dim;
+  node->num_params = st.params[0].size();
+  for (size_t i = 0; i < k; ++i) {
+    node->sizes.push_back(chunks[i].size(st.dim));
+    node->chunk_devices.push_back(chunks[i].device());
+    node->replica_inputs.push_back(replica_inputs[i].requires_grad() ? replica_inputs[i]
+                                                                     : at::Tensor());
+  }
+  variable_list edges_of(chunks.begin(), chunks.end());
+  edges_of.insert(edges_of.end(), st.params[0].begin(), st.params[0].end());
+  node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
+  torch::autograd::set_history(gathered, node);
+  return gathered;
+}
+
+}  // namespace paratrain

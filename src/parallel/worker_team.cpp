@@ -1,0 +1,86 @@
+#include "worker_team.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+namespace paratrain {
+namespace detail {
+
+WorkerTeam::WorkerTeam(size_t size, int intra_op_threads) : jobs_(size, nullptr) {
+  threads_.reserve(size);
+  for (size_t i = 0; i < size; ++i) {
+    threads_.emplace_back([this, i, intra_op_threads] { loop(i, intra_op_threads); });
+  }
+}
+
+WorkerTeam::~WorkerTeam() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : threads_) {
+    t.join();
+  }
+}
+
+void WorkerTeam::loop(size_t index, int intra_op_threads) {
+  if (intra_op_threads > 0) {
+    // OpenMP's thread count is per thread for threads OpenMP did not start, so this sets this
+    // worker's share without touching the caller's.
+    at::set_num_threads(intra_op_threads);
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    wake_.wait(lock, [&] { return stop_ || jobs_[index] != nullptr; });
+    if (stop_) {
+      return;
+    }
+    const std::function<void()>* job = jobs_[index];
+    const bool grad_mode = grad_mode_;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      torch::AutoGradMode mode(grad_mode);
+      (*job)();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    errors_[index] = error;
+    jobs_[index] = nullptr;
+    if (--pending_ == 0) {
+      done_.notify_all();
+    }
+  }
+}
+
+std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<void()>>& tasks) {
+  TORCH_CHECK(tasks.size() <= threads_.size(), "WorkerTeam: ", tasks.size(),
+              " tasks for a team of ", threads_.size(), " threads");
+  std::unique_lock<std::mutex> lock(mutex_);
+  errors_.assign(tasks.size(), nullptr);
+  grad_mode_ = torch::GradMode::is_enabled();
+  pending_ = tasks.size();
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    jobs_[i] = &tasks[i];
+  }
+  wake_.notify_all();
+  done_.wait(lock, [&] { return pending_ == 0; });
+  return errors_;
+}
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+}  // namespace detail
+}  // namespace paratrain

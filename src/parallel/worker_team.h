@@ -1,0 +1,58 @@
+#pragma once
+
+// A fixed team of threads that run one task each, in parallel, and hand back every failure.
+// DataParallel runs one replica per thread with it, the single-process pipeline one stage per
+// thread. Threads persist across calls: starting threads on every forward and backward costs more
+// than a small model's step (the MLP's is ~2 ms), and a persistent thread keeps its intra-op
+// thread setting. std::async would start a fresh thread per call, and libtorch's at::launch pool
+// is shared with the inter-op work of the whole process, so neither fits.
+
+#include <c10/core/Device.h>
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace paratrain {
+namespace detail {
+
+class WorkerTeam {
+ public:
+  /// `size` threads. `intra_op_threads` > 0 sets each thread's intra-op (OpenMP) thread count
+  /// once at start.
+  explicit WorkerTeam(size_t size, int intra_op_threads = 0);
+  ~WorkerTeam();
+  WorkerTeam(const WorkerTeam&) = delete;
+  WorkerTeam& operator=(const WorkerTeam&) = delete;
+
+  size_t size() const { return threads_.size(); }
+
+  /// Runs tasks[i] on thread i, all at once, and returns when all have finished (the caller only
+  /// waits, so every task gets the same intra-op share). Grad mode is taken from the caller.
+  /// Returns the exception of each task (null when it succeeded); the caller decides how to
+  /// report them. At most size() tasks.
+  std::vector<std::exception_ptr> run(const std::vector<std::function<void()>>& tasks);
+
+ private:
+  void loop(size_t index, int intra_op_threads);
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  std::vector<std::thread> threads_;
+  std::vector<const std::function<void()>*> jobs_;  // per thread, null when idle
+  std::vector<std::exception_ptr> errors_;          // per task
+  size_t pending_ = 0;
+  bool grad_mode_ = true;
+  bool stop_ = false;
+};
+
+/// The message of an exception without libtorch's C++ backtrace, for errors that wrap another.
+std::string message_of(const std::exception_ptr& error);
+
+}  // namespace detail
+}  // namespace paratrain
