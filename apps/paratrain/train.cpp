@@ -21,15 +21,17 @@ namespace cli {
 namespace {
 
 const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp --dataset fashion-mnist --strategy single|ddp\n"
-    "         [--nproc N] [--backend auto|gloo|mpi] --epochs E [--steps S] --batch-size B\n"
+    "usage: paratrain train --model linear|mlp --dataset fashion-mnist --strategy single|ddp|dp\n"
+    "         [--nproc N] [--backend auto|gloo|mpi] [--devices cpu,cpu] --epochs E [--steps S]\n"
+    "         --batch-size B\n"
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
     "\n"
-    "--batch-size is per rank. --steps caps the steps of each epoch. With --strategy ddp, --nproc "
-    "N\n"
-    "starts N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
+    "--batch-size is per rank (ddp) or the whole batch, scattered over --devices (dp, as\n"
+    "nn.DataParallel). --steps caps the steps of each epoch. With --strategy ddp, --nproc N "
+    "starts\n"
+    "N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
 
 // Started by a launcher that already made the ranks: paratrain launch / torchrun, mpirun, or srun
 // with several tasks (a plain sbatch shell has SLURM_PROCID too, but one task).
@@ -46,14 +48,40 @@ bool inside_a_job() {
 
 using Clock = std::chrono::steady_clock;
 
+// "cpu,cpu" or "cuda:0,cuda:1": each must parse and exist.
+std::vector<torch::Device> parse_devices(const std::string& list) {
+  std::vector<torch::Device> out;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) {
+      continue;
+    }
+    try {
+      out.emplace_back(item);
+    } catch (const c10::Error&) {
+      throw UsageError("bad device '" + item + "' in --devices: write cpu or cuda:N");
+    }
+    try {
+      check_device_exists(out.back());
+    } catch (const c10::Error& e) {
+      throw UsageError(std::string("--devices: ") + e.what_without_backtrace());
+    }
+  }
+  if (out.empty()) {
+    throw UsageError("--devices is empty: name at least one device, e.g. cpu,cpu");
+  }
+  return out;
+}
+
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(
-      argv,
-      {"model", "dataset", "strategy", "nproc", "backend", "epochs", "steps", "batch-size", "lr",
-       "momentum", "weight-decay", "seed", "workers", "data-dir", "save-weights", "load-weights"},
-      {"json", "help"});
+  Args args(argv,
+            {"model", "dataset", "strategy", "nproc", "backend", "epochs", "steps", "batch-size",
+             "lr", "momentum", "weight-decay", "seed", "workers", "data-dir", "save-weights",
+             "load-weights", "devices"},
+            {"json", "help"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
     return 0;
@@ -79,8 +107,15 @@ int run_train(const std::vector<std::string>& argv) {
   if (dataset != "fashion-mnist") {
     throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
   }
-  if (strategy != "single" && strategy != "ddp") {
-    throw UsageError("unknown --strategy '" + strategy + "': choose single or ddp");
+  if (strategy != "single" && strategy != "ddp" && strategy != "dp") {
+    throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp or dp");
+  }
+  std::vector<torch::Device> dp_devices;
+  if (args.has("devices") != (strategy == "dp")) {
+    throw UsageError("--devices goes with --strategy dp (e.g. --strategy dp --devices cpu,cpu)");
+  }
+  if (strategy == "dp") {
+    dp_devices = parse_devices(args.get("devices"));
   }
   if (epochs <= 0) {
     throw UsageError("--epochs must be positive, got " + std::to_string(epochs));
@@ -134,17 +169,24 @@ int run_train(const std::vector<std::string>& argv) {
   // Data first: a missing dataset should fail before any training is set up.
   data::FashionMNIST train(data_dir, data::FashionMNIST::Split::kTrain);
   data::FashionMNIST test(data_dir, data::FashionMNIST::Split::kTest);
-  const torch::Device device = dist::local_device();
+  torch::Device device = dist::local_device();
 
   torch::manual_seed(seed);  // the same initial weights on every run
   torch::nn::Sequential model = models::make(model_name);
   if (args.has("load-weights")) {
     load_module_state(*model, load_safetensors(args.get("load-weights")));
   }
+  if (!dp_devices.empty()) {
+    device = dp_devices[0];  // the module lives on the first device, as with nn.DataParallel
+  }
   model->to(device);
   std::unique_ptr<DistributedDataParallel> ddp;
   if (pg) {
     ddp = std::make_unique<DistributedDataParallel>(model, pg);
+  }
+  std::unique_ptr<DataParallel> dp;
+  if (!dp_devices.empty()) {
+    dp = std::make_unique<DataParallel>(model, dp_devices);
   }
   torch::optim::SGD optimizer(
       model->parameters(),
@@ -166,10 +208,20 @@ int run_train(const std::vector<std::string>& argv) {
         }()
          << " parameters), dataset " << dataset << " (" << *train.size() << " train, "
          << *test.size() << " test), strategy " << strategy << ", " << world << " rank"
-         << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device "
-         << device << ", batch " << batch_size << " per rank, " << steps_per_epoch
-         << " steps per epoch, lr " << lr << ", momentum " << momentum << ", weight decay "
-         << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
+         << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device" <<
+        [&] {
+          std::ostringstream d;
+          if (dp_devices.empty()) {
+            d << " " << device;
+          }
+          for (size_t i = 0; i < dp_devices.size(); ++i) {
+            d << (i == 0 ? "s " : ",") << dp_devices[i];
+          }
+          return d.str();
+        }()
+         << ", batch " << batch_size << (dp ? " (whole, scattered), " : " per rank, ")
+         << steps_per_epoch << " steps per epoch, lr " << lr << ", momentum " << momentum
+         << ", weight decay " << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
          << " threads per rank" << std::endl;
   }
   const bool progress = speak && !json && ::isatty(1);
@@ -192,7 +244,7 @@ int run_train(const std::vector<std::string>& argv) {
       auto x = batch->data.to(device, /*non_blocking=*/true);
       auto y = batch->target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
-      auto out = ddp ? ddp->forward(x) : model->forward(x);
+      auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
       auto loss = torch::nn::functional::cross_entropy(out, y);
       loss.backward();
       optimizer.step();

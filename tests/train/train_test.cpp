@@ -66,12 +66,38 @@ TEST(Train, ExampleProgramTrains) {
   EXPECT_GT(std::stod(m[1]), 0.6) << r.output;
 }
 
+TEST(Train, DataParallelExampleTrains) {
+  auto r = run_process({PARATRAIN_TEST_DP_EXAMPLE, "1", "150"}, {}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      r.output, m,
+      std::regex(R"(epoch 1: 2 replicas, mean loss [0-9.]+, test accuracy ([0-9.]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.6) << r.output;
+}
+
 TEST(Train, SingleProcessLinear) {
   auto r = run_process({cli_path(), "train", "--model", "linear", "--strategy", "single",
                         "--epochs", "2", "--steps", "20", "--batch-size", "32"},
                        {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("epoch 2/2: train_loss "), std::string::npos) << r.output;
+}
+
+TEST(Train, DataParallelTwoCpuReplicas) {
+  // --batch-size is the whole batch, as with nn.DataParallel: 100 steps of 128 over 2 replicas.
+  auto r =
+      run_process({cli_path(), "train", "--model", "mlp", "--strategy", "dp", "--devices",
+                   "cpu,cpu", "--epochs", "1", "--steps", "100", "--batch-size", "128", "--json"},
+                  {}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("devices cpu,cpu, batch 128 (whole, scattered)"), std::string::npos)
+      << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.70) << r.output;
 }
 
 TEST(Train, BadInput) {
@@ -86,7 +112,11 @@ TEST(Train, BadInput) {
   std::vector<Case> cases{
       {{"--model", "cnn"}, "unknown --model 'cnn': choose linear or mlp"},
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
-      {{"--strategy", "dp"}, "unknown --strategy 'dp': choose single or ddp"},
+      {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp or dp"},
+      {{"--strategy", "dp"}, "--devices goes with --strategy dp"},
+      {{"--strategy", "dp", "--devices", ","}, "--devices is empty"},
+      {{"--strategy", "dp", "--devices", "cpu,gpu"}, "bad device 'gpu' in --devices"},
+      {{"--strategy", "dp", "--devices", "cpu:3"}, "device cpu:3 does not exist"},
       {{"--batch-size", "0"}, "--batch-size must be positive, got 0"},
       {{"--epochs", "0"}, "--epochs must be positive, got 0"},
       {{"--data-dir", "/nonexistent"},
