@@ -39,43 +39,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Workload {
-  std::string name;
-  std::string model;
-  int batch;
-  std::vector<int64_t> shape;
-  int warmup;
-  int steps;
-};
-
-Workload workload(const std::string& name, int steps_override) {
-  if (name == "mlp") {
-    return {"mlp", "mlp", 64, {64, 1, 28, 28}, 10, steps_override > 0 ? steps_override : 60};
-  }
-  if (name == "resnet18") {
-    return {"resnet18", "resnet18_cifar",
-            16,         {16, 3, 32, 32},
-            2,          steps_override > 0 ? steps_override : 16};
-  }
-  throw UsageError("unknown workload '" + name + "': choose mlp or resnet18");
-}
-
-std::string row_json(const std::map<std::string, std::string>& fields) {
-  std::ostringstream s;
-  s << "{";
-  bool first = true;
-  for (const auto& kv : fields) {
-    s << (first ? "" : ", ") << "\"" << kv.first << "\": " << kv.second;
-    first = false;
-  }
-  s << "}";
-  return s.str();
-}
-
-std::string quoted(const std::string& s) {
-  return "\"" + s + "\"";
-}
-
 // One process of a measured system.
 int run_worker(const Args& args) {
   torch::set_num_threads(1);

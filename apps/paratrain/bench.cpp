@@ -12,7 +12,8 @@ int run_bench(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help") {
     std::cout << "usage: paratrain bench <name> [options] [--json]\n\n"
                  "  allreduce   time per allreduce and bus bandwidth, per backend\n"
-                 "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n";
+                 "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n"
+                 "  strategies  single process vs DataParallel vs DDP (the notes' table)\n";
     return args.empty() ? 2 : 0;
   }
   std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -22,7 +23,10 @@ int run_bench(const std::vector<std::string>& args) {
   if (args[0] == "ddp") {
     return run_bench_ddp(rest);
   }
-  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce, ddp");
+  if (args[0] == "strategies") {
+    return run_bench_strategies(rest);
+  }
+  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce, ddp, strategies");
 }
 
 }  // namespace cli

@@ -19,16 +19,20 @@ nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
 }
 
 // torchvision's BasicBlock: conv-bn-relu-conv-bn, plus the input (downsampled when the shape
-// changes), then relu.
-struct BasicBlockImpl : nn::Module {
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride) {
-    conv1 = register_module("conv1", conv(in, out, 3, stride));
-    bn1 = register_module("bn1", nn::BatchNorm2d(out));
-    conv2 = register_module("conv2", conv(out, out, 3, 1));
-    bn2 = register_module("bn2", nn::BatchNorm2d(out));
-    if (stride != 1 || in != out) {
-      downsample = register_module("downsample",
-                                   nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
+// changes), then relu. Cloneable, so DataParallel and pipelines can replicate it.
+struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl> {
+  BasicBlockImpl(int64_t in, int64_t out, int64_t stride) : in_(in), out_(out), stride_(stride) {
+    reset();
+  }
+  void reset() override {
+    conv1 = register_module("conv1", conv(in_, out_, 3, stride_));
+    bn1 = register_module("bn1", nn::BatchNorm2d(out_));
+    conv2 = register_module("conv2", conv(out_, out_, 3, 1));
+    bn2 = register_module("bn2", nn::BatchNorm2d(out_));
+    downsample = nullptr;
+    if (stride_ != 1 || in_ != out_) {
+      downsample = register_module(
+          "downsample", nn::Sequential(conv(in_, out_, 1, stride_), nn::BatchNorm2d(out_)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -37,6 +41,7 @@ struct BasicBlockImpl : nn::Module {
     x = bn2(conv2(x));
     return torch::relu(x + identity);
   }
+  int64_t in_, out_, stride_;
   nn::Conv2d conv1{nullptr}, conv2{nullptr};
   nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
   nn::Sequential downsample{nullptr};
@@ -48,6 +53,18 @@ TORCH_MODULE(BasicBlock);
 struct StageImpl : nn::SequentialImpl {
   using SequentialImpl::SequentialImpl;
   torch::Tensor forward(torch::Tensor x) { return SequentialImpl::forward(x); }
+  // SequentialImpl's clone would make a plain Sequential, which a parent holding a Stage cannot
+  // take back; clone the children into a Stage instead, under their names.
+  std::shared_ptr<nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override {
+    auto copy = std::make_shared<StageImpl>();
+    auto children = named_children();
+    size_t i = 0;
+    for (auto it = begin(); it != end(); ++it, ++i) {
+      copy->push_back(children[i].key(), it->clone(device));
+    }
+    return copy;
+  }
 };
 TORCH_MODULE(Stage);
 

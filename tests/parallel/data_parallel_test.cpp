@@ -2,6 +2,7 @@
 // own thread, standing in for several GPUs).
 
 #include "paratrain/parallel/data_parallel.h"
+#include "paratrain/models/registry.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -146,6 +147,26 @@ TEST(DataParallel, BatchNormBuffersComeFromFirstReplica) {
   auto out = dp(x);
   EXPECT_FALSE(out.requires_grad());
   expect_close(out, first_only->forward(x), "eval output");
+}
+
+// The zoo's ResNet (nested Sequentials of custom blocks) clones, and its replicas compute the
+// module's gradients.
+TEST(DataParallel, ResNetReplicas) {
+  torch::manual_seed(5);
+  auto plain = models::make("resnet18_cifar");
+  torch::manual_seed(5);
+  auto wrapped = models::make("resnet18_cifar");
+  plain->eval();  // per-chunk batch statistics would differ from whole-batch ones
+  wrapped->eval();
+  DataParallel dp(wrapped, cpus(2));
+  auto x = torch::randn({4, 3, 32, 32});
+  auto y = torch::tensor({1, 2, 3, 4});
+  torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
+  torch::nn::functional::cross_entropy(dp(x), y).backward();
+  auto p2 = wrapped->named_parameters();
+  for (const auto& p : plain->named_parameters()) {
+    expect_close(p.value().grad(), p2[p.key()].grad(), "gradient of " + p.key());
+  }
 }
 
 struct ThrowsOnMarkerImpl : nn::Cloneable<ThrowsOnMarkerImpl> {
