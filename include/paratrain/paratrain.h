@@ -18,4 +18,5 @@
 #include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/data_parallel.h"              // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
-#include "paratrain/train/safetensors.h"                   // save/load_safetensors, module_state
+#include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
+#include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state

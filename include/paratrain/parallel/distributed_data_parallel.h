@@ -113,6 +113,12 @@ class DistributedDataParallel {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// For schedules that run several forwards before the backward that should reduce (pipelines;
+  /// PyTorch's reducer.prepare_for_backward): run the forwards and the other backwards under
+  /// no_sync(), then, outside it, call this with the tensor whose backward comes next. That
+  /// backward reduces every gradient accumulated since the last reduction.
+  void prepare_for_backward(const torch::Tensor& output) { post_forward(output); }
+
   /// Replaces the communication hook (default AllreduceHook). Call before the first backward.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
