@@ -12,6 +12,8 @@
 #include "backends.h"
 #include "store_monitor.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -99,6 +101,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
       : ProcessGroup(rank, size, timeout),
         name_(std::move(name)),
         store_(std::move(store)),
+        monitor_client_(monitor_client),
         engine_(std::move(engine)) {
     if (size > 1 && monitor_client) {
       monitor_ = std::make_unique<StoreMonitor>(monitor_client, rank, size);
@@ -106,6 +109,11 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   }
 
   std::string backend_name() const override { return name_; }
+
+  /// Builds this backend's group of `size` ranks over a store (new_group's subgroups).
+  using Maker = std::function<ProcessGroupPtr(
+      c10::intrusive_ptr<c10d::Store>, StoreClientFactory, int rank, int size)>;
+  void set_maker(Maker maker) { maker_ = std::move(maker); }
 
   // Called by C10dWork::wait when c10d reports a failure.
   std::string fail(const std::string& op,
@@ -200,6 +208,31 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     return wrap(engine_->barrier(opts), "barrier", seq, true, nullptr, "");
   }
 
+  // As PyTorch's new_group: the subgroup's engine meets over the job's store, under a prefix of
+  // its own, so its rendezvous (and the heartbeat naming missing ranks) sees only its members.
+  ProcessGroupPtr do_new_group(const std::vector<int>& ranks,
+                               int index,
+                               int64_t group_id) override {
+    TORCH_CHECK(maker_ != nullptr, name_,
+                " new_group: subgroups are not supported by this backend");
+    if (index < 0) {
+      return nullptr;
+    }
+    const std::string prefix = "paratrain/group/" + std::to_string(group_id);
+    auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+    StoreClientFactory client;
+    if (monitor_client_) {
+      client = [f = monitor_client_, prefix]() -> c10::intrusive_ptr<c10d::Store> {
+        return c10::make_intrusive<c10d::PrefixStore>(prefix, f());
+      };
+    }
+    auto group = maker_(store, client, index, static_cast<int>(ranks.size()));
+    if (auto typed = std::dynamic_pointer_cast<C10dGroup<Engine>>(group)) {
+      typed->set_maker(maker_);  // subgroups of subgroups
+    }
+    return group;
+  }
+
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
     std::vector<at::Tensor> tensors{tensor};
     return wrap(engine_->send(tensors, dst, tag), "send", seq, false, nullptr,
@@ -248,6 +281,8 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
 
   std::string name_;
   c10::intrusive_ptr<c10d::Store> store_;
+  StoreClientFactory monitor_client_;
+  Maker maker_;
   std::unique_ptr<StoreMonitor> monitor_;  // before engine_: destroyed after it
   c10::intrusive_ptr<Engine> engine_;
 };

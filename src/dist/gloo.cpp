@@ -44,8 +44,13 @@ ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
   auto engine = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-  return std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(
+  auto group = std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(
       "gloo", std::move(engine), std::move(store), std::move(monitor_client), rank, size, timeout);
+  group->set_maker(
+      [timeout, hostname](c10::intrusive_ptr<c10d::Store> s, StoreClientFactory c, int r, int n) {
+        return make_gloo_group(std::move(s), std::move(c), r, n, timeout, hostname);
+      });
+  return group;
 }
 
 }  // namespace detail

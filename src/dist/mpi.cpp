@@ -457,7 +457,28 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
                   });
   }
 
+  // MPI_Comm_split over this group's communicator, on the caller's thread: new_group is called
+  // with nothing in flight, so the worker thread is not using the communicator.
+  ProcessGroupPtr do_new_group(const std::vector<int>& ranks,
+                               int index,
+                               int64_t group_id) override {
+    (void)group_id;  // MPI matches collective calls by order on the communicator
+    MPI_Comm sub = MPI_COMM_NULL;
+    const int color = index >= 0 ? 0 : MPI_UNDEFINED;
+    check_new_group(MPI_Comm_split(comm_, color, index, &sub));
+    if (sub == MPI_COMM_NULL) {
+      return nullptr;
+    }
+    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
+    (void)ranks;
+    return std::make_shared<MpiGroup>(sub, index, static_cast<int>(ranks.size()), timeout());
+  }
+
  private:
+  static void check_new_group(int rc) {
+    TORCH_CHECK(rc == MPI_SUCCESS, "mpi new_group: MPI_Comm_split failed: ", mpi_error_string(rc));
+  }
+
   static void check(int rc) {
     if (rc != MPI_SUCCESS) {
       throw std::runtime_error(mpi_error_string(rc));

@@ -124,6 +124,26 @@ WorkPtr ProcessGroup::reduce_scatter(at::Tensor& output,
   return do_reduce_scatter(output, inputs, op, next_sequence());
 }
 
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  check_not_broken("new_group");
+  TORCH_CHECK(!ranks.empty(), backend_name(), " new_group: the rank list is empty");
+  std::vector<bool> seen(static_cast<size_t>(size_), false);
+  int index = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    TORCH_CHECK(r >= 0 && r < size_, backend_name(), " new_group: rank ", r,
+                " is out of range for a group of size ", size_);
+    TORCH_CHECK(!seen[static_cast<size_t>(r)], backend_name(), " new_group: rank ", r,
+                " appears twice in ",
+                c10::IntArrayRef(std::vector<int64_t>(ranks.begin(), ranks.end())));
+    seen[static_cast<size_t>(r)] = true;
+    if (r == rank_) {
+      index = static_cast<int>(i);
+    }
+  }
+  return do_new_group(ranks, index, groups_made_++);
+}
+
 WorkPtr ProcessGroup::barrier() {
   check_not_broken("barrier");
   return do_barrier(next_sequence());

@@ -3,6 +3,10 @@
 
 #include "test_util.h"
 
+#include "paratrain/dist/init.h"
+
+#include <torch/torch.h>
+
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
@@ -256,6 +260,40 @@ TEST(BadInput, LauncherArguments) {
         << "expected '" << c.message << "' in: " << r.output;
     EXPECT_EQ(count_lines(r.output), 1) << r.output;
   }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+// new_group's rank list, checked before any backend work (a world of one, in this process).
+TEST(BadInput, NewGroupRanks) {
+  const std::string path = "/tmp/" + unique_token("paratrain-newgroup-store");
+  auto pg = dist::init_process_group(
+      dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+  auto error_of = [&](const std::vector<int>& ranks) -> std::string {
+    try {
+      pg->new_group(ranks);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of({}).find("gloo new_group: the rank list is empty"), std::string::npos);
+  EXPECT_NE(error_of({1}).find("gloo new_group: rank 1 is out of range for a group of size 1"),
+            std::string::npos);
+  EXPECT_NE(error_of({0, 0}).find("gloo new_group: rank 0 appears twice in [0, 0]"),
+            std::string::npos);
+  auto sub = pg->new_group({0});
+  ASSERT_NE(sub, nullptr);
+  at::Tensor t = torch::ones({3});
+  sub->allreduce(t)->wait();
+  EXPECT_EQ(t.sum().item<double>(), 3.0);
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -85,6 +85,14 @@ class ProcessGroup {
   WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0);
   WorkPtr recv(at::Tensor& tensor, int src, int tag = 0);
 
+  /// torch.distributed.new_group: a group of the given ranks of this group, the new group's rank
+  /// i being ranks[i]. Every rank of this group calls it with the same list, in the same order
+  /// as its other new_group calls (the k-th call of each rank makes the same group); members get
+  /// the new group, the others nullptr. Call it while no operation of this group is in flight.
+  /// The new group has this group's backend and timeout. Throws c10::Error for an empty list, a
+  /// rank out of range or a repeated rank.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
   /// Number of collectives issued on this group so far (the next one gets this number). Every
   /// rank counts the same collectives, which is how a failing rank tells who fell behind; send and
   /// recv are numbered apart, since only two ranks take part in each.
@@ -104,6 +112,11 @@ class ProcessGroup {
   virtual WorkPtr do_barrier(int64_t seq) = 0;
   virtual WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) = 0;
   virtual WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) = 0;
+  /// `ranks` is checked; `index` is this rank's place in it (-1: not a member); `group_id`
+  /// counts this group's new_group calls, the same on every rank.
+  virtual std::shared_ptr<ProcessGroup> do_new_group(const std::vector<int>& ranks,
+                                                     int index,
+                                                     int64_t group_id) = 0;
 
   /// "allreduce #12 (sum, 4194304 bytes) on rank 1 of 2 (gloo)": the prefix of every error.
   std::string describe(const std::string& op, int64_t seq, const std::string& detail = "") const;
@@ -124,6 +137,7 @@ class ProcessGroup {
   const std::chrono::milliseconds timeout_;
   int64_t sequence_ = 0;
   int64_t p2p_sequence_ = 0;
+  int64_t groups_made_ = 0;
   mutable std::mutex broken_mutex_;
   std::string broken_;  // guarded by broken_mutex_
 };
