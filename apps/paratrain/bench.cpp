@@ -13,7 +13,8 @@ int run_bench(const std::vector<std::string>& args) {
     std::cout << "usage: paratrain bench <name> [options] [--json]\n\n"
                  "  allreduce   time per allreduce and bus bandwidth, per backend\n"
                  "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n"
-                 "  strategies  single process vs DataParallel vs DDP (the notes' table)\n";
+                 "  strategies  single process vs DataParallel vs DDP (the notes' table)\n"
+                 "  pipeline    GPipe/1F1B micro-batching vs plain model parallelism\n";
     return args.empty() ? 2 : 0;
   }
   std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -23,10 +24,14 @@ int run_bench(const std::vector<std::string>& args) {
   if (args[0] == "ddp") {
     return run_bench_ddp(rest);
   }
+  if (args[0] == "pipeline") {
+    return run_bench_pipeline(rest);
+  }
   if (args[0] == "strategies") {
     return run_bench_strategies(rest);
   }
-  throw UsageError("unknown benchmark '" + args[0] + "'; available: allreduce, ddp, strategies");
+  throw UsageError("unknown benchmark '" + args[0] +
+                   "'; available: allreduce, ddp, strategies, pipeline");
 }
 
 }  // namespace cli

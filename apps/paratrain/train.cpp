@@ -21,15 +21,18 @@ namespace cli {
 namespace {
 
 const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp --dataset fashion-mnist --strategy single|ddp|dp\n"
-    "         [--nproc N] [--backend auto|gloo|mpi] [--devices cpu,cpu] --epochs E [--steps S]\n"
-    "         --batch-size B\n"
+    "usage: paratrain train --model linear|mlp --dataset fashion-mnist\n"
+    "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
+    "         [--devices cpu,cpu] [--stages P --chunks M --schedule gpipe|1f1b] --epochs E\n"
+    "         [--steps S] --batch-size B\n"
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
     "\n"
     "--batch-size is per rank (ddp) or the whole batch, scattered over --devices (dp, as\n"
-    "nn.DataParallel). --steps caps the steps of each epoch. With --strategy ddp, --nproc N "
+    "nn.DataParallel) or cut into --chunks micro-batches flowing through --stages stages\n"
+    "(pipeline; one thread per stage, on --devices or the CPU). --steps caps the steps of each\n"
+    "epoch. With --strategy ddp, --nproc N "
     "starts\n"
     "N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
 
@@ -77,10 +80,10 @@ std::vector<torch::Device> parse_devices(const std::string& list) {
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"model", "dataset", "strategy", "nproc", "backend", "epochs", "steps", "batch-size",
-             "lr", "momentum", "weight-decay", "seed", "workers", "data-dir", "save-weights",
-             "load-weights", "devices"},
+  Args args(argv, {"model",        "dataset", "strategy",   "nproc",    "backend",
+                   "epochs",       "steps",   "batch-size", "lr",       "momentum",
+                   "weight-decay", "seed",    "workers",    "data-dir", "save-weights",
+                   "load-weights", "devices", "stages",     "chunks",   "schedule"},
             {"json", "help"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
@@ -107,15 +110,50 @@ int run_train(const std::vector<std::string>& argv) {
   if (dataset != "fashion-mnist") {
     throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
   }
-  if (strategy != "single" && strategy != "ddp" && strategy != "dp") {
-    throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp or dp");
+  if (strategy != "single" && strategy != "ddp" && strategy != "dp" && strategy != "pipeline") {
+    throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp, dp or pipeline");
   }
   std::vector<torch::Device> dp_devices;
-  if (args.has("devices") != (strategy == "dp")) {
-    throw UsageError("--devices goes with --strategy dp (e.g. --strategy dp --devices cpu,cpu)");
+  if (strategy == "dp" && !args.has("devices")) {
+    throw UsageError("--strategy dp needs --devices (e.g. --devices cpu,cpu)");
+  }
+  if (args.has("devices") && strategy != "dp" && strategy != "pipeline") {
+    throw UsageError("--devices goes with --strategy dp or pipeline");
   }
   if (strategy == "dp") {
     dp_devices = parse_devices(args.get("devices"));
+  }
+  const bool piped = strategy == "pipeline";
+  if (!piped && (args.has("stages") || args.has("chunks") || args.has("schedule"))) {
+    throw UsageError("--stages, --chunks and --schedule go with --strategy pipeline");
+  }
+  const int stages = args.get_int("stages", 2);
+  const int chunks = args.get_int("chunks", 4);
+  std::vector<torch::Device> stage_devices;
+  pipeline::Schedule schedule = pipeline::Schedule::kGPipe;
+  if (piped) {
+    if (stages < 1) {
+      throw UsageError("--stages must be >= 1, got " + std::to_string(stages));
+    }
+    if (chunks < 1) {
+      throw UsageError("--chunks must be >= 1, got " + std::to_string(chunks));
+    }
+    if (chunks > batch_size) {
+      throw UsageError("--chunks (" + std::to_string(chunks) + ") is larger than --batch-size (" +
+                       std::to_string(batch_size) + "): a micro-batch needs a sample");
+    }
+    try {
+      schedule = pipeline::parse_schedule(args.get("schedule", "gpipe"));
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+    stage_devices = args.has("devices")
+                        ? parse_devices(args.get("devices"))
+                        : std::vector<torch::Device>(static_cast<size_t>(stages), torch::kCPU);
+    if (stage_devices.size() != static_cast<size_t>(stages)) {
+      throw UsageError("--devices names " + std::to_string(stage_devices.size()) + " devices for " +
+                       std::to_string(stages) + " stages; give one per stage");
+    }
   }
   if (epochs <= 0) {
     throw UsageError("--epochs must be positive, got " + std::to_string(epochs));
@@ -188,6 +226,16 @@ int run_train(const std::vector<std::string>& argv) {
   if (!dp_devices.empty()) {
     dp = std::make_unique<DataParallel>(model, dp_devices);
   }
+  std::unique_ptr<pipeline::Pipeline> pipe;
+  if (piped) {
+    pipe = std::make_unique<pipeline::Pipeline>(
+        model, pipeline::balance_by_parameters(model, stages), stage_devices,
+        [](const torch::Tensor& out, const torch::Tensor& target) {
+          return torch::nn::functional::cross_entropy(out, target);
+        },
+        pipeline::PipelineOptions().chunks(chunks).schedule(schedule));
+    device = stage_devices.back();  // where the loss and outputs are
+  }
   torch::optim::SGD optimizer(
       model->parameters(),
       torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
@@ -211,15 +259,24 @@ int run_train(const std::vector<std::string>& argv) {
          << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device" <<
         [&] {
           std::ostringstream d;
-          if (dp_devices.empty()) {
+          const auto& list = piped ? stage_devices : dp_devices;
+          if (list.empty()) {
             d << " " << device;
           }
-          for (size_t i = 0; i < dp_devices.size(); ++i) {
-            d << (i == 0 ? "s " : ",") << dp_devices[i];
+          for (size_t i = 0; i < list.size(); ++i) {
+            d << (i == 0 ? "s " : ",") << list[i];
+          }
+          if (pipe) {
+            d << " (" << stages << " stages, balance "
+              << c10::IntArrayRef(pipeline::balance_by_parameters(model, stages)) << ", " << chunks
+              << " chunks, " << pipeline::to_string(schedule) << ")";
           }
           return d.str();
         }()
-         << ", batch " << batch_size << (dp ? " (whole, scattered), " : " per rank, ")
+         << ", batch " << batch_size
+         << (dp     ? " (whole, scattered), "
+             : pipe ? " (whole, micro-batched), "
+                    : " per rank, ")
          << steps_per_epoch << " steps per epoch, lr " << lr << ", momentum " << momentum
          << ", weight decay " << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
          << " threads per rank" << std::endl;
@@ -244,9 +301,14 @@ int run_train(const std::vector<std::string>& argv) {
       auto x = batch->data.to(device, /*non_blocking=*/true);
       auto y = batch->target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
-      auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
-      auto loss = torch::nn::functional::cross_entropy(out, y);
-      loss.backward();
+      torch::Tensor loss;
+      if (pipe) {
+        loss = pipe->step(x, y);  // forward and backward of every micro-batch
+      } else {
+        auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
+        loss = torch::nn::functional::cross_entropy(out, y);
+        loss.backward();
+      }
       optimizer.step();
       loss_sum += loss.item<double>() * static_cast<double>(y.size(0));
       samples += y.size(0);
@@ -273,7 +335,8 @@ int run_train(const std::vector<std::string>& argv) {
       const int64_t end = n * (rank + 1) / world;
       for (int64_t i = begin; i < end; i += 1000) {
         const int64_t j = std::min(end, i + 1000);
-        auto out = model->forward(test.images().slice(0, i, j).to(device));
+        auto images = test.images().slice(0, i, j);
+        auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
         correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();
         seen += j - i;
       }

@@ -6,7 +6,7 @@ namespace paratrain {
 namespace models {
 
 std::vector<std::string> names() {
-  return {"linear", "mlp", "resnet18_cifar"};
+  return {"linear", "mlp", "resnet18_cifar", "resnet50_cifar"};
 }
 
 namespace {
@@ -47,6 +47,42 @@ struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl> {
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(BasicBlock);
+
+// torchvision's Bottleneck (v1.5: the stride on the 3x3 conv): 1x1 reduce, 3x3, 1x1 expand (4x),
+// plus the input (downsampled when the shape changes), then relu.
+struct BottleneckImpl : nn::Cloneable<BottleneckImpl> {
+  static constexpr int64_t kExpansion = 4;
+  BottleneckImpl(int64_t in, int64_t width, int64_t stride)
+      : in_(in), width_(width), stride_(stride) {
+    reset();
+  }
+  void reset() override {
+    const int64_t out = width_ * kExpansion;
+    conv1 = register_module("conv1", conv(in_, width_, 1, 1));
+    bn1 = register_module("bn1", nn::BatchNorm2d(width_));
+    conv2 = register_module("conv2", conv(width_, width_, 3, stride_));
+    bn2 = register_module("bn2", nn::BatchNorm2d(width_));
+    conv3 = register_module("conv3", conv(width_, out, 1, 1));
+    bn3 = register_module("bn3", nn::BatchNorm2d(out));
+    downsample = nullptr;
+    if (stride_ != 1 || in_ != out) {
+      downsample = register_module(
+          "downsample", nn::Sequential(conv(in_, out, 1, stride_), nn::BatchNorm2d(out)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    torch::Tensor identity = downsample ? downsample->forward(x) : x;
+    x = torch::relu(bn1(conv1(x)));
+    x = torch::relu(bn2(conv2(x)));
+    x = bn3(conv3(x));
+    return torch::relu(x + identity);
+  }
+  int64_t in_, width_, stride_;
+  nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(Bottleneck);
 
 // A Sequential of blocks with a tensor-typed forward (Sequential's own is a template, which
 // nested Sequentials cannot call through AnyModule).
@@ -111,6 +147,28 @@ torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
     net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
     net->push_back("flatten", nn::Flatten());
     net->push_back("fc", nn::Linear(512, num_classes));
+    return net;
+  }
+  if (name == "resnet50_cifar") {
+    nn::Sequential net;
+    net->push_back("conv1", conv(3, 64, 3, 1));
+    net->push_back("bn1", nn::BatchNorm2d(64));
+    net->push_back("relu", nn::ReLU());
+    int64_t in = 64;
+    const int64_t widths[] = {64, 128, 256, 512};
+    const int blocks[] = {3, 4, 6, 3};
+    for (int stage = 0; stage < 4; ++stage) {
+      Stage layer;
+      for (int b = 0; b < blocks[stage]; ++b) {
+        layer->push_back(std::to_string(b),
+                         Bottleneck(in, widths[stage], stage > 0 && b == 0 ? 2 : 1));
+        in = widths[stage] * BottleneckImpl::kExpansion;
+      }
+      net->push_back("layer" + std::to_string(stage + 1), layer);
+    }
+    net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
+    net->push_back("flatten", nn::Flatten());
+    net->push_back("fc", nn::Linear(in, num_classes));
     return net;
   }
   std::string known;

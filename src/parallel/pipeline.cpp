@@ -68,6 +68,25 @@ std::vector<nn::Sequential> split(const nn::Sequential& model,
   return stages;
 }
 
+nn::Sequential flatten(const nn::Sequential& model) {
+  nn::Sequential flat;
+  auto names = model->named_children();
+  size_t i = 0;
+  for (auto it = model->begin(); it != model->end(); ++it, ++i) {
+    auto inner = std::dynamic_pointer_cast<nn::SequentialImpl>(it->ptr());
+    if (inner == nullptr) {
+      flat->push_back(names[i].key(), *it);
+      continue;
+    }
+    auto inner_names = inner->named_children();
+    size_t j = 0;
+    for (auto jt = inner->begin(); jt != inner->end(); ++jt, ++j) {
+      flat->push_back(names[i].key() + "_" + inner_names[j].key(), *jt);
+    }
+  }
+  return flat;
+}
+
 std::vector<int64_t> partition(const std::vector<double>& costs, int64_t parts) {
   const int64_t n = static_cast<int64_t>(costs.size());
   TORCH_CHECK(parts >= 1, "pipeline: need at least one stage, got ", parts);

@@ -3,6 +3,8 @@
 
 #include "paratrain/parallel/pipeline.h"
 
+#include "paratrain/models/registry.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -86,6 +88,20 @@ TEST(PipelineBalance, PartitionMinimisesTheLargestStage) {
   for (const auto& p : net->parameters()) {
     EXPECT_FALSE(p.grad().defined()) << "balance_by_time left gradients behind";
   }
+}
+
+TEST(PipelineBalance, FlattenCutsBetweenBlocks) {
+  torch::manual_seed(3);
+  auto resnet = models::make("resnet18_cifar");
+  auto flat = flatten(resnet);
+  // conv1, bn1, relu, 4 layers x 2 blocks, avgpool, flatten, fc.
+  EXPECT_EQ(flat->size(), 3u + 8u + 3u);
+  EXPECT_EQ(flat->named_children()[3].key(), "layer1_0");
+  EXPECT_EQ(flat->parameters().size(), resnet->parameters().size());
+  resnet->eval();
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({2, 3, 32, 32});
+  expect_close(flat->forward(x), resnet->forward(x), "flattened forward");
 }
 
 struct Case {

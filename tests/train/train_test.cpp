@@ -100,6 +100,21 @@ TEST(Train, DataParallelTwoCpuReplicas) {
   EXPECT_GT(std::stod(m[1]), 0.70) << r.output;
 }
 
+TEST(Train, PipelineTwoStagesOneFOneB) {
+  auto r = run_process({cli_path(), "train", "--model", "mlp", "--strategy", "pipeline", "--stages",
+                        "2", "--chunks", "8", "--schedule", "1f1b", "--epochs", "1", "--steps",
+                        "100", "--batch-size", "128", "--json"},
+                       {}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("devices cpu,cpu (2 stages, balance [2, 8], 8 chunks, 1f1b)"),
+            std::string::npos)
+      << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.70) << r.output;
+}
+
 TEST(Train, BadInput) {
   std::string bad_file = "/tmp/" + unique_token("not-safetensors");
   { std::ofstream(bad_file) << "hello"; }
@@ -112,8 +127,19 @@ TEST(Train, BadInput) {
   std::vector<Case> cases{
       {{"--model", "cnn"}, "unknown --model 'cnn': choose linear or mlp"},
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
-      {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp or dp"},
-      {{"--strategy", "dp"}, "--devices goes with --strategy dp"},
+      {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp, dp or pipeline"},
+      {{"--strategy", "dp"}, "--strategy dp needs --devices"},
+      {{"--devices", "cpu"}, "--devices goes with --strategy dp or pipeline"},
+      {{"--chunks", "2"}, "--stages, --chunks and --schedule go with --strategy pipeline"},
+      {{"--strategy", "pipeline", "--model", "linear", "--stages", "3"},
+       "pipeline: 3 stages but the model has only 2 layers"},
+      {{"--strategy", "pipeline", "--chunks", "0"}, "--chunks must be >= 1, got 0"},
+      {{"--strategy", "pipeline", "--chunks", "65", "--batch-size", "64"},
+       "--chunks (65) is larger than --batch-size (64)"},
+      {{"--strategy", "pipeline", "--schedule", "interleaved"},
+       "unknown schedule 'interleaved': choose gpipe or 1f1b"},
+      {{"--strategy", "pipeline", "--stages", "2", "--devices", "cpu"},
+       "--devices names 1 devices for 2 stages"},
       {{"--strategy", "dp", "--devices", ","}, "--devices is empty"},
       {{"--strategy", "dp", "--devices", "cpu,gpu"}, "bad device 'gpu' in --devices"},
       {{"--strategy", "dp", "--devices", "cpu:3"}, "device cpu:3 does not exist"},

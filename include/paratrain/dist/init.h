@@ -15,6 +15,7 @@
 // Rank and world size come from the options when set (>= 0), else from rank discovery (env.h).
 
 #include <torch/arg.h>
+#include <torch/cuda.h>
 #include <torch/types.h>
 
 #include "paratrain/dist/env.h"

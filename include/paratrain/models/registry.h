@@ -10,6 +10,8 @@
 //   resnet18_cifar  ResNet-18 (BasicBlock [2, 2, 2, 2]) with a CIFAR stem (3x3 conv, stride 1, no
 //                   max-pool) for 3x32x32 inputs; children named as torchvision's (conv1, bn1,
 //                   layer1..layer4 with blocks "0", "1", fc), so weights map one to one
+//   resnet50_cifar  ResNet-50 (Bottleneck [3, 4, 6, 3], torchvision v1.5) with the same stem and
+//                   naming; the notes' ModelParallelResNet50 splits it after layer2
 
 #include <torch/nn/modules/container/sequential.h>
 

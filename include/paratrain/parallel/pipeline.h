@@ -69,6 +69,11 @@ torch::nn::Sequential as_sequential(const std::shared_ptr<torch::nn::Module>& mo
 std::vector<torch::nn::Sequential> split(const torch::nn::Sequential& model,
                                          const std::vector<int64_t>& balance);
 
+/// The model with its nested Sequentials (ResNet's layer1..layer4) expanded into their children,
+/// so stages can be cut between blocks: child "0" of "layer3" becomes "layer3_0" (libtorch
+/// forbids dots in names). Shares the layers, as split does.
+torch::nn::Sequential flatten(const torch::nn::Sequential& model);
+
 /// Layer counts for `stages` stages that minimise the largest stage's parameter count.
 std::vector<int64_t> balance_by_parameters(const torch::nn::Sequential& model, int64_t stages);
 
