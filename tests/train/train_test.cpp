@@ -77,6 +77,19 @@ TEST(Train, DataParallelExampleTrains) {
   EXPECT_GT(std::stod(m[1]), 0.6) << r.output;
 }
 
+TEST(Train, ModelParallelResNet50Example) {
+  // One step of each, a batch of 8 in 4 micro-batches: both modes run and train.
+  auto r = run_process({PARATRAIN_TEST_MP_EXAMPLE, "1", "8", "4", "1f1b"}, {}, 240);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output, std::regex(R"(model parallel \(cpu, cpu\): [0-9.e-]+ s/step, loss [0-9.]+)")))
+      << r.output;
+  EXPECT_TRUE(std::regex_search(
+      r.output,
+      std::regex(R"(pipelined, 4 chunks \(1f1b\): [0-9.e-]+ s/step, loss [0-9.]+, speedup)")))
+      << r.output;
+}
+
 TEST(Train, SingleProcessLinear) {
   auto r = run_process({cli_path(), "train", "--model", "linear", "--strategy", "single",
                         "--epochs", "2", "--steps", "20", "--batch-size", "32"},
