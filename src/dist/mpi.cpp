@@ -94,14 +94,20 @@ void ensure_mpi_initialized() {
   std::call_once(once, [] {
     int initialized = 0;
     MPI_Initialized(&initialized);
+    int provided = MPI_THREAD_SINGLE;
     if (!initialized) {
-      int provided = 0;
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
       TORCH_CHECK(rc == MPI_SUCCESS, "mpi backend: MPI_Init_thread failed: ", mpi_error_string(rc));
-      TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
-                  "mpi backend: this MPI library does not support MPI_THREAD_SERIALIZED (got ",
-                  provided, "); rebuild Open MPI with thread support");
       std::atexit(finalize_at_exit);
+    } else {
+      MPI_Query_thread(&provided);  // the program initialised MPI itself
+    }
+    TORCH_CHECK(provided >= MPI_THREAD_SERIALIZED,
+                "mpi backend: this MPI library gives thread level ", provided,
+                ", below MPI_THREAD_SERIALIZED; rebuild Open MPI with thread support");
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mutex);
+      g_thread_level = provided;
     }
     MPI_Type_contiguous(2, MPI_BYTE, &g_mpi.half16);
     MPI_Type_commit(&g_mpi.half16);
@@ -457,28 +463,39 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
                   });
   }
 
-  // MPI_Comm_split over this group's communicator, on the caller's thread: new_group is called
-  // with nothing in flight, so the worker thread is not using the communicator.
+  // MPI_Comm_split over this group's communicator, as a task of this group's worker: it is a
+  // collective on the communicator, so it takes its place in the issue order like the others.
+  // The subgroup gets a worker thread of its own, hence several threads inside MPI at once:
+  // this needs MPI_THREAD_MULTIPLE.
   ProcessGroupPtr do_new_group(const std::vector<int>& ranks,
                                int index,
                                int64_t group_id) override {
-    (void)group_id;  // MPI matches collective calls by order on the communicator
-    MPI_Comm sub = MPI_COMM_NULL;
+    (void)group_id;  // MPI matches collectives on a communicator by their order
+    {
+      std::lock_guard<std::mutex> lock(g_registry_mutex);
+      TORCH_CHECK(g_thread_level >= MPI_THREAD_MULTIPLE,
+                  "mpi new_group: this MPI library gives thread level ", g_thread_level,
+                  ", not MPI_THREAD_MULTIPLE, which subgroups need (each has its own thread)");
+    }
+    auto sub = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
     const int color = index >= 0 ? 0 : MPI_UNDEFINED;
-    check_new_group(MPI_Comm_split(comm_, color, index, &sub));
-    if (sub == MPI_COMM_NULL) {
+    submit("new_group", std::to_string(ranks.size()) + " ranks", sequence_number(), true,
+           [comm = comm_, color, index, sub]() {
+             int rc = MPI_Comm_split(comm, color, index, sub.get());
+             if (rc != MPI_SUCCESS) {
+               throw std::runtime_error("MPI_Comm_split failed: " + mpi_error_string(rc));
+             }
+             return MPI_REQUEST_NULL;
+           })
+        ->wait();
+    if (*sub == MPI_COMM_NULL) {
       return nullptr;
     }
-    MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN);
-    (void)ranks;
-    return std::make_shared<MpiGroup>(sub, index, static_cast<int>(ranks.size()), timeout());
+    MPI_Comm_set_errhandler(*sub, MPI_ERRORS_RETURN);
+    return std::make_shared<MpiGroup>(*sub, index, static_cast<int>(ranks.size()), timeout());
   }
 
  private:
-  static void check_new_group(int rc) {
-    TORCH_CHECK(rc == MPI_SUCCESS, "mpi new_group: MPI_Comm_split failed: ", mpi_error_string(rc));
-  }
-
   static void check(int rc) {
     if (rc != MPI_SUCCESS) {
       throw std::runtime_error(mpi_error_string(rc));

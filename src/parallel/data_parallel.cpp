@@ -44,7 +44,6 @@ struct DataParallel::State {
   std::vector<std::shared_ptr<torch::nn::Module>> replicas;
   std::vector<std::vector<at::Tensor>> params;   // per replica, in module->parameters() order
   std::vector<std::vector<at::Tensor>> buffers;  // per replica, in module->buffers() order
-  std::vector<int64_t> copied_versions;          // the module's parameter versions last copied
   std::atomic<int> live_graphs{0};  // gathered outputs whose backward has not run or been freed
   std::unique_ptr<detail::WorkerTeam> team;
   size_t last_used = 0;
@@ -86,11 +85,14 @@ struct GatherBackward : torch::autograd::Node {
   int64_t dim = 0;
   size_t num_params = 0;
 
+  std::mutex mutex;  // outputs: two backwards of one retained graph may run at once
+
   std::string name() const override { return "paratrain::DataParallelGatherBackward"; }
 
   ~GatherBackward() override { release_variables(); }
 
   void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex);
     if (!outputs.empty()) {
       outputs.clear();
       replica_inputs.clear();
@@ -101,7 +103,14 @@ struct GatherBackward : torch::autograd::Node {
   variable_list apply(variable_list&& grads) override {
     const size_t k = sizes.size();
     variable_list result(k + num_params);
-    TORCH_CHECK(!outputs.empty(),
+    std::vector<at::Tensor> outs;
+    std::vector<at::Tensor> leaves;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      outs = outputs;
+      leaves = replica_inputs;
+    }
+    TORCH_CHECK(!outs.empty(),
                 "DataParallel: backward through an output whose graph was already freed; pass "
                 "retain_graph=true to the first backward to run it twice");
     const at::Tensor& grad = grads[0];
@@ -116,36 +125,76 @@ struct GatherBackward : torch::autograd::Node {
         wanted.push_back(j);
       }
     }
-    std::vector<variable_list> replica_grads(k);
-    std::vector<std::function<void()>> tasks;
+    // Per replica: its output, the gradient for it, and what it is asked about (its chunk when
+    // the input needs a gradient, then the wanted parameters). replica_grads[i][0] is the chunk's
+    // gradient (undefined when not asked), then one per wanted parameter.
+    std::vector<variable_list> inputs(k);
+    std::vector<at::Tensor> grad_outs(k);
+    std::vector<bool> want_input(k);
     int64_t offset = 0;
     for (size_t i = 0; i < k; ++i) {
-      at::Tensor g = grad.narrow(dim, offset, sizes[i]);
+      grad_outs[i] = grad.narrow(dim, offset, sizes[i]).to(st.devices[i], /*non_blocking=*/true);
       offset += sizes[i];
-      tasks.emplace_back([&, i, g] {
-        c10::DeviceGuard guard(st.devices[i]);
-        variable_list inputs;
-        const bool want_input = replica_inputs[i].defined() && should_compute_output(i);
-        if (want_input) {
-          inputs.push_back(replica_inputs[i]);
-        }
-        for (size_t j : wanted) {
-          inputs.push_back(st.params[i][j]);
-        }
-        if (inputs.empty()) {
-          return;
-        }
-        // retain_graph: the graph is freed with this node (release_variables), so a user's
-        // backward(retain_graph=true) can run twice.
-        replica_grads[i] = torch::autograd::grad({outputs[i]}, inputs, {g.to(st.devices[i], true)},
-                                                 /*retain_graph=*/true, /*create_graph=*/false,
-                                                 /*allow_unused=*/true);
-        if (!want_input) {
-          replica_grads[i].insert(replica_grads[i].begin(), at::Tensor());
-        }
-      });
+      want_input[i] = leaves[i].defined() && should_compute_output(i);
+      if (want_input[i]) {
+        inputs[i].push_back(leaves[i]);
+      }
+      for (size_t j : wanted) {
+        inputs[i].push_back(st.params[i][j]);
+      }
     }
-    run_replicas(*st.team, tasks, st.devices, "backward");
+    auto unpack = [&](size_t i, variable_list got) {
+      if (!want_input[i]) {
+        got.insert(got.begin(), at::Tensor());
+      }
+      return got;
+    };
+    std::vector<variable_list> replica_grads(k);
+    // retain_graph: the graphs are freed with this node (release_variables), so a user's
+    // backward(retain_graph=true) can run twice.
+    if (std::all_of(st.devices.begin(), st.devices.end(),
+                    [](const torch::Device& d) { return d.is_cpu(); })) {
+      // CPU: the autograd engine runs a CPU graph on the calling thread, so one thread per
+      // replica is what makes their backward passes parallel.
+      std::vector<std::function<void()>> tasks;
+      for (size_t i = 0; i < k; ++i) {
+        tasks.emplace_back([&, i] {
+          if (!inputs[i].empty()) {
+            replica_grads[i] =
+                unpack(i, torch::autograd::grad({outs[i]}, inputs[i], {grad_outs[i]},
+                                                /*retain_graph=*/true, /*create_graph=*/false,
+                                                /*allow_unused=*/true));
+          }
+        });
+      }
+      run_replicas(*st.team, tasks, st.devices, "backward");
+    } else {
+      // Accelerators: this node runs on the engine's thread for output_device, which a replica's
+      // graph also needs, so waiting here for other threads would deadlock. One reentrant grad()
+      // over all replicas instead: the engine spreads it over its per-device threads.
+      variable_list all_outs;
+      variable_list all_grads;
+      variable_list all_inputs;
+      for (size_t i = 0; i < k; ++i) {
+        if (!inputs[i].empty()) {
+          all_outs.push_back(outs[i]);
+          all_grads.push_back(grad_outs[i]);
+          all_inputs.insert(all_inputs.end(), inputs[i].begin(), inputs[i].end());
+        }
+      }
+      variable_list got =
+          torch::autograd::grad(all_outs, all_inputs, all_grads, /*retain_graph=*/true,
+                                /*create_graph=*/false, /*allow_unused=*/true);
+      size_t next = 0;
+      for (size_t i = 0; i < k; ++i) {
+        if (!inputs[i].empty()) {
+          variable_list mine(got.begin() + static_cast<std::ptrdiff_t>(next),
+                             got.begin() + static_cast<std::ptrdiff_t>(next + inputs[i].size()));
+          next += inputs[i].size();
+          replica_grads[i] = unpack(i, std::move(mine));
+        }
+      }
+    }
     for (size_t i = 0; i < k; ++i) {
       if (!replica_grads[i].empty() && replica_grads[i][0].defined()) {
         result[i] = replica_grads[i][0].to(chunk_devices[i]);
@@ -280,32 +329,32 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
   st.last_used = k;
 
   // Refresh the clones (Note [How DataParallel runs replicas]). An in-place copy into a clone
-  // whose graph from an earlier forward still waits for backward would invalidate that graph, so
-  // while such graphs live the parameters are copied only if the module's version counters moved
-  // (libtorch's optimizers update parameters without bumping them, hence not always by version).
+  // whose graph from an earlier forward still waits for backward invalidates that graph (autograd
+  // then refuses its backward), so while such graphs live, parameters are copied only when their
+  // values differ (libtorch's optimizers update parameters without bumping version counters, so
+  // versions cannot tell), and buffers only in eval mode, the one mode that reads them (BatchNorm
+  // saves its running statistics for backward even in training).
   {
     torch::NoGradGuard no_grad;
     const auto& mine = st.params[0];
-    bool changed = st.live_graphs.load() == 0 || st.copied_versions.size() != mine.size();
-    for (size_t j = 0; !changed && j < mine.size(); ++j) {
-      changed = st.copied_versions[j] != static_cast<int64_t>(mine[j]._version());
-    }
+    const bool graphs_live = st.live_graphs.load() > 0;
+    const bool training = st.module->is_training();
     for (size_t i = 1; i < k; ++i) {
-      if (changed) {
+      bool copy = !graphs_live;
+      for (size_t j = 0; !copy && j < mine.size(); ++j) {
+        copy = !torch::equal(st.params[i][j], mine[j].to(st.devices[i]));
+      }
+      if (copy) {
         for (size_t j = 0; j < mine.size(); ++j) {
           st.params[i][j].copy_(mine[j], /*non_blocking=*/true);
         }
       }
-      for (size_t j = 0; j < st.buffers[0].size(); ++j) {
-        st.buffers[i][j].copy_(st.buffers[0][j], /*non_blocking=*/true);
+      if (!graphs_live || !training) {
+        for (size_t j = 0; j < st.buffers[0].size(); ++j) {
+          st.buffers[i][j].copy_(st.buffers[0][j], /*non_blocking=*/true);
+        }
       }
-      st.replicas[i]->train(st.module->is_training());
-    }
-    if (changed) {
-      st.copied_versions.clear();
-      for (const auto& p : mine) {
-        st.copied_versions.push_back(static_cast<int64_t>(p._version()));
-      }
+      st.replicas[i]->train(training);
     }
   }
 
@@ -345,7 +394,6 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
   }
   auto node = std::shared_ptr<GatherBackward>(new GatherBackward(), torch::autograd::deleteNode);
   node->state = state_;
-  ++st.live_graphs;
   node->outputs = outputs;
   node->dim = st.dim;
   node->num_params = st.params[0].size();
@@ -359,6 +407,7 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
   edges_of.insert(edges_of.end(), st.params[0].begin(), st.params[0].end());
   node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
   torch::autograd::set_history(gathered, node);
+  ++st.live_graphs;  // the node's release_variables (or destructor) takes it back
   return gathered;
 }
 

@@ -306,8 +306,8 @@ constexpr int64_t kHeaderLength = 2 + kMaxDims;  // dtype, number of dims, sizes
 
 class ProcessGroupTransport : public Transport {
  public:
-  ProcessGroupTransport(dist::ProcessGroupPtr pg, std::vector<int> ranks)
-      : pg_(std::move(pg)), ranks_(std::move(ranks)) {
+  ProcessGroupTransport(dist::ProcessGroupPtr pg, std::vector<int> ranks, torch::Device device)
+      : pg_(std::move(pg)), ranks_(std::move(ranks)), device_(device) {
     TORCH_CHECK(pg_ != nullptr, "pipeline: the process group is null");
     for (size_t i = 0; i < ranks_.size(); ++i) {
       TORCH_CHECK(ranks_[i] >= 0 && ranks_[i] < pg_->size(), "pipeline: stage ", i, " is on rank ",
@@ -321,9 +321,7 @@ class ProcessGroupTransport : public Transport {
     (void)micro_batch;
     TORCH_CHECK(tensor.dim() <= kMaxDims, "pipeline: cannot send a ", tensor.dim(),
                 "-d tensor between stages (at most ", kMaxDims, " dims)");
-    // gloo and mpi move host memory; nccl moves device memory.
-    at::Tensor data =
-        pg_->backend_name() == "nccl" ? tensor.contiguous() : tensor.contiguous().cpu();
+    at::Tensor data = tensor.contiguous().to(wire_device());
     at::Tensor header = torch::zeros({kHeaderLength}, torch::kLong);
     auto h = header.accessor<int64_t, 1>();
     h[0] = static_cast<int64_t>(data.scalar_type());
@@ -331,6 +329,7 @@ class ProcessGroupTransport : public Transport {
     for (int64_t d = 0; d < data.dim(); ++d) {
       h[2 + d] = data.size(d);
     }
+    header = header.to(wire_device());
     const int dst = ranks_[static_cast<size_t>(to)];
     const int tag = grad ? 1 : 0;
     pending_.push_back({pg_->send(header, dst, tag), header});
@@ -342,26 +341,45 @@ class ProcessGroupTransport : public Transport {
     (void)micro_batch;
     const int src = ranks_[static_cast<size_t>(from)];
     const int tag = grad ? 1 : 0;
-    at::Tensor header = torch::zeros({kHeaderLength}, torch::kLong);
+    at::Tensor header =
+        torch::zeros({kHeaderLength}, torch::TensorOptions(torch::kLong).device(wire_device()));
     pg_->recv(header, src, tag)->wait();
+    header = header.cpu();
     auto h = header.accessor<int64_t, 1>();
+    TORCH_CHECK(h[1] >= 0 && h[1] <= kMaxDims, "pipeline: a malformed message header from rank ",
+                src, " (", h[1], " dims)");
     std::vector<int64_t> sizes(h.data() + 2, h.data() + 2 + h[1]);
-    at::Tensor data =
-        torch::empty(sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])));
+    at::Tensor data = torch::empty(
+        sizes,
+        torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(wire_device()));
     pg_->recv(data, src, tag)->wait();
     return data;
   }
 
   void flush() override {
-    for (auto& p : pending_) {
+    // Cleared whatever happens: a failed send must not resurface in the next step.
+    std::vector<std::pair<dist::WorkPtr, at::Tensor>> pending;
+    pending.swap(pending_);
+    for (auto& p : pending) {
       p.first->wait();
     }
+  }
+
+  // After a failure: forget the sends (their Work keeps the tensors until the engine is done).
+  void abort(const std::string& why) override {
+    (void)why;
     pending_.clear();
   }
 
  private:
   dist::ProcessGroupPtr pg_;
   std::vector<int> ranks_;
+  // gloo and mpi move host memory; nccl moves device memory.
+  torch::Device wire_device() const {
+    return pg_->backend_name() == "nccl" ? device_ : torch::Device(torch::kCPU);
+  }
+
+  torch::Device device_;
   std::vector<std::pair<dist::WorkPtr, at::Tensor>> pending_;  // the tensor lives until sent
 };
 
@@ -372,8 +390,9 @@ std::shared_ptr<Transport> make_thread_transport(std::chrono::milliseconds timeo
 }
 
 std::shared_ptr<Transport> make_process_group_transport(dist::ProcessGroupPtr pg,
-                                                        std::vector<int> stage_ranks) {
-  return std::make_shared<ProcessGroupTransport>(std::move(pg), std::move(stage_ranks));
+                                                        std::vector<int> stage_ranks,
+                                                        torch::Device device) {
+  return std::make_shared<ProcessGroupTransport>(std::move(pg), std::move(stage_ranks), device);
 }
 
 // ---- one stage's work -----------------------------------------------------------------------
@@ -409,6 +428,14 @@ struct StageRunner {
   double waiting = 0;
 
   bool is_last() const { return index == count - 1; }
+
+  // Drops what a failed step left (graphs of saved micro-batches hold memory).
+  void clear() {
+    saved.clear();
+    inputs.clear();
+    targets.clear();
+    outputs.clear();
+  }
 
   at::Tensor run_module(const at::Tensor& x) {
     return ddp != nullptr ? ddp->forward(x) : module->forward(x);
@@ -583,6 +610,11 @@ struct Pipeline::Impl {
       });
     }
     auto errors = team->run(tasks);
+    if (std::any_of(errors.begin(), errors.end(), [](const auto& e) { return e != nullptr; })) {
+      for (auto& r : runners) {
+        r.clear();
+      }
+    }
     for (size_t i = 0; i < errors.size(); ++i) {
       if (!errors[i]) {
         continue;
@@ -722,7 +754,7 @@ DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
   check_device_exists(device);
   TORCH_CHECK(stage + 1 < p || loss != nullptr, "pipeline: the last stage needs a loss function");
   stage_module->to(device);
-  impl_->transport = make_process_group_transport(pg, stage_ranks);
+  impl_->transport = make_process_group_transport(pg, stage_ranks, device);
   auto& r = impl_->runner;
   r.module = stage_module;
   r.device = device;
@@ -750,8 +782,14 @@ torch::Tensor DistributedPipeline::step(const torch::Tensor& input, const torch:
     r.targets = micro_batches(target, m, "target");
     r.batch = target.size(0);
   }
-  r.run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
-  impl_->transport->flush();
+  try {
+    r.run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
+    impl_->transport->flush();
+  } catch (...) {
+    impl_->transport->abort("step failed");
+    r.clear();
+    throw;
+  }
   r.inputs.clear();
   r.targets.clear();
   return r.is_last() ? r.loss_sum : at::Tensor();

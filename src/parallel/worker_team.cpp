@@ -2,7 +2,6 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 namespace paratrain {
 namespace detail {
@@ -38,11 +37,11 @@ void WorkerTeam::loop(size_t index, int intra_op_threads) {
       return;
     }
     const std::function<void()>* job = jobs_[index];
-    const bool grad_mode = grad_mode_;
+    const at::ThreadLocalState* state = state_.get();
     lock.unlock();
     std::exception_ptr error;
     try {
-      torch::AutoGradMode mode(grad_mode);
+      at::ThreadLocalStateGuard guard(*state);
       (*job)();
     } catch (...) {
       error = std::current_exception();
@@ -61,7 +60,7 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
               " tasks for a team of ", threads_.size(), " threads");
   std::unique_lock<std::mutex> lock(mutex_);
   errors_.assign(tasks.size(), nullptr);
-  grad_mode_ = torch::GradMode::is_enabled();
+  state_ = std::make_unique<at::ThreadLocalState>();
   pending_ = tasks.size();
   for (size_t i = 0; i < tasks.size(); ++i) {
     jobs_[i] = &tasks[i];

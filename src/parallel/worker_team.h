@@ -7,6 +7,7 @@
 // thread setting. std::async would start a fresh thread per call, and libtorch's at::launch pool
 // is shared with the inter-op work of the whole process, so neither fits.
 
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/Device.h>
 
 #include <condition_variable>
@@ -32,7 +33,8 @@ class WorkerTeam {
   size_t size() const { return threads_.size(); }
 
   /// Runs tasks[i] on thread i, all at once, and returns when all have finished (the caller only
-  /// waits, so every task gets the same intra-op share). Grad mode is taken from the caller.
+  /// waits, so every task gets the same intra-op share). The caller's thread-local state (grad
+  /// and inference mode, autocast, dispatch keys) is applied in each task. One caller at a time.
   /// Returns the exception of each task (null when it succeeded); the caller decides how to
   /// report them. At most size() tasks.
   std::vector<std::exception_ptr> run(const std::vector<std::function<void()>>& tasks);
@@ -47,7 +49,7 @@ class WorkerTeam {
   std::vector<const std::function<void()>*> jobs_;  // per thread, null when idle
   std::vector<std::exception_ptr> errors_;          // per task
   size_t pending_ = 0;
-  bool grad_mode_ = true;
+  std::unique_ptr<at::ThreadLocalState> state_;  // the caller's, during run()
   bool stop_ = false;
 };
 

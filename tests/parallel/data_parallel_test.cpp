@@ -126,6 +126,47 @@ TEST(DataParallel, AccumulatesAndAllowsTwoForwardsPerBackward) {
   }
 }
 
+// An output kept alive across optimizer steps (its graph never freed) must not stop the clones
+// from getting the new weights: libtorch's optimizers do not bump version counters.
+TEST(DataParallel, KeptOutputsDoNotFreezeReplicas) {
+  auto plain = small_net();
+  auto wrapped = small_net();
+  DataParallel dp(wrapped, cpus(2));
+  torch::optim::SGD o1(plain->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD o2(wrapped->parameters(), torch::optim::SGDOptions(0.1));
+  torch::manual_seed(6);
+  std::vector<at::Tensor> kept;
+  for (int step = 0; step < 5; ++step) {
+    auto x = torch::randn({8, 12});
+    auto y = torch::randint(0, 5, {8});
+    o1.zero_grad();
+    torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
+    o1.step();
+    kept.push_back(dp(x));  // a graph that stays alive
+    o2.zero_grad();
+    torch::nn::functional::cross_entropy(dp(x), y).backward();
+    o2.step();
+  }
+  auto p2 = wrapped->named_parameters();
+  for (const auto& p : plain->named_parameters()) {
+    expect_close(p.value(), p2[p.key()], "parameter " + p.key() + " after 5 steps");
+  }
+}
+
+// BatchNorm saves its running statistics for backward: a second training forward before the
+// first one's backward must leave the first graph usable.
+TEST(DataParallel, BatchNormTwoForwardsOneBackward) {
+  auto net = small_net(/*batchnorm=*/true);
+  DataParallel dp(net, cpus(2));
+  auto a = torch::randn({8, 12});
+  auto b = torch::randn({8, 12});
+  EXPECT_NO_THROW((dp(a).sum() + dp(b).pow(2).sum()).backward());
+  for (const auto& p : net->parameters()) {
+    ASSERT_TRUE(p.grad().defined());
+    EXPECT_TRUE(torch::isfinite(p.grad()).all().item<bool>());
+  }
+}
+
 // As in PyTorch, the running statistics after a training forward are those of the first chunk
 // (replica 0 is the module itself), and the clones use the module's buffers at every forward.
 TEST(DataParallel, BatchNormBuffersComeFromFirstReplica) {

@@ -15,8 +15,8 @@
 // replica per chunk on its own thread, and concatenates the outputs on output_device. Replica 0 is
 // the module itself (PyTorch's replica on device_ids[0] shares the module's tensors too), so
 // BatchNorm running statistics come from the first chunk, as in PyTorch. The other replicas are
-// clones made once, at construction, and refreshed by copy: parameters when the module's have
-// changed since the last forward (their version counters tell), buffers at every forward.
+// clones made once, at construction, and refreshed by copy at every forward (parameters and
+// buffers; while an earlier forward's graph still waits for backward, only what changed).
 // libtorch's own torch::nn::parallel::data_parallel clones the module on every call instead, which
 // is why it is slower than one device (PyTorch issue #40581).
 //
@@ -26,8 +26,9 @@
 // module, and the chunk gradients for the input. The module's parameters therefore get the same
 // gradients as from one pass over the whole batch (up to float summation order), their
 // accumulators and hooks fire once, and on CPU the replicas' backward is parallel (the autograd
-// engine alone would run it all on the caller's thread). Double backward through DataParallel
-// (create_graph) is not supported.
+// engine alone would run it all on the caller's thread; on GPUs one reentrant grad() over all
+// replicas lets the engine's per-device threads do the same). Double backward through
+// DataParallel (create_graph) is not supported.
 //
 // Threads: each replica thread gets the caller's intra-op thread count divided by the number of
 // CPU replicas (at least 1), unless threads_per_replica says otherwise. Dropout in replicas draws
@@ -84,8 +85,8 @@ class DataParallel {
   DataParallel(DataParallel&&) noexcept;
   DataParallel& operator=(DataParallel&&) noexcept;
 
-  /// Scatter, parallel forward, gather on output_device (see the Note). With one device, or
-  /// when the batch has one sample, the module runs alone on the caller's thread.
+  /// Scatter, parallel forward, gather on output_device (see the Note). With one device the
+  /// module runs alone on the caller's thread, as PyTorch's.
   torch::Tensor forward(const torch::Tensor& input);
   torch::Tensor operator()(const torch::Tensor& input) { return forward(input); }
 

@@ -131,8 +131,10 @@ std::shared_ptr<Transport> make_thread_transport(std::chrono::milliseconds timeo
 /// Between ranks: stage i lives on rank stage_ranks[i] of `pg`. A message is a small header
 /// (dtype and shape) then the data, both as point-to-point send/recv (tag 0 activations, tag 1
 /// gradients); sends are asynchronous, which 1F1B needs (both neighbours may send at once).
+/// Tensors travel through host memory on gloo and mpi, and through `device` on nccl.
 std::shared_ptr<Transport> make_process_group_transport(dist::ProcessGroupPtr pg,
-                                                        std::vector<int> stage_ranks);
+                                                        std::vector<int> stage_ranks,
+                                                        torch::Device device = torch::kCPU);
 
 // ---- training -------------------------------------------------------------------------------
 
@@ -173,7 +175,8 @@ class Pipeline {
 
   /// Forward and backward of every micro-batch; returns the loss (see the Note) on the last
   /// stage's device. Throws c10::Error when chunks exceeds the batch, or naming the stage that
-  /// failed.
+  /// failed (after every stage has stopped; gradients may then be partly accumulated: call
+  /// zero_grad before the next step).
   torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target);
   /// Micro-batched forward without gradients (evaluation); the output on the last stage's device.
   torch::Tensor forward(const torch::Tensor& input);
