@@ -19,4 +19,5 @@
 #include "paratrain/parallel/data_parallel.h"              // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
+#include "paratrain/parallel/threads.h"   // set_blas_threads
 #include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state

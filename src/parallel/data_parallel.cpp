@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "paratrain/parallel/threads.h"
 #include "worker_team.h"
 
 #include <algorithm>
@@ -291,6 +292,9 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module,
   }
   if (st.devices.size() > 1) {
     st.team = std::make_unique<detail::WorkerTeam>(st.devices.size(), threads);
+    if (cpu_replicas > 1) {
+      set_blas_threads(threads);
+    }
   }
 }
 

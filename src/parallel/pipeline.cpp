@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "paratrain/parallel/data_parallel.h"  // check_device_exists
+#include "paratrain/parallel/threads.h"
 #include "worker_team.h"
 
 #include <algorithm>
@@ -665,6 +666,9 @@ Pipeline::Pipeline(nn::Sequential model,
   const int threads =
       std::max<int>(1, at::get_num_threads() / static_cast<int>(std::max<size_t>(1, cpu_stages)));
   impl_->team = std::make_unique<detail::WorkerTeam>(static_cast<size_t>(p), threads);
+  if (cpu_stages > 1) {
+    set_blas_threads(threads);
+  }
 }
 
 Pipeline::~Pipeline() = default;
