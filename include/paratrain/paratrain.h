@@ -4,6 +4,9 @@
 
 #include "paratrain/version.h"
 
+#include "paratrain/amp/autocast.h"     // amp::Autocast
+#include "paratrain/amp/grad_scaler.h"  // amp::GradScaler
+
 #include "paratrain/data/distributed_sampler.h"  // DistributedSampler
 #include "paratrain/data/fashion_mnist.h"        // FashionMNIST
 #include "paratrain/data/loader.h"               // TensorLoader, LoaderOptions
