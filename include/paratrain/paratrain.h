@@ -4,8 +4,9 @@
 
 #include "paratrain/version.h"
 
-#include "paratrain/amp/autocast.h"     // amp::Autocast
-#include "paratrain/amp/grad_scaler.h"  // amp::GradScaler
+#include "paratrain/amp/autocast.h"         // amp::Autocast
+#include "paratrain/amp/grad_scaler.h"      // amp::GradScaler
+#include "paratrain/amp/mixed_precision.h"  // amp::MixedPrecision, opt levels O0-O3
 
 #include "paratrain/data/distributed_sampler.h"  // DistributedSampler
 #include "paratrain/data/fashion_mnist.h"        // FashionMNIST

@@ -6,7 +6,7 @@ namespace paratrain {
 namespace models {
 
 std::vector<std::string> names() {
-  return {"linear", "mlp", "resnet18_cifar", "resnet50_cifar"};
+  return {"linear", "mlp", "cnn", "resnet18_cifar", "resnet50_cifar"};
 }
 
 namespace {
@@ -127,6 +127,24 @@ torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
     net->push_back("relu1", nn::ReLU());
     net->push_back("dropout1", nn::Dropout(0.5));
     net->push_back("linear2", nn::Linear(256, num_classes));
+    return net;
+  }
+  if (name == "cnn") {
+    // A small CNN for 1x28x28 images: two conv-bn-relu-pool blocks, then a two-layer head.
+    nn::Sequential net;
+    net->push_back("conv0", nn::Conv2d(nn::Conv2dOptions(1, 32, 3).padding(1).bias(false)));
+    net->push_back("bn0", nn::BatchNorm2d(32));
+    net->push_back("relu0", nn::ReLU());
+    net->push_back("pool0", nn::MaxPool2d(2));
+    net->push_back("conv1", nn::Conv2d(nn::Conv2dOptions(32, 64, 3).padding(1).bias(false)));
+    net->push_back("bn1", nn::BatchNorm2d(64));
+    net->push_back("relu1", nn::ReLU());
+    net->push_back("pool1", nn::MaxPool2d(2));
+    net->push_back("flatten", nn::Flatten());
+    net->push_back("fc0", nn::Linear(64 * 7 * 7, 128));
+    net->push_back("relu2", nn::ReLU());
+    net->push_back("dropout", nn::Dropout(0.25));
+    net->push_back("fc1", nn::Linear(128, num_classes));
     return net;
   }
   if (name == "resnet18_cifar") {

@@ -7,6 +7,8 @@
 //   mlp     Flatten -> linear0: Linear(784, 512) -> bn0 -> relu0 -> dropout0
 //                   -> linear1: Linear(512, 256) -> bn1 -> relu1 -> dropout1
 //                   -> linear2: Linear(256, 10)                 the notes' classifier head
+//   cnn     conv0(1->32, 3x3) -> bn0 -> relu -> pool -> conv1(32->64) -> bn1 -> relu -> pool
+//           -> flatten -> fc0: Linear(3136, 128) -> relu -> dropout(0.25) -> fc1   for 1x28x28
 //   resnet18_cifar  ResNet-18 (BasicBlock [2, 2, 2, 2]) with a CIFAR stem (3x3 conv, stride 1, no
 //                   max-pool) for 3x32x32 inputs; children named as torchvision's (conv1, bn1,
 //                   layer1..layer4 with blocks "0", "1", fc), so weights map one to one
