@@ -21,10 +21,10 @@ namespace cli {
 namespace {
 
 const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp --dataset fashion-mnist\n"
+    "usage: paratrain train --model linear|mlp|cnn --dataset fashion-mnist\n"
     "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
     "         [--devices cpu,cpu] [--stages P --chunks M --schedule gpipe|1f1b] --epochs E\n"
-    "         [--steps S] --batch-size B\n"
+    "         [--steps S] --batch-size B [--amp O0|O1|O2|O3 [--amp-dtype bf16|fp16]]\n"
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
@@ -80,10 +80,11 @@ std::vector<torch::Device> parse_devices(const std::string& list) {
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(argv, {"model",        "dataset", "strategy",   "nproc",    "backend",
-                   "epochs",       "steps",   "batch-size", "lr",       "momentum",
-                   "weight-decay", "seed",    "workers",    "data-dir", "save-weights",
-                   "load-weights", "devices", "stages",     "chunks",   "schedule"},
+  Args args(argv,
+            {"model",   "dataset",    "strategy",     "nproc",        "backend",      "epochs",
+             "steps",   "batch-size", "lr",           "momentum",     "weight-decay", "seed",
+             "workers", "data-dir",   "save-weights", "load-weights", "devices",      "stages",
+             "chunks",  "schedule",   "amp",          "amp-dtype"},
             {"json", "help"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
@@ -104,8 +105,8 @@ int run_train(const std::vector<std::string>& argv) {
   const bool json = args.has("json");
   const std::string data_dir = args.get("data-dir", data::kFashionMnistDir);
 
-  if (model_name != "linear" && model_name != "mlp") {
-    throw UsageError("unknown --model '" + model_name + "': choose linear or mlp");
+  if (model_name != "linear" && model_name != "mlp" && model_name != "cnn") {
+    throw UsageError("unknown --model '" + model_name + "': choose linear, mlp or cnn");
   }
   if (dataset != "fashion-mnist") {
     throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
@@ -122,6 +123,20 @@ int run_train(const std::vector<std::string>& argv) {
   }
   if (strategy == "dp") {
     dp_devices = parse_devices(args.get("devices"));
+  }
+  amp::AmpOptions amp_options;
+  if (args.has("amp-dtype") && !args.has("amp")) {
+    throw UsageError("--amp-dtype goes with --amp O1|O2|O3");
+  }
+  if (args.has("amp")) {
+    try {
+      amp_options.opt_level(amp::parse_opt_level(args.get("amp")));
+      if (args.has("amp-dtype")) {
+        amp_options.dtype(amp::parse_dtype(args.get("amp-dtype")));
+      }
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
   }
   const bool piped = strategy == "pipeline";
   if (!piped && (args.has("stages") || args.has("chunks") || args.has("schedule"))) {
@@ -218,6 +233,8 @@ int run_train(const std::vector<std::string>& argv) {
     device = dp_devices[0];  // the module lives on the first device, as with nn.DataParallel
   }
   model->to(device);
+  // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
+  amp::MixedPrecision mp(model, device, amp_options);
   std::unique_ptr<DistributedDataParallel> ddp;
   if (pg) {
     ddp = std::make_unique<DistributedDataParallel>(model, pg);
@@ -230,14 +247,15 @@ int run_train(const std::vector<std::string>& argv) {
   if (piped) {
     pipe = std::make_unique<pipeline::Pipeline>(
         model, pipeline::balance_by_parameters(model, stages), stage_devices,
-        [](const torch::Tensor& out, const torch::Tensor& target) {
-          return torch::nn::functional::cross_entropy(out, target);
+        [&mp](const torch::Tensor& out, const torch::Tensor& target) {
+          return mp.scaler().scale(
+              torch::nn::functional::cross_entropy(mp.cast_output(out), target));
         },
         pipeline::PipelineOptions().chunks(chunks).schedule(schedule));
     device = stage_devices.back();  // where the loss and outputs are
   }
   torch::optim::SGD optimizer(
-      model->parameters(),
+      mp.optimizer_parameters(),
       torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
 
   data::DistributedSampler sampler(*train.size(), world, rank, /*shuffle=*/true,
@@ -279,7 +297,13 @@ int run_train(const std::vector<std::string>& argv) {
                     : " per rank, ")
          << steps_per_epoch << " steps per epoch, lr " << lr << ", momentum " << momentum
          << ", weight decay " << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
-         << " threads per rank" << std::endl;
+         << " threads per rank"
+         << (mp.opt_level() == amp::OptLevel::kO0
+                 ? std::string()
+                 : ", amp " + amp::to_string(mp.opt_level()) + " (" +
+                       (mp.dtype() == torch::kBFloat16 ? "bf16" : "fp16") +
+                       (mp.loss_scaling() ? ", dynamic loss scaling" : "") + ")")
+         << std::endl;
   }
   const bool progress = speak && !json && ::isatty(1);
 
@@ -302,14 +326,21 @@ int run_train(const std::vector<std::string>& argv) {
       auto y = batch->target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
       torch::Tensor loss;
-      if (pipe) {
-        loss = pipe->step(x, y);  // forward and backward of every micro-batch
-      } else {
-        auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
-        loss = torch::nn::functional::cross_entropy(out, y);
-        loss.backward();
+      {
+        auto autocast = mp.autocast();  // O1 only; its threads (dp, pipeline) inherit it
+        x = mp.cast_input(x);
+        if (pipe) {
+          // Forward and backward of every micro-batch (the loss function scales when on).
+          loss = pipe->step(x, y) / mp.scaler().get_scale();
+        } else {
+          auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
+          loss = torch::nn::functional::cross_entropy(mp.cast_output(out), y);
+        }
       }
-      optimizer.step();
+      if (!pipe) {
+        mp.backward(loss);
+      }
+      mp.step(optimizer);
       loss_sum += loss.item<double>() * static_cast<double>(y.size(0));
       samples += y.size(0);
       if (progress && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
@@ -335,7 +366,8 @@ int run_train(const std::vector<std::string>& argv) {
       const int64_t end = n * (rank + 1) / world;
       for (int64_t i = begin; i < end; i += 1000) {
         const int64_t j = std::min(end, i + 1000);
-        auto images = test.images().slice(0, i, j);
+        auto images = mp.cast_input(test.images().slice(0, i, j));
+        auto autocast = mp.autocast();
         auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
         correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();
         seen += j - i;

@@ -128,6 +128,20 @@ TEST(Train, PipelineTwoStagesOneFOneB) {
   EXPECT_GT(std::stod(m[1]), 0.70) << r.output;
 }
 
+TEST(Train, MixedPrecisionUnderDdp) {
+  // O2 in bf16 with 2 DDP ranks: half model, fp32 masters, gradients reduced in bf16.
+  auto r =
+      run_process({cli_path(), "train", "--model", "cnn", "--strategy", "ddp", "--nproc", "2",
+                   "--amp", "O2", "--epochs", "1", "--steps", "60", "--batch-size", "64", "--json"},
+                  {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("amp O2 (bf16)"), std::string::npos) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.60) << r.output;
+}
+
 TEST(Train, BadInput) {
   std::string bad_file = "/tmp/" + unique_token("not-safetensors");
   { std::ofstream(bad_file) << "hello"; }
@@ -138,7 +152,12 @@ TEST(Train, BadInput) {
     std::string message;
   };
   std::vector<Case> cases{
-      {{"--model", "cnn"}, "unknown --model 'cnn': choose linear or mlp"},
+      {{"--model", "vgg"}, "unknown --model 'vgg': choose linear, mlp or cnn"},
+      {{"--amp", "O4"}, "unknown opt level 'O4': choose O0, O1, O2 or O3"},
+      {{"--amp", "O1", "--amp-dtype", "fp8"}, "unknown mixed-precision dtype 'fp8'"},
+      {{"--amp-dtype", "bf16"}, "--amp-dtype goes with --amp O1|O2|O3"},
+      {{"--amp", "O2", "--amp-dtype", "fp16"},
+       "fp16 autocast is not available on the CPU in this libtorch build"},
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
       {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp, dp or pipeline"},
       {{"--strategy", "dp"}, "--strategy dp needs --devices"},
