@@ -14,7 +14,8 @@ int run_bench(const std::vector<std::string>& args) {
                  "  allreduce   time per allreduce and bus bandwidth, per backend\n"
                  "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n"
                  "  strategies  single process vs DataParallel vs DDP (the notes' table)\n"
-                 "  pipeline    GPipe/1F1B micro-batching vs plain model parallelism\n";
+                 "  pipeline    GPipe/1F1B micro-batching vs plain model parallelism\n"
+                 "  amp         DDP step time at opt levels O0-O3 (bf16), accuracy O0 vs O1\n";
     return args.empty() ? 2 : 0;
   }
   std::vector<std::string> rest(args.begin() + 1, args.end());
@@ -24,6 +25,9 @@ int run_bench(const std::vector<std::string>& args) {
   if (args[0] == "ddp") {
     return run_bench_ddp(rest);
   }
+  if (args[0] == "amp") {
+    return run_bench_amp(rest);
+  }
   if (args[0] == "pipeline") {
     return run_bench_pipeline(rest);
   }
@@ -31,7 +35,7 @@ int run_bench(const std::vector<std::string>& args) {
     return run_bench_strategies(rest);
   }
   throw UsageError("unknown benchmark '" + args[0] +
-                   "'; available: allreduce, ddp, strategies, pipeline");
+                   "'; available: allreduce, ddp, strategies, pipeline, amp");
 }
 
 }  // namespace cli

@@ -18,6 +18,7 @@ int run_bench_allreduce(const std::vector<std::string>& args);
 int run_bench_ddp(const std::vector<std::string>& args);
 int run_bench_strategies(const std::vector<std::string>& args);
 int run_bench_pipeline(const std::vector<std::string>& args);
+int run_bench_amp(const std::vector<std::string>& args);
 
 /// Absolute path of this executable (to re-run it as a worker or an mpirun shim).
 std::string self_path();
