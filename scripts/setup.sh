@@ -14,6 +14,7 @@ packages=(
   dataset-fashion-mnist
   libgtest-dev googletest
   python3-torch         # /usr/bin/python3's torch: the reference for PyTorch behaviour and speed
+  python3-torchvision   # torchvision weights for the model-zoo import tests
 )
 
 missing=()

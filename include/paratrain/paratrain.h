@@ -25,3 +25,4 @@
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
 #include "paratrain/parallel/threads.h"   // set_blas_threads
 #include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state
+#include "paratrain/train/torch_load.h"   // load_torch_state_dict, load_weights

@@ -6,7 +6,12 @@ namespace paratrain {
 namespace models {
 
 std::vector<std::string> names() {
-  return {"linear", "mlp", "cnn", "resnet18_cifar", "resnet50_cifar"};
+  std::vector<std::string> out{"linear", "mlp", "cnn"};
+  for (const char* depth : {"18", "34", "50", "101", "152"}) {
+    out.push_back(std::string("resnet") + depth);
+    out.push_back(std::string("resnet") + depth + "_cifar");
+  }
+  return out;
 }
 
 namespace {
@@ -106,6 +111,125 @@ TORCH_MODULE(Stage);
 
 }  // namespace
 
+torch::nn::Sequential resnet(int64_t depth, int64_t num_classes, Stem stem) {
+  namespace nn = torch::nn;
+  TORCH_CHECK(num_classes >= 1, "a model needs at least one class, got ", num_classes);
+  std::vector<int> blocks;
+  bool bottleneck = depth >= 50;
+  switch (depth) {
+    case 18:
+      blocks = {2, 2, 2, 2};
+      break;
+    case 34:
+    case 50:
+      blocks = {3, 4, 6, 3};
+      break;
+    case 101:
+      blocks = {3, 4, 23, 3};
+      break;
+    case 152:
+      blocks = {3, 8, 36, 3};
+      break;
+    default:
+      TORCH_CHECK(false, "no ResNet of depth ", depth, ": choose 18, 34, 50, 101 or 152");
+  }
+  nn::Sequential net;
+  if (stem == Stem::kImageNet) {
+    net->push_back("conv1",
+                   nn::Conv2d(nn::Conv2dOptions(3, 64, 7).stride(2).padding(3).bias(false)));
+  } else {
+    net->push_back("conv1", conv(3, 64, 3, 1));
+  }
+  net->push_back("bn1", nn::BatchNorm2d(64));
+  net->push_back("relu", nn::ReLU());
+  if (stem == Stem::kImageNet) {
+    net->push_back("maxpool", nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  }
+  int64_t in = 64;
+  const int64_t widths[] = {64, 128, 256, 512};
+  for (int stage = 0; stage < 4; ++stage) {
+    Stage layer;
+    for (int b = 0; b < blocks[static_cast<size_t>(stage)]; ++b) {
+      const int64_t stride = stage > 0 && b == 0 ? 2 : 1;
+      if (bottleneck) {
+        layer->push_back(std::to_string(b), Bottleneck(in, widths[stage], stride));
+        in = widths[stage] * BottleneckImpl::kExpansion;
+      } else {
+        layer->push_back(std::to_string(b), BasicBlock(in, widths[stage], stride));
+        in = widths[stage];
+      }
+    }
+    net->push_back("layer" + std::to_string(stage + 1), layer);
+  }
+  net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
+  net->push_back("flatten", nn::Flatten());
+  net->push_back("fc", nn::Linear(in, num_classes));
+  // torchvision's initialisation: He-normal (fan_out) convolutions, BatchNorm at 1 and 0.
+  torch::NoGradGuard no_grad;
+  for (const auto& m : net->modules(/*include_self=*/false)) {
+    if (auto* c = m->as<nn::Conv2d>()) {
+      nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
+    } else if (auto* bn = m->as<nn::BatchNorm2d>()) {
+      nn::init::ones_(bn->weight);
+      nn::init::zeros_(bn->bias);
+    }
+  }
+  return net;
+}
+
+torch::nn::Sequential with_head(const torch::nn::Sequential& backbone,
+                                int64_t num_classes,
+                                double dropout) {
+  namespace nn = torch::nn;
+  TORCH_CHECK(num_classes >= 1, "a classifier head needs at least one class, got ", num_classes);
+  TORCH_CHECK(dropout >= 0 && dropout < 1, "dropout must be in [0, 1), got ", dropout);
+  auto names = backbone->named_children();
+  TORCH_CHECK(!names.is_empty() && names[names.size() - 1].key() == "fc",
+              "with_head: the backbone's last layer must be its classifier 'fc' (as the zoo's "
+              "ResNets), got '",
+              names.is_empty() ? std::string("nothing") : names[names.size() - 1].key(), "'");
+  auto* fc = names[names.size() - 1].value()->as<nn::Linear>();
+  TORCH_CHECK(fc != nullptr, "with_head: the backbone's 'fc' is not a Linear layer");
+  const int64_t features = fc->options.in_features();
+  Stage head;  // a Sequential with a tensor forward, so a parent Sequential can hold it
+  head->push_back("0", nn::Linear(features, 512));
+  head->push_back("1", nn::BatchNorm1d(512));
+  head->push_back("2", nn::ReLU());
+  head->push_back("3", nn::Dropout(dropout));
+  head->push_back("4", nn::Linear(512, 256));
+  head->push_back("5", nn::BatchNorm1d(256));
+  head->push_back("6", nn::ReLU());
+  head->push_back("7", nn::Dropout(dropout));
+  head->push_back("8", nn::Linear(256, num_classes));
+  nn::Sequential out;
+  size_t i = 0;
+  for (auto it = backbone->begin(); it != backbone->end(); ++it, ++i) {
+    if (i + 1 < names.size()) {
+      out->push_back(names[i].key(), *it);  // shared: the backbone's own layers
+    }
+  }
+  out->push_back("fc", head);
+  return out;
+}
+
+void freeze_backbone(const torch::nn::Sequential& model) {
+  for (auto& p : model->named_parameters()) {
+    if (p.key().rfind("fc.", 0) != 0) {
+      p.value().set_requires_grad(false);
+    }
+  }
+}
+
+std::vector<int64_t> input_shape(const std::string& name) {
+  if (name == "linear" || name == "mlp" || name == "cnn") {
+    return {1, 28, 28};
+  }
+  if (name.size() > 6 && name.compare(name.size() - 6, 6, "_cifar") == 0) {
+    return {3, 32, 32};
+  }
+  return {3, 224, 224};
+}
+
 torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
   namespace nn = torch::nn;
   TORCH_CHECK(num_classes >= 1, "a model needs at least one class, got ", num_classes);
@@ -147,47 +271,11 @@ torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
     net->push_back("fc1", nn::Linear(128, num_classes));
     return net;
   }
-  if (name == "resnet18_cifar") {
-    nn::Sequential net;
-    net->push_back("conv1", conv(3, 64, 3, 1));
-    net->push_back("bn1", nn::BatchNorm2d(64));
-    net->push_back("relu", nn::ReLU());
-    int64_t in = 64;
-    const int64_t widths[] = {64, 128, 256, 512};
-    for (int stage = 0; stage < 4; ++stage) {
-      Stage layer;
-      const int64_t out = widths[stage];
-      layer->push_back("0", BasicBlock(in, out, stage == 0 ? 1 : 2));
-      layer->push_back("1", BasicBlock(out, out, 1));
-      net->push_back("layer" + std::to_string(stage + 1), layer);
-      in = out;
+  for (const int64_t depth : {18, 34, 50, 101, 152}) {
+    const std::string base = "resnet" + std::to_string(depth);
+    if (name == base || name == base + "_cifar") {
+      return resnet(depth, num_classes, name == base ? Stem::kImageNet : Stem::kCifar);
     }
-    net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
-    net->push_back("flatten", nn::Flatten());
-    net->push_back("fc", nn::Linear(512, num_classes));
-    return net;
-  }
-  if (name == "resnet50_cifar") {
-    nn::Sequential net;
-    net->push_back("conv1", conv(3, 64, 3, 1));
-    net->push_back("bn1", nn::BatchNorm2d(64));
-    net->push_back("relu", nn::ReLU());
-    int64_t in = 64;
-    const int64_t widths[] = {64, 128, 256, 512};
-    const int blocks[] = {3, 4, 6, 3};
-    for (int stage = 0; stage < 4; ++stage) {
-      Stage layer;
-      for (int b = 0; b < blocks[stage]; ++b) {
-        layer->push_back(std::to_string(b),
-                         Bottleneck(in, widths[stage], stage > 0 && b == 0 ? 2 : 1));
-        in = widths[stage] * BottleneckImpl::kExpansion;
-      }
-      net->push_back("layer" + std::to_string(stage + 1), layer);
-    }
-    net->push_back("avgpool", nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions({1, 1})));
-    net->push_back("flatten", nn::Flatten());
-    net->push_back("fc", nn::Linear(in, num_classes));
-    return net;
   }
   std::string known;
   for (const auto& n : names()) {

@@ -9,11 +9,14 @@
 //                   -> linear2: Linear(256, 10)                 the notes' classifier head
 //   cnn     conv0(1->32, 3x3) -> bn0 -> relu -> pool -> conv1(32->64) -> bn1 -> relu -> pool
 //           -> flatten -> fc0: Linear(3136, 128) -> relu -> dropout(0.25) -> fc1   for 1x28x28
-//   resnet18_cifar  ResNet-18 (BasicBlock [2, 2, 2, 2]) with a CIFAR stem (3x3 conv, stride 1, no
-//                   max-pool) for 3x32x32 inputs; children named as torchvision's (conv1, bn1,
-//                   layer1..layer4 with blocks "0", "1", fc), so weights map one to one
-//   resnet50_cifar  ResNet-50 (Bottleneck [3, 4, 6, 3], torchvision v1.5) with the same stem and
-//                   naming; the notes' ModelParallelResNet50 splits it after layer2
+//   resnet18, resnet34, resnet50, resnet101, resnet152
+//           torchvision's ResNets (BasicBlock [2,2,2,2] / [3,4,6,3]; Bottleneck v1.5 [3,4,6,3],
+//           [3,4,23,3], [3,8,36,3]) with the ImageNet stem (7x7 stride-2 conv, 3x3 max-pool):
+//           children named as torchvision's (conv1, bn1, relu, maxpool, layer1..layer4 with
+//           blocks "0", "1", ..., avgpool, fc; plus a parameterless "flatten"), so torchvision
+//           weights map one to one; torchvision's initialisation
+//   resnetNN_cifar  the same with a CIFAR stem (3x3 stride-1 conv, no max-pool) for 3x32x32;
+//           the notes' ModelParallelResNet50 splits resnet50_cifar after layer2
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -28,6 +31,27 @@ namespace models {
 torch::nn::Sequential make(const std::string& name, int64_t num_classes = 10);
 
 std::vector<std::string> names();
+
+enum class Stem { kImageNet, kCifar };
+
+/// torchvision's ResNet of `depth` (18, 34, 50, 101 or 152); throws c10::Error for another depth.
+torch::nn::Sequential resnet(int64_t depth,
+                             int64_t num_classes = 1000,
+                             Stem stem = Stem::kImageNet);
+
+/// The notes' custom classifier: `backbone` (whose last child is its Linear "fc") with fc replaced
+/// by Linear(in, 512) -> BatchNorm1d -> ReLU -> Dropout -> Linear(512, 256) -> BatchNorm1d ->
+/// ReLU -> Dropout -> Linear(256, num_classes), named fc.0..fc.8. The backbone's layers are
+/// shared, not copied. Throws c10::Error for num_classes < 1 or a backbone without a Linear fc.
+torch::nn::Sequential with_head(const torch::nn::Sequential& backbone,
+                                int64_t num_classes,
+                                double dropout = 0.5);
+
+/// Freezes every parameter outside "fc" (requires_grad false): fine-tuning the head only.
+void freeze_backbone(const torch::nn::Sequential& model);
+
+/// The input a model of the registry expects, as {channels, height, width}.
+std::vector<int64_t> input_shape(const std::string& name);
 
 }  // namespace models
 }  // namespace paratrain
