@@ -21,10 +21,11 @@ namespace cli {
 namespace {
 
 const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp|cnn --dataset fashion-mnist\n"
+    "usage: paratrain train --model linear|mlp|cnn|resnet18..152[_cifar] --dataset fashion-mnist\n"
     "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
     "         [--devices cpu,cpu] [--stages P --chunks M --schedule gpipe|1f1b] --epochs E\n"
     "         [--steps S] --batch-size B [--amp O0|O1|O2|O3 [--amp-dtype bf16|fp16]]\n"
+    "         [--image-size N] [--channels C] [--head custom] [--freeze-backbone]\n"
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
@@ -80,12 +81,12 @@ std::vector<torch::Device> parse_devices(const std::string& list) {
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"model",   "dataset",    "strategy",     "nproc",        "backend",      "epochs",
-             "steps",   "batch-size", "lr",           "momentum",     "weight-decay", "seed",
-             "workers", "data-dir",   "save-weights", "load-weights", "devices",      "stages",
-             "chunks",  "schedule",   "amp",          "amp-dtype"},
-            {"json", "help"});
+  Args args(argv, {"model",        "dataset",   "strategy",   "nproc",    "backend",
+                   "epochs",       "steps",     "batch-size", "lr",       "momentum",
+                   "weight-decay", "seed",      "workers",    "data-dir", "save-weights",
+                   "load-weights", "devices",   "stages",     "chunks",   "schedule",
+                   "amp",          "amp-dtype", "image-size", "channels", "head"},
+            {"json", "help", "freeze-backbone"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
     return 0;
@@ -105,8 +106,30 @@ int run_train(const std::vector<std::string>& argv) {
   const bool json = args.has("json");
   const std::string data_dir = args.get("data-dir", data::kFashionMnistDir);
 
-  if (model_name != "linear" && model_name != "mlp" && model_name != "cnn") {
-    throw UsageError("unknown --model '" + model_name + "': choose linear, mlp or cnn");
+  {
+    const auto known = models::names();
+    if (std::find(known.begin(), known.end(), model_name) == known.end()) {
+      std::string list;
+      for (const auto& n : known) {
+        list += (list.empty() ? "" : ", ") + n;
+      }
+      throw UsageError("unknown --model '" + model_name + "': choose " + list);
+    }
+  }
+  const std::vector<int64_t> expects = models::input_shape(model_name);
+  const int image_size = args.get_int("image-size", static_cast<int>(expects[1]));
+  const int channels = args.get_int("channels", static_cast<int>(expects[0]));
+  if (image_size < 1 || (channels != 1 && channels != 3)) {
+    throw UsageError("--image-size must be >= 1 and --channels 1 or 3");
+  }
+  const std::string head = args.get("head", "");
+  if (!head.empty() && head != "custom") {
+    throw UsageError("unknown --head '" + head +
+                     "': the one head is 'custom' (the notes' "
+                     "Linear-BN-ReLU-Dropout classifier)");
+  }
+  if (args.has("freeze-backbone") && head.empty()) {
+    throw UsageError("--freeze-backbone goes with --head custom");
   }
   if (dataset != "fashion-mnist") {
     throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
@@ -225,9 +248,17 @@ int run_train(const std::vector<std::string>& argv) {
   torch::Device device = dist::local_device();
 
   torch::manual_seed(seed);  // the same initial weights on every run
-  torch::nn::Sequential model = models::make(model_name);
+  // With --head custom the backbone keeps its 1000-class fc until the head replaces it, so
+  // torchvision's ImageNet weights load as they are.
+  torch::nn::Sequential model = models::make(model_name, head.empty() ? 10 : 1000);
   if (args.has("load-weights")) {
-    load_module_state(*model, load_safetensors(args.get("load-weights")));
+    load_module_state(*model, load_weights(args.get("load-weights")));  // strict, as PyTorch
+  }
+  if (!head.empty()) {
+    model = models::with_head(model, 10);
+    if (args.has("freeze-backbone")) {
+      models::freeze_backbone(model);
+    }
   }
   if (!dp_devices.empty()) {
     device = dp_devices[0];  // the module lives on the first device, as with nn.DataParallel
@@ -322,7 +353,7 @@ int run_train(const std::vector<std::string>& argv) {
       if (!batch) {
         break;
       }
-      auto x = batch->data.to(device, /*non_blocking=*/true);
+      auto x = data::adapt_images(batch->data, image_size, channels).to(device, true);
       auto y = batch->target.to(device, /*non_blocking=*/true);
       optimizer.zero_grad();
       torch::Tensor loss;
@@ -366,7 +397,8 @@ int run_train(const std::vector<std::string>& argv) {
       const int64_t end = n * (rank + 1) / world;
       for (int64_t i = begin; i < end; i += 1000) {
         const int64_t j = std::min(end, i + 1000);
-        auto images = mp.cast_input(test.images().slice(0, i, j));
+        auto images =
+            mp.cast_input(data::adapt_images(test.images().slice(0, i, j), image_size, channels));
         auto autocast = mp.autocast();
         auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
         correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();

@@ -106,5 +106,26 @@ c10::optional<size_t> FashionMNIST::size() const {
   return static_cast<size_t>(images_.size(0));
 }
 
+torch::Tensor adapt_images(const torch::Tensor& images, int64_t size, int64_t channels) {
+  TORCH_CHECK(size >= 1 && channels >= 1, "image size and channels must be >= 1, got ", size,
+              " and ", channels);
+  TORCH_CHECK(images.dim() == 4, "expected a batch of N x C x H x W images, got shape ",
+              images.sizes());
+  torch::Tensor out = images;
+  if (out.size(2) != size || out.size(3) != size) {
+    namespace F = torch::nn::functional;
+    out = F::interpolate(out, F::InterpolateFuncOptions()
+                                  .size(std::vector<int64_t>{size, size})
+                                  .mode(torch::kBilinear)
+                                  .align_corners(false));
+  }
+  if (out.size(1) != channels) {
+    TORCH_CHECK(out.size(1) == 1, "cannot turn ", out.size(1), "-channel images into ", channels,
+                " channels (only 1-channel images are repeated)");
+    out = out.expand({out.size(0), channels, out.size(2), out.size(3)}).contiguous();
+  }
+  return out;
+}
+
 }  // namespace data
 }  // namespace paratrain

@@ -142,6 +142,46 @@ TEST(Train, MixedPrecisionUnderDdp) {
   EXPECT_GT(std::stod(m[1]), 0.60) << r.output;
 }
 
+TEST(Train, CustomHeadOnTorchvisionWeights) {
+  // torchvision's resnet18 weights (random: nothing can be downloaded here) from python3-torch,
+  // loaded strictly, the notes' head on top, backbone frozen, Fashion-MNIST at 3x32x32.
+  const std::string prefix = "/tmp/" + unique_token("tv-resnet18");
+  auto py = run_process(
+      {"/usr/bin/python3", std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py",
+       "18", prefix},
+      {}, 120);
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  auto r = run_process({cli_path(),
+                        "train",
+                        "--model",
+                        "resnet18",
+                        "--load-weights",
+                        prefix + "_state.pt",
+                        "--head",
+                        "custom",
+                        "--freeze-backbone",
+                        "--image-size",
+                        "32",
+                        "--epochs",
+                        "1",
+                        "--steps",
+                        "60",
+                        "--batch-size",
+                        "64",
+                        "--lr",
+                        "0.01",
+                        "--json"},
+                       {}, 240);
+  for (const char* suffix : {"_state.pt", "_ordered.pt", "_ref.pt"}) {
+    std::remove((prefix + suffix).c_str());
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.40) << r.output;  // 10 classes: chance is 0.10
+}
+
 TEST(Train, BadInput) {
   std::string bad_file = "/tmp/" + unique_token("not-safetensors");
   { std::ofstream(bad_file) << "hello"; }
@@ -152,7 +192,11 @@ TEST(Train, BadInput) {
     std::string message;
   };
   std::vector<Case> cases{
-      {{"--model", "vgg"}, "unknown --model 'vgg': choose linear, mlp or cnn"},
+      {{"--model", "vgg"}, "unknown --model 'vgg': choose linear, mlp, cnn, resnet18"},
+      {{"--model", "resnet18", "--head", "fancy"}, "unknown --head 'fancy'"},
+      {{"--freeze-backbone"}, "--freeze-backbone goes with --head custom"},
+      {{"--model", "cnn", "--head", "custom"},
+       "the backbone's last layer must be its classifier 'fc'"},
       {{"--amp", "O4"}, "unknown opt level 'O4': choose O0, O1, O2 or O3"},
       {{"--amp", "O1", "--amp-dtype", "fp8"}, "unknown mixed-precision dtype 'fp8'"},
       {{"--amp-dtype", "bf16"}, "--amp-dtype goes with --amp O1|O2|O3"},

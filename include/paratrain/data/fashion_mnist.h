@@ -43,5 +43,11 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
 /// labels. Returns uint8 data shaped [N, 28, 28] or [N].
 torch::Tensor read_idx_file(const std::string& path, bool images);
 
+/// A batch of N x 1 x 28 x 28 images made fit for models that expect other inputs: bilinearly
+/// resized to size x size and the channel repeated `channels` times (3 for the ResNets). Returns
+/// the batch itself when it already has that shape. Throws c10::Error for size or channels < 1
+/// or a channel count that is not 1 or the batch's.
+torch::Tensor adapt_images(const torch::Tensor& images, int64_t size, int64_t channels);
+
 }  // namespace data
 }  // namespace paratrain
