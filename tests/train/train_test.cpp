@@ -90,6 +90,40 @@ TEST(Train, ModelParallelResNet50Example) {
       << r.output;
 }
 
+TEST(Train, CustomResNetFinetuneExample) {
+  const std::string prefix = "/tmp/" + unique_token("tv-resnet18-example");
+  auto py = run_process(
+      {"/usr/bin/python3", std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py",
+       "18", prefix},
+      {}, 120);
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  auto r =
+      run_process({PARATRAIN_TEST_FINETUNE_EXAMPLE, prefix + "_state.pt", "18", "60"}, {}, 240);
+  for (const char* suffix : {"_state.pt", "_ordered.pt", "_ref.pt"}) {
+    std::remove((prefix + suffix).c_str());
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      r.output, m,
+      std::regex(R"(resnet18 \+ custom head \(backbone frozen\): 60 steps, mean loss [0-9.]+, )"
+                 R"(test accuracy ([0-9.]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.40) << r.output;
+}
+
+TEST(Train, MixedPrecisionDdpExample) {
+  auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
+                        PARATRAIN_TEST_AMP_EXAMPLE, "O1", "80"},
+                       {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      r.output, m, std::regex(R"(O1 \(bf16\): 80 steps per rank, test accuracy ([0-9.]+))")))
+      << r.output;
+  EXPECT_GT(std::stod(m[1]), 0.60) << r.output;
+}
+
 TEST(Train, SingleProcessLinear) {
   auto r = run_process({cli_path(), "train", "--model", "linear", "--strategy", "single",
                         "--epochs", "2", "--steps", "20", "--batch-size", "32"},
