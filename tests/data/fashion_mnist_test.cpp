@@ -98,6 +98,18 @@ TEST(FashionMNIST, BadMagicAndTruncatedFiles) {
   std::system(("rm -rf " + dir).c_str());
 }
 
+TEST(AdaptImages, ResizesAndRepeatsChannels) {
+  auto batch = torch::rand({2, 1, 28, 28});
+  auto out = data::adapt_images(batch, 32, 3);
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 3, 32, 32}));
+  EXPECT_TRUE(torch::equal(out[0][0], out[0][2]));
+  // Bilinear resizing keeps a constant image constant.
+  auto flat = data::adapt_images(torch::full({1, 1, 28, 28}, 0.25), 32, 1);
+  EXPECT_LE((flat - 0.25).abs().max().item<double>(), 1e-6);
+  EXPECT_TRUE(data::adapt_images(batch, 28, 1).is_same(batch));
+  EXPECT_THROW(data::adapt_images(torch::rand({1, 2, 28, 28}), 28, 3), c10::Error);
+}
+
 }  // namespace
 }  // namespace data
 }  // namespace paratrain

@@ -216,6 +216,22 @@ TEST(Train, CustomHeadOnTorchvisionWeights) {
   EXPECT_GT(std::stod(m[1]), 0.40) << r.output;  // 10 classes: chance is 0.10
 }
 
+TEST(Train, MixedPrecisionWithDataParallelAndPipeline) {
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {"--strategy", "dp", "--devices", "cpu,cpu", "--amp", "O1"},
+           {"--strategy", "pipeline", "--stages", "2", "--chunks", "4", "--amp", "O2"}}) {
+    std::vector<std::string> argv{cli_path(), "train", "--model", "mlp",          "--epochs", "1",
+                                  "--steps",  "100",   "--json",  "--batch-size", "128"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto r = run_process(argv, {}, 180);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
+        << r.output;
+    EXPECT_GT(std::stod(m[1]), 0.70) << extra[1] << " " << extra.back() << ": " << r.output;
+  }
+}
+
 TEST(Train, BadInput) {
   std::string bad_file = "/tmp/" + unique_token("not-safetensors");
   { std::ofstream(bad_file) << "hello"; }
