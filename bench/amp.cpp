@@ -41,6 +41,7 @@ int run_amp_worker(const Args& args) {
   auto model = models::make(accuracy ? "cnn" : "resnet18_cifar");
   amp::MixedPrecision mp(model, torch::kCPU, amp::AmpOptions().opt_level(level).dtype(dtype));
   DistributedDataParallel ddp(model, pg);
+  mp.sync_masters();
   torch::optim::SGD opt(mp.optimizer_parameters(),
                         torch::optim::SGDOptions(accuracy ? 0.05 : 0.01).momentum(0.9));
   auto train_step = [&](const torch::Tensor& x, const torch::Tensor& y) {

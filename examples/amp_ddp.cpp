@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
     pt::amp::MixedPrecision amp(model, device,
                                 pt::amp::AmpOptions().opt_level(pt::amp::parse_opt_level(level)));
     pt::DistributedDataParallel ddp(model, pg);
+    amp.sync_masters();  // O2: the masters take the weights DDP broadcast from rank 0
     // 2. The optimizer owns what MixedPrecision says: fp32 masters at O2.
     torch::optim::SGD optimizer(amp.optimizer_parameters(),
                                 torch::optim::SGDOptions(0.05).momentum(0.9));

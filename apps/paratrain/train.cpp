@@ -269,6 +269,7 @@ int run_train(const std::vector<std::string>& argv) {
   std::unique_ptr<DistributedDataParallel> ddp;
   if (pg) {
     ddp = std::make_unique<DistributedDataParallel>(model, pg);
+    mp.sync_masters();  // DDP broadcast rank 0's weights into the model
   }
   std::unique_ptr<DataParallel> dp;
   if (!dp_devices.empty()) {

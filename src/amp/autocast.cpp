@@ -49,12 +49,18 @@ Autocast::Autocast(c10::DeviceType device_type, c10::optional<at::ScalarType> dt
   previous_enabled_ = cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
   previous_dtype_ =
       cpu ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+  // The dtype first (libtorch refuses some on the CPU), and only when enabling: a disabled
+  // region keeps the enclosing dtype, and a refused one changes nothing.
   if (cpu) {
+    if (enabled) {
+      at::autocast::set_autocast_cpu_dtype(want);
+    }
     at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(want);
   } else {
+    if (enabled) {
+      at::autocast::set_autocast_gpu_dtype(want);
+    }
     at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(want);
   }
   at::autocast::increment_nesting();
   entered_ = true;

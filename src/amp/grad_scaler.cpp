@@ -57,7 +57,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   // Grouped by device: CUDA gradients go through the fused kernel, one call per device and
   // dtype, as PyTorch's _unscale_grads_.
   std::map<std::pair<std::string, at::ScalarType>, std::vector<torch::Tensor>> cuda_groups;
+  std::vector<torch::Tensor> cpu_grads;
   torch::NoGradGuard no_grad;
+  // Everything is checked before anything is divided, as PyTorch's _unscale_grads_.
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       const torch::Tensor& g = p.grad();
@@ -70,13 +72,21 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
       if (g.is_cuda()) {
         cuda_groups[{g.device().str(), g.scalar_type()}].push_back(g);
-        continue;
+      } else {
+        cpu_grads.push_back(g);
       }
-      // CPU: libtorch 1.13 has no CPU kernel for the fused op; the same arithmetic.
-      torch::Tensor bad = torch::logical_not(torch::isfinite(g)).any();
-      found_inf.add_(bad.to(found_inf.device(), torch::kFloat));
-      g.mul_(inv_scale.to(g.device()).to(g.scalar_type()));
     }
+  }
+  if (cuda_groups.empty() && cpu_grads.empty()) {
+    state.found_inf = torch::Tensor();  // step() then says no inf checks were recorded
+    state.stage = Stage::kUnscaled;
+    return;
+  }
+  // CPU: libtorch 1.13 has no CPU kernel for the fused op; the same arithmetic.
+  for (auto& g : cpu_grads) {
+    torch::Tensor bad = torch::logical_not(torch::isfinite(g)).any();
+    found_inf.add_(bad.to(found_inf.device(), torch::kFloat));
+    g.mul_(inv_scale.to(g.device()));  // computed in float, rounded once to the grad's dtype
   }
   for (auto& kv : cuda_groups) {
     const torch::Device device = kv.second.front().device();
@@ -100,6 +110,9 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (state.stage == Stage::kReady) {
     unscale_(optimizer);
   }
+  TORCH_CHECK(state.found_inf.defined(),
+              "GradScaler: no inf checks were recorded for this optimizer (none of its "
+              "parameters has a gradient)");
   const bool clean = state.found_inf.item<double>() == 0.0;
   if (clean) {
     optimizer.step();

@@ -96,7 +96,16 @@ MixedPrecision::MixedPrecision(std::shared_ptr<torch::nn::Module> model,
       }
     }
   }
-  params_ = model_->parameters();
+  // Once each: a tied weight appears twice in parameters(), and two masters would fight.
+  for (const auto& p : model_->parameters()) {
+    bool seen = false;
+    for (const auto& q : params_) {
+      seen = seen || q.is_same(p);
+    }
+    if (!seen) {
+      params_.push_back(p);
+    }
+  }
   if (level == OptLevel::kO2) {
     for (const auto& p : params_) {
       if (p.scalar_type() == at::kFloat) {
@@ -104,6 +113,15 @@ MixedPrecision::MixedPrecision(std::shared_ptr<torch::nn::Module> model,
       } else {
         masters_.push_back(p.detach().to(at::kFloat).clone().requires_grad_(p.requires_grad()));
       }
+    }
+  }
+}
+
+void MixedPrecision::sync_masters() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < masters_.size(); ++i) {
+    if (!masters_[i].is_same(params_[i])) {
+      masters_[i].copy_(params_[i]);
     }
   }
 }
@@ -152,7 +170,7 @@ bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
       if (m.grad().defined()) {
         m.mutable_grad().copy_(p.grad());
       } else {
-        m.mutable_grad() = p.grad().to(at::kFloat);
+        m.mutable_grad() = p.grad().to(m.device(), at::kFloat);
       }
       // The model's half gradients are a staging area: the optimizer zeroes the masters' only.
       p.mutable_grad() = torch::Tensor();

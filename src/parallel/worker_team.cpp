@@ -3,6 +3,7 @@
 #include "paratrain/parallel/threads.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
 #include <dlfcn.h>
@@ -42,10 +43,26 @@ void WorkerTeam::loop(size_t index, int intra_op_threads) {
     }
     const std::function<void()>* job = jobs_[index];
     const at::ThreadLocalState* state = state_.get();
+    const at::ScalarType cpu_dtype = autocast_cpu_dtype_;
+    const at::ScalarType gpu_dtype = autocast_gpu_dtype_;
     lock.unlock();
     std::exception_ptr error;
     try {
       at::ThreadLocalStateGuard guard(*state);
+      // The caller's autocast dtypes, and a region of this task's own: autocast caches the casts
+      // of weights per thread until the outermost region ends, and weights change in place
+      // between tasks (optimizer steps, replica refreshes), so each task starts and ends one,
+      // as PyTorch's parallel_apply does with its per-thread autocast context.
+      at::autocast::set_autocast_cpu_dtype(cpu_dtype);
+      at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+      at::autocast::increment_nesting();
+      struct EndRegion {
+        ~EndRegion() {
+          if (at::autocast::decrement_nesting() == 0) {
+            at::autocast::clear_cache();
+          }
+        }
+      } end_region;
       (*job)();
     } catch (...) {
       error = std::current_exception();
@@ -65,6 +82,8 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
   std::unique_lock<std::mutex> lock(mutex_);
   errors_.assign(tasks.size(), nullptr);
   state_ = std::make_unique<at::ThreadLocalState>();
+  autocast_cpu_dtype_ = at::autocast::get_autocast_cpu_dtype();
+  autocast_gpu_dtype_ = at::autocast::get_autocast_gpu_dtype();
   pending_ = tasks.size();
   for (size_t i = 0; i < tasks.size(); ++i) {
     jobs_[i] = &tasks[i];

@@ -50,6 +50,9 @@ class WorkerTeam {
   std::vector<std::exception_ptr> errors_;          // per task
   size_t pending_ = 0;
   std::unique_ptr<at::ThreadLocalState> state_;  // the caller's, during run()
+  // Autocast's dtypes are per thread and not part of at::ThreadLocalState in libtorch 1.13.
+  at::ScalarType autocast_cpu_dtype_ = at::kBFloat16;
+  at::ScalarType autocast_gpu_dtype_ = at::kHalf;
   bool stop_ = false;
 };
 

@@ -35,7 +35,8 @@ std::map<std::string, torch::Tensor> load_torch_state_dict(const std::string& pa
     TORCH_CHECK(false, "cannot read ", path,
                 ": libtorch 1.13 cannot unpickle it (an OrderedDict from model.state_dict() "
                 "carries attributes it does not read); save a plain dict instead, "
-                "torch.save(dict(model.state_dict()), path), or safetensors");
+                "torch.save(dict(model.state_dict()), path), or safetensors (libtorch said: ",
+                e.what_without_backtrace(), ")");
   }
   TORCH_CHECK(value.isGenericDict(), path, " holds a ", value.tagKind(),
               ", not a dict of tensors; save torch.save(dict(model.state_dict()), path)");

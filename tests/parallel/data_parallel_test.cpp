@@ -2,6 +2,7 @@
 // own thread, standing in for several GPUs).
 
 #include "paratrain/parallel/data_parallel.h"
+#include "paratrain/amp/autocast.h"
 #include "paratrain/models/registry.h"
 
 #include <gtest/gtest.h>
@@ -150,6 +151,28 @@ TEST(DataParallel, KeptOutputsDoNotFreezeReplicas) {
   auto p2 = wrapped->named_parameters();
   for (const auto& p : plain->named_parameters()) {
     expect_close(p.value(), p2[p.key()], "parameter " + p.key() + " after 5 steps");
+  }
+}
+
+// Under autocast, replica threads must not reuse the bf16 weights they cast in an earlier
+// forward: weights change in place between steps.
+TEST(DataParallel, AutocastSeesUpdatedWeights) {
+  auto plain = small_net();
+  auto wrapped = small_net();
+  DataParallel dp(wrapped, cpus(2));
+  auto x = torch::randn({8, 12});
+  for (int step = 0; step < 3; ++step) {
+    amp::Autocast autocast(torch::kCPU);
+    auto want = plain->forward(x);
+    auto got = dp(x);
+    EXPECT_EQ(got.scalar_type(), torch::kBFloat16);
+    expect_close(got.to(torch::kFloat), want.to(torch::kFloat), "step " + std::to_string(step));
+    torch::NoGradGuard no_grad;
+    for (auto* m : {&plain, &wrapped}) {
+      for (auto& p : (*m)->parameters()) {
+        p.add_(0.5);
+      }
+    }
   }
 }
 

@@ -10,7 +10,8 @@
 //
 // libtorch 1.13's CPU autocast knows bf16 only; fp16 on the CPU is refused with an error that
 // says to use bf16. The state is per thread, as in PyTorch; paratrain's DataParallel and Pipeline
-// threads inherit the caller's (their WorkerTeam carries the thread-local state across).
+// threads take the caller's (enabled flags and dtypes) and open an autocast region of their own
+// per task, so their cast caches never outlive a forward.
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>

@@ -30,7 +30,8 @@
 // AmpOptions().loss_scaling(true) forces it on (O1 and O2 only: O3's gradients are half).
 //
 // With DDP, wrap the model after building MixedPrecision (gradients are then reduced in the
-// model's dtype); the optimizer still gets optimizer_parameters().
+// model's dtype), then call sync_masters() (DDP has just broadcast rank 0's weights); the
+// optimizer still gets optimizer_parameters().
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>
@@ -74,6 +75,10 @@ class MixedPrecision {
       : MixedPrecision(
             std::shared_ptr<torch::nn::Module>(model.ptr()), device, std::move(options)) {}
 
+  /// O2: copies the model's parameters into the fp32 masters. Call it after anything writes the
+  /// model's parameters outside step(): DDP's construction (it broadcasts rank 0's), loading
+  /// weights. A no-op at the other levels.
+  void sync_masters();
   /// What the optimizer must own: the fp32 masters at O2, the model's parameters otherwise.
   std::vector<torch::Tensor> optimizer_parameters() const;
   /// An Autocast guard at O1 (hold it around forward and loss), null otherwise.
