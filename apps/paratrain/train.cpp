@@ -435,7 +435,23 @@ int run_train(const std::vector<std::string>& argv) {
     }
   }
   if (args.has("save-weights") && speak) {
-    save_safetensors(module_state(*model), args.get("save-weights"));
+    auto state = module_state(*model);
+    if (mp.opt_level() == amp::OptLevel::kO2) {
+      // The fp32 masters, not the model's half copy: masters() follows parameters() with tied
+      // weights once.
+      std::vector<torch::Tensor> unique;
+      for (const auto& p : model->named_parameters()) {
+        size_t i = 0;
+        while (i < unique.size() && !unique[i].is_same(p.value())) {
+          ++i;
+        }
+        if (i == unique.size()) {
+          unique.push_back(p.value());
+        }
+        state[p.key()] = mp.masters()[i].detach();
+      }
+    }
+    save_safetensors(state, args.get("save-weights"));
     info << "paratrain train: weights written to " << args.get("save-weights") << std::endl;
   }
   if (pg) {

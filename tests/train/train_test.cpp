@@ -163,12 +163,19 @@ TEST(Train, PipelineTwoStagesOneFOneB) {
 }
 
 TEST(Train, MixedPrecisionUnderDdp) {
-  // O2 in bf16 with 2 DDP ranks: half model, fp32 masters, gradients reduced in bf16.
-  auto r =
-      run_process({cli_path(), "train", "--model", "cnn", "--strategy", "ddp", "--nproc", "2",
-                   "--amp", "O2", "--epochs", "1", "--steps", "60", "--batch-size", "64", "--json"},
-                  {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  // O2 in bf16 with 2 DDP ranks: half model, fp32 masters, gradients reduced in bf16. The saved
+  // weights are the fp32 masters.
+  const std::string weights = "/tmp/" + unique_token("o2-weights") + ".safetensors";
+  auto r = run_process(
+      {cli_path(), "train", "--model", "cnn", "--strategy", "ddp", "--nproc", "2", "--amp", "O2",
+       "--epochs", "1", "--steps", "60", "--batch-size", "64", "--json", "--save-weights", weights},
+      {{"PARATRAIN_TIMEOUT", "60"}}, 240);
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto saved = load_safetensors(weights);
+  std::remove(weights.c_str());
+  EXPECT_EQ(saved.at("conv0.weight").scalar_type(), torch::kFloat);
+  EXPECT_EQ(saved.at("fc1.weight").scalar_type(), torch::kFloat);
+  EXPECT_EQ(saved.at("bn0.running_mean").scalar_type(), torch::kFloat);
   EXPECT_NE(r.output.find("amp O2 (bf16)"), std::string::npos) << r.output;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"("test_accuracy": ([0-9.e-]+))")))
