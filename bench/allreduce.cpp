@@ -202,13 +202,7 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
     }
   }
   const bool json = args.has("json");
-  char tmpl[] = "/tmp/paratrain-bench-allreduce-XXXXXX";
-  int fd = ::mkstemp(tmpl);
-  if (fd < 0) {
-    throw std::runtime_error("cannot create a temporary file for the results");
-  }
-  ::close(fd);
-  const std::string out_path = tmpl;
+  const std::string out_path = results_file("allreduce");
 
   std::vector<std::string> worker_args{self_path(), "bench", "allreduce",
                                        "--worker",  "--out", out_path};

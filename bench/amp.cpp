@@ -136,33 +136,13 @@ int run_bench_amp(const std::vector<std::string>& argv) {
     throw UsageError("--levels must start with O0, the reference of the ratios");
   }
   const int accuracy_steps = args.get_int("accuracy-steps", 400);
-  auto backends = dist::available_backends();
-  const std::string backend = args.get(
-      "backend",
-      std::find(backends.begin(), backends.end(), "mpi") != backends.end() ? "mpi" : "gloo");
+  const std::string backend = bench_backend(args);
   const bool json = args.has("json");
-  char tmpl[] = "/tmp/paratrain-bench-amp-XXXXXX";
-  int fd = ::mkstemp(tmpl);
-  if (fd < 0) {
-    throw std::runtime_error("cannot create a temporary file for the results");
-  }
-  ::close(fd);
-  const std::string out = tmpl;
+  const std::string out = results_file("amp");
   auto run = [&](std::vector<std::string> extra) {
     std::vector<std::string> command{self_path(), "bench", "amp", "--worker", "--out", out};
     command.insert(command.end(), extra.begin(), extra.end());
-    dist::LaunchOptions o;
-    o.nproc_per_node(2)
-        .standalone(true)
-        .command(command)
-        .env({{"OMP_NUM_THREADS", "1"}})
-        .backend(backend)
-        .mpi_shim({self_path(), "launch", "--from-mpirun"});
-    dist::LaunchResult r = dist::launch(o);
-    if (r.exit_code != 0) {
-      std::remove(out.c_str());
-      throw std::runtime_error("a benchmark job failed: " + r.summary);
-    }
+    run_bench_job(command, 2, backend, out);
   };
   for (const auto& level : levels) {
     if (!json) {

@@ -4,11 +4,19 @@
 // worker processes append to a results file (one object per line, string or number values).
 
 #include "args.h"
+#include "commands.h"
+
+#include "paratrain/dist/init.h"
+#include "paratrain/dist/launch.h"
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -62,6 +70,17 @@ inline Workload workload(const std::string& name, int steps_override) {
   throw UsageError("unknown workload '" + name + "': choose mlp or resnet18");
 }
 
+/// --workloads (default mlp,resnet18), each one checked.
+inline std::vector<std::string> bench_workloads(const Args& args) {
+  std::vector<std::string> out;
+  std::stringstream s(args.get("workloads", "mlp,resnet18"));
+  for (std::string w; std::getline(s, w, ',');) {
+    workload(w, 0);  // throws UsageError for an unknown one
+    out.push_back(w);
+  }
+  return out;
+}
+
 inline std::string row_json(const std::map<std::string, std::string>& fields) {
   std::ostringstream s;
   s << "{";
@@ -76,6 +95,46 @@ inline std::string row_json(const std::map<std::string, std::string>& fields) {
 
 inline std::string quoted(const std::string& s) {
   return "\"" + s + "\"";
+}
+
+/// A fresh empty file for the rows of a benchmark's workers: /tmp/paratrain-bench-NAME-XXXXXX.
+inline std::string results_file(const std::string& name) {
+  std::string path = "/tmp/paratrain-bench-" + name + "-XXXXXX";
+  std::vector<char> tmpl(path.begin(), path.end());
+  tmpl.push_back('\0');
+  int fd = ::mkstemp(tmpl.data());
+  if (fd < 0) {
+    throw std::runtime_error("cannot create a temporary file for the results");
+  }
+  ::close(fd);
+  return tmpl.data();
+}
+
+/// --backend, else mpi when this build has it (the fast path on CPU), else gloo.
+inline std::string bench_backend(const Args& args) {
+  auto backends = dist::available_backends();
+  return args.get("backend", std::find(backends.begin(), backends.end(), "mpi") != backends.end()
+                                 ? "mpi"
+                                 : "gloo");
+}
+
+/// Runs `command` as `nproc` processes of one intra-op thread each through the launcher (through
+/// mpirun when `backend` is mpi; empty: no backend setting). On failure removes the results file
+/// `out` and throws with the launcher's summary.
+inline void run_bench_job(const std::vector<std::string>& command,
+                          int nproc,
+                          const std::string& backend,
+                          const std::string& out) {
+  dist::LaunchOptions o;
+  o.nproc_per_node(nproc).standalone(true).command(command).env({{"OMP_NUM_THREADS", "1"}});
+  if (!backend.empty()) {
+    o.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun"});
+  }
+  dist::LaunchResult r = dist::launch(o);
+  if (r.exit_code != 0) {
+    std::remove(out.c_str());
+    throw std::runtime_error("a benchmark job failed: " + r.summary);
+  }
 }
 
 }  // namespace cli

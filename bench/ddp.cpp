@@ -152,18 +152,8 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   if (args.has("worker")) {
     return run_worker(args);
   }
-  std::vector<std::string> workloads;
-  {
-    std::stringstream s(args.get("workloads", "mlp,resnet18"));
-    for (std::string w; std::getline(s, w, ',');) {
-      workload(w, 0);  // validates
-      workloads.push_back(w);
-    }
-  }
-  auto backends = dist::available_backends();
-  const std::string backend = args.get(
-      "backend",
-      std::find(backends.begin(), backends.end(), "mpi") != backends.end() ? "mpi" : "gloo");
+  const std::vector<std::string> workloads = bench_workloads(args);
+  const std::string backend = bench_backend(args);
   const bool json = args.has("json");
   const bool pytorch = !args.has("no-pytorch");
   const std::string python = "/usr/bin/python3";
@@ -172,25 +162,10 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   if (access(script.c_str(), R_OK) != 0) {
     script = std::string(PARATRAIN_SOURCE_DIR) + "/bench/ddp_pytorch.py";
   }
-  char tmpl[] = "/tmp/paratrain-bench-ddp-XXXXXX";
-  int fd = ::mkstemp(tmpl);
-  if (fd < 0) {
-    throw std::runtime_error("cannot create a temporary file for the results");
-  }
-  ::close(fd);
-  const std::string out = tmpl;
+  const std::string out = results_file("ddp");
 
   auto run = [&](const std::vector<std::string>& command, const std::string& be) {
-    dist::LaunchOptions o;
-    o.nproc_per_node(2).standalone(true).command(command).env({{"OMP_NUM_THREADS", "1"}});
-    if (!be.empty()) {
-      o.backend(be).mpi_shim({self_path(), "launch", "--from-mpirun"});
-    }
-    dist::LaunchResult r = dist::launch(o);
-    if (r.exit_code != 0) {
-      std::remove(out.c_str());
-      throw std::runtime_error("a benchmark job failed: " + r.summary);
-    }
+    run_bench_job(command, 2, be, out);
   };
   for (const auto& name : workloads) {
     const Workload w = workload(name, args.get_int("steps", 0));

@@ -203,26 +203,10 @@ int run_bench_strategies(const std::vector<std::string>& argv) {
   if (args.has("worker")) {
     return run_strategy_worker(args);
   }
-  std::vector<std::string> workloads;
-  {
-    std::stringstream s(args.get("workloads", "mlp,resnet18"));
-    for (std::string w; std::getline(s, w, ',');) {
-      workload(w, 0);  // validates
-      workloads.push_back(w);
-    }
-  }
-  auto backends = dist::available_backends();
-  const std::string backend = args.get(
-      "backend",
-      std::find(backends.begin(), backends.end(), "mpi") != backends.end() ? "mpi" : "gloo");
+  const std::vector<std::string> workloads = bench_workloads(args);
+  const std::string backend = bench_backend(args);
   const bool json = args.has("json");
-  char tmpl[] = "/tmp/paratrain-bench-strategies-XXXXXX";
-  int fd = ::mkstemp(tmpl);
-  if (fd < 0) {
-    throw std::runtime_error("cannot create a temporary file for the results");
-  }
-  ::close(fd);
-  const std::string out = tmpl;
+  const std::string out = results_file("strategies");
   const std::vector<std::string> strategies{"single", "dp", "ddp"};
   for (const auto& name : workloads) {
     for (const auto& strategy : strategies) {
@@ -235,19 +219,7 @@ int run_bench_strategies(const std::vector<std::string>& argv) {
       if (args.has("steps")) {
         command.insert(command.end(), {"--steps", args.get("steps")});
       }
-      dist::LaunchOptions o;
-      o.nproc_per_node(strategy == "ddp" ? 2 : 1)
-          .standalone(true)
-          .command(command)
-          .env({{"OMP_NUM_THREADS", "1"}});
-      if (strategy == "ddp") {
-        o.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun"});
-      }
-      dist::LaunchResult r = dist::launch(o);
-      if (r.exit_code != 0) {
-        std::remove(out.c_str());
-        throw std::runtime_error("a benchmark job failed: " + r.summary);
-      }
+      run_bench_job(command, strategy == "ddp" ? 2 : 1, strategy == "ddp" ? backend : "", out);
     }
   }
   std::ifstream in(out);
