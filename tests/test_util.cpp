@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include <c10/util/Exception.h>
+
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -206,6 +208,25 @@ int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   return ntohs(addr.sin_port);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+void expect_close(const at::Tensor& a,
+                  const at::Tensor& b,
+                  const std::string& what,
+                  double tolerance) {
+  ASSERT_TRUE(a.defined()) << what;
+  ASSERT_TRUE(b.defined()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  EXPECT_LE((a - b).abs().max().item<double>(), tolerance) << what;
 }
 
 }  // namespace testing

@@ -3,7 +3,10 @@
 // Helpers for tests that start real processes: run a command with extra environment and a
 // deadline, capture its output, and look for processes left behind.
 
+#include <ATen/core/Tensor.h>
 #include <gtest/gtest.h>
+
+#include <functional>
 
 #include <map>
 #include <string>
@@ -11,6 +14,16 @@
 
 namespace paratrain {
 namespace testing {
+
+/// The message (without backtrace) of the c10::Error that `f` throws; "" when it throws none.
+std::string error_of(const std::function<void()>& f);
+
+/// Expects `a` and `b` defined, of one shape, and within `tolerance` element-wise; `what` names
+/// them in the failure.
+void expect_close(const at::Tensor& a,
+                  const at::Tensor& b,
+                  const std::string& what,
+                  double tolerance = 1e-5);
 
 struct ProcessResult {
   int exit_code = -1;  ///< -1 when killed by a signal

@@ -1,8 +1,10 @@
 // GradScaler against torch.cuda.amp.GradScaler's documented behaviour (PyTorch 1.13's, which
 // cannot run on a CPU: it disables itself without CUDA), and the Autocast guard.
 
-#include "paratrain/amp/grad_scaler.h"
+#include "test_util.h"
+
 #include "paratrain/amp/autocast.h"
+#include "paratrain/amp/grad_scaler.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,14 +15,7 @@ namespace paratrain {
 namespace amp {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using paratrain::testing::error_of;
 
 // One parameter w; the loss w * x gives w.grad = x * scale, so x = inf injects an overflow.
 struct Toy {

@@ -1,5 +1,7 @@
 // Opt levels O0-O3 (bf16 on this CPU) on the zoo's CNN and a Fashion-MNIST subset.
 
+#include "test_util.h"
+
 #include "paratrain/amp/mixed_precision.h"
 #include "paratrain/data/fashion_mnist.h"
 #include "paratrain/models/registry.h"
@@ -95,14 +97,7 @@ TEST(MixedPrecision, O2KeepsFp32MastersAndBatchNorm) {
 
 TEST(MixedPrecision, BadInput) {
   auto model = models::make("cnn");
-  auto error_of = [](const std::function<void()>& f) -> std::string {
-    try {
-      f();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "";
-  };
+  using paratrain::testing::error_of;
   EXPECT_NE(error_of([] { parse_opt_level("O4"); }).find("unknown opt level 'O4'"),
             std::string::npos);
   EXPECT_NE(error_of([&] {

@@ -1,5 +1,7 @@
 // Fashion-MNIST: the real files from Debian's package, and damaged files made here.
 
+#include "test_util.h"
+
 #include "paratrain/data/fashion_mnist.h"
 
 #include <c10/util/Exception.h>
@@ -15,14 +17,7 @@ namespace paratrain {
 namespace data {
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using paratrain::testing::error_of;
 
 // Writes a gzip'd idx file: big-endian header words, then `payload` bytes.
 void write_idx(const std::string& path, std::vector<uint32_t> header, size_t payload) {

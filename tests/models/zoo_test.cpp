@@ -24,15 +24,6 @@ int64_t count(const torch::nn::Sequential& m) {
   return n;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
 TEST(Zoo, ResNetParameterCountsEqualTorchvision) {
   // sum(p.numel() for p in torchvision.models.resnetNN().parameters()), torchvision 0.14.
   const std::map<int64_t, int64_t> torchvision{

@@ -1,9 +1,11 @@
 // DataParallel against the plain module, in one process with several CPU replicas (each on its
 // own thread, standing in for several GPUs).
 
-#include "paratrain/parallel/data_parallel.h"
+#include "test_util.h"
+
 #include "paratrain/amp/autocast.h"
 #include "paratrain/models/registry.h"
+#include "paratrain/parallel/data_parallel.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -14,9 +16,6 @@ namespace paratrain {
 namespace {
 
 namespace nn = torch::nn;
-
-// Float sums in a different order (per chunk, then across replicas) differ in the last bits.
-constexpr double kTol = 1e-5;
 
 nn::Sequential small_net(bool batchnorm = false) {
   torch::manual_seed(0);
@@ -34,12 +33,9 @@ std::vector<torch::Device> cpus(int n) {
   return std::vector<torch::Device>(static_cast<size_t>(n), torch::Device(torch::kCPU));
 }
 
-void expect_close(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_TRUE(b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  EXPECT_LE((a - b).abs().max().item<double>(), kTol) << what;
-}
+// expect_close allows 1e-5: Float sums in a different order (per chunk, then across replicas)
+// differ in the last bits.
+using paratrain::testing::expect_close;
 
 // Output, parameter gradients and input gradient of one forward/backward, plain vs DataParallel.
 void check_against_plain(int replicas, int64_t batch) {
@@ -269,14 +265,7 @@ struct NotCloneableImpl : nn::Module {
 };
 TORCH_MODULE(NotCloneable);
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using paratrain::testing::error_of;
 
 TEST(DataParallel, BadInputs) {
   auto net = small_net();

@@ -1,6 +1,8 @@
 // Pipelines in one process (a thread per stage, CPU stages standing in for devices) against the
 // unsplit model; schedules; balancing; bad input. Multi-process pipelines: pipeline_dist_test.cpp.
 
+#include "test_util.h"
+
 #include "paratrain/parallel/pipeline.h"
 
 #include "paratrain/models/registry.h"
@@ -15,9 +17,6 @@ namespace pipeline {
 namespace {
 
 namespace nn = torch::nn;
-
-// Micro-batch sums differ from one batch's sums in float rounding only.
-constexpr double kTol = 1e-5;
 
 nn::Sequential deep_net(bool batchnorm = false) {
   torch::manual_seed(0);
@@ -43,12 +42,8 @@ std::vector<torch::Device> cpus(size_t n) {
   return std::vector<torch::Device>(n, torch::Device(torch::kCPU));
 }
 
-void expect_close(const at::Tensor& a, const at::Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_TRUE(b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  EXPECT_LE((a - b).abs().max().item<double>(), kTol) << what;
-}
+// expect_close allows 1e-5: Micro-batch sums differ from one batch's sums in float rounding only.
+using paratrain::testing::expect_close;
 
 void expect_same_grads(const nn::Sequential& a, const nn::Sequential& b, const std::string& what) {
   auto pb = b->named_parameters();
@@ -243,14 +238,7 @@ TEST(Pipeline, FailingStageIsNamedAndOthersStop) {
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using paratrain::testing::error_of;
 
 TEST(Pipeline, BadInput) {
   auto net = deep_net();  // 7 layers
