@@ -229,5 +229,23 @@ void expect_close(const at::Tensor& a,
   EXPECT_LE((a - b).abs().max().item<double>(), tolerance) << what;
 }
 
+void expect_every_rank_ok(const std::string& worker,
+                          const std::string& backend,
+                          int ranks,
+                          const std::vector<std::string>& args) {
+  std::vector<std::string> argv{
+      cli_path(), "launch", "--standalone", "--nproc-per-node", std::to_string(ranks), "--backend",
+      backend,    "--",     worker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = run_process(argv, {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < ranks; ++rank) {
+    std::string line = "[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) + ": ok";
+    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n"
+                                                      << r.output;
+  }
+}
+
 }  // namespace testing
 }  // namespace paratrain

@@ -25,6 +25,13 @@ void expect_close(const at::Tensor& a,
                   const std::string& what,
                   double tolerance = 1e-5);
 
+/// Starts `worker` (then `args`) on `ranks` ranks of `backend` through `paratrain launch` and
+/// expects the job to succeed with every rank printing "rank R: ok" (the workers' contract).
+void expect_every_rank_ok(const std::string& worker,
+                          const std::string& backend,
+                          int ranks,
+                          const std::vector<std::string>& args);
+
 struct ProcessResult {
   int exit_code = -1;  ///< -1 when killed by a signal
   int signal = 0;

@@ -26,24 +26,7 @@ class PipelineDistributed : public ::testing::TestWithParam<PipeCase> {};
 
 TEST_P(PipelineDistributed, MatchesSingleProcess) {
   const PipeCase c = GetParam();
-  std::vector<std::string> argv{cli_path(),
-                                "launch",
-                                "--standalone",
-                                "--nproc-per-node",
-                                std::to_string(c.ranks),
-                                "--backend",
-                                c.backend,
-                                "--",
-                                PARATRAIN_TEST_PIPELINE_WORKER};
-  argv.insert(argv.end(), c.args.begin(), c.args.end());
-  auto r = run_process(argv, {{"PARATRAIN_TIMEOUT", "60"}}, 240);
-  ASSERT_FALSE(r.timed_out) << r.output;
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  for (int rank = 0; rank < c.ranks; ++rank) {
-    std::string line = "[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) + ": ok";
-    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n"
-                                                      << r.output;
-  }
+  expect_every_rank_ok(PARATRAIN_TEST_PIPELINE_WORKER, c.backend, c.ranks, c.args);
 }
 
 std::vector<PipeCase> cases() {
