@@ -1,4 +1,5 @@
-// paratrain bench amp: the notes' mixed-precision table on this machine's CPU.
+// paratrain bench amp: step time and accuracy at each mixed-precision opt level, on this
+// machine's CPU.
 //
 // Step time of a CIFAR-style ResNet-18 (32x32 inputs, batch 32 per rank) under DDP with 2 ranks
 // x 1 thread, at opt levels O0 (fp32), O1 (autocast), O2 (bf16 model, fp32 BatchNorm and master

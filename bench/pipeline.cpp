@@ -1,10 +1,11 @@
 // paratrain bench pipeline: pipelining against plain model parallelism, in one process with two
-// CPU stages of one thread each (standing in for the notes' two GPUs).
+// CPU stages of one thread each (standing in for two GPUs).
 //
 // Workload: ResNet-50 with a CIFAR stem (32x32 inputs, 10 classes), batch 64, SGD. The model is
 // flattened to its blocks and cut in two where the measured forward + backward time balances
 // (pipeline::balance_by_time on a micro-batch of 8); --balance layer2 cuts after layer2 as the
-// notes' ModelParallelResNet50 does. Rows, one after the other on the same model:
+// ModelParallelResNet50 of PyTorch's model-parallel tutorial does. Rows, one after the other on
+// the same model:
 //   single          the unsplit model on one thread (no parallelism): the whole batch (chunks
 //                   1), and the largest chunk count's micro-batches in sequence (gradient
 //                   accumulation), which separates the gain of overlapping stages from the gain

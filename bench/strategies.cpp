@@ -1,5 +1,5 @@
-// paratrain bench strategies: the notes' comparison of DataParallel and DistributedDataParallel
-// (time per 20 iterations), on this machine's CPUs.
+// paratrain bench strategies: DataParallel against DistributedDataParallel and a single process
+// (time per 20 iterations, speedup, peak memory), on this machine's CPUs.
 //
 // For each workload of `bench ddp` (mlp, batch 64 per replica; CIFAR-style ResNet-18, batch 16
 // per replica) the global batch is 2x that, trained three ways, one after the other:

@@ -1,4 +1,4 @@
-// Mixed precision with DDP, the notes' apex amp at each opt level: the zoo's CNN on
+// Mixed precision with DDP at each of apex amp's opt levels: the zoo's CNN on
 // Fashion-MNIST, bf16 on the CPU (fp16 on CUDA), under the launcher:
 //
 //   paratrain launch --nproc-per-node 2 -- amp_ddp O1 [steps]

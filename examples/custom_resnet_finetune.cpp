@@ -1,6 +1,6 @@
-// The notes' CustomResNet fine-tuned on Fashion-MNIST from imported weights: a torchvision ResNet
-// (weights written by PyTorch), its fc replaced by the notes' classifier head
-// (Linear-BatchNorm-ReLU-Dropout x2, then Linear to 10 classes), the backbone optionally frozen.
+// A torchvision ResNet fine-tuned on Fashion-MNIST from imported weights (written by PyTorch),
+// its fc replaced by a custom classifier head (Linear-BatchNorm-ReLU-Dropout x2, then Linear to
+// 10 classes), the backbone optionally frozen.
 //
 // Make the weights with Debian's python3-torch and python3-torchvision (nothing can be downloaded
 // here, so they are torchvision's random initialisation; on a connected machine pass
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     //    (strictly: a missing, unexpected or mis-shaped tensor is an error naming it).
     auto backbone = pt::models::resnet(depth, 1000);
     pt::load_module_state(*backbone, pt::load_weights(weights));
-    // 2. The notes' head instead of fc; the backbone's layers are shared, not copied.
+    // 2. The custom classifier head instead of fc; the backbone's layers are shared, not copied.
     auto model = pt::models::with_head(backbone, 10);
     if (freeze) {
       pt::models::freeze_backbone(model);  // only the head learns

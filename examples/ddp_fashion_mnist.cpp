@@ -1,5 +1,6 @@
-// DDP training of the notes' MLP head on Fashion-MNIST, written directly against the library:
-// the C++ twin of the notes' main_worker. Run it under the launcher,
+// DDP training of the zoo's MLP (Linear-BN-ReLU-Dropout twice, then Linear) on Fashion-MNIST,
+// written directly against the library: the C++ counterpart of main_worker, the per-process
+// function of PyTorch's ImageNet DDP example. Run it under the launcher,
 //
 //   paratrain launch --nproc-per-node 2 -- ddp_fashion_mnist [epochs] [steps_per_epoch]
 //
@@ -16,7 +17,8 @@ namespace pt = paratrain;
 int main(int argc, char** argv) {
   const int epochs = argc > 1 ? std::atoi(argv[1]) : 2;
   const size_t max_steps = argc > 2 ? static_cast<size_t>(std::atoll(argv[2])) : SIZE_MAX;
-  const int64_t batch_size = 64;  // per rank, as the notes divide the global batch by the GPUs
+  // Per rank: PyTorch's ImageNet example likewise divides the global batch by the GPUs.
+  const int64_t batch_size = 64;
   try {
     // 1. Join the job: rank, world size and master come from the environment.
     auto pg = pt::dist::init_process_group();

@@ -1,6 +1,6 @@
-// The notes' Net (one Linear(784, 10) on flattened images) wrapped in DataParallel and trained on
-// Fashion-MNIST: one process, the batch scattered over every CUDA device, or over two CPU
-// replicas (two threads) on a machine without GPUs.
+// A one-layer classifier (Linear(784, 10) on flattened images), as PyTorch's DataParallel
+// tutorial, wrapped in DataParallel and trained on Fashion-MNIST: one process, the batch scattered
+// over every CUDA device, or over two CPU replicas (two threads) on a machine without GPUs.
 //
 //   dp_fashion_mnist [epochs] [steps_per_epoch]
 

@@ -1,7 +1,7 @@
-// The notes' ModelParallelResNet50: ResNet-50 cut after layer2, conv1..layer2 on the first device
-// and layer3..fc on the second; trained first as plain model parallelism (one batch at a time,
-// each device idle while the other works), then pipelined with micro-batches (the PyTorch
-// tutorial's PipelineParallelResNet50). Random data, as in the tutorial.
+// The ModelParallelResNet50 of PyTorch's model-parallel tutorial: ResNet-50 cut after layer2,
+// conv1..layer2 on the first device and layer3..fc on the second; trained first as plain model
+// parallelism (one batch at a time, each device idle while the other works), then pipelined with
+// micro-batches (the tutorial's PipelineParallelResNet50). Random data, as in the tutorial.
 //
 //   model_parallel_resnet50 [steps] [batch] [chunks] [gpipe|1f1b]
 //

@@ -13,7 +13,7 @@ int run_bench(const std::vector<std::string>& args) {
     std::cout << "usage: paratrain bench <name> [options] [--json]\n\n"
                  "  allreduce   time per allreduce and bus bandwidth, per backend\n"
                  "  ddp         DDP step time vs independent trainers and PyTorch's DDP\n"
-                 "  strategies  single process vs DataParallel vs DDP (the notes' table)\n"
+                 "  strategies  single process vs DataParallel vs DDP: step time, peak memory\n"
                  "  pipeline    GPipe/1F1B micro-batching vs plain model parallelism\n"
                  "  amp         DDP step time at opt levels O0-O3 (bf16), accuracy O0 vs O1\n";
     return args.empty() ? 2 : 0;

@@ -125,7 +125,7 @@ int run_train(const std::vector<std::string>& argv) {
   const std::string head = args.get("head", "");
   if (!head.empty() && head != "custom") {
     throw UsageError("unknown --head '" + head +
-                     "': the one head is 'custom' (the notes' "
+                     "': the one head is 'custom' (a "
                      "Linear-BN-ReLU-Dropout classifier)");
   }
   if (args.has("freeze-backbone") && head.empty()) {

@@ -245,7 +245,7 @@ torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
     net->push_back("linear0", nn::Linear(784, 512));
     net->push_back("bn0", nn::BatchNorm1d(512));
     net->push_back("relu0", nn::ReLU());
-    net->push_back("dropout0", nn::Dropout(0.5));  // nn.Dropout()'s default, as in the notes
+    net->push_back("dropout0", nn::Dropout(0.5));  // p = 0.5, nn.Dropout()'s default
     net->push_back("linear1", nn::Linear(512, 256));
     net->push_back("bn1", nn::BatchNorm1d(256));
     net->push_back("relu1", nn::ReLU());

@@ -33,9 +33,9 @@ nn::Sequential as_sequential(const std::shared_ptr<nn::Module>& module) {
   auto seq = std::dynamic_pointer_cast<nn::SequentialImpl>(module);
   TORCH_CHECK(seq != nullptr, "pipeline: a pipeline needs a torch::nn::Sequential, got ",
               module->name(),
-              "; write the model as a Sequential of its layers (as the notes' "
-              "ModelParallelResNet50 is conv1..layer2 then layer3..fc), so it can be cut between "
-              "layers");
+              "; write the model as a Sequential of its layers (as the ModelParallelResNet50 of "
+              "PyTorch's model-parallel tutorial is conv1..layer2 then layer3..fc), so it can be "
+              "cut between layers");
   return nn::Sequential(seq);
 }
 

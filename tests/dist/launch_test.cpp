@@ -100,7 +100,7 @@ TEST(Launch, MultiNodeRanks) {
 }
 
 TEST(Launch, DeviceMapping) {
-  // The notes' case: GPUs 0, 1 and 3 of four. One worker per listed device by default, each sees
+  // Some of the GPUs: 0, 1 and 3 of four. One worker per listed device by default, each sees
   // all three (CUDA_VISIBLE_DEVICES) and uses cuda:LOCAL_RANK, i.e. physical GPU 0, 1, 3.
   auto r = run_process(
       {cli_path(), "launch", "--devices", "0,1,3", "--", probe_path(), "env", unique_token("dev")});

@@ -1,5 +1,6 @@
 // The model zoo: torchvision's ResNets (parameter counts, weights exported by Debian's
-// python3-torchvision giving the same logits), the notes' custom head, and weight import errors.
+// python3-torchvision giving the same logits), the custom classifier head (with_head), and
+// weight import errors.
 
 #include "test_util.h"
 

@@ -191,7 +191,7 @@ TEST(Train, MixedPrecisionUnderDdp) {
 
 TEST(Train, CustomHeadOnTorchvisionWeights) {
   // torchvision's resnet18 weights (random: nothing can be downloaded here) from python3-torch,
-  // loaded strictly, the notes' head on top, backbone frozen, Fashion-MNIST at 3x32x32.
+  // loaded strictly, the custom classifier head on top, backbone frozen, Fashion-MNIST at 3x32x32.
   const std::string prefix = "/tmp/" + unique_token("tv-resnet18");
   auto py = run_process(
       {"/usr/bin/python3", std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py",

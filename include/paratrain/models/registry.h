@@ -3,10 +3,10 @@
 // Models by name, for `paratrain train --model` and the benchmarks. Every model is a
 // torch::nn::Sequential with named children, so parameter names are stable ("linear0.weight").
 //
-//   linear  Flatten -> fc: Linear(784, 10)                       the notes' Net
+//   linear  Flatten -> fc: Linear(784, 10)                       as PyTorch's DataParallel tutorial
 //   mlp     Flatten -> linear0: Linear(784, 512) -> bn0 -> relu0 -> dropout0
 //                   -> linear1: Linear(512, 256) -> bn1 -> relu1 -> dropout1
-//                   -> linear2: Linear(256, 10)                 the notes' classifier head
+//                   -> linear2: Linear(256, 10)                 with_head's head, on 784 inputs
 //   cnn     conv0(1->32, 3x3) -> bn0 -> relu -> pool -> conv1(32->64) -> bn1 -> relu -> pool
 //           -> flatten -> fc0: Linear(3136, 128) -> relu -> dropout(0.25) -> fc1   for 1x28x28
 //   resnet18, resnet34, resnet50, resnet101, resnet152
@@ -16,7 +16,8 @@
 //           blocks "0", "1", ..., avgpool, fc; plus a parameterless "flatten"), so torchvision
 //           weights map one to one; torchvision's initialisation
 //   resnetNN_cifar  the same with a CIFAR stem (3x3 stride-1 conv, no max-pool) for 3x32x32;
-//           the notes' ModelParallelResNet50 splits resnet50_cifar after layer2
+//           examples/model_parallel_resnet50.cpp splits resnet50_cifar after layer2, as the
+//           ModelParallelResNet50 of PyTorch's model-parallel tutorial splits ResNet-50
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -39,7 +40,7 @@ torch::nn::Sequential resnet(int64_t depth,
                              int64_t num_classes = 1000,
                              Stem stem = Stem::kImageNet);
 
-/// The notes' custom classifier: `backbone` (whose last child is its Linear "fc") with fc replaced
+/// A custom classifier head: `backbone` (whose last child is its Linear "fc") with fc replaced
 /// by Linear(in, 512) -> BatchNorm1d -> ReLU -> Dropout -> Linear(512, 256) -> BatchNorm1d ->
 /// ReLU -> Dropout -> Linear(256, num_classes), named fc.0..fc.8. The backbone's layers are
 /// shared, not copied. Throws c10::Error for num_classes < 1 or a backbone without a Linear fc.
