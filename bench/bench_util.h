@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -135,6 +136,41 @@ inline void run_bench_job(const std::vector<std::string>& command,
     std::remove(out.c_str());
     throw std::runtime_error("a benchmark job failed: " + r.summary);
   }
+}
+
+/// The Python that runs the PyTorch comparisons: `flag` (--python) when given, else
+/// PARATRAIN_PYTHON, else the first of `python3` on PATH and /usr/bin/python3 that imports torch.
+/// Throws saying how to choose one when none does.
+inline std::string torch_python(const std::string& flag) {
+  if (!flag.empty()) {
+    return flag;
+  }
+  const char* env = std::getenv("PARATRAIN_PYTHON");
+  if (env != nullptr && env[0] != '\0') {
+    return env;
+  }
+  for (const char* candidate : {"python3", "/usr/bin/python3"}) {
+    const std::string probe = std::string("'") + candidate + "' -c 'import torch' >/dev/null 2>&1";
+    if (std::system(probe.c_str()) == 0) {
+      return candidate;
+    }
+  }
+  throw std::runtime_error(
+      "no Python with torch found (tried python3 on PATH and /usr/bin/python3): pass --python "
+      "/path/to/python3 or set PARATRAIN_PYTHON, or skip PyTorch with --no-pytorch");
+}
+
+/// A PyTorch comparison script installed with the CLI: bin/../share/paratrain/NAME, in the build
+/// tree as in an install.
+inline std::string bench_script(const std::string& name) {
+  std::string dir = self_path();
+  dir = dir.substr(0, dir.rfind('/'));
+  const std::string path = dir + "/../share/paratrain/" + name;
+  if (::access(path.c_str(), R_OK) != 0) {
+    throw std::runtime_error("the PyTorch comparison script " + path +
+                             " is missing: reinstall paratrain, or skip PyTorch with --no-pytorch");
+  }
+  return path;
 }
 
 }  // namespace cli

@@ -142,11 +142,14 @@ int run_worker(const Args& args) {
 }  // namespace
 
 int run_bench_ddp(const std::vector<std::string>& argv) {
-  Args args(argv, {"workloads", "backend", "steps", "mode", "workload", "out"},
+  Args args(argv, {"workloads", "backend", "steps", "mode", "workload", "out", "python"},
             {"json", "help", "worker", "no-pytorch", "gradient-as-bucket-view"});
   if (args.has("help")) {
     std::cout << "usage: paratrain bench ddp [--workloads mlp,resnet18] [--backend mpi|gloo]\n"
-                 "         [--steps N] [--gradient-as-bucket-view] [--no-pytorch] [--json]\n";
+                 "         [--steps N] [--gradient-as-bucket-view] [--no-pytorch] [--python P]\n"
+                 "         [--json]\n"
+                 "--python: the Python with torch for the PyTorch DDP row (default: python3 on\n"
+                 "PATH or /usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)\n";
     return 0;
   }
   if (args.has("worker")) {
@@ -156,12 +159,8 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   const std::string backend = bench_backend(args);
   const bool json = args.has("json");
   const bool pytorch = !args.has("no-pytorch");
-  const std::string python = "/usr/bin/python3";
-  std::string script = self_path();
-  script = script.substr(0, script.rfind('/')) + "/../../bench/ddp_pytorch.py";
-  if (access(script.c_str(), R_OK) != 0) {
-    script = std::string(PARATRAIN_SOURCE_DIR) + "/bench/ddp_pytorch.py";
-  }
+  const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
+  const std::string script = pytorch ? bench_script("ddp_pytorch.py") : "";
   const std::string out = results_file("ddp");
 
   auto run = [&](const std::vector<std::string>& command, const std::string& be) {

@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 # PyTorch's own DDP on the workloads of `paratrain bench ddp`, for the side-by-side comparison.
 # Started by the paratrain launcher (torchrun's environment contract), one thread per rank, gloo.
 # Writes one JSON line (rank 0) to --out: the slowest rank's median step time, steps timed.

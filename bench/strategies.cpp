@@ -59,11 +59,21 @@ int64_t peak_rss_bytes() {
 // Which replica the current thread works for (Note [Memory per replica]); 0 for the caller.
 thread_local int t_replica = 0;
 
+// reportMemoryUsage's two totals are int64_t in libtorch 1.13 and size_t in 2.x: take whatever
+// type this libtorch declares.
+template <typename Method>
+struct TotalsOf;
+template <typename C, typename R, typename P, typename B, typename T, typename D>
+struct TotalsOf<R (C::*)(P, B, T, T, D)> {
+  using type = T;
+};
+using Totals = TotalsOf<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::type;
+
 class ReplicaMemory : public c10::MemoryReportingInfoBase {
  public:
   explicit ReplicaMemory(int replicas) : current_(replicas, 0), peak_(replicas, 0) {}
 
-  void reportMemoryUsage(void* ptr, int64_t bytes, int64_t, int64_t, c10::Device) override {
+  void reportMemoryUsage(void* ptr, int64_t bytes, Totals, Totals, c10::Device) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (bytes > 0) {
       const size_t r = static_cast<size_t>(t_replica);

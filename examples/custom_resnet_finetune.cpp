@@ -6,8 +6,8 @@
 // here, so they are torchvision's random initialisation; on a connected machine pass
 // weights="IMAGENET1K_V1" to get the pretrained ones):
 //
-//   /usr/bin/python3 -c "import torch, torchvision; \
-//       torch.save(dict(torchvision.models.resnet50().state_dict()), 'resnet50.pt')"
+//   /usr/bin/python3 -c "import torch, torchvision; torch.save(
+//       dict(torchvision.models.resnet50().state_dict()), 'resnet50.pt')"
 //
 // then
 //

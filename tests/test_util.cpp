@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -17,6 +18,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <mutex>
 
 extern char** environ;
 
@@ -183,6 +186,26 @@ std::map<std::string, std::string> world_of_one_env() {
           {"MASTER_ADDR", "<unset>"},
           {"OMPI_COMM_WORLD_SIZE", "<unset>"},
           {"PARATRAIN_BACKEND", "<unset>"}};
+}
+
+std::string test_python() {
+  return PARATRAIN_TEST_PYTHON;
+}
+
+bool python_has(const std::string& module) {
+  static std::mutex mutex;
+  static std::map<std::string, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find(module);
+  if (it == known.end()) {
+    auto r = run_process({test_python(), "-c", "import " + module}, {}, 120);
+    it = known.emplace(module, r.exit_code == 0).first;
+  }
+  return it->second;
+}
+
+bool has_cuda() {
+  return torch::cuda::is_available();
 }
 
 std::string cli_path() {

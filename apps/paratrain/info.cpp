@@ -69,7 +69,12 @@ int run_info(const std::vector<std::string>& argv) {
   }
   std::cout << "paratrain     " << PARATRAIN_VERSION << "\n"
             << "libtorch      " << TORCH_VERSION << "\n"
-            << "backends      " << backends << "\n"
+            << "backends      " << backends
+#ifndef PARATRAIN_WITH_GLOO
+            << " (no gloo: built without gloo's headers; see the README, \"Using an official "
+               "libtorch\")"
+#endif
+            << "\n"
             << "cpu threads   " << at::get_num_threads() << " intra-op (of "
             << std::thread::hardware_concurrency() << " cores)\n"
             << "blas          " << loaded_blas() << "\n"

@@ -26,7 +26,8 @@ const char* kLaunchUsage =
     "  --standalone         one node, a free port picked for you\n"
     "  --devices 0,1,3      GPUs to use: sets CUDA_VISIBLE_DEVICES; local rank i uses cuda:i\n"
     "  --log-dir D          also write each rank's output to D/rank_R.log\n"
-    "  --backend B          gloo, mpi or nccl; mpi runs the job through mpirun\n"
+    "  --backend B          gloo, mpi, nccl, or routes by tensor device such as\n"
+    "                       cpu:gloo,cuda:nccl; mpi runs the job through mpirun\n"
     "  --no-prefix          relay output without the [rank R]: prefix\n";
 }  // namespace
 
@@ -89,7 +90,12 @@ int run_launch(const std::vector<std::string>& argv) {
     if (rank == nullptr || size == nullptr) {
       throw UsageError("--from-mpirun is internal: it is what mpirun runs for --backend mpi");
     }
-    o.backend("mpi").first_rank(std::atoi(rank)).world_size(std::atoi(size)).nproc_per_node(1);
+    // The launcher that started mpirun put the job's backend ("mpi", or routes with mpi) here.
+    const char* backend = std::getenv("PARATRAIN_BACKEND");
+    o.backend(backend != nullptr && backend[0] != '\0' ? backend : "mpi")
+        .first_rank(std::atoi(rank))
+        .world_size(std::atoi(size))
+        .nproc_per_node(1);
     // Each shim starts one worker; the device list stays whole (CUDA_VISIBLE_DEVICES) and the
     // worker picks cuda:LOCAL_RANK from it.
   }

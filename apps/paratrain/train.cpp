@@ -23,7 +23,8 @@ namespace {
 const char* kTrainUsage =
     "usage: paratrain train --model linear|mlp|cnn|resnet18..152[_cifar] --dataset fashion-mnist\n"
     "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
-    "         [--devices cpu,cpu] [--stages P --chunks M --schedule gpipe|1f1b] --epochs E\n"
+    "         [--device cpu|cuda] [--devices cpu,cpu] [--stages P --chunks M\n"
+    "         --schedule gpipe|1f1b] --epochs E\n"
     "         [--steps S] --batch-size B [--amp O0|O1|O2|O3 [--amp-dtype bf16|fp16]]\n"
     "         [--image-size N] [--channels C] [--head custom] [--freeze-backbone]\n"
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
@@ -33,9 +34,10 @@ const char* kTrainUsage =
     "--batch-size is per rank (ddp) or the whole batch, scattered over --devices (dp, as\n"
     "nn.DataParallel) or cut into --chunks micro-batches flowing through --stages stages\n"
     "(pipeline; one thread per stage, on --devices or the CPU). --steps caps the steps of each\n"
-    "epoch. With --strategy ddp, --nproc N "
-    "starts\n"
-    "N ranks through the launcher; under `paratrain launch` or mpirun it joins the job.\n";
+    "epoch. With --strategy ddp, --nproc N starts N ranks through the launcher; under\n"
+    "`paratrain launch` or mpirun it joins the job. --device: single and ddp compute on\n"
+    "cuda:LOCAL_RANK when CUDA is available (cuda), else on the CPU; --device cpu keeps them on\n"
+    "the CPU on a machine with GPUs.\n";
 
 // Started by a launcher that already made the ranks: paratrain launch / torchrun, mpirun, or srun
 // with several tasks (a plain sbatch shell has SLURM_PROCID too, but one task).
@@ -81,11 +83,12 @@ std::vector<torch::Device> parse_devices(const std::string& list) {
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(argv, {"model",        "dataset",   "strategy",   "nproc",    "backend",
-                   "epochs",       "steps",     "batch-size", "lr",       "momentum",
-                   "weight-decay", "seed",      "workers",    "data-dir", "save-weights",
-                   "load-weights", "devices",   "stages",     "chunks",   "schedule",
-                   "amp",          "amp-dtype", "image-size", "channels", "head"},
+  Args args(argv,
+            {"model",   "dataset",    "strategy",     "nproc",        "backend",      "epochs",
+             "steps",   "batch-size", "lr",           "momentum",     "weight-decay", "seed",
+             "workers", "data-dir",   "save-weights", "load-weights", "devices",      "stages",
+             "chunks",  "schedule",   "amp",          "amp-dtype",    "image-size",   "channels",
+             "head",    "device"},
             {"json", "help", "freeze-backbone"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
@@ -205,6 +208,23 @@ int run_train(const std::vector<std::string>& argv) {
   if (nproc < 0 || (nproc > 0 && strategy != "ddp")) {
     throw UsageError("--nproc needs --strategy ddp and a positive count");
   }
+  const std::string device_kind = args.get("device", torch::cuda::is_available() ? "cuda" : "cpu");
+  if (device_kind != "cpu" && device_kind != "cuda") {
+    throw UsageError("unknown --device '" + device_kind + "': choose cpu or cuda");
+  }
+  if (args.has("device") && (strategy == "dp" || strategy == "pipeline")) {
+    throw UsageError("--device goes with --strategy single or ddp; dp and pipeline take --devices");
+  }
+  if (device_kind == "cuda") {
+    try {
+      check_device_exists(torch::Device(torch::kCUDA));
+      if (strategy == "ddp" && nproc > 0 && !inside_a_job()) {
+        dist::check_ranks_fit_gpus(nproc, static_cast<int>(torch::cuda::device_count()));
+      }
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
 
   // ddp with --nproc outside a job: become the launcher of N copies of this command.
   if (strategy == "ddp" && nproc > 0 && !inside_a_job()) {
@@ -235,7 +255,8 @@ int run_train(const std::vector<std::string>& argv) {
 
   dist::ProcessGroupPtr pg;
   if (strategy == "ddp") {
-    pg = dist::init_process_group(dist::InitOptions().backend(args.get("backend", "auto")));
+    pg = dist::init_process_group(
+        dist::InitOptions().backend(args.get("backend", "auto")).uses_cuda(device_kind == "cuda"));
   }
   const int rank = pg ? pg->rank() : 0;
   const int world = pg ? pg->size() : 1;
@@ -245,7 +266,7 @@ int run_train(const std::vector<std::string>& argv) {
   // Data first: a missing dataset should fail before any training is set up.
   data::FashionMNIST train(data_dir, data::FashionMNIST::Split::kTrain);
   data::FashionMNIST test(data_dir, data::FashionMNIST::Split::kTest);
-  torch::Device device = dist::local_device();
+  torch::Device device = device_kind == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
 
   torch::manual_seed(seed);  // the same initial weights on every run
   // With --head custom the backbone keeps its 1000-class fc until the head replaces it, so
@@ -346,16 +367,21 @@ int run_train(const std::vector<std::string>& argv) {
                               data::LoaderOptions(static_cast<size_t>(batch_size))
                                   .workers(static_cast<size_t>(workers))
                                   .pin_memory(device.is_cuda()));
-    double loss_sum = 0;
+    // Batches are resized on the device, one batch ahead, on a side stream (DevicePrefetcher).
+    data::DevicePrefetcher batches(loader, device, [&](const torch::Tensor& images) {
+      return data::adapt_images(images, image_size, channels);
+    });
+    // Summed on the device: reading the loss every step would make the host wait for the device.
+    torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(torch::kDouble).device(device));
     int64_t samples = 0;
     auto start = Clock::now();
     for (size_t step = 0; step < steps_per_epoch; ++step) {
-      auto batch = loader.next();
+      auto batch = batches.next();
       if (!batch) {
         break;
       }
-      auto x = data::adapt_images(batch->data, image_size, channels).to(device, true);
-      auto y = batch->target.to(device, /*non_blocking=*/true);
+      auto x = batch->data;
+      auto y = batch->target;
       optimizer.zero_grad();
       torch::Tensor loss;
       {
@@ -373,7 +399,8 @@ int run_train(const std::vector<std::string>& argv) {
         mp.backward(loss);
       }
       mp.step(optimizer);
-      loss_sum += loss.item<double>() * static_cast<double>(y.size(0));
+      loss_sum +=
+          loss.detach().to(loss_sum.device(), torch::kDouble) * static_cast<double>(y.size(0));
       samples += y.size(0);
       if (progress && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
         const int width = 30;
@@ -381,9 +408,12 @@ int run_train(const std::vector<std::string>& argv) {
         std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f", epoch + 1, epochs,
                     std::string(static_cast<size_t>(filled), '=').c_str(),
                     std::string(static_cast<size_t>(width - filled), ' ').c_str(), step + 1,
-                    steps_per_epoch, loss_sum / std::max<int64_t>(1, samples));
+                    steps_per_epoch, loss_sum.item<double>() / std::max<int64_t>(1, samples));
         std::fflush(stdout);
       }
+    }
+    if (device.is_cuda()) {
+      loss_sum.item<double>();  // the epoch's time includes its last step's device work
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
@@ -398,15 +428,15 @@ int run_train(const std::vector<std::string>& argv) {
       const int64_t end = n * (rank + 1) / world;
       for (int64_t i = begin; i < end; i += 1000) {
         const int64_t j = std::min(end, i + 1000);
-        auto images =
-            mp.cast_input(data::adapt_images(test.images().slice(0, i, j), image_size, channels));
+        auto images = mp.cast_input(
+            data::adapt_images(test.images().slice(0, i, j).to(device), image_size, channels));
         auto autocast = mp.autocast();
         auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
         correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();
         seen += j - i;
       }
     }
-    at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples),
+    at::Tensor totals = torch::tensor({loss_sum.item<double>(), static_cast<double>(samples),
                                        static_cast<double>(correct), static_cast<double>(seen)},
                                       torch::kDouble)
                             .to(device);

@@ -8,12 +8,14 @@
 #include "paratrain/amp/grad_scaler.h"      // amp::GradScaler
 #include "paratrain/amp/mixed_precision.h"  // amp::MixedPrecision, opt levels O0-O3
 
+#include "paratrain/data/device_prefetcher.h"    // DevicePrefetcher
 #include "paratrain/data/distributed_sampler.h"  // DistributedSampler
 #include "paratrain/data/fashion_mnist.h"        // FashionMNIST
 #include "paratrain/data/loader.h"               // TensorLoader, LoaderOptions
 
+#include "paratrain/dist/devices.h"        // local_device, check_device_exists
 #include "paratrain/dist/env.h"            // RankInfo, discover_rank_info
-#include "paratrain/dist/init.h"           // init_process_group, InitOptions, local_device
+#include "paratrain/dist/init.h"           // init_process_group, InitOptions
 #include "paratrain/dist/launch.h"         // launch, LaunchOptions (paratrain launch)
 #include "paratrain/dist/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
 #include "paratrain/dist/spawn.h"          // spawn

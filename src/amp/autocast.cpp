@@ -1,5 +1,7 @@
 #include "paratrain/amp/autocast.h"
 
+#include "autocast_state.h"
+
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
@@ -45,23 +47,14 @@ Autocast::Autocast(c10::DeviceType device_type, c10::optional<at::ScalarType> dt
   if (enabled) {
     check_autocast_supported(device_type, want);
   }
-  const bool cpu = device_type == c10::DeviceType::CPU;
-  previous_enabled_ = cpu ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-  previous_dtype_ =
-      cpu ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+  previous_enabled_ = detail::autocast_enabled(device_type);
+  previous_dtype_ = detail::autocast_dtype(device_type);
   // The dtype first (libtorch refuses some on the CPU), and only when enabling: a disabled
   // region keeps the enclosing dtype, and a refused one changes nothing.
-  if (cpu) {
-    if (enabled) {
-      at::autocast::set_autocast_cpu_dtype(want);
-    }
-    at::autocast::set_cpu_enabled(enabled);
-  } else {
-    if (enabled) {
-      at::autocast::set_autocast_gpu_dtype(want);
-    }
-    at::autocast::set_enabled(enabled);
+  if (enabled) {
+    detail::set_autocast_dtype(device_type, want);
   }
+  detail::set_autocast_enabled(device_type, enabled);
   at::autocast::increment_nesting();
   entered_ = true;
 }
@@ -75,13 +68,8 @@ Autocast::~Autocast() {
   if (at::autocast::decrement_nesting() == 0) {
     at::autocast::clear_cache();
   }
-  if (device_type_ == c10::DeviceType::CPU) {
-    at::autocast::set_cpu_enabled(previous_enabled_);
-    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
-  } else {
-    at::autocast::set_enabled(previous_enabled_);
-    at::autocast::set_autocast_gpu_dtype(previous_dtype_);
-  }
+  detail::set_autocast_enabled(device_type_, previous_enabled_);
+  detail::set_autocast_dtype(device_type_, previous_dtype_);
 }
 
 }  // namespace amp

@@ -6,8 +6,17 @@
 // wait on a send or recv forever), errors that name the operation and the missing ranks (Note
 // [Naming the ranks that did not arrive]), and a group that fails fast once broken.
 //
-// Engine is held by its concrete type: in libtorch 1.13 it derives from c10d::ProcessGroup, in
-// 2.x from c10d::Backend, but the collective signatures used here are the same in both.
+// The engine is held by its concrete type: in libtorch 1.13 it derives from c10d::ProcessGroup, in
+// 2.x from c10d::Backend, but the collective signatures used here are the same in both. What
+// differs between engines is said by a traits struct (gloo.cpp, nccl.cpp):
+//
+//   struct XTraits {
+//     using Engine = c10d::ProcessGroupX;
+//     static constexpr const char* kName = "x";
+//     static constexpr bool kWidenBFloat16 = ...;  // the engine reduces no bf16: send fp32/fp16
+//     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
+//     static void shutdown(Engine&);                // called once, before the engine is released
+//   };
 
 #include "backends.h"
 #include "store_monitor.h"
@@ -37,13 +46,13 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
 }
 
-template <typename Engine>
+template <typename Traits>
 class C10dGroup;
 
-template <typename Engine>
+template <typename Traits>
 class C10dWork : public Work {
  public:
-  C10dWork(std::shared_ptr<C10dGroup<Engine>> group,
+  C10dWork(std::shared_ptr<C10dGroup<Traits>> group,
            c10::intrusive_ptr<c10d::Work> work,
            std::string op,
            std::string detail,
@@ -76,7 +85,7 @@ class C10dWork : public Work {
   }
 
  private:
-  std::shared_ptr<C10dGroup<Engine>> group_;  // kept alive while work on it is pending
+  std::shared_ptr<C10dGroup<Traits>> group_;  // kept alive while work on it is pending
   c10::intrusive_ptr<c10d::Work> work_;
   std::string op_;
   std::string detail_;
@@ -87,19 +96,19 @@ class C10dWork : public Work {
   std::string error_;
 };
 
-template <typename Engine>
-class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dGroup<Engine>> {
+template <typename Traits>
+class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dGroup<Traits>> {
  public:
+  using Engine = typename Traits::Engine;
+
   /// `engine` is the c10d backend already built on `store`.
-  C10dGroup(std::string name,
-            c10::intrusive_ptr<Engine> engine,
+  C10dGroup(c10::intrusive_ptr<Engine> engine,
             c10::intrusive_ptr<c10d::Store> store,
             StoreClientFactory monitor_client,
             int rank,
             int size,
             std::chrono::milliseconds timeout)
       : ProcessGroup(rank, size, timeout),
-        name_(std::move(name)),
         store_(std::move(store)),
         monitor_client_(monitor_client),
         engine_(std::move(engine)) {
@@ -108,7 +117,15 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     }
   }
 
-  std::string backend_name() const override { return name_; }
+  ~C10dGroup() override {
+    try {
+      Traits::shutdown(*engine_);
+    } catch (const std::exception&) {
+      // A broken group may fail to shut down; the process is going on without it.
+    }
+  }
+
+  std::string backend_name() const override { return Traits::kName; }
 
   /// Builds this backend's group of `size` ranks over a store (new_group's subgroups).
   using Maker = std::function<ProcessGroupPtr(
@@ -131,6 +148,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
 
  protected:
   WorkPtr do_allreduce(at::Tensor& tensor, ReduceOp op, int64_t seq) override {
+    check_device(tensor, "allreduce");
     issued(seq);
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
@@ -154,6 +172,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   }
 
   WorkPtr do_broadcast(at::Tensor& tensor, int root, int64_t seq) override {
+    check_device(tensor, "broadcast");
     issued(seq);
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -166,6 +185,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   WorkPtr do_allgather(std::vector<at::Tensor>& outputs,
                        const at::Tensor& input,
                        int64_t seq) override {
+    check_device(input, "allgather");
     issued(seq);
     c10d::AllgatherOptions opts;
     opts.timeout = timeout();
@@ -184,6 +204,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                             const std::vector<at::Tensor>& inputs,
                             ReduceOp op,
                             int64_t seq) override {
+    check_device(output, "reduce_scatter");
     issued(seq);
     at::Tensor flat = widened(at::cat(inputs).contiguous());
     c10d::AllreduceOptions opts;
@@ -213,7 +234,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   ProcessGroupPtr do_new_group(const std::vector<int>& ranks,
                                int index,
                                int64_t group_id) override {
-    TORCH_CHECK(maker_ != nullptr, name_,
+    TORCH_CHECK(maker_ != nullptr, Traits::kName,
                 " new_group: subgroups are not supported by this backend");
     if (index < 0) {
       return nullptr;
@@ -227,29 +248,40 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
       };
     }
     auto group = maker_(store, client, index, static_cast<int>(ranks.size()));
-    if (auto typed = std::dynamic_pointer_cast<C10dGroup<Engine>>(group)) {
+    if (auto typed = std::dynamic_pointer_cast<C10dGroup<Traits>>(group)) {
       typed->set_maker(maker_);  // subgroups of subgroups
     }
     return group;
   }
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
+    check_device(tensor, "send");
     std::vector<at::Tensor> tensors{tensor};
     return wrap(engine_->send(tensors, dst, tag), "send", seq, false, nullptr,
                 "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag));
   }
 
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
+    check_device(tensor, "recv");
     std::vector<at::Tensor> tensors{tensor};
     return wrap(engine_->recv(tensors, src, tag), "recv", seq, false, nullptr,
                 "from rank " + std::to_string(src) + ", tag " + std::to_string(tag));
   }
 
  private:
+  // NCCL would fail later with "Tensors must be CUDA and dense", naming neither the operation nor
+  // the way out.
+  void check_device(const at::Tensor& t, const char* op) const {
+    TORCH_CHECK(!Traits::kCudaOnly || t.is_cuda(), Traits::kName, " ", op, ": the tensor is on ",
+                t.device(), ", but ", Traits::kName,
+                " moves CUDA tensors only; use backend 'cpu:gloo,cuda:", Traits::kName,
+                "' (what 'auto' gives on a machine with GPUs) to send CPU tensors over gloo");
+  }
+
   // libtorch 1.13's Gloo reduces no bfloat16 ("Invalid scalar type"): such tensors travel as a
   // float copy, which is exact for the sum of a few bf16 values and rounds once on the way back.
   at::Tensor widened(const at::Tensor& t) const {
-    if (name_ == "gloo" && t.scalar_type() == at::kBFloat16) {
+    if (Traits::kWidenBFloat16 && t.scalar_type() == at::kBFloat16) {
       return t.to(at::kFloat);
     }
     return t;
@@ -257,7 +289,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
 
   // Moving bf16 without arithmetic: the same bytes viewed as fp16, a 2-byte type Gloo knows.
   at::Tensor as_bits(const at::Tensor& t) const {
-    if (name_ == "gloo" && t.scalar_type() == at::kBFloat16) {
+    if (Traits::kWidenBFloat16 && t.scalar_type() == at::kBFloat16) {
       return t.view(at::kHalf);
     }
     return t;
@@ -275,11 +307,10 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                bool collective,
                std::function<void()> finish,
                const std::string& detail) {
-    return std::make_shared<C10dWork<Engine>>(this->shared_from_this(), std::move(work), op, detail,
+    return std::make_shared<C10dWork<Traits>>(this->shared_from_this(), std::move(work), op, detail,
                                               seq, collective, std::move(finish));
   }
 
-  std::string name_;
   c10::intrusive_ptr<c10d::Store> store_;
   StoreClientFactory monitor_client_;
   Maker maker_;
@@ -287,8 +318,8 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   c10::intrusive_ptr<Engine> engine_;
 };
 
-template <typename Engine>
-void C10dWork<Engine>::wait() {
+template <typename Traits>
+void C10dWork<Traits>::wait() {
   if (done_) {
     return;
   }
@@ -303,7 +334,7 @@ void C10dWork<Engine>::wait() {
       why = "timed out after " + std::to_string(group_->timeout().count()) + " ms";
     }
   } catch (const std::exception& e) {
-    why = engine_message(e);
+    why = error_message(e);
     if (why.find("Timed out") != std::string::npos || why.find("timed out") != std::string::npos) {
       why = "timed out after " + std::to_string(group_->timeout().count()) + " ms (" + why + ")";
     }

@@ -11,22 +11,14 @@ namespace paratrain {
 namespace dist {
 namespace detail {
 
-std::string engine_message(const std::exception& e) {
-  std::string text = e.what();
-  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    text = c10_error->what_without_backtrace();
-  }
-  // Keep the first line, without "[path/file.cc:123] " location prefixes.
-  text = text.substr(0, text.find('\n'));
-  while (!text.empty() && text[0] == '[') {
-    auto close = text.find("] ");
-    if (close == std::string::npos) {
-      break;
-    }
-    text = text.substr(close + 2);
-  }
-  return text;
-}
+struct GlooTraits {
+  using Engine = c10d::ProcessGroupGloo;
+  static constexpr const char* kName = "gloo";
+  // libtorch 1.13's Gloo has no bf16 arithmetic ("Invalid scalar type").
+  static constexpr bool kWidenBFloat16 = true;
+  static constexpr bool kCudaOnly = false;
+  static void shutdown(Engine&) {}  // Gloo's pairs close when the engine is released
+};
 
 ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
                                 StoreClientFactory monitor_client,
@@ -44,8 +36,8 @@ ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
     options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
   auto engine = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-  auto group = std::make_shared<C10dGroup<c10d::ProcessGroupGloo>>(
-      "gloo", std::move(engine), std::move(store), std::move(monitor_client), rank, size, timeout);
+  auto group = std::make_shared<C10dGroup<GlooTraits>>(
+      std::move(engine), std::move(store), std::move(monitor_client), rank, size, timeout);
   group->set_maker(
       [timeout, hostname](c10::intrusive_ptr<c10d::Store> s, StoreClientFactory c, int r, int n) {
         return make_gloo_group(std::move(s), std::move(c), r, n, timeout, hostname);

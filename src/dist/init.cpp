@@ -13,9 +13,14 @@
 #include <glog/logging.h>
 #endif
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
+#include <sstream>
+#include <type_traits>
+#include <utility>
 
 namespace paratrain {
 namespace dist {
@@ -33,7 +38,10 @@ std::chrono::milliseconds default_timeout() {
 }
 
 std::vector<std::string> available_backends() {
-  std::vector<std::string> names{"gloo"};
+  std::vector<std::string> names;
+#ifdef PARATRAIN_WITH_GLOO
+  names.push_back("gloo");
+#endif
 #ifdef PARATRAIN_WITH_MPI
   names.push_back("mpi");
 #endif
@@ -134,6 +142,45 @@ class QuietC10dLogs {
   }
 };
 
+// libtorch 2.x's TCPStore serves through libuv by default (the useLibUV option, absent in 1.13),
+// and a libtorch built without libuv (Debian's) refuses with "use_libuv was requested but PyTorch
+// was build without libuv support". The library file, not its headers, knows: so ask for libuv,
+// and fall back to the classic server once that refusal is seen.
+template <typename Options, typename = void>
+struct HasLibUV : std::false_type {};
+template <typename Options>
+struct HasLibUV<Options, decltype(void(std::declval<Options&>().useLibUV))> : std::true_type {};
+
+template <typename Options>
+bool set_libuv(Options& o, bool on) {
+  if constexpr (HasLibUV<Options>::value) {
+    o.useLibUV = on;
+    return true;
+  } else {
+    (void)o;
+    (void)on;
+    return false;
+  }
+}
+
+std::atomic<bool> g_libuv_refused{false};
+
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TCPStoreOptions o) {
+  if (!set_libuv(o, !g_libuv_refused.load())) {
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  }
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  } catch (const std::exception& e) {
+    if (g_libuv_refused.load() || std::string(e.what()).find("libuv") == std::string::npos) {
+      throw;
+    }
+    g_libuv_refused.store(true);
+    set_libuv(o, false);
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  }
+}
+
 // Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
 // generic; users get one line saying what to check.
 c10::intrusive_ptr<c10d::Store> open_tcp_store(
@@ -147,9 +194,9 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(
   o.waitWorkers = false;
   try {
     QuietC10dLogs quiet;
-    return c10::make_intrusive<c10d::TCPStore>(e.host, o);
+    return make_tcp_store(e.host, o);
   } catch (const std::exception& ex) {
-    std::string why = detail::engine_message(ex);
+    std::string why = detail::error_message(ex);
     std::string where = e.host + ":" + std::to_string(e.port);
     if (why.find("Address already in use") != std::string::npos ||
         why.find("failed to bind") != std::string::npos) {
@@ -195,6 +242,72 @@ void join(c10d::Store& store, int rank, int world_size, std::chrono::millisecond
 
 }  // namespace
 
+namespace {
+
+std::string missing_backend_hint(const std::string& name) {
+  if (name == "nccl") {
+    return "; nccl needs a libtorch built with CUDA";
+  }
+  if (name == "mpi") {
+    return "; mpi needs Open MPI (libopenmpi-dev) at build time";
+  }
+  return "; gloo needs gloo's headers at build time (libgloo-dev, or -DGLOO_INCLUDE_DIR)";
+}
+
+void check_engine(const std::string& name, const std::string& spec) {
+  TORCH_CHECK(name == "gloo" || name == "mpi" || name == "nccl", "unknown backend '", name, "'",
+              spec == name ? "" : " in '" + spec + "'",
+              ": choose auto, gloo, mpi or nccl, or routes such as cpu:gloo,cuda:nccl");
+  TORCH_CHECK(has_backend(name), "backend '", name, "' is not in this build (it has ",
+              join(available_backends()), ")", missing_backend_hint(name));
+}
+
+}  // namespace
+
+#ifdef PARATRAIN_WITH_MPI
+namespace {
+// Rank and size come from mpirun.
+ProcessGroupPtr make_mpi(const InitOptions& options, std::chrono::milliseconds timeout) {
+  auto pg = detail::make_mpi_group(timeout);
+  TORCH_CHECK(options.world_size() < 0 || options.world_size() == pg->size(), "world_size ",
+              options.world_size(), " was asked for, but mpirun started ", pg->size(), " ranks");
+  return pg;
+}
+}  // namespace
+#endif
+
+std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec) {
+  std::vector<std::pair<c10::DeviceType, std::string>> routes;
+  std::stringstream in(spec);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    const auto colon = item.find(':');
+    TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < item.size(), "backend '",
+                spec, "': '", item, "' is not device:backend (write e.g. cpu:gloo,cuda:nccl)");
+    const std::string device = item.substr(0, colon);
+    const std::string engine = item.substr(colon + 1);
+    TORCH_CHECK(device == "cpu" || device == "cuda", "backend '", spec, "': unknown device '",
+                device, "': routes name cpu or cuda");
+    TORCH_CHECK(engine == "gloo" || engine == "mpi" || engine == "nccl", "unknown backend '",
+                engine, "' in '", spec, "': choose gloo, mpi or nccl for each device");
+    const auto type = device == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA;
+    TORCH_CHECK(type != c10::DeviceType::CPU || engine != "nccl", "backend '", spec,
+                "': nccl moves CUDA tensors only; route cpu to gloo or mpi");
+    TORCH_CHECK(type != c10::DeviceType::CUDA || engine != "mpi", "backend '", spec,
+                "': paratrain's mpi backend moves CPU tensors only; route cuda to nccl or gloo");
+    check_engine(engine, spec);
+    for (const auto& r : routes) {
+      TORCH_CHECK(r.first != type, "backend '", spec, "' names ", device, " twice");
+    }
+    routes.emplace_back(type, engine);
+  }
+  TORCH_CHECK(!routes.empty(), "backend '", spec, "' names no route");
+  std::stable_sort(routes.begin(), routes.end(), [](const auto& a, const auto& b) {
+    return a.first == c10::DeviceType::CPU && b.first != c10::DeviceType::CPU;
+  });
+  return routes;
+}
+
 std::string resolve_backend(const InitOptions& options) {
   std::string name = options.backend();
   if (name == "auto") {
@@ -204,21 +317,32 @@ std::string resolve_backend(const InitOptions& options) {
     }
   }
   if (name == "auto") {
+    // As torch.distributed 2.x with no backend named: CPU tensors over gloo (mpi under mpirun),
+    // CUDA tensors over nccl, in one group.
+    const std::string cpu = started_by_mpirun() && has_backend("mpi") ? "mpi"
+                            : has_backend("gloo")                     ? "gloo"
+                                                                      : "";
     if (options.uses_cuda() && has_backend("nccl")) {
-      return "nccl";
+      return cpu.empty() ? "nccl" : "cpu:" + cpu + ",cuda:nccl";
     }
-    if (started_by_mpirun() && has_backend("mpi")) {
-      return "mpi";
-    }
-    return "gloo";
+    TORCH_CHECK(!cpu.empty(), "no backend in this build can move CPU tensors (it has ",
+                join(available_backends()), ")", missing_backend_hint("gloo"));
+    return cpu;
   }
-  TORCH_CHECK(name == "gloo" || name == "mpi" || name == "nccl", "unknown backend '", name,
-              "': choose auto, gloo, mpi or nccl");
-  TORCH_CHECK(has_backend(name), "backend '", name, "' is not in this build (it has ",
-              join(available_backends()), ")",
-              name == "nccl" ? "; nccl needs a libtorch built with CUDA"
-                             : "; mpi needs Open MPI (libopenmpi-dev) at build time");
-  return name;
+  if (name.find(':') == std::string::npos) {
+    check_engine(name, name);
+    return name;
+  }
+  // Routes: one engine named for both device types is that engine alone.
+  const auto routes = parse_backend_routes(name);
+  std::string normal;
+  bool one_engine = true;
+  for (const auto& r : routes) {
+    normal += (normal.empty() ? "" : ",") +
+              std::string(r.first == c10::DeviceType::CPU ? "cpu" : "cuda") + ":" + r.second;
+    one_engine = one_engine && r.second == routes.front().second;
+  }
+  return one_engine && routes.size() > 1 ? routes.front().second : normal;
 }
 
 ProcessGroupPtr init_process_group(const InitOptions& options) {
@@ -228,11 +352,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
 
 #ifdef PARATRAIN_WITH_MPI
   if (backend == "mpi") {
-    // MPI brings its own rendezvous (mpirun's runtime); rank and size come from it.
-    auto pg = detail::make_mpi_group(timeout);
-    TORCH_CHECK(options.world_size() < 0 || options.world_size() == pg->size(), "world_size ",
-                options.world_size(), " was asked for, but mpirun started ", pg->size(), " ranks");
-    return pg;
+    return make_mpi(options, timeout);  // MPI brings its own rendezvous (mpirun's runtime)
   }
 #endif
 
@@ -255,7 +375,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     try {
       store = c10::make_intrusive<c10d::FileStore>(path, world_size);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "cannot open the file store ", path, ": ", detail::engine_message(e));
+      TORCH_CHECK(false, "cannot open the file store ", path, ": ", detail::error_message(e));
     }
     hostname = "127.0.0.1";
   } else if (method.rfind("tcp://", 0) == 0 || method == "env://") {
@@ -291,28 +411,50 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   if (world_size > 1) {
     join(*store, rank, world_size, timeout);
   }
-  try {
-    if (backend == "gloo") {
-      return detail::make_gloo_group(store, monitor_client, rank, world_size, timeout, hostname);
-    }
-#ifdef PARATRAIN_WITH_NCCL
-    if (backend == "nccl") {
-      return detail::make_nccl_group(store, monitor_client, rank, world_size, timeout);
-    }
+  // The CUDA device of this rank, for nccl: the local rank when a launcher said, else the rank.
+  [[maybe_unused]] const int device_index = info.source == "default" ? rank : info.local_rank;
+  auto make = [&](const std::string& engine, c10::intrusive_ptr<c10d::Store> s,
+                  detail::StoreClientFactory client) -> ProcessGroupPtr {
+    try {
+#ifdef PARATRAIN_WITH_GLOO
+      if (engine == "gloo") {
+        return detail::make_gloo_group(s, client, rank, world_size, timeout, hostname);
+      }
 #endif
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, backend, " rendezvous failed on rank ", rank, " of ", world_size, ": ",
-                detail::engine_message(e));
+#ifdef PARATRAIN_WITH_NCCL
+      if (engine == "nccl") {
+        return detail::make_nccl_group(s, client, rank, world_size, timeout, device_index);
+      }
+#endif
+#ifdef PARATRAIN_WITH_MPI
+      if (engine == "mpi") {
+        return make_mpi(options, timeout);
+      }
+#endif
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, engine, " rendezvous failed on rank ", rank, " of ", world_size, ": ",
+                  detail::error_message(e));
+    }
+    TORCH_INTERNAL_ASSERT(false, "backend ", engine, " resolved but not built");
+  };
+  if (backend.find(':') == std::string::npos) {
+    return make(backend, store, monitor_client);
   }
-  TORCH_INTERNAL_ASSERT(false, "backend ", backend, " resolved but not built");
-}
-
-torch::Device local_device() {
-  if (torch::cuda::is_available()) {
-    RankInfo info = discover_rank_info();
-    return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(info.local_rank));
+  // Each engine of a routed group meets under a prefix of its own, so their rendezvous keys and
+  // heartbeats never mix.
+  std::vector<detail::Route> routes;
+  for (const auto& r : parse_backend_routes(backend)) {
+    const std::string prefix = "paratrain/route/" + r.second;
+    detail::StoreClientFactory client;
+    if (monitor_client) {
+      client = [f = monitor_client, prefix]() -> c10::intrusive_ptr<c10d::Store> {
+        return c10::make_intrusive<c10d::PrefixStore>(prefix, f());
+      };
+    }
+    routes.push_back({r.first, make(r.second, c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+                                    std::move(client))});
   }
-  return torch::Device(torch::kCPU);
+  return detail::make_routed_group(std::move(routes), backend);
 }
 
 }  // namespace dist

@@ -8,6 +8,8 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "../util/errors.h"
+#include "paratrain/dist/devices.h"
 #include "paratrain/parallel/threads.h"
 #include "worker_team.h"
 
@@ -16,24 +18,6 @@
 #include <sstream>
 
 namespace paratrain {
-
-void check_device_exists(const torch::Device& device) {
-  if (device.is_cpu()) {
-    TORCH_CHECK(!device.has_index() || device.index() == 0, "device ", device,
-                " does not exist: the CPU is cpu (or cpu:0)");
-    return;
-  }
-  if (device.is_cuda()) {
-    const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
-    TORCH_CHECK(count > 0, "device ", device,
-                " does not exist: this machine (or this libtorch build) has no CUDA device");
-    TORCH_CHECK(!device.has_index() || device.index() < count, "device ", device,
-                " does not exist: there are ", count, " CUDA devices (cuda:0..cuda:", count - 1,
-                ")");
-    return;
-  }
-  TORCH_CHECK(false, "device ", device, " is not supported: use cpu or cuda:N");
-}
 
 struct DataParallel::State {
   std::shared_ptr<torch::nn::Module> module;
@@ -70,7 +54,7 @@ void run_replicas(detail::WorkerTeam& team,
   for (size_t i = 0; i < errors.size(); ++i) {
     if (errors[i]) {
       TORCH_CHECK(false, "DataParallel: ", describe_replica(i, devices[i]), " failed in ", phase,
-                  ": ", detail::message_of(errors[i]));
+                  ": ", detail::error_message(errors[i]));
     }
   }
 }

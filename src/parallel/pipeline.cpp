@@ -4,7 +4,8 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
-#include "paratrain/parallel/data_parallel.h"  // check_device_exists
+#include "../util/errors.h"
+#include "paratrain/dist/devices.h"
 #include "paratrain/parallel/threads.h"
 #include "worker_team.h"
 
@@ -377,7 +378,7 @@ class ProcessGroupTransport : public Transport {
   std::vector<int> ranks_;
   // gloo and mpi move host memory; nccl moves device memory.
   torch::Device wire_device() const {
-    return pg_->backend_name() == "nccl" ? device_ : torch::Device(torch::kCPU);
+    return pg_->backend_for(device_.type()) == "nccl" ? device_ : torch::Device(torch::kCPU);
   }
 
   torch::Device device_;
@@ -627,7 +628,7 @@ struct Pipeline::Impl {
       } catch (...) {
       }
       TORCH_CHECK(false, "pipeline: stage ", i, " on ", devices[i],
-                  " failed: ", detail::message_of(errors[i]));
+                  " failed: ", detail::error_message(errors[i]));
     }
   }
 };

@@ -1,12 +1,10 @@
 #include "worker_team.h"
 
-#include "paratrain/parallel/threads.h"
+#include "../amp/autocast_state.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
-
-#include <dlfcn.h>
 
 namespace paratrain {
 namespace detail {
@@ -53,8 +51,8 @@ void WorkerTeam::loop(size_t index, int intra_op_threads) {
       // of weights per thread until the outermost region ends, and weights change in place
       // between tasks (optimizer steps, replica refreshes), so each task starts and ends one,
       // as PyTorch's parallel_apply does with its per-thread autocast context.
-      at::autocast::set_autocast_cpu_dtype(cpu_dtype);
-      at::autocast::set_autocast_gpu_dtype(gpu_dtype);
+      amp::detail::set_autocast_dtype(c10::DeviceType::CPU, cpu_dtype);
+      amp::detail::set_autocast_dtype(c10::DeviceType::CUDA, gpu_dtype);
       at::autocast::increment_nesting();
       struct EndRegion {
         ~EndRegion() {
@@ -82,8 +80,8 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
   std::unique_lock<std::mutex> lock(mutex_);
   errors_.assign(tasks.size(), nullptr);
   state_ = std::make_unique<at::ThreadLocalState>();
-  autocast_cpu_dtype_ = at::autocast::get_autocast_cpu_dtype();
-  autocast_gpu_dtype_ = at::autocast::get_autocast_gpu_dtype();
+  autocast_cpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CPU);
+  autocast_gpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CUDA);
   pending_ = tasks.size();
   for (size_t i = 0; i < tasks.size(); ++i) {
     jobs_[i] = &tasks[i];
@@ -94,34 +92,4 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
 }
 }  // namespace detail
 
-// Why it matters: Debian's libtorch runs GEMMs (e.g. 1x1 convolutions of small batches) on
-// OpenBLAS, whose one pool per process spins while idle. Two replica or stage threads calling it
-// at once each ran at half speed here, most of the time in the kernel (ResNet-50 micro-batches of
-// 8: 2.2 s alone, 3.7 s each side by side; with the pool capped at 1, 2.2-2.3 s side by side).
-void set_blas_threads(int threads) {
-  // Looked up at run time: libtorch links the BLAS chosen by Debian's alternatives, and only
-  // OpenBLAS has this entry point.
-  using SetThreads = void (*)(int);
-  static const auto set =
-      reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
-  if (set != nullptr && threads > 0) {
-    set(threads);
-  }
-}
-
-namespace detail {
-
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown exception";
-  }
-}
-
-}  // namespace detail
 }  // namespace paratrain

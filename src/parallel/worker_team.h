@@ -56,8 +56,5 @@ class WorkerTeam {
   bool stop_ = false;
 };
 
-/// The message of an exception without libtorch's C++ backtrace, for errors that wrap another.
-std::string message_of(const std::exception_ptr& error);
-
 }  // namespace detail
 }  // namespace paratrain

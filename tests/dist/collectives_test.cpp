@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+
 namespace paratrain {
 namespace testing {
 namespace {
@@ -49,6 +51,11 @@ std::vector<Case> cases() {
       out.push_back({b, n});
     }
   }
+  // Routed groups (torch.distributed 2.x's "cpu:gloo,cuda:nccl"): CPU tensors take the cpu route.
+  out.push_back({"cpu:gloo", 2});
+#ifdef PARATRAIN_WITH_MPI
+  out.push_back({"cpu:mpi", 2});
+#endif
   return out;
 }
 
@@ -56,8 +63,11 @@ INSTANTIATE_TEST_SUITE_P(Backends,
                          Collectives,
                          ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return info.param.backend + "_" + std::to_string(info.param.ranks) +
-                                  "ranks";
+                           std::string name = info.param.backend;
+                           for (char& ch : name) {
+                             ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           }
+                           return name + "_" + std::to_string(info.param.ranks) + "ranks";
                          });
 
 TEST(WorldOfOne, RunsWithoutAnyLauncher) {

@@ -100,10 +100,13 @@ TEST(Train, ModelParallelResNet50Example) {
 }
 
 TEST(Train, CustomResNetFinetuneExample) {
+  if (!python_has("torchvision")) {
+    GTEST_SKIP() << test_python() << " has no torchvision to write the reference weights";
+  }
   const std::string prefix = "/tmp/" + unique_token("tv-resnet18-example");
   auto py = run_process(
-      {"/usr/bin/python3", std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py",
-       "18", prefix},
+      {test_python(), std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py", "18",
+       prefix},
       {}, 120);
   ASSERT_EQ(py.exit_code, 0) << py.output;
   auto r =
@@ -190,12 +193,15 @@ TEST(Train, MixedPrecisionUnderDdp) {
 }
 
 TEST(Train, CustomHeadOnTorchvisionWeights) {
+  if (!python_has("torchvision")) {
+    GTEST_SKIP() << test_python() << " has no torchvision to write the reference weights";
+  }
   // torchvision's resnet18 weights (random: nothing can be downloaded here) from python3-torch,
   // loaded strictly, the custom classifier head on top, backbone frozen, Fashion-MNIST at 3x32x32.
   const std::string prefix = "/tmp/" + unique_token("tv-resnet18");
   auto py = run_process(
-      {"/usr/bin/python3", std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py",
-       "18", prefix},
+      {test_python(), std::string(PARATRAIN_TEST_DATA_DIR) + "/make_torchvision_reference.py", "18",
+       prefix},
       {}, 120);
   ASSERT_EQ(py.exit_code, 0) << py.output;
   auto r = run_process({cli_path(),

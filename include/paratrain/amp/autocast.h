@@ -15,6 +15,7 @@
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
 
 #include <string>
 

@@ -18,11 +18,14 @@
 #include <torch/cuda.h>
 #include <torch/types.h>
 
+#include "paratrain/dist/devices.h"  // local_device
 #include "paratrain/dist/env.h"
 #include "paratrain/dist/process_group.h"
 
 #include <chrono>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace paratrain {
 namespace dist {
@@ -32,9 +35,12 @@ namespace dist {
 std::chrono::milliseconds default_timeout();
 
 struct InitOptions {
-  /// "auto", "gloo", "mpi" or "nccl". "auto" reads PARATRAIN_BACKEND first (set by
-  /// `paratrain launch --backend`), then picks nccl when the job uses CUDA devices and this build
-  /// has NCCL, mpi when started by mpirun and this build has MPI, else gloo.
+  /// "auto", "gloo", "mpi", "nccl", or routes by tensor device as in torch.distributed 2.x:
+  /// "cpu:gloo,cuda:nccl" gives one group whose collectives on CPU tensors go over gloo and on
+  /// CUDA tensors over nccl, chosen per call. "auto" reads PARATRAIN_BACKEND first (set by
+  /// `paratrain launch --backend`); then, when the job uses CUDA devices and this build has NCCL,
+  /// it is "cpu:gloo,cuda:nccl" ("cpu:mpi,cuda:nccl" under mpirun), else mpi under mpirun, else
+  /// gloo.
   TORCH_ARG(std::string, backend) = "auto";
   /// "env://", "tcp://host:port" or "file:///path".
   TORCH_ARG(std::string, init_method) = "env://";
@@ -44,7 +50,7 @@ struct InitOptions {
   TORCH_ARG(int, world_size) = -1;
   /// Deadline of the rendezvous and of every collective.
   TORCH_ARG(std::chrono::milliseconds, timeout) = default_timeout();
-  /// Whether the job computes on CUDA devices (steers "auto" to nccl).
+  /// Whether the job computes on CUDA devices (adds the nccl route to "auto").
   TORCH_ARG(bool, uses_cuda) = torch::cuda::is_available();
 };
 
@@ -53,15 +59,16 @@ struct InitOptions {
 /// use, master unreachable within the timeout).
 ProcessGroupPtr init_process_group(const InitOptions& options = InitOptions());
 
-/// The backend "auto" resolves to for these options and this environment.
+/// The backend these options resolve to in this environment: "gloo", "mpi", "nccl" or routes
+/// ("cpu:gloo,cuda:nccl"). Throws c10::Error with one line for an unknown backend or device, an
+/// engine this build lacks, nccl routed CPU tensors, or a device named twice.
 std::string resolve_backend(const InitOptions& options);
+
+/// "cpu:gloo,cuda:nccl" as (device type, engine) pairs, CPU first; checked as resolve_backend.
+std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec);
 
 /// Backends compiled into this build, in preference order ("gloo", "mpi", "nccl").
 std::vector<std::string> available_backends();
-
-/// cuda:LOCAL_RANK when CUDA is available (after CUDA_VISIBLE_DEVICES, so `launch --devices 0,1,3`
-/// gives local rank 2 the physical GPU 3), else cpu.
-torch::Device local_device();
 
 }  // namespace dist
 }  // namespace paratrain

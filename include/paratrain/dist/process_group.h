@@ -18,6 +18,7 @@
 //  - Methods may be called from any thread, but not concurrently on one group.
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceType.h>
 
 #include <chrono>
 #include <memory>
@@ -64,8 +65,16 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  /// "gloo", "mpi" or "nccl".
+  /// "gloo", "mpi" or "nccl", or the routes of a group over several engines, as PyTorch writes
+  /// them: "cpu:gloo,cuda:nccl".
   virtual std::string backend_name() const = 0;
+
+  /// The engine that moves tensors of `type`: backend_name() for a group of one engine, the
+  /// route's engine for a routed group ("" when it has none for that device type).
+  virtual std::string backend_for(c10::DeviceType type) const {
+    (void)type;
+    return backend_name();
+  }
 
   /// Reduces `tensor` in place over all ranks. kAvg divides the sum by size() and needs a
   /// floating-point tensor.

@@ -102,8 +102,4 @@ class DataParallel {
   std::shared_ptr<State> state_;  // shared with the backward functions of outputs still alive
 };
 
-/// Checks that `device` exists on this machine (CPU: index -1 or 0; CUDA: index below the device
-/// count); throws c10::Error naming it otherwise.
-void check_device_exists(const torch::Device& device);
-
 }  // namespace paratrain

@@ -122,7 +122,7 @@ class Transport {
   /// Waits for this side's sends to complete (end of a step).
   virtual void flush() {}
   /// Wakes every blocked recv with an error (another stage failed).
-  virtual void abort(const std::string& why) {}
+  virtual void abort(const std::string& /*why*/) {}
 };
 
 /// Between threads of one process: a mailbox per (stage, micro-batch, direction).

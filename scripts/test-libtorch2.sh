@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The second CI leg: builds paratrain with -Werror and runs the whole suite against Debian 13's
+# libtorch-dev (2.6), in a debootstrap root made here and kept between runs on the same machine
+# (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.5 GB). The checkout is bound
+# into the root, and the build goes to ${BUILD_DIR_LIBTORCH2:-build-libtorch2} in it.
+#
+# Needs root (or sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+src=$(pwd)
+root="${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}"
+build_dir="${BUILD_DIR_LIBTORCH2:-build-libtorch2}"
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+
+# Everything the suite needs inside the root: the same list as scripts/setup.sh, in trixie's names.
+packages=(libtorch-dev g++ cmake ninja-build ccache pkg-config libgloo-dev zlib1g-dev
+  libgtest-dev googletest libopenmpi-dev openmpi-bin libopenblas0-pthread dataset-fashion-mnist
+  python3-torch python3-torchvision ca-certificates)
+stamp="$root/.paratrain-packages"
+want="${packages[*]}"
+
+mirror() {
+  # The Debian mirror this machine already uses (deb822 or one-line sources).
+  local uri
+  uri=$(grep -hoE '^URIs: *[^ ]+' /etc/apt/sources.list.d/*.sources 2>/dev/null |
+    grep -v security | head -n 1 | sed 's/^URIs: *//') || true
+  if [ -z "$uri" ]; then
+    uri=$(grep -hoE '^deb +[^ ]+' /etc/apt/sources.list 2>/dev/null | head -n 1 | awk '{print $2}') || true
+  fi
+  echo "${uri:-http://deb.debian.org/debian}"
+}
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  if [ ! -x "$root/usr/bin/apt-get" ]; then
+    if ! command -v debootstrap >/dev/null 2>&1; then
+      $SUDO apt-get update -q >&2
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
+        debootstrap >&2
+    fi
+    echo "test-libtorch2: making a Debian 13 root in $root (once per machine)" >&2
+    $SUDO rm -rf "$root"
+    $SUDO mkdir -p "$root"
+    # A bare root, then apt inside it: debootstrap's own resolver skips alternatives (libtorch's
+    # dependencies need them).
+    $SUDO debootstrap --variant=minbase trixie "$root" "$(mirror)" >&2
+  fi
+  $SUDO cp /etc/resolv.conf "$root/etc/resolv.conf"
+  $SUDO mount -t proc proc "$root/proc"
+  trap '$SUDO umount -l "$root/proc" 2>/dev/null || true' EXIT
+  $SUDO chroot "$root" apt-get update -q >&2
+  $SUDO chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+    --no-install-recommends "${packages[@]}" >&2
+  $SUDO chroot "$root" apt-get clean
+  $SUDO umount -l "$root/proc"
+  trap - EXIT
+  echo "$want" | $SUDO tee "$stamp" >/dev/null
+fi
+if [ "${1:-}" = "--root-only" ]; then exit 0; fi
+
+# /proc and /dev for the tests (processes, /dev/shm for Open MPI), and the checkout itself.
+mounts=()
+cleanup() {
+  local i
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+    $SUDO umount -l "${mounts[$i]}" 2>/dev/null || true
+  done
+}
+trap cleanup EXIT
+mount_in() { # mount_in TARGET ARGS...
+  local target="$root$1"
+  shift
+  $SUDO mkdir -p "$target"
+  $SUDO mount "$@" "$target"
+  mounts+=("$target")
+}
+mount_in /proc -t proc proc
+mount_in /dev --bind /dev
+mount_in /dev/shm -t tmpfs tmpfs
+mount_in /dev/pts -t devpts devpts
+mount_in /tmp -t tmpfs tmpfs
+mount_in /work/paratrain --bind "$src"
+
+# Inside: the same build and ctest as scripts/test.sh (formatting is checked by the first leg).
+$SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+  HOME=/root LANG=C.UTF-8 CI="${CI:-}" bash -c "
+  set -euo pipefail
+  cd /work/paratrain
+  cmake -S . -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_BUILD_TESTS=ON \
+    -DPARATRAIN_WERROR=ON >/dev/null
+  cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}
+  cd '$build_dir'
+  ctest -j 2 --output-on-failure --timeout 300
+"

@@ -1,0 +1,35 @@
+#include "errors.h"
+
+#include <c10/util/Exception.h>
+
+namespace paratrain {
+namespace detail {
+
+std::string error_message(const std::exception& e) {
+  std::string text = e.what();
+  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    text = c10_error->what_without_backtrace();
+  }
+  text = text.substr(0, text.find('\n'));
+  while (!text.empty() && text[0] == '[') {
+    auto close = text.find("] ");
+    if (close == std::string::npos) {
+      break;
+    }
+    text = text.substr(close + 2);
+  }
+  return text;
+}
+
+std::string error_message(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return error_message(e);
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+}  // namespace detail
+}  // namespace paratrain

@@ -1,0 +1,53 @@
+# ctest driver of the consumer project (see tests/CMakeLists.txt): install, build against the
+# installed tree, run with the installed CLI from a directory outside the build, and check that
+# the installed CLI holds no path of the source tree.
+foreach(var BUILD_DIR SOURCE_DIR WORK_DIR TORCH_PREFIX CXX)
+  if(NOT DEFINED ${var})
+    message(FATAL_ERROR "run.cmake needs -D${var}=...")
+  endif()
+endforeach()
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                  WORKING_DIRECTORY ${WORK_DIR})
+  if(NOT rc EQUAL 0)
+    string(REPLACE ";" " " cmd "${ARGN}")
+    message(FATAL_ERROR "failed (${rc}): ${cmd}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+file(MAKE_DIRECTORY ${WORK_DIR})
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build
+    -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release
+    "-DCMAKE_PREFIX_PATH=${prefix};${TORCH_PREFIX}")
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+
+# The installed CLI must not point into the source or build tree.
+file(STRINGS ${prefix}/bin/paratrain tree_paths REGEX "(${SOURCE_DIR}|${BUILD_DIR})")
+if(tree_paths)
+  message(FATAL_ERROR "the installed paratrain holds build-tree paths: ${tree_paths}")
+endif()
+
+# Run from / with the installed CLI: 2 ranks of the consumer's DDP program.
+execute_process(COMMAND ${prefix}/bin/paratrain launch --nproc-per-node 2 --standalone --
+                        ${WORK_DIR}/build/consumer_ddp
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err WORKING_DIRECTORY /)
+message("${out}${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "the consumer's 2-rank DDP job failed (${rc})")
+endif()
+foreach(rank 0 1)
+  if(NOT "${out}${err}" MATCHES "consumer rank ${rank} of 2 \\([^)]*\\): parameters agree")
+    message(FATAL_ERROR "rank ${rank} did not report agreeing parameters")
+  endif()
+endforeach()
+execute_process(COMMAND ${prefix}/bin/paratrain info RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err WORKING_DIRECTORY /)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "installed paratrain info failed: ${out}${err}")
+endif()
+message("${out}")
