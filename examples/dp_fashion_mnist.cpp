@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   try {
     // 1. The devices: all GPUs, as nn.DataParallel's default, else two CPU replicas.
     std::vector<torch::Device> devices;
-    for (size_t i = 0; i < torch::cuda::device_count(); ++i) {
+    for (size_t i = 0; i < static_cast<size_t>(torch::cuda::device_count()); ++i) {
       devices.emplace_back(torch::kCUDA, static_cast<c10::DeviceIndex>(i));
     }
     if (devices.empty()) {

@@ -31,7 +31,7 @@ if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
     -DCMAKE_PREFIX_PATH="$prefix" -DGLOO_INCLUDE_DIR="$deps/include" \
     -DZLIB_INCLUDE_DIR="$deps/include" -DZLIB_LIBRARY="$zlib" \
     -DPARATRAIN_GTEST_SOURCE_DIR="$deps/googletest" -DPARATRAIN_TEST_PYTHON="$(command -v "$python")"
-  cmake --build "$build" -j "$(nproc)"
+  cmake --build "$build" -j "$(nproc)" -- -k 0
 } 2>&1 | tee "$out/build.log"
 
 status=0
