@@ -90,7 +90,7 @@ TEST(FashionMNIST, BadMagicAndTruncatedFiles) {
   write_idx(dir + "/train-labels-idx1-ubyte.gz", {2049, 10}, 10);
   FashionMNIST small(dir);
   EXPECT_EQ(*small.size(), 10u);
-  std::system(("rm -rf " + dir).c_str());
+  EXPECT_EQ(std::system(("rm -rf " + dir).c_str()), 0);
 }
 
 TEST(AdaptImages, ResizesAndRepeatsChannels) {
