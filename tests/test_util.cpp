@@ -208,6 +208,15 @@ bool has_cuda() {
   return torch::cuda::is_available();
 }
 
+std::string auto_backend(const std::string& cpu_engine) {
+#ifdef PARATRAIN_WITH_NCCL
+  if (has_cuda()) {
+    return "cpu:" + cpu_engine + ",cuda:nccl";
+  }
+#endif
+  return cpu_engine;
+}
+
 std::string cli_path() {
   return PARATRAIN_TEST_CLI;
 }

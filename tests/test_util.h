@@ -84,6 +84,10 @@ bool python_has(const std::string& module);
 /// Whether this machine has a CUDA device (tests that need one skip with this reason otherwise).
 bool has_cuda();
 
+/// What backend "auto" gives a job whose CPU engine is `cpu_engine` ("gloo", or "mpi" under
+/// mpirun) on this machine: routes with nccl when there is a GPU and the build has NCCL.
+std::string auto_backend(const std::string& cpu_engine);
+
 /// A port nobody listens on right now.
 int free_port();
 

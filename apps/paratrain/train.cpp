@@ -284,6 +284,9 @@ int run_train(const std::vector<std::string>& argv) {
   if (!dp_devices.empty()) {
     device = dp_devices[0];  // the module lives on the first device, as with nn.DataParallel
   }
+  if (piped) {
+    device = stage_devices[0];  // the pipeline moves each stage to its own device
+  }
   model->to(device);
   // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
   amp::MixedPrecision mp(model, device, amp_options);
@@ -399,8 +402,8 @@ int run_train(const std::vector<std::string>& argv) {
         mp.backward(loss);
       }
       mp.step(optimizer);
-      loss_sum +=
-          loss.detach().to(loss_sum.device(), torch::kDouble) * static_cast<double>(y.size(0));
+      loss_sum += loss.detach().sum().to(loss_sum.device(), torch::kDouble) *
+                  static_cast<double>(y.size(0));
       samples += y.size(0);
       if (progress && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
         const int width = 30;

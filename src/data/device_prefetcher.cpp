@@ -3,6 +3,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <utility>
+
 namespace paratrain {
 namespace data {
 
@@ -21,21 +23,34 @@ DevicePrefetcher::DevicePrefetcher(TensorLoader& loader, torch::Device device, T
 }
 
 void DevicePrefetcher::prefetch() {
-  auto batch = loader_.next();
-  if (!batch) {
-    pending_.reset();
+  pending_.reset();
+  ready_.reset();
+  std::optional<Batch> batch;
+  try {
+    batch = loader_.next();
+  } catch (...) {
+    // Handed to the next call of next(), after the batch already taken is returned.
+    error_ = std::current_exception();
     return;
   }
-  c10::StreamGuard on_side(*stream_);
-  // The copy reads pinned memory asynchronously; the side stream orders the transform after it.
-  batch->data = batch->data.to(device_, /*non_blocking=*/true);
-  batch->target = batch->target.to(device_, /*non_blocking=*/true);
-  if (transform_) {
-    batch->data = transform_(batch->data);
+  if (!batch) {
+    return;
   }
-  ready_.emplace(device_.type());
-  ready_->record(*stream_);
-  pending_ = std::move(batch);
+  try {
+    c10::StreamGuard on_side(*stream_);
+    // The copy reads pinned memory asynchronously; the side stream orders the transform after it.
+    batch->data = batch->data.to(device_, /*non_blocking=*/true);
+    batch->target = batch->target.to(device_, /*non_blocking=*/true);
+    if (transform_) {
+      batch->data = transform_(batch->data);
+    }
+    c10::Event ready(device_.type());
+    ready.record(*stream_);
+    ready_.emplace(std::move(ready));
+    pending_ = std::move(batch);
+  } catch (...) {
+    error_ = std::current_exception();
+  }
 }
 
 std::optional<Batch> DevicePrefetcher::next() {
@@ -50,6 +65,10 @@ std::optional<Batch> DevicePrefetcher::next() {
     }
     return batch;
   }
+  if (error_) {
+    std::exception_ptr error = std::exchange(error_, nullptr);
+    std::rethrow_exception(error);
+  }
   if (!pending_) {
     return std::nullopt;
   }
@@ -57,6 +76,7 @@ std::optional<Batch> DevicePrefetcher::next() {
   const c10::Stream compute = impl.getStream(device_);
   ready_->block(compute);
   Batch out = std::move(*pending_);
+  pending_.reset();
   // Memory made on the side stream is used on the compute stream: tell the caching allocator, so
   // it is not handed out again before the compute stream is done with it.
   out.data.record_stream(compute);

@@ -15,7 +15,7 @@
 //     static constexpr const char* kName = "x";
 //     static constexpr bool kWidenBFloat16 = ...;  // the engine reduces no bf16: send fp32/fp16
 //     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
-//     static void shutdown(Engine&);                // called once, before the engine is released
+//     static void shutdown(Engine&, bool broken);                // called once, before the engine is released
 //   };
 
 #include "backends.h"
@@ -119,7 +119,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
 
   ~C10dGroup() override {
     try {
-      Traits::shutdown(*engine_);
+      Traits::shutdown(*engine_, is_broken());
     } catch (const std::exception&) {
       // A broken group may fail to shut down; the process is going on without it.
     }

@@ -17,7 +17,7 @@ struct GlooTraits {
   // libtorch 1.13's Gloo has no bf16 arithmetic ("Invalid scalar type").
   static constexpr bool kWidenBFloat16 = true;
   static constexpr bool kCudaOnly = false;
-  static void shutdown(Engine&) {}  // Gloo's pairs close when the engine is released
+  static void shutdown(Engine&, bool) {}  // Gloo's pairs close when the engine is released
 };
 
 ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,

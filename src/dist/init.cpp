@@ -9,6 +9,7 @@
 
 #include <c10/macros/Macros.h>
 #include <c10/util/Logging.h>
+#include <torch/cuda.h>
 #ifdef C10_USE_GLOG
 #include <glog/logging.h>
 #endif
@@ -172,7 +173,8 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TC
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, o);
   } catch (const std::exception& e) {
-    if (g_libuv_refused.load() || std::string(e.what()).find("libuv") == std::string::npos) {
+    if (g_libuv_refused.load() ||
+        std::string(e.what()).find("without libuv support") == std::string::npos) {
       throw;
     }
     g_libuv_refused.store(true);
@@ -198,7 +200,9 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(
   } catch (const std::exception& ex) {
     std::string why = detail::error_message(ex);
     std::string where = e.host + ":" + std::to_string(e.port);
-    if (why.find("Address already in use") != std::string::npos ||
+    // 1.13: "Address already in use"; 2.x: "... EADDRINUSE, message: address already in use".
+    if (why.find("ddress already in use") != std::string::npos ||
+        why.find("EADDRINUSE") != std::string::npos ||
         why.find("failed to bind") != std::string::npos) {
       TORCH_CHECK(false, "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
                   ": address already in use; choose another MASTER_PORT (or launch with "
@@ -223,6 +227,7 @@ void join(c10d::Store& store, int rank, int world_size, std::chrono::millisecond
     store.set("paratrain/join/all", std::vector<uint8_t>{1});
   }
   try {
+    QuietC10dLogs quiet;  // 2.x logs each timed-out poll before it throws
     store.wait({"paratrain/join/all"}, timeout);
   } catch (const std::exception&) {
     std::string missing;
@@ -276,7 +281,8 @@ ProcessGroupPtr make_mpi(const InitOptions& options, std::chrono::milliseconds t
 }  // namespace
 #endif
 
-std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec) {
+std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec,
+                                                                          bool check_built) {
   std::vector<std::pair<c10::DeviceType, std::string>> routes;
   std::stringstream in(spec);
   std::string item;
@@ -295,7 +301,9 @@ std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const 
                 "': nccl moves CUDA tensors only; route cpu to gloo or mpi");
     TORCH_CHECK(type != c10::DeviceType::CUDA || engine != "mpi", "backend '", spec,
                 "': paratrain's mpi backend moves CPU tensors only; route cuda to nccl or gloo");
-    check_engine(engine, spec);
+    if (check_built) {
+      check_engine(engine, spec);
+    }
     for (const auto& r : routes) {
       TORCH_CHECK(r.first != type, "backend '", spec, "' names ", device, " twice");
     }
@@ -411,8 +419,12 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   if (world_size > 1) {
     join(*store, rank, world_size, timeout);
   }
-  // The CUDA device of this rank, for nccl: the local rank when a launcher said, else the rank.
-  [[maybe_unused]] const int device_index = info.source == "default" ? rank : info.local_rank;
+  // The CUDA device of this rank for nccl: local_device()'s, cuda:LOCAL_RANK; -1 (none bound)
+  // when this node's ranks outnumber its GPUs (local_device() refuses that job; a program that
+  // routes only CPU tensors still runs).
+  [[maybe_unused]] const int device_index =
+      info.local_world_size <= static_cast<int>(torch::cuda::device_count()) ? info.local_rank
+                                                                             : -1;
   auto make = [&](const std::string& engine, c10::intrusive_ptr<c10d::Store> s,
                   detail::StoreClientFactory client) -> ProcessGroupPtr {
     try {

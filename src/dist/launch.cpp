@@ -249,11 +249,19 @@ void validate(const LaunchOptions& o) {
               o.nnodes(), " give --master-addr and --master-port");
   TORCH_CHECK(o.master_port() > 0 && o.master_port() < 65536, "--master-port ", o.master_port(),
               " is not a TCP port: it must be in [1, 65535]");
+  // The names only: the program launched may be another one (a Python script) whose build has
+  // engines this one lacks.
   if (!o.backend().empty() && o.backend() != "auto") {
-    try {
-      resolve_backend(InitOptions().backend(o.backend()).uses_cuda(false));
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "--backend: ", e.what_without_backtrace());
+    const std::string& b = o.backend();
+    TORCH_CHECK(b.find(':') != std::string::npos || b == "gloo" || b == "mpi" || b == "nccl",
+                "--backend: unknown backend '", b,
+                "': choose gloo, mpi or nccl, or routes such as cpu:gloo,cuda:nccl");
+    if (b.find(':') != std::string::npos) {
+      try {
+        parse_backend_routes(b, /*check_built=*/false);
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "--backend: ", e.what_without_backtrace());
+      }
     }
   }
   std::set<int> seen;
@@ -295,8 +303,10 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
   if (!o.devices().empty()) {
     cmd.insert(cmd.end(), {"--devices", format_device_list(o.devices())});
   }
+  // Routes with mpi ("cpu:mpi,cuda:nccl") also meet over the store: --standalone's free port.
+  const int port = o.standalone() ? pick_free_port() : o.master_port();
   cmd.insert(cmd.end(), {"--master-addr", o.master_addr().empty() ? "127.0.0.1" : o.master_addr(),
-                         "--master-port", std::to_string(o.master_port())});
+                         "--master-port", std::to_string(port)});
   for (const auto& kv : o.env()) {
     cmd.insert(cmd.end(), {"--env", kv.first + "=" + kv.second});
   }
@@ -417,7 +427,7 @@ static bool runs_on_mpi(const std::string& backend) {
   if (backend.find(':') == std::string::npos) {
     return backend == "mpi";
   }
-  for (const auto& route : parse_backend_routes(backend)) {
+  for (const auto& route : parse_backend_routes(backend, /*check_built=*/false)) {
     if (route.second == "mpi") {
       return true;
     }

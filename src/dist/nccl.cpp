@@ -22,21 +22,24 @@ template <typename E>
 struct CanShutdown<E, decltype(void(std::declval<E&>().shutdown()))> : std::true_type {};
 
 template <typename E, typename = void>
+struct CanAbort : std::false_type {};
+template <typename E>
+struct CanAbort<E, decltype(void(std::declval<E&>().abort()))> : std::true_type {};
+
+template <typename E, typename = void>
 struct CanBindDevice : std::false_type {};
 template <typename E>
-struct CanBindDevice<E,
-                     decltype(void(std::declval<E&>().setBoundDeviceId(std::declval<at::Device>())),
-                              void(std::declval<E&>().eagerConnectSingleDevice(
-                                  std::declval<at::Device>())))> : std::true_type {};
+struct CanBindDevice<E, decltype(void(std::declval<E&>().setBoundDeviceId(std::declval<at::Device>())))>
+    : std::true_type {};
 
-// As torch.distributed.init_process_group(device_id=...): bound to its device, the engine creates
-// its communicator now, so NCCL neither guesses the device from the rank ("Guessing device ID
-// based on global rank") nor fails late.
+// Bound to its device, the engine no longer guesses it from the rank ("Guessing device ID based on
+// global rank"). The communicator is still created at the first collective, as PyTorch does
+// unless init_process_group is given device_id: connecting eagerly would leave every rank waiting
+// on one whose initialisation failed.
 template <typename E>
 void bind_device(E& engine, const at::Device& device) {
   if constexpr (CanBindDevice<E>::value) {
     engine.setBoundDeviceId(device);
-    engine.eagerConnectSingleDevice(device);
   } else {
     (void)engine;
     (void)device;
@@ -52,11 +55,20 @@ struct NcclTraits {
   static constexpr bool kCudaOnly = true;
   // libtorch 2.x warns at exit that "destroy_process_group() was not called" unless the engine
   // was shut down; 1.13 aborts its communicators in the destructor and has no shutdown().
-  static void shutdown(Engine& engine) {
+  // A broken group is aborted instead: 2.6's graceful shutdown waits for kernels that a dead peer
+  // never lets finish.
+  static void shutdown(Engine& engine, bool broken) {
+    if constexpr (CanAbort<Engine>::value) {
+      if (broken) {
+        engine.abort();
+        return;
+      }
+    }
     if constexpr (CanShutdown<Engine>::value) {
       engine.shutdown();
     } else {
       (void)engine;
+      (void)broken;
     }
   }
 };

@@ -49,6 +49,11 @@ void ProcessGroup::mark_broken(const std::string& message) {
   }
 }
 
+bool ProcessGroup::is_broken() const {
+  std::lock_guard<std::mutex> lock(broken_mutex_);
+  return !broken_.empty();
+}
+
 void ProcessGroup::check_not_broken(const char* op) const {
   std::lock_guard<std::mutex> lock(broken_mutex_);
   if (!broken_.empty()) {

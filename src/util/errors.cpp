@@ -24,8 +24,10 @@ std::string error_message(const std::exception& e) {
 std::string error_message(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
   } catch (const std::exception& e) {
-    return error_message(e);
+    return e.what();
   } catch (...) {
     return "unknown exception";
   }

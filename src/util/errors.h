@@ -13,7 +13,8 @@ namespace detail {
 /// "[path/file.cc:123] " location prefixes: the engine's or the library's words only.
 std::string error_message(const std::exception& e);
 
-/// The same for a captured exception; "unknown exception" for one that is no std::exception.
+/// The whole message of a captured exception (a replica's, a stage's) without libtorch's C++
+/// backtrace; "unknown exception" for one that is no std::exception.
 std::string error_message(const std::exception_ptr& error);
 
 }  // namespace detail

@@ -242,6 +242,9 @@ using paratrain::testing::error_of;
 
 TEST(Pipeline, BadInput) {
   auto net = deep_net();  // 7 layers
+  // A GPU past the last one (cuda:0 on a machine without CUDA).
+  const torch::Device missing_gpu(torch::kCUDA,
+                                  static_cast<c10::DeviceIndex>(torch::cuda::device_count()));
   auto x = torch::randn({4, 10});
   auto y = torch::zeros({4}, torch::kLong);
   auto has = [](const std::string& what, const std::string& part) {
@@ -258,9 +261,9 @@ TEST(Pipeline, BadInput) {
   has(error_of([&] { Pipeline(net, {3, 4}, {}, ce); }), "the device list is empty");
   has(error_of([&] { Pipeline(net, {3, 4}, cpus(3), ce); }), "2 stages but 3 devices");
   has(error_of([&] {
-        Pipeline(net, {3, 4}, {torch::Device("cuda:0"), torch::kCPU}, ce);
+        Pipeline(net, {3, 4}, {missing_gpu, torch::kCPU}, ce);
       }),
-      "cuda:0 does not exist");
+      missing_gpu.str() + " does not exist");
   has(error_of([&] {
         Pipeline(net, {3, 4}, cpus(2), ce, PipelineOptions().chunks(0));
       }),

@@ -21,6 +21,7 @@
 #include <c10/util/Optional.h>
 #include <torch/types.h>
 
+#include <exception>
 #include <functional>
 #include <optional>
 
@@ -50,6 +51,7 @@ class DevicePrefetcher {
   c10::optional<c10::Stream> stream_;  // the side stream (CUDA only)
   std::optional<Batch> pending_;       // copied (or being copied) on stream_
   std::optional<c10::Event> ready_;    // recorded on stream_ after pending_'s work
+  std::exception_ptr error_;           // a failed prefetch, rethrown by the next next()
 };
 
 }  // namespace data

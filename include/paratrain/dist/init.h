@@ -64,8 +64,10 @@ ProcessGroupPtr init_process_group(const InitOptions& options = InitOptions());
 /// engine this build lacks, nccl routed CPU tensors, or a device named twice.
 std::string resolve_backend(const InitOptions& options);
 
-/// "cpu:gloo,cuda:nccl" as (device type, engine) pairs, CPU first; checked as resolve_backend.
-std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec);
+/// "cpu:gloo,cuda:nccl" as (device type, engine) pairs, CPU first; checked as resolve_backend
+/// (with `check_built` false, engines missing from this build pass).
+std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec,
+                                                                          bool check_built = true);
 
 /// Backends compiled into this build, in preference order ("gloo", "mpi", "nccl").
 std::vector<std::string> available_backends();

@@ -133,6 +133,8 @@ class ProcessGroup {
   /// Records the first failure (called by Work::wait on any thread); later operations on this
   /// group throw it at once instead of waiting for peers that are gone.
   void mark_broken(const std::string& message);
+  /// Whether an operation of this group has failed.
+  bool is_broken() const;
 
  private:
   int64_t next_sequence() { return sequence_++; }
