@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 namespace paratrain {
 namespace cli {
@@ -110,7 +111,11 @@ long long parse_bytes(const std::string& text, const std::string& what) {
   if (i == 0 || i > 12 || scale == 0) {
     throw UsageError(what + " '" + text + "' is not a size; write it as 4096, 1K, 64M or 1G");
   }
-  return std::stoll(text.substr(0, i)) * scale;
+  const long long count = std::stoll(text.substr(0, i));  // at most 12 digits: fits
+  if (count > std::numeric_limits<long long>::max() / scale) {
+    throw UsageError(what + " '" + text + "' is too large");
+  }
+  return count * scale;
 }
 
 long long Args::get_bytes(const std::string& name, long long fallback) const {

@@ -4,7 +4,11 @@
 #include <zlib.h>
 
 #include <sys/stat.h>
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <vector>
 
 namespace paratrain {
 namespace data {
@@ -14,36 +18,70 @@ namespace {
 constexpr uint32_t kImagesMagic = 2051;  // 0x00000803: unsigned bytes, 3 dimensions
 constexpr uint32_t kLabelsMagic = 2049;  // 0x00000801: unsigned bytes, 1 dimension
 
-// zlib reads gzip and plain files alike.
-class GzFile {
+// Reads an idx file's bytes in order, inflating them when they are gzip'd. Like gzread: plain
+// bytes are read as they are, gzip members that follow one another are read as one stream, and
+// anything after the last member that is not gzip is ignored.
+class IdxReader {
  public:
-  explicit GzFile(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
-    struct stat st;
-    TORCH_CHECK(::stat(path.c_str(), &st) == 0, "Fashion-MNIST: ", path,
-                " does not exist; install Debian's dataset-fashion-mnist or pass --data-dir");
-    TORCH_CHECK(file_ != nullptr, "Fashion-MNIST: cannot open ", path);
-  }
-  ~GzFile() {
-    if (file_ != nullptr) {
-      gzclose(file_);
+  IdxReader(const void* data, size_t size, const std::string& name)
+      : pos_(static_cast<const unsigned char*>(data)), end_(pos_ + size), name_(name) {
+    gzip_ = is_gzip(pos_, end_);
+    if (gzip_) {
+      TORCH_CHECK(inflateInit2(&z_, 16 + MAX_WBITS) == Z_OK, "Fashion-MNIST: cannot inflate ",
+                  name_, ": zlib failed to start");
     }
   }
-  // Reads exactly n bytes or throws, naming what was being read.
-  void read(void* out, size_t n, const char* what) {
+  ~IdxReader() {
+    if (gzip_) {
+      inflateEnd(&z_);
+    }
+  }
+  IdxReader(const IdxReader&) = delete;
+  IdxReader& operator=(const IdxReader&) = delete;
+
+  // Reads up to n bytes, fewer only where the data ends; throws for damaged gzip data, naming
+  // what was being read.
+  size_t read_some(void* out, size_t n, const char* what) {
+    auto* dst = static_cast<unsigned char*>(out);
     size_t done = 0;
-    while (done < n) {
-      int got = gzread(file_, static_cast<char*>(out) + done,
-                       static_cast<unsigned>(std::min<size_t>(n - done, 1u << 30)));
-      if (got < 0) {
-        int err = 0;
-        const char* message = gzerror(file_, &err);
-        TORCH_CHECK(false, "Fashion-MNIST: ", path_, " is corrupt (", message, ") while reading ",
-                    what);
+    if (!gzip_) {
+      done = std::min(n, static_cast<size_t>(end_ - pos_));
+      if (done > 0) {
+        std::memcpy(dst, pos_, done);
       }
-      TORCH_CHECK(got > 0, "Fashion-MNIST: ", path_, " is truncated: it ends after ", done,
-                  " of the ", n, " bytes of ", what);
-      done += static_cast<size_t>(got);
+      pos_ += done;
     }
+    while (gzip_ && done < n && !ended_) {
+      z_.next_in = const_cast<Bytef*>(pos_);
+      z_.avail_in = static_cast<uInt>(std::min<size_t>(end_ - pos_, kMaxChunk));
+      z_.next_out = dst + done;
+      z_.avail_out = static_cast<uInt>(std::min<size_t>(n - done, kMaxChunk));
+      const uInt room = z_.avail_out;
+      const int rc = inflate(&z_, Z_NO_FLUSH);
+      done += room - z_.avail_out;
+      pos_ = z_.next_in;
+      if (rc == Z_STREAM_END) {
+        // Another gzip member may follow (gzip files concatenated); anything else ends the data.
+        if (is_gzip(pos_, end_)) {
+          inflateReset(&z_);
+        } else {
+          ended_ = true;
+        }
+      } else if (rc == Z_BUF_ERROR && pos_ == end_) {
+        ended_ = true;  // the data stops inside a gzip member: truncated
+      } else if (rc != Z_OK) {
+        TORCH_CHECK(false, "Fashion-MNIST: ", name_, " is corrupt (",
+                    z_.msg != nullptr ? z_.msg : "zlib error " + std::to_string(rc),
+                    ") while reading ", what);
+      }
+    }
+    return done;
+  }
+  // Reads exactly n bytes or throws.
+  void read(void* out, size_t n, const char* what) {
+    const size_t done = read_some(out, n, what);
+    TORCH_CHECK(done == n, "Fashion-MNIST: ", name_, " is truncated: it ends after ", done,
+                " of the ", n, " bytes of ", what);
   }
   uint32_t read_be32(const char* what) {
     unsigned char b[4];
@@ -52,17 +90,26 @@ class GzFile {
   }
 
  private:
-  std::string path_;
-  gzFile file_;
+  static constexpr size_t kMaxChunk = size_t{1} << 30;  // zlib counts in 32-bit uInt
+  static bool is_gzip(const unsigned char* p, const unsigned char* end) {
+    return end - p >= 2 && p[0] == 0x1f && p[1] == 0x8b;
+  }
+
+  const unsigned char* pos_;
+  const unsigned char* end_;
+  std::string name_;
+  bool gzip_ = false;
+  bool ended_ = false;
+  z_stream z_{};
 };
 
 }  // namespace
 
-torch::Tensor read_idx_file(const std::string& path, bool images) {
-  GzFile f(path);
+torch::Tensor read_idx_bytes(const void* bytes, size_t size, bool images, const std::string& name) {
+  IdxReader f(bytes, size, name);
   const uint32_t magic = f.read_be32("the header");
   const uint32_t expected = images ? kImagesMagic : kLabelsMagic;
-  TORCH_CHECK(magic == expected, "Fashion-MNIST: ", path, " has magic number ", magic,
+  TORCH_CHECK(magic == expected, "Fashion-MNIST: ", name, " has magic number ", magic,
               ", expected ", expected, " (", images ? "an idx3 image file" : "an idx1 label file",
               "): wrong or damaged file");
   const uint32_t count = f.read_be32("the header");
@@ -70,15 +117,47 @@ torch::Tensor read_idx_file(const std::string& path, bool images) {
   if (images) {
     const uint32_t rows = f.read_be32("the header");
     const uint32_t cols = f.read_be32("the header");
-    TORCH_CHECK(rows == 28 && cols == 28, "Fashion-MNIST: ", path, " holds ", rows, "x", cols,
+    TORCH_CHECK(rows == 28 && cols == 28, "Fashion-MNIST: ", name, " holds ", rows, "x", cols,
                 " images, expected 28x28");
     shape.push_back(rows);
     shape.push_back(cols);
   }
-  torch::Tensor data = torch::empty(shape, torch::kUInt8);
-  f.read(data.data_ptr(), static_cast<size_t>(data.numel()),
-         images ? "the image pixels" : "the labels");
-  return data;
+  // The count in the header is only a claim: memory follows the data actually there, so that a
+  // damaged count cannot ask for terabytes. The first guess, four times the input, holds all of a
+  // plain file or of one gzip'd as well as Fashion-MNIST's (about 2:1); then it doubles as needed.
+  const char* what = images ? "the image pixels" : "the labels";
+  const size_t total = size_t{count} * (images ? 28 * 28 : 1);
+  const size_t guess = std::max<size_t>(size_t{1} << 20, 4 * size);
+  torch::Tensor data = torch::empty({static_cast<int64_t>(std::min(total, guess))}, torch::kUInt8);
+  size_t done = 0;
+  while (true) {
+    const size_t want = static_cast<size_t>(data.numel()) - done;
+    const size_t got = f.read_some(data.data_ptr<uint8_t>() + done, want, what);
+    done += got;
+    TORCH_CHECK(got == want, "Fashion-MNIST: ", name, " is truncated: it ends after ", done,
+                " of the ", total, " bytes of ", what);
+    if (done == total) {
+      return data.view(shape);
+    }
+    torch::Tensor bigger =
+        torch::empty({static_cast<int64_t>(std::min(total, 2 * done))}, torch::kUInt8);
+    bigger.narrow(0, 0, static_cast<int64_t>(done)).copy_(data);
+    data = bigger;
+  }
+}
+
+torch::Tensor read_idx_file(const std::string& path, bool images) {
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "Fashion-MNIST: ", path,
+              " does not exist; install Debian's dataset-fashion-mnist or pass --data-dir");
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  const std::streamoff size = in.tellg();
+  TORCH_CHECK(in.good() && size >= 0, "Fashion-MNIST: cannot open ", path);
+  std::vector<char> bytes(static_cast<size_t>(size));
+  in.seekg(0);
+  TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())),
+              "Fashion-MNIST: cannot read ", path);
+  return read_idx_bytes(bytes.data(), bytes.size(), images, path);
 }
 
 FashionMNIST::FashionMNIST(const std::string& root, Split split) {

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -106,17 +107,25 @@ class HeaderParser {
   }
   int64_t integer() {
     peek();
-    size_t start = i_;
-    if (s_[i_] == '-') {
+    const bool negative = s_[i_] == '-';
+    if (negative) {
       ++i_;
     }
+    const size_t start = i_;
+    int64_t value = 0;
+    bool overflow = false;
     while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) {
+      overflow |= __builtin_mul_overflow(value, int64_t{10}, &value) ||
+                  __builtin_add_overflow(value, int64_t{s_[i_] - '0'}, &value);
       ++i_;
     }
     if (start == i_) {
       fail("expected a number");
     }
-    return std::stoll(s_.substr(start, i_ - start));
+    if (overflow) {
+      fail("a number beyond 64 bits");
+    }
+    return negative ? -value : value;
   }
   std::vector<int64_t> int_array() {
     std::vector<int64_t> out;
@@ -135,7 +144,11 @@ class HeaderParser {
       return out;
     }
   }
-  void skip_value() {
+  void skip_value(int depth = 0) {
+    // Nesting costs stack: a header of a million '[' must fail, not overflow it.
+    if (depth > kMaxNesting) {
+      fail("values nested more than " + std::to_string(kMaxNesting) + " deep");
+    }
     char c = peek();
     if (c == '"') {
       string();
@@ -151,7 +164,7 @@ class HeaderParser {
           string();
           expect(':');
         }
-        skip_value();
+        skip_value(depth + 1);
         if (peek() == ',') {
           ++i_;
           continue;
@@ -197,6 +210,8 @@ class HeaderParser {
     }
     return e;
   }
+
+  static constexpr int kMaxNesting = 64;
 
   const std::string& s_;
   std::string path_;
@@ -259,27 +274,25 @@ void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
   TORCH_CHECK(out.good(), "safetensors: writing ", path, " failed");
 }
 
-std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "safetensors: cannot open ", path);
-  in.seekg(0, std::ios::end);
-  const int64_t file_size = in.tellg();
-  in.seekg(0);
-  unsigned char len[8];
-  TORCH_CHECK(file_size >= 8 && in.read(reinterpret_cast<char*>(len), 8), "safetensors: ", path,
+std::map<std::string, torch::Tensor> load_safetensors_bytes(const void* data,
+                                                            size_t size,
+                                                            const std::string& name) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  TORCH_CHECK(size >= 8, "safetensors: ", name,
               " is not a valid safetensors file: shorter than its 8-byte header length");
+  const int64_t file_size = static_cast<int64_t>(size);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) {
-    n |= static_cast<uint64_t>(len[i]) << (8 * i);
+    n |= static_cast<uint64_t>(bytes[i]) << (8 * i);
   }
-  TORCH_CHECK(n >= 2 && static_cast<int64_t>(n) <= file_size - 8 && n < (100u << 20),
-              "safetensors: ", path, " is not a valid safetensors file: its header length ", n,
-              " does not fit a file of ", file_size, " bytes");
-  std::string header(n, '\0');
-  in.read(&header[0], static_cast<std::streamsize>(n));
-  TORCH_CHECK(!header.empty() && header[0] == '{', "safetensors: ", path,
+  TORCH_CHECK(n >= 2 && n <= size - 8 && n < (100u << 20), "safetensors: ", name,
+              " is not a valid safetensors file: its header length ", n, " does not fit a file of ",
+              size, " bytes");
+  const std::string header(reinterpret_cast<const char*>(bytes) + 8, n);
+  TORCH_CHECK(header[0] == '{', "safetensors: ", name,
               " is not a valid safetensors file: the header is not a JSON object");
-  auto entries = HeaderParser(header, path).parse();
+  auto entries = HeaderParser(header, name).parse();
+  const unsigned char* payload = bytes + 8 + n;
   const int64_t data_size = file_size - 8 - static_cast<int64_t>(n);
   std::map<std::string, torch::Tensor> out;
   for (const auto& kv : entries) {
@@ -292,27 +305,46 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
         known = true;
       }
     }
-    TORCH_CHECK(known, "safetensors: ", path, ": tensor '", kv.first, "' has unsupported dtype ",
+    TORCH_CHECK(known, "safetensors: ", name, ": tensor '", kv.first, "' has unsupported dtype ",
                 e.dtype);
     // Check the byte range against the shape before allocating: a damaged header must not ask
-    // for terabytes.
+    // for terabytes. An empty tensor's other dimensions must still multiply within 64 bits, as
+    // libtorch computes its strides from them.
     int64_t nbytes = static_cast<int64_t>(c10::elementSize(type));
+    int64_t span = nbytes;  // the product of the dimensions other than 0
     for (int64_t d : e.shape) {
-      TORCH_CHECK(d >= 0 && (d == 0 || nbytes <= std::max<int64_t>(1, data_size) / d),
-                  "safetensors: ", path, ": tensor '", kv.first, "' has a shape ", e.shape,
+      TORCH_CHECK(d >= 0 && (d == 0 || nbytes <= std::max<int64_t>(1, data_size) / d) &&
+                      !__builtin_mul_overflow(span, std::max<int64_t>(d, 1), &span),
+                  "safetensors: ", name, ": tensor '", kv.first, "' has a shape ", e.shape,
                   " larger than the file");
       nbytes *= d;
     }
-    TORCH_CHECK(e.end - e.begin == nbytes && e.begin >= 0 && e.end <= data_size,
-                "safetensors: ", path, ": tensor '", kv.first, "' has byte range [", e.begin, ", ",
+    TORCH_CHECK(e.begin >= 0 && e.end >= e.begin && e.end <= data_size && e.end - e.begin == nbytes,
+                "safetensors: ", name, ": tensor '", kv.first, "' has byte range [", e.begin, ", ",
                 e.end, ") that does not match its shape or the file");
+    const unsigned char* src = payload + e.begin;
+    // A bool is a byte that must be 0 or 1: any other value is undefined behaviour to read.
+    TORCH_CHECK(
+        type != at::kBool || std::all_of(src, src + nbytes, [](unsigned char b) { return b <= 1; }),
+        "safetensors: ", name, ": tensor '", kv.first, "' holds BOOL bytes other than 0 and 1");
     torch::Tensor t = torch::empty(e.shape, torch::TensorOptions().dtype(type));
-    in.seekg(8 + static_cast<int64_t>(n) + e.begin);
-    in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
-    TORCH_CHECK(in.good(), "safetensors: ", path, " is truncated");
+    if (nbytes > 0) {
+      std::memcpy(t.data_ptr(), src, static_cast<size_t>(nbytes));
+    }
     out[kv.first] = t;
   }
   return out;
+}
+
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  const std::streamoff size = in.tellg();
+  TORCH_CHECK(in.good() && size >= 0, "safetensors: cannot open ", path);
+  std::vector<char> bytes(static_cast<size_t>(size));
+  in.seekg(0);
+  TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())),
+              "safetensors: cannot read ", path);
+  return load_safetensors_bytes(bytes.data(), bytes.size(), path);
 }
 
 std::map<std::string, torch::Tensor> module_state(const torch::nn::Module& module) {

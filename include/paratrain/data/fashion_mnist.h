@@ -43,6 +43,13 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
 /// labels. Returns uint8 data shaped [N, 28, 28] or [N].
 torch::Tensor read_idx_file(const std::string& path, bool images);
 
+/// The same for the `size` bytes of an idx file already in memory, gzip'd or plain. `name` stands
+/// for the file in error messages.
+torch::Tensor read_idx_bytes(const void* data,
+                             size_t size,
+                             bool images,
+                             const std::string& name = "idx data");
+
 /// A batch of N x 1 x 28 x 28 images made fit for models that expect other inputs: bilinearly
 /// resized to size x size and the channel repeated `channels` times (3 for the ResNets). Returns
 /// the batch itself when it already has that shape. Throws c10::Error for size or channels < 1

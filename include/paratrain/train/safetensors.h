@@ -21,6 +21,11 @@ void save_safetensors(const std::map<std::string, torch::Tensor>& tensors, const
 /// offsets).
 std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
 
+/// The same for the `size` bytes of a safetensors file already in memory. `name` stands for the
+/// file in error messages.
+std::map<std::string, torch::Tensor> load_safetensors_bytes(
+    const void* data, size_t size, const std::string& name = "safetensors data");
+
 /// A module's parameters and buffers by their libtorch names ("fc1.weight", "bn.running_mean").
 std::map<std::string, torch::Tensor> module_state(const torch::nn::Module& module);
 
