@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config git
   clang-format          # scripts/check-format.sh
+  clang libclang-rt-14-dev  # libFuzzer and the sanitizers' runtimes (scripts/fuzz.sh)
   libtorch-dev          # libtorch 1.13.1 (CPU), with c10d (Gloo, TCPStore)
   libgloo-dev           # headers that c10d's ProcessGroupGloo.hpp includes
   libopenblas0-pthread  # without it libtorch falls back to the reference BLAS (5x slower)
