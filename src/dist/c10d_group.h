@@ -15,7 +15,8 @@
 //     static constexpr const char* kName = "x";
 //     static constexpr bool kWidenBFloat16 = ...;  // the engine reduces no bf16: send fp32/fp16
 //     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
-//     static void shutdown(Engine&, bool broken);                // called once, before the engine is released
+//     static void shutdown(Engine&, bool broken);                // called once, before the engine
+//     is released
 //   };
 
 #include "backends.h"

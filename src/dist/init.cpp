@@ -423,8 +423,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   // when this node's ranks outnumber its GPUs (local_device() refuses that job; a program that
   // routes only CPU tensors still runs).
   [[maybe_unused]] const int device_index =
-      info.local_world_size <= static_cast<int>(torch::cuda::device_count()) ? info.local_rank
-                                                                             : -1;
+      info.local_world_size <= static_cast<int>(torch::cuda::device_count()) ? info.local_rank : -1;
   auto make = [&](const std::string& engine, c10::intrusive_ptr<c10d::Store> s,
                   detail::StoreClientFactory client) -> ProcessGroupPtr {
     try {

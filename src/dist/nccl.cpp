@@ -29,8 +29,9 @@ struct CanAbort<E, decltype(void(std::declval<E&>().abort()))> : std::true_type 
 template <typename E, typename = void>
 struct CanBindDevice : std::false_type {};
 template <typename E>
-struct CanBindDevice<E, decltype(void(std::declval<E&>().setBoundDeviceId(std::declval<at::Device>())))>
-    : std::true_type {};
+struct CanBindDevice<E,
+                     decltype(void(std::declval<E&>().setBoundDeviceId(
+                         std::declval<at::Device>())))> : std::true_type {};
 
 // Bound to its device, the engine no longer guesses it from the rank ("Guessing device ID based on
 // global rank"). The communicator is still created at the first collective, as PyTorch does
