@@ -55,6 +55,10 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
+    # PyTorch 2.4+ serves its TCPStore through libuv by default; Debian's builds have no libuv and
+    # refuse ("use_libuv was requested but PyTorch was build without libuv support"). The classic
+    # store exists in every version, and USE_LIBUV is PyTorch's own switch for the default.
+    os.environ.setdefault("USE_LIBUV", "0")
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = mlp() if a.workload == "mlp" else resnet18_cifar()

@@ -58,7 +58,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 if [ "${1:-}" = "--root-only" ]; then exit 0; fi
 
-# /proc and /dev for the tests (processes, /dev/shm for Open MPI), and the checkout itself.
+# /proc, /sys and /dev for the tests (processes, /dev/shm for Open MPI), and the checkout itself.
 mounts=()
 cleanup() {
   local i
@@ -75,6 +75,9 @@ mount_in() { # mount_in TARGET ARGS...
   mounts+=("$target")
 }
 mount_in /proc -t proc proc
+# /sys: oneDNN reads the CPU's cache sizes there (without them it divides by zero), and Open MPI's
+# hwloc its topology and network interfaces.
+mount_in /sys --bind /sys
 mount_in /dev --bind /dev
 mount_in /dev/shm -t tmpfs tmpfs
 mount_in /dev/pts -t devpts devpts
