@@ -322,6 +322,13 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
   if (std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism") == nullptr) {
     mpirun_env["OMPI_MCA_btl_vader_single_copy_mechanism"] = "none";
   }
+  // One node (launch_mpirun refuses more): TCP between the ranks only over loopback. Open MPI 5
+  // otherwise pairs every interface and prints "Unable to find reachable pairing between local
+  // and remote interfaces" on hosts whose interfaces it cannot match (seen in Debian 13).
+  if (std::getenv("OMPI_MCA_btl_tcp_if_include") == nullptr &&
+      std::getenv("OMPI_MCA_btl_tcp_if_exclude") == nullptr) {
+    mpirun_env["OMPI_MCA_btl_tcp_if_include"] = "lo";
+  }
   // The outer launch below starts a single process (mpirun), so it would give each rank all the
   // cores; split them between the ranks here instead, unless the user chose.
   if (std::getenv("OMP_NUM_THREADS") == nullptr && o.env().count("OMP_NUM_THREADS") == 0) {

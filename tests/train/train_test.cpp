@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <fstream>
 #include <regex>
@@ -85,6 +86,14 @@ TEST(Train, DataParallelExampleTrains) {
 }
 
 TEST(Train, ModelParallelResNet50Example) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 6
+  // Open finding (issue 9's note): with Debian 13's libtorch 2.6 (oneDNN 3.6), convolution
+  // backward on a pipeline stage's thread dies with SIGFPE (integer divide by zero inside
+  // libdnnl) for ResNets; Linear-only pipelines and DataParallel ResNets pass there.
+  GTEST_SKIP() << "libtorch " << TORCH_VERSION
+               << ": oneDNN's convolution backward divides by zero on pipeline stage threads "
+                  "(open, see the README's known problems)";
+#endif
   // One step of each, a batch of 8 in 4 micro-batches: both modes run and train.
   auto r = run_process({PARATRAIN_TEST_MP_EXAMPLE, "1", "8", "4", "1f1b"}, {}, 240);
   ASSERT_EQ(r.exit_code, 0) << r.output;
