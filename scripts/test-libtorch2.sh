@@ -4,7 +4,8 @@
 # (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.5 GB). The checkout is bound
 # into the root, and the build goes to ${BUILD_DIR_LIBTORCH2:-build-libtorch2} in it.
 #
-# Needs root (or sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops.
+# PARATRAIN_TESTS=REGEX runs only the matching tests. Needs root (or sudo) for debootstrap, chroot
+# and the mounts. `--root-only` makes the root and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$(pwd)
@@ -86,12 +87,12 @@ mount_in /work/paratrain --bind "$src"
 
 # Inside: the same build and ctest as scripts/test.sh (formatting is checked by the first leg).
 $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  HOME=/root LANG=C.UTF-8 CI="${CI:-}" bash -c "
+  HOME=/root LANG=C.UTF-8 CI="${CI:-}" TESTS="${PARATRAIN_TESTS:-.}" bash -c "
   set -euo pipefail
   cd /work/paratrain
   cmake -S . -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_BUILD_TESTS=ON \
     -DPARATRAIN_WERROR=ON >/dev/null
   cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}
   cd '$build_dir'
-  ctest -j 2 --output-on-failure --timeout 300
+  ctest -j 2 --output-on-failure --timeout 300 -R \"\$TESTS\"
 "
