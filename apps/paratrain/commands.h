@@ -20,6 +20,33 @@ int run_bench_strategies(const std::vector<std::string>& args);
 int run_bench_pipeline(const std::vector<std::string>& args);
 int run_bench_amp(const std::vector<std::string>& args);
 
+/// One subcommand: how it is called, what it does (one line), and its entry point. The help
+/// texts and the dispatch are generated from the tables below, so a new command is listed once.
+struct Command {
+  const char* name;
+  const char* synopsis;  // what follows the name in the help ("[opts] -- PROG"), may be ""
+  const char* summary;
+  int (*run)(const std::vector<std::string>& args);
+};
+
+/// `paratrain <command>` and `paratrain bench <name>`.
+const std::vector<Command>& commands();
+const std::vector<Command>& bench_commands();
+
+/// Runs the command called `name` in `table` with `args`; throws UsageError naming the choices
+/// when there is none (`what` names the kind: "command", "benchmark").
+int dispatch(const std::vector<Command>& table,
+             const std::string& name,
+             const std::vector<std::string>& args,
+             const char* what);
+
+/// The help of `table` under `usage`: one aligned row per entry under `heading` (plural, e.g.
+/// "commands"), and with `with_bench` the benchmarks as "bench NAME" rows too.
+std::string help_text(const std::string& usage,
+                      const std::string& heading,
+                      const std::vector<Command>& table,
+                      bool with_bench);
+
 /// Absolute path of this executable (to re-run it as a worker or an mpirun shim).
 std::string self_path();
 

@@ -83,6 +83,8 @@ int run_launch(const std::vector<std::string>& argv) {
   o.env(env);
   o.mpi_shim({self_path(), "launch", "--from-mpirun"});
 
+  int mpi_rank = -1;
+  int mpi_size = -1;
   if (args.has("from-mpirun")) {
     // Started by mpirun on one rank: relay this rank's worker, with the rank mpirun gave it.
     const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
@@ -92,15 +94,15 @@ int run_launch(const std::vector<std::string>& argv) {
     }
     // The launcher that started mpirun put the job's backend ("mpi", or routes with mpi) here.
     const char* backend = std::getenv("PARATRAIN_BACKEND");
-    o.backend(backend != nullptr && backend[0] != '\0' ? backend : "mpi")
-        .first_rank(std::atoi(rank))
-        .world_size(std::atoi(size))
-        .nproc_per_node(1);
+    o.backend(backend != nullptr && backend[0] != '\0' ? backend : "mpi");
+    mpi_rank = std::atoi(rank);
+    mpi_size = std::atoi(size);
     // Each shim starts one worker; the device list stays whole (CUDA_VISIBLE_DEVICES) and the
     // worker picks cuda:LOCAL_RANK from it.
   }
 
-  dist::LaunchResult result = dist::launch(o);
+  dist::LaunchResult result =
+      mpi_rank >= 0 ? dist::detail::launch_mpirun_rank(o, mpi_rank, mpi_size) : dist::launch(o);
   // Under mpirun, a shim is stopped by mpirun when another rank failed: that rank's shim already
   // reported the failure, and mpirun reports the job's end.
   if (args.has("from-mpirun") && result.interrupted_by != 0) {

@@ -9,6 +9,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <iostream>
 
@@ -24,46 +25,24 @@ std::string self_path() {
 }  // namespace cli
 }  // namespace paratrain
 
-namespace {
-
-const char* kUsage =
-    "usage: paratrain <command> [options]\n"
-    "\n"
-    "commands:\n"
-    "  info                    libtorch version, backends in this build, CPU threads, CUDA "
-    "devices\n"
-    "  launch [opts] -- PROG   start PROG once per rank with torchrun's environment (see\n"
-    "                          `paratrain launch --help`)\n"
-    "  train [opts]            train a model (linear, mlp) on Fashion-MNIST, alone or with DDP\n"
-    "                          (see `paratrain train --help`)\n"
-    "  bench allreduce         allreduce time and bus bandwidth per backend\n";
-
-}  // namespace
-
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
+  namespace cli = paratrain::cli;
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    std::cout << kUsage;
+    std::cout << cli::help_text("paratrain <command> [options]", "commands", cli::commands(), true);
     return args.empty() ? 2 : 0;
   }
   const std::string command = args[0];
   args.erase(args.begin());
-  try {
-    if (command == "info") {
-      return paratrain::cli::run_info(args);
-    }
-    if (command == "launch") {
-      return paratrain::cli::run_launch(args);
-    }
-    if (command == "train") {
-      return paratrain::cli::run_train(args);
-    }
-    if (command == "bench") {
-      return paratrain::cli::run_bench(args);
-    }
+  const auto& table = cli::commands();
+  if (std::none_of(table.begin(), table.end(),
+                   [&](const cli::Command& c) { return command == c.name; })) {
     std::cerr << "paratrain: unknown command '" << command
               << "'; run `paratrain --help` for the list" << std::endl;
     return 2;
+  }
+  try {
+    return cli::dispatch(table, command, args, "command");
   } catch (const paratrain::cli::UsageError& e) {
     std::cerr << "paratrain " << command << ": " << e.what() << " (see `paratrain " << command
               << " --help`)" << std::endl;

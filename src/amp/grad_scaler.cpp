@@ -4,6 +4,8 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <torch/torch.h>
 
+#include "../util/copies.h"
+
 namespace paratrain {
 namespace amp {
 
@@ -37,7 +39,7 @@ torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
     return outputs;
   }
   ensure_scale(outputs.device());
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * detail::to_device(scale_, outputs.device());
 }
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {

@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "../util/copies.h"
 #include "../util/errors.h"
 #include "paratrain/dist/devices.h"
 #include "paratrain/parallel/threads.h"
@@ -118,7 +119,7 @@ struct GatherBackward : torch::autograd::Node {
     std::vector<bool> want_input(k);
     int64_t offset = 0;
     for (size_t i = 0; i < k; ++i) {
-      grad_outs[i] = grad.narrow(dim, offset, sizes[i]).to(st.devices[i], /*non_blocking=*/true);
+      grad_outs[i] = detail::to_device(grad.narrow(dim, offset, sizes[i]), st.devices[i]);
       offset += sizes[i];
       want_input[i] = leaves[i].defined() && should_compute_output(i);
       if (want_input[i]) {
@@ -334,12 +335,12 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
       }
       if (copy) {
         for (size_t j = 0; j < mine.size(); ++j) {
-          st.params[i][j].copy_(mine[j], /*non_blocking=*/true);
+          detail::copy_to(st.params[i][j], mine[j]);
         }
       }
       if (!graphs_live || !training) {
         for (size_t j = 0; j < st.buffers[0].size(); ++j) {
-          st.buffers[i][j].copy_(st.buffers[0][j], /*non_blocking=*/true);
+          detail::copy_to(st.buffers[i][j], st.buffers[0][j]);
         }
       }
       st.replicas[i]->train(training);
@@ -355,7 +356,7 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
       c10::DeviceGuard guard(st.devices[i]);
       // Each replica works on a leaf of its own: its graph ends here, and GatherBackward routes
       // the chunk's gradient back to the caller's input.
-      at::Tensor x = chunks[i].to(st.devices[i], /*non_blocking=*/true).detach();
+      at::Tensor x = detail::to_device(chunks[i], st.devices[i]).detach();
       if (grad_mode && chunks[i].requires_grad()) {
         x.requires_grad_(true);
       }

@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
+#include "../util/copies.h"
 #include "../util/errors.h"
 #include "paratrain/dist/devices.h"
 #include "paratrain/parallel/threads.h"
@@ -447,12 +448,12 @@ struct StageRunner {
     auto t0 = Clock::now();
     at::Tensor t = transport->recv(from, index, mb, grad);
     waiting += std::chrono::duration<double>(Clock::now() - t0).count();
-    return t.to(device, /*non_blocking=*/true);
+    return detail::to_device(t, device);
   }
 
   at::Tensor compute_loss(const at::Tensor& out, int64_t mb) {
     const at::Tensor& target = targets[static_cast<size_t>(mb)];
-    at::Tensor l = loss(out, target.to(device, /*non_blocking=*/true));
+    at::Tensor l = loss(out, detail::to_device(target, device));
     TORCH_CHECK(l.numel() == 1, "the loss function returned a tensor of shape ", l.sizes(),
                 "; it must return a scalar (reduce with mean or sum)");
     if (options.scale_loss()) {
@@ -462,7 +463,7 @@ struct StageRunner {
   }
 
   void forward(int64_t mb, bool training) {
-    at::Tensor x = index == 0 ? inputs[static_cast<size_t>(mb)].to(device, /*non_blocking=*/true)
+    at::Tensor x = index == 0 ? detail::to_device(inputs[static_cast<size_t>(mb)], device)
                               : receive(index - 1, mb, /*grad=*/false);
     Saved s;
     s.input = x.detach();

@@ -50,14 +50,10 @@ struct LaunchOptions {
   TORCH_ARG(bool, prefix_output) = true;
   /// Name used in the launcher's own messages.
   TORCH_ARG(std::string, name) = "paratrain launch";
-  /// With backend "mpi": the command mpirun starts on each rank in front of `command`, a shim
-  /// that relays that rank's output (the CLI passes itself: {"/path/paratrain", "launch",
-  /// "--from-mpirun"}).
+  /// With backend "mpi" (or routes with mpi): the command mpirun starts on each rank in front of
+  /// `command`, which relays that rank's output and reports its failure. Empty: `paratrain launch
+  /// --from-mpirun` with the paratrain CLI found on PATH.
   TORCH_ARG(std::vector<std::string>, mpi_shim) = {};
-  /// Only for the mpirun shim: the single worker's global rank and world size are taken from
-  /// these instead of being computed (mpirun decided them).
-  TORCH_ARG(int, first_rank) = -1;
-  TORCH_ARG(int, world_size) = -1;
 };
 
 struct WorkerFailure {
@@ -87,6 +83,15 @@ LaunchResult launch(const LaunchOptions& options);
 
 /// "0,1,3" -> {0, 1, 3}; throws on non-numbers, negatives, duplicates and empty entries.
 std::vector<int> parse_device_list(const std::string& text);
+
+namespace detail {
+
+/// The paratrain CLI's `launch --from-mpirun`: mpirun started this process as rank `rank` of
+/// `world_size`, and it runs that rank's one worker with torchrun's environment. Not for programs:
+/// launch() with backend "mpi" starts mpirun and these shims itself.
+LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int world_size);
+
+}  // namespace detail
 
 /// {0, 1, 3} -> "0,1,3".
 std::string format_device_list(const std::vector<int>& devices);
