@@ -9,7 +9,7 @@ namespace paratrain {
 namespace cli {
 
 int run_bench(const std::vector<std::string>& args) {
-  if (args.empty() || args[0] == "--help") {
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
     std::cout << help_text("paratrain bench <name> [options] [--json]", "benchmarks",
                            bench_commands(), false);
     return args.empty() ? 2 : 0;

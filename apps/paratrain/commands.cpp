@@ -34,14 +34,21 @@ const std::vector<Command>& bench_commands() {
   return table;
 }
 
+const Command* find_command(const std::vector<Command>& table, const std::string& name) {
+  for (const auto& c : table) {
+    if (name == c.name) {
+      return &c;
+    }
+  }
+  return nullptr;
+}
+
 int dispatch(const std::vector<Command>& table,
              const std::string& name,
              const std::vector<std::string>& args,
              const char* what) {
-  for (const auto& c : table) {
-    if (name == c.name) {
-      return c.run(args);
-    }
+  if (const Command* c = find_command(table, name)) {
+    return c->run(args);
   }
   std::string names;
   for (const auto& c : table) {

@@ -33,6 +33,9 @@ struct Command {
 const std::vector<Command>& commands();
 const std::vector<Command>& bench_commands();
 
+/// The entry of `table` called `name`; null when there is none.
+const Command* find_command(const std::vector<Command>& table, const std::string& name);
+
 /// Runs the command called `name` in `table` with `args`; throws UsageError naming the choices
 /// when there is none (`what` names the kind: "command", "benchmark").
 int dispatch(const std::vector<Command>& table,

@@ -9,7 +9,6 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <climits>
 #include <iostream>
 
@@ -34,15 +33,14 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
-  const auto& table = cli::commands();
-  if (std::none_of(table.begin(), table.end(),
-                   [&](const cli::Command& c) { return command == c.name; })) {
+  const cli::Command* known = cli::find_command(cli::commands(), command);
+  if (known == nullptr) {
     std::cerr << "paratrain: unknown command '" << command
               << "'; run `paratrain --help` for the list" << std::endl;
     return 2;
   }
   try {
-    return cli::dispatch(table, command, args, "command");
+    return known->run(args);
   } catch (const paratrain::cli::UsageError& e) {
     std::cerr << "paratrain " << command << ": " << e.what() << " (see `paratrain " << command
               << " --help`)" << std::endl;

@@ -39,7 +39,7 @@ torch::Tensor GradScaler::scale(const torch::Tensor& outputs) {
     return outputs;
   }
   ensure_scale(outputs.device());
-  return outputs * detail::to_device(scale_, outputs.device());
+  return outputs * ::paratrain::detail::to_device(scale_, outputs.device());
 }
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -15,11 +16,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <ctime>
-#include <fstream>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -153,14 +154,13 @@ struct Worker {
   Stream streams[2];
   std::string prefix;
   std::string log_path;
-  std::unique_ptr<std::ofstream> log;
+  int log_fd = -1;  // O_CLOEXEC: later workers must not inherit the logs of earlier ones
 
   void emit(Stream& s, const std::string& line) {
     std::string text = prefix + line + "\n";
     write_all(s.out_fd, text);  // one write per line: lines from different workers never mix
-    if (log) {
-      *log << line << '\n';
-      log->flush();
+    if (log_fd >= 0) {
+      write_all(log_fd, line + "\n");
     }
   }
 
@@ -326,6 +326,10 @@ struct JobGuard {
           s.fd = -1;
         }
       }
+      if (w.log_fd >= 0) {
+        ::close(w.log_fd);
+        w.log_fd = -1;
+      }
     }
     if (dev_null >= 0) {
       ::close(dev_null);
@@ -450,6 +454,11 @@ void install_signal_handlers(JobGuard& job) {
   ::sigaction(SIGINT, &dfl, nullptr);
   ::sigaction(SIGTERM, &dfl, nullptr);
   ::sigaction(SIGCHLD, &dfl, nullptr);
+  // A caller that blocks SIGINT/SIGTERM (to sigwait for them) must not hand that mask to the
+  // workers: they would ignore the launcher's SIGTERM until kill_grace ran out.
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
   if (dev_null >= 0) {
     ::dup2(dev_null, 0);
   }
@@ -513,7 +522,9 @@ void start_workers(const LaunchOptions& o,
     w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
     if (!o.log_dir().empty()) {
       w.log_path = o.log_dir() + "/rank_" + std::to_string(w.rank) + ".log";
-      w.log = std::make_unique<std::ofstream>(w.log_path, std::ios::trunc);
+      w.log_fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      TORCH_CHECK(w.log_fd >= 0, o.name(), ": cannot write ", w.log_path, ": ",
+                  std::strerror(errno));
     }
     start_worker(o, job, w, worker_environment(o, plan, where, w.rank, local));
   }
@@ -664,21 +675,39 @@ class Supervisor {
   Clock::time_point drain_deadline_{};
 };
 
-// "mpi", or routes with an mpi engine ("cpu:mpi,cuda:nccl"): such jobs start through mpirun.
-bool runs_on_mpi(const std::string& backend) {
-  if (backend.find(':') == std::string::npos) {
-    return backend == "mpi";
-  }
-  for (const auto& route : parse_backend_routes(backend, /*check_built=*/false)) {
-    if (route.second == "mpi") {
-      return true;
-    }
-  }
-  return false;
-}
-
 // Checks the options, then starts the workers (or mpirun) and supervises them.
 LaunchResult run_job(const LaunchOptions& o, const Placement& where);
+
+// The paratrain CLI of this build: $PARATRAIN_CLI, else bin/paratrain beside the directory that
+// holds this library (an install prefix's lib/ and bin/, or the build tree's libparatrain and
+// bin/). Not a search of PATH: another paratrain there may be another version, whose shim speaks
+// another command line. "" when there is none.
+std::string own_cli() {
+  if (const char* cli = std::getenv("PARATRAIN_CLI"); cli != nullptr && cli[0] != '\0') {
+    char* full = ::realpath(cli, nullptr);
+    std::string out = full != nullptr && ::access(full, X_OK) == 0 ? full : "";
+    std::free(full);
+    return out;
+  }
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&own_cli), &info) == 0 || info.dli_fname == nullptr) {
+    return "";
+  }
+  char* lib = ::realpath(info.dli_fname, nullptr);
+  if (lib == nullptr) {
+    return "";
+  }
+  std::string dir(lib);
+  std::free(lib);
+  dir = dir.substr(0, dir.rfind('/'));
+  for (const std::string& candidate :
+       {dir + "/bin/paratrain", dir.substr(0, dir.rfind('/')) + "/bin/paratrain"}) {
+    if (::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  return "";
+}
 
 // What mpirun starts on each rank: the paratrain CLI's `launch --from-mpirun`, which relays that
 // rank's output and reports its failure.
@@ -686,10 +715,11 @@ std::vector<std::string> mpirun_shim(const LaunchOptions& o) {
   if (!o.mpi_shim().empty()) {
     return o.mpi_shim();
   }
-  const std::string cli = find_program("paratrain");
+  const std::string cli = own_cli();
   TORCH_CHECK(!cli.empty(), o.name(), ": --backend ", o.backend(),
-              " starts each rank through the paratrain CLI (paratrain launch --from-mpirun), which "
-              "is not on PATH; put the installed paratrain on PATH or set LaunchOptions::mpi_shim");
+              " starts each rank through the paratrain CLI (paratrain launch --from-mpirun), and "
+              "none was found beside libparatrain; set PARATRAIN_CLI to its path or "
+              "LaunchOptions::mpi_shim");
   return {cli, "launch", "--from-mpirun"};
 }
 
@@ -707,6 +737,9 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   }
   const std::vector<std::string> shim = mpirun_shim(o);
   cmd.insert(cmd.end(), shim.begin(), shim.end());
+  if (!o.prefix_output() && std::find(shim.begin(), shim.end(), "--no-prefix") == shim.end()) {
+    cmd.push_back("--no-prefix");
+  }
   if (!o.log_dir().empty()) {
     cmd.insert(cmd.end(), {"--log-dir", o.log_dir()});
   }
@@ -763,6 +796,7 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
               " is not supported: on several nodes run mpirun (or srun) with a host file yourself");
   LaunchOptions outer = o;
   outer.backend("")
+      .standalone(false)  // mpirun_command chose the ranks' port
       .command(mpirun_command(o, nproc))
       .nproc_per_node(1)
       .devices({})
@@ -790,15 +824,15 @@ LaunchResult run_job(const LaunchOptions& o, const Placement& where) {
   TORCH_CHECK(o.devices().empty() || static_cast<int>(o.devices().size()) >= nproc,
               "--nproc-per-node ", nproc, " needs as many devices, but --devices lists only ",
               o.devices().size());
-  if (runs_on_mpi(o.backend()) && !where.from_mpirun) {
+  if (detail::runs_on_mpi(o.backend()) && !where.from_mpirun) {
     return launch_mpirun(o, nproc);
   }
-  const JobPlan plan = plan_job(o, nproc, where);
   TORCH_CHECK(!g_launch_active.exchange(true), o.name(),
               ": another launch is already running in this process");
   struct ActiveReset {
     ~ActiveReset() { g_launch_active = false; }
   } active_reset;
+  const JobPlan plan = plan_job(o, nproc, where);
   JobGuard job;
   install_signal_handlers(job);
   start_workers(o, plan, where, job);
@@ -812,6 +846,18 @@ LaunchResult launch(const LaunchOptions& options) {
 }
 
 namespace detail {
+
+bool runs_on_mpi(const std::string& backend) {
+  if (backend.find(':') == std::string::npos) {
+    return backend == "mpi";
+  }
+  for (const auto& route : parse_backend_routes(backend, /*check_built=*/false)) {
+    if (route.second == "mpi") {
+      return true;
+    }
+  }
+  return false;
+}
 
 LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int world_size) {
   TORCH_CHECK(rank >= 0 && rank < world_size, options.name(), ": mpirun gave rank ", rank,

@@ -63,7 +63,7 @@ void spawn(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& o
     // parent's main() after fn (torch.multiprocessing.spawn's children end the same way).
     std::exit(code);
   }
-  TORCH_CHECK(options.backend() != "mpi",
+  TORCH_CHECK(!detail::runs_on_mpi(options.backend()),
               "spawn cannot start an MPI job: run the program under mpirun or `paratrain launch "
               "--backend mpi` instead");
   LaunchOptions launch_options;

@@ -351,6 +351,8 @@ class ProcessGroupTransport : public Transport {
     auto h = header.accessor<int64_t, 1>();
     TORCH_CHECK(h[1] >= 0 && h[1] <= kMaxDims, "pipeline: a malformed message header from rank ",
                 src, " (", h[1], " dims)");
+    TORCH_CHECK(h[0] >= 0 && h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
+                "pipeline: a malformed message header from rank ", src, " (dtype ", h[0], ")");
     std::vector<int64_t> sizes(h.data() + 2, h.data() + 2 + h[1]);
     at::Tensor data = torch::empty(
         sizes,
@@ -680,10 +682,13 @@ torch::Tensor Pipeline::step(const torch::Tensor& input, const torch::Tensor& ta
   const int64_t m = im.options.chunks();
   auto& first = im.runners.front();
   auto& last = im.runners.back();
-  first.inputs = micro_batches(input, m, "input");
-  last.targets = micro_batches(target, m, "target");
+  // Checked before any runner holds them: a refused step leaves no tensor of the caller's behind.
+  auto inputs = micro_batches(input, m, "input");
+  auto targets = micro_batches(target, m, "target");
   TORCH_CHECK(input.size(0) == target.size(0), "pipeline: the input has ", input.size(0),
               " samples but the target ", target.size(0));
+  first.inputs = std::move(inputs);
+  last.targets = std::move(targets);
   last.batch = target.size(0);
   const Schedule schedule = im.options.schedule();
   const int64_t p = static_cast<int64_t>(im.runners.size());
@@ -781,14 +786,14 @@ DistributedPipeline::~DistributedPipeline() = default;
 torch::Tensor DistributedPipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   auto& r = impl_->runner;
   const int64_t m = r.options.chunks();
-  if (r.index == 0) {
-    r.inputs = micro_batches(input, m, "input");
-  }
-  if (r.is_last()) {
-    r.targets = micro_batches(target, m, "target");
-    r.batch = target.size(0);
-  }
   try {
+    if (r.index == 0) {
+      r.inputs = micro_batches(input, m, "input");
+    }
+    if (r.is_last()) {
+      r.targets = micro_batches(target, m, "target");
+      r.batch = target.size(0);
+    }
     r.run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
     impl_->transport->flush();
   } catch (...) {

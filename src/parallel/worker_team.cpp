@@ -2,12 +2,33 @@
 
 #include "../amp/autocast_state.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace paratrain {
 namespace detail {
+
+namespace {
+
+// The calling thread's current stream on every CUDA device; empty without CUDA. Streams are per
+// thread, and at::ThreadLocalState does not carry them.
+std::vector<c10::Stream> current_cuda_streams() {
+  std::vector<c10::Stream> out;
+  if (!at::hasCUDA()) {
+    return out;
+  }
+  c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  for (c10::DeviceIndex d = 0; d < impl.deviceCount(); ++d) {
+    out.push_back(impl.getStream(c10::Device(c10::DeviceType::CUDA, d)));
+  }
+  return out;
+}
+
+}  // namespace
 
 WorkerTeam::WorkerTeam(size_t size, int intra_op_threads) : jobs_(size, nullptr) {
   threads_.reserve(size);
@@ -43,10 +64,14 @@ void WorkerTeam::loop(size_t index, int intra_op_threads) {
     const at::ThreadLocalState* state = state_.get();
     const at::ScalarType cpu_dtype = autocast_cpu_dtype_;
     const at::ScalarType gpu_dtype = autocast_gpu_dtype_;
+    const std::vector<c10::Stream> streams = streams_;
     lock.unlock();
     std::exception_ptr error;
     try {
       at::ThreadLocalStateGuard guard(*state);
+      // The caller's CUDA streams: its inputs were made on them and it reads the results on them
+      // (a caller under a CUDAStreamGuard would otherwise race with work on the default stream).
+      c10::MultiStreamGuard on_callers_streams(streams);
       // The caller's autocast dtypes, and a region of this task's own: autocast caches the casts
       // of weights per thread until the outermost region ends, and weights change in place
       // between tasks (optimizer steps, replica refreshes), so each task starts and ends one,
@@ -82,6 +107,7 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
   state_ = std::make_unique<at::ThreadLocalState>();
   autocast_cpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CPU);
   autocast_gpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CUDA);
+  streams_ = current_cuda_streams();
   pending_ = tasks.size();
   for (size_t i = 0; i < tasks.size(); ++i) {
     jobs_[i] = &tasks[i];

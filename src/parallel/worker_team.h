@@ -9,6 +9,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 
 #include <condition_variable>
 #include <exception>
@@ -34,7 +35,8 @@ class WorkerTeam {
 
   /// Runs tasks[i] on thread i, all at once, and returns when all have finished (the caller only
   /// waits, so every task gets the same intra-op share). The caller's thread-local state (grad
-  /// and inference mode, autocast, dispatch keys) is applied in each task. One caller at a time.
+  /// and inference mode, autocast, dispatch keys) and its current CUDA streams are applied in each
+  /// task. One caller at a time.
   /// Returns the exception of each task (null when it succeeded); the caller decides how to
   /// report them. At most size() tasks.
   std::vector<std::exception_ptr> run(const std::vector<std::function<void()>>& tasks);
@@ -53,6 +55,7 @@ class WorkerTeam {
   // Autocast's dtypes are per thread and not part of at::ThreadLocalState in libtorch 1.13.
   at::ScalarType autocast_cpu_dtype_ = at::kBFloat16;
   at::ScalarType autocast_gpu_dtype_ = at::kHalf;
+  std::vector<c10::Stream> streams_;  // the caller's current CUDA streams, during run()
   bool stop_ = false;
 };
 

@@ -3,6 +3,7 @@
 // Internal: moving a tensor to another device from a thread that reads it next.
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 namespace paratrain {
 namespace detail {
@@ -14,7 +15,14 @@ namespace detail {
 /// (a pipeline stage or a DataParallel replica on the CPU) has no stream to wait on. Copies to the
 /// CPU are therefore blocking.
 inline at::Tensor to_device(const at::Tensor& t, const c10::Device& device) {
-  return t.to(device, /*non_blocking=*/!device.is_cpu());
+  bool async = !device.is_cpu();
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
+  // Before libtorch 2.1 the pinned-memory cache kept a block alive for an asynchronous copy only
+  // when the copy started at the block's base address: a slice (a micro-batch, a replica's chunk)
+  // of a pinned batch could be handed out again, and overwritten, while the copy still read it.
+  async = async && !(t.is_cpu() && t.storage_offset() != 0 && t.is_pinned());
+#endif
+  return t.to(device, /*non_blocking=*/async);
 }
 
 /// `dst.copy_(src)` with the same rule.

@@ -16,7 +16,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <limits>
+#include <optional>
 
 namespace paratrain {
 namespace {
@@ -207,17 +211,31 @@ TEST(Gpu, PipelinesOnCudaAndMixedDevices) {
   };
   auto plain = small_net();
   ce(plain->forward(x), y).backward();
-  for (auto devices : {std::vector<torch::Device>{kCuda0, kCuda0},
-                       std::vector<torch::Device>{kCuda0, torch::kCPU}}) {
+  // Repeated, and once under a stream of the caller's own: a CPU stage reading a GPU stage's
+  // activation before the copy finished was intermittent (fixed by blocking copies to the CPU),
+  // and stage threads must work on the caller's stream.
+  const auto side = c10::impl::VirtualGuardImpl(torch::kCUDA).getStreamFromGlobalPool(kCuda0);
+  for (auto devices :
+       {std::vector<torch::Device>{kCuda0, kCuda0}, std::vector<torch::Device>{kCuda0, torch::kCPU},
+        std::vector<torch::Device>{torch::kCPU, kCuda0}}) {
     for (auto schedule : {pipeline::Schedule::kGPipe, pipeline::Schedule::k1F1B}) {
-      SCOPED_TRACE(pipeline::to_string(schedule) + " on " + devices[0].str() + "+" +
-                   devices[1].str());
-      auto net = small_net();
-      pipeline::Pipeline pipe(net, {3, 2}, devices, ce,
-                              pipeline::PipelineOptions().chunks(4).schedule(schedule));
-      auto loss = pipe.step(x, y);
-      EXPECT_TRUE(std::isfinite(loss.item<double>()));
-      expect_same_grads(plain, net);
+      for (bool on_side_stream : {false, true}) {
+        SCOPED_TRACE(pipeline::to_string(schedule) + " on " + devices[0].str() + "+" +
+                     devices[1].str() + (on_side_stream ? ", on a side stream" : ""));
+        std::optional<c10::StreamGuard> guard;
+        if (on_side_stream) {
+          guard.emplace(side);
+        }
+        auto net = small_net();
+        pipeline::Pipeline pipe(net, {3, 2}, devices, ce,
+                                pipeline::PipelineOptions().chunks(4).schedule(schedule));
+        for (int step = 0; step < 5; ++step) {
+          net->zero_grad();
+          auto loss = pipe.step(x.to(devices[0]), y);
+          EXPECT_TRUE(std::isfinite(loss.item<double>()));
+          expect_same_grads(plain, net);
+        }
+      }
     }
   }
 }

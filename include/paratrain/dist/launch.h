@@ -52,7 +52,8 @@ struct LaunchOptions {
   TORCH_ARG(std::string, name) = "paratrain launch";
   /// With backend "mpi" (or routes with mpi): the command mpirun starts on each rank in front of
   /// `command`, which relays that rank's output and reports its failure. Empty: `paratrain launch
-  /// --from-mpirun` with the paratrain CLI found on PATH.
+  /// --from-mpirun` with the CLI of this build ($PARATRAIN_CLI, else bin/paratrain beside the
+  /// installed library).
   TORCH_ARG(std::vector<std::string>, mpi_shim) = {};
 };
 
@@ -85,6 +86,10 @@ LaunchResult launch(const LaunchOptions& options);
 std::vector<int> parse_device_list(const std::string& text);
 
 namespace detail {
+
+/// Whether a backend string starts its job through mpirun: "mpi", or routes with an mpi engine
+/// ("cpu:mpi,cuda:nccl").
+bool runs_on_mpi(const std::string& backend);
 
 /// The paratrain CLI's `launch --from-mpirun`: mpirun started this process as rank `rank` of
 /// `world_size`, and it runs that rank's one worker with torchrun's environment. Not for programs:
