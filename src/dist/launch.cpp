@@ -685,23 +685,33 @@ LaunchResult run_job(const LaunchOptions& o, const Placement& where);
 std::string own_cli() {
   if (const char* cli = std::getenv("PARATRAIN_CLI"); cli != nullptr && cli[0] != '\0') {
     char* full = ::realpath(cli, nullptr);
-    std::string out = full != nullptr && ::access(full, X_OK) == 0 ? full : "";
+    std::string out = full != nullptr ? full : "";
     std::free(full);
+    TORCH_CHECK(!out.empty() && ::access(out.c_str(), X_OK) == 0, "PARATRAIN_CLI='", cli,
+                "' is not an executable file; give the path of the paratrain CLI");
     return out;
   }
   Dl_info info{};
   if (::dladdr(reinterpret_cast<void*>(&own_cli), &info) == 0 || info.dli_fname == nullptr) {
     return "";
   }
-  char* lib = ::realpath(info.dli_fname, nullptr);
+  // Linked statically, this code is in the program itself, which dladdr names by its argv[0].
+  const std::string self = std::string(info.dli_fname).find(".so") == std::string::npos
+                               ? "/proc/self/exe"
+                               : info.dli_fname;
+  char* lib = ::realpath(self.c_str(), nullptr);
   if (lib == nullptr) {
     return "";
   }
   std::string dir(lib);
   std::free(lib);
-  dir = dir.substr(0, dir.rfind('/'));
-  for (const std::string& candidate :
-       {dir + "/bin/paratrain", dir.substr(0, dir.rfind('/')) + "/bin/paratrain"}) {
+  // dir/bin (the build tree), ../bin (prefix/lib), ../../bin (Debian's prefix/lib/<triplet>).
+  std::vector<std::string> candidates;
+  for (int up = 0; up < 3 && dir.find('/') != std::string::npos; ++up) {
+    dir = dir.substr(0, dir.rfind('/'));
+    candidates.push_back(dir + "/bin/paratrain");
+  }
+  for (const std::string& candidate : candidates) {
     if (::access(candidate.c_str(), X_OK) == 0) {
       return candidate;
     }

@@ -17,15 +17,15 @@ namespace detail {
 inline at::Tensor to_device(const at::Tensor& t, const c10::Device& device) {
   bool async = !device.is_cpu();
 #if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 1)
-  // Before libtorch 2.1 the pinned-memory cache kept a block alive for an asynchronous copy only
-  // when the copy started at the block's base address: a slice (a micro-batch, a replica's chunk)
-  // of a pinned batch could be handed out again, and overwritten, while the copy still read it.
+  // Conservative, unverified on a CUDA build of these versions: older pinned-memory caches found
+  // the block to keep alive during an asynchronous copy by its base address, so a slice of a
+  // pinned batch (a micro-batch, a replica's chunk) might be reused while the copy still read it.
   async = async && !(t.is_cpu() && t.storage_offset() != 0 && t.is_pinned());
 #endif
   return t.to(device, /*non_blocking=*/async);
 }
 
-/// `dst.copy_(src)` with the same rule.
+/// `dst.copy_(src)`, asynchronous only into a device other than the CPU.
 inline void copy_to(at::Tensor& dst, const at::Tensor& src) {
   dst.copy_(src, /*non_blocking=*/!dst.device().is_cpu());
 }
