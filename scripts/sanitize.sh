@@ -15,7 +15,13 @@ case "$kind" in
     flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
     default='.'
     exclude='MixedPrecision.EveryOptLevel|Train.CustomResNet|Train.ModelParallel|Bench\.|header_compiles|consumer'
-    export ASAN_OPTIONS="detect_leaks=1:suppressions=$supp/asan.supp:detect_odr_violation=0"
+    # keep_modules.so (see the file) lets lsan.supp name Open MPI's components; ASan then is not
+    # the first library loaded, which is harmless here (verify_asan_link_order=0).
+    mkdir -p "${BUILD_DIR:-build-$kind}"
+    keep="$(pwd)/${BUILD_DIR:-build-$kind}/keep_modules.so"
+    cc -shared -fPIC -O2 -o "$keep" "$supp/keep_modules.c"
+    export LD_PRELOAD="$keep${LD_PRELOAD:+:$LD_PRELOAD}"
+    export ASAN_OPTIONS="detect_leaks=1:suppressions=$supp/asan.supp:detect_odr_violation=0:verify_asan_link_order=0"
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="suppressions=$supp/ubsan.supp:print_stacktrace=1:halt_on_error=1"
     ;;
@@ -34,7 +40,9 @@ case "$kind" in
 esac
 build="${BUILD_DIR:-build-$kind}"
 bash scripts/setup.sh
+# -O1 -g1: what the sanitizers' docs recommend for readable reports; it also builds faster than -O2 -g.
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPARATRAIN_BUILD_TESTS=ON \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
   -DCMAKE_CXX_FLAGS="$flags" -DCMAKE_EXE_LINKER_FLAGS="$flags" \
   -DCMAKE_SHARED_LINKER_FLAGS="$flags" >/dev/null
 cmake --build "$build" -j "${PARATRAIN_BUILD_JOBS:-2}"

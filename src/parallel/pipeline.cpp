@@ -309,13 +309,17 @@ constexpr int64_t kHeaderLength = 2 + kMaxDims;  // dtype, number of dims, sizes
 
 class ProcessGroupTransport : public Transport {
  public:
-  ProcessGroupTransport(dist::ProcessGroupPtr pg, std::vector<int> ranks, torch::Device device)
-      : pg_(std::move(pg)), ranks_(std::move(ranks)), device_(device) {
+  ProcessGroupTransport(dist::ProcessGroupPtr pg,
+                        std::vector<int> ranks,
+                        torch::Device device,
+                        Schedule schedule)
+      : pg_(std::move(pg)), ranks_(std::move(ranks)), wire_(torch::kCPU) {
     TORCH_CHECK(pg_ != nullptr, "pipeline: the process group is null");
     for (size_t i = 0; i < ranks_.size(); ++i) {
       TORCH_CHECK(ranks_[i] >= 0 && ranks_[i] < pg_->size(), "pipeline: stage ", i, " is on rank ",
                   ranks_[i], ", which is not a rank of the group (0..", pg_->size() - 1, ")");
     }
+    wire_ = choose_wire(device, schedule);
   }
 
   void send(
@@ -377,14 +381,33 @@ class ProcessGroupTransport : public Transport {
   }
 
  private:
+  // Where messages travel. It depends only on the group's engines and the schedule, never on
+  // this rank's device alone, so that both ends of every message agree (a cuda stage next to a cpu
+  // stage on a routed group). A group with a CPU engine (gloo, mpi; "cpu:gloo,cuda:nccl" too)
+  // moves host memory. A group of nccl alone moves device memory, and only under GPipe: an NCCL
+  // send may wait for its matching receive (NVIDIA/nccl#479, "send is allowed to block until the
+  // corresponding recv is called"), and 1F1B has both neighbours send before they receive, so
+  // over nccl alone it would hang until the timeout. GPipe's order (all activations forward, then
+  // all gradients back) matches every send with a receive already posted in the same order.
+  torch::Device choose_wire(torch::Device device, Schedule schedule) const {
+    const std::string cpu_engine = pg_->backend_for(torch::kCPU);
+    if (cpu_engine == "gloo" || cpu_engine == "mpi") {
+      return torch::kCPU;
+    }
+    TORCH_CHECK(device.is_cuda(), "pipeline: this stage is on ", device,
+                " but the group (backend '", pg_->backend_name(),
+                "') has no engine for CPU tensors; use backend 'auto' or ", "'cpu:gloo,cuda:nccl'");
+    TORCH_CHECK(schedule == Schedule::kGPipe, "pipeline: the ", to_string(schedule),
+                " schedule cannot run over nccl alone (an NCCL send may wait for its receive, and ",
+                "1F1B's neighbours both send first); use backend 'auto' or 'cpu:gloo,cuda:nccl', ",
+                "where stages exchange tensors through host memory, or the gpipe schedule");
+    return device;
+  }
+  torch::Device wire_device() const { return wire_; }
+
   dist::ProcessGroupPtr pg_;
   std::vector<int> ranks_;
-  // gloo and mpi move host memory; nccl moves device memory.
-  torch::Device wire_device() const {
-    return pg_->backend_for(device_.type()) == "nccl" ? device_ : torch::Device(torch::kCPU);
-  }
-
-  torch::Device device_;
+  torch::Device wire_;
   std::vector<std::pair<dist::WorkPtr, at::Tensor>> pending_;  // the tensor lives until sent
 };
 
@@ -396,8 +419,10 @@ std::shared_ptr<Transport> make_thread_transport(std::chrono::milliseconds timeo
 
 std::shared_ptr<Transport> make_process_group_transport(dist::ProcessGroupPtr pg,
                                                         std::vector<int> stage_ranks,
-                                                        torch::Device device) {
-  return std::make_shared<ProcessGroupTransport>(std::move(pg), std::move(stage_ranks), device);
+                                                        torch::Device device,
+                                                        Schedule schedule) {
+  return std::make_shared<ProcessGroupTransport>(std::move(pg), std::move(stage_ranks), device,
+                                                 schedule);
 }
 
 // ---- one stage's work -----------------------------------------------------------------------
@@ -765,7 +790,7 @@ DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
   check_device_exists(device);
   TORCH_CHECK(stage + 1 < p || loss != nullptr, "pipeline: the last stage needs a loss function");
   stage_module->to(device);
-  impl_->transport = make_process_group_transport(pg, stage_ranks, device);
+  impl_->transport = make_process_group_transport(pg, stage_ranks, device, options.schedule());
   auto& r = impl_->runner;
   r.module = stage_module;
   r.device = device;

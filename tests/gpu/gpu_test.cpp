@@ -1,6 +1,7 @@
 // The CUDA paths: nccl with one rank, the device-routed group with CPU and CUDA tensors in one job,
 // the fused GradScaler kernels with injected infs, fp16 at O1-O3, DataParallel and pipelines on
-// CUDA devices, and batches prefetched to the GPU. Each test skips, saying so, without a GPU.
+// CUDA devices, the wire a DistributedPipeline picks from its group, and batches prefetched to the
+// GPU. Each test skips, saying so, without a GPU.
 
 #include "test_util.h"
 
@@ -238,6 +239,39 @@ TEST(Gpu, PipelinesOnCudaAndMixedDevices) {
       }
     }
   }
+}
+
+TEST(Gpu, DistributedPipelineWireFollowsTheGroup) {
+  SKIP_WITHOUT_CUDA();
+#if !defined(PARATRAIN_WITH_NCCL) || !defined(PARATRAIN_WITH_GLOO)
+  GTEST_SKIP() << "this build lacks nccl or gloo";
+#else
+  // nccl alone: device memory on the wire, GPipe only (an NCCL send may wait for its receive, and
+  // under 1F1B both neighbours send first), and no CPU stages.
+  auto nccl = world_of_one("nccl");
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  auto make = [&](torch::Device device, pipeline::Schedule schedule) {
+    return pipeline::DistributedPipeline(small_net(), 0, nccl, {0, 0}, device, ce,
+                                         pipeline::PipelineOptions().schedule(schedule));
+  };
+  EXPECT_NO_THROW(make(kCuda0, pipeline::Schedule::kGPipe));
+  std::string why = error_of([&] { make(kCuda0, pipeline::Schedule::k1F1B); });
+  EXPECT_NE(why.find("cannot run over nccl alone"), std::string::npos) << why;
+  why = error_of([&] { make(torch::kCPU, pipeline::Schedule::kGPipe); });
+  EXPECT_NE(why.find("has no engine for CPU tensors"), std::string::npos) << why;
+  // A routed group: host memory on the wire whatever each stage's device, so a cuda stage and a
+  // cpu stage agree, under both schedules (two ranks sharing the one GPU never touch nccl).
+  for (const std::string schedule : {"1f1b", "gpipe"}) {
+    for (const std::string devices : {"cuda:0,cpu", "cuda:0,cuda:0"}) {
+      SCOPED_TRACE(schedule + " on " + devices);
+      testing::expect_every_rank_ok(PARATRAIN_TEST_PIPELINE_WORKER, "cpu:gloo,cuda:nccl", 2,
+                                    {"--stages", "2", "--schedule", schedule, "--chunks", "4",
+                                     "--devices", devices, "--tolerance", "1e-4"});
+    }
+  }
+#endif
 }
 
 TEST(Gpu, PrefetchedBatchesEqualHostBatches) {

@@ -9,7 +9,8 @@
 // its members' ranks, and a rank outside a group gets no group.
 //
 // Options: --stages P --schedule gpipe|1f1b --chunks M --checkpoint --steps N --batch B (per
-// replica). Prints "rank R: ok ..." (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
+// replica) --devices D0,D1,... (stage s on Ds; default cpu) --tolerance T (default 1e-5). Prints
+// "rank R: ok ..." (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
 #include <paratrain/paratrain.h>
 
@@ -17,6 +18,7 @@
 
 #include <iostream>
 #include <map>
+#include <sstream>
 
 namespace pt = paratrain;
 namespace nn = torch::nn;
@@ -96,11 +98,20 @@ int main(int argc, char** argv) {
         stages == 2 ? std::vector<int64_t>{3, 4} : std::vector<int64_t>{2, 3, 2};
     TORCH_CHECK(stages == 2 || stages == 3, "this worker knows 2 or 3 stages");
     auto mine = pt::pipeline::split(model, balance)[static_cast<size_t>(stage)];
+    std::vector<torch::Device> devices;
+    {
+      std::stringstream list(get("devices", "cpu"));
+      for (std::string d; std::getline(list, d, ',');) {
+        devices.emplace_back(d);
+      }
+    }
+    const torch::Device device = devices.at(static_cast<size_t>(stage) % devices.size());
+    const double tolerance = std::stod(get("tolerance", "1e-5"));
     auto options = pt::pipeline::PipelineOptions()
                        .chunks(std::stoll(get("chunks", "4")))
                        .schedule(pt::pipeline::parse_schedule(get("schedule", "gpipe")))
                        .checkpoint(opt.count("checkpoint") > 0);
-    pt::pipeline::DistributedPipeline pipe(mine, stage, pg, stage_ranks, torch::kCPU, ce, options,
+    pt::pipeline::DistributedPipeline pipe(mine, stage, pg, stage_ranks, device, ce, options,
                                            replicas > 1 ? dp_group : nullptr);
     torch::optim::SGD o1(mine->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     torch::optim::SGD o2(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -116,17 +127,17 @@ int main(int argc, char** argv) {
       o1.zero_grad();
       auto xs = x.slice(0, replica * batch, (replica + 1) * batch);
       auto ys = y.slice(0, replica * batch, (replica + 1) * batch);
-      auto loss =
-          pipe.step(pipe.is_first() ? xs : at::Tensor(), pipe.is_last() ? ys : at::Tensor());
+      auto loss = pipe.step(pipe.is_first() ? xs : at::Tensor(),
+                            pipe.is_last() ? ys.to(device) : at::Tensor());
       o1.step();
       if (pipe.is_last() && replicas == 1) {
         worst = std::max(worst, std::abs(loss.item<double>() - want.item<double>()));
       }
       auto ref = reference->named_parameters();
       for (const auto& p : mine->named_parameters()) {
-        const double d = (p.value() - ref[p.key()]).abs().max().item<double>();
+        const double d = (p.value().cpu() - ref[p.key()]).abs().max().item<double>();
         worst = std::max(worst, d);
-        if (d > 1e-5) {
+        if (d > tolerance) {
           std::cout << "MISMATCH rank " << rank << " step " << step << " " << p.key() << " by " << d
                     << std::endl;
           return 1;

@@ -131,10 +131,14 @@ std::shared_ptr<Transport> make_thread_transport(std::chrono::milliseconds timeo
 /// Between ranks: stage i lives on rank stage_ranks[i] of `pg`. A message is a small header
 /// (dtype and shape) then the data, both as point-to-point send/recv (tag 0 activations, tag 1
 /// gradients); sends are asynchronous, which 1F1B needs (both neighbours may send at once).
-/// Tensors travel through host memory on gloo and mpi, and through `device` on nccl.
+/// Tensors travel through host memory when `pg` has a CPU engine (gloo, mpi, or a routed group
+/// such as "cpu:gloo,cuda:nccl"), and through `device` on a group of nccl alone, which takes the
+/// GPipe schedule only (an NCCL send may block until its receive is posted, and under 1F1B both
+/// neighbours send first). Throws c10::Error for 1F1B or a CPU device on nccl alone.
 std::shared_ptr<Transport> make_process_group_transport(dist::ProcessGroupPtr pg,
                                                         std::vector<int> stage_ranks,
-                                                        torch::Device device = torch::kCPU);
+                                                        torch::Device device = torch::kCPU,
+                                                        Schedule schedule = Schedule::kGPipe);
 
 // ---- training -------------------------------------------------------------------------------
 
