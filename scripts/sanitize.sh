@@ -15,12 +15,9 @@ case "$kind" in
     flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
     default='.'
     exclude='MixedPrecision.EveryOptLevel|Train.CustomResNet|Train.ModelParallel|Bench\.|header_compiles|consumer'
-    # keep_modules.so (see the file) lets lsan.supp name Open MPI's components; ASan then is not
-    # the first library loaded, which is harmless here (verify_asan_link_order=0).
-    mkdir -p "${BUILD_DIR:-build-$kind}"
-    keep="$(pwd)/${BUILD_DIR:-build-$kind}/keep_modules.so"
-    cc -shared -fPIC -O2 -o "$keep" "$supp/keep_modules.c"
-    export LD_PRELOAD="$keep${LD_PRELOAD:+:$LD_PRELOAD}"
+    # keep_modules.so (see the file, preloaded into the tests only) lets lsan.supp name Open MPI's
+    # components; ASan then is not the first library loaded, harmless here.
+    preload_keep_modules=1
     export ASAN_OPTIONS="detect_leaks=1:suppressions=$supp/asan.supp:detect_odr_violation=0:verify_asan_link_order=0"
     export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
     export UBSAN_OPTIONS="suppressions=$supp/ubsan.supp:print_stacktrace=1:halt_on_error=1"
@@ -47,4 +44,8 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPARATRAIN_BU
   -DCMAKE_SHARED_LINKER_FLAGS="$flags" >/dev/null
 cmake --build "$build" -j "${PARATRAIN_BUILD_JOBS:-2}"
 cd "$build"
+if [[ -n "${preload_keep_modules:-}" ]]; then
+  "${CC:-cc}" -shared -fPIC -O2 -o keep_modules.so "$supp/keep_modules.c"
+  export LD_PRELOAD="$(pwd)/keep_modules.so${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
 ctest -j 2 --output-on-failure --timeout 900 -R "${2:-$default}" -E "$exclude"

@@ -487,7 +487,17 @@ void start_worker(const LaunchOptions& o, const JobGuard& job, Worker& w, const 
     TORCH_CHECK(false, "pipe: ", std::strerror(errno));
   }
   const pid_t launcher_pid = ::getpid();
+  // Signals stay blocked from fork until the child has reset the launcher's handlers: one
+  // arriving in between would run on_signal in the child (a byte into the launcher's self-pipe,
+  // the signal lost) instead of its default action. The child unblocks them in exec_worker.
+  sigset_t all;
+  sigset_t before;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &before);
   pid_t pid = ::fork();
+  if (pid != 0) {
+    ::pthread_sigmask(SIG_SETMASK, &before, nullptr);
+  }
   if (pid < 0) {
     int err = errno;
     for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) {
@@ -687,7 +697,10 @@ std::string own_cli() {
     char* full = ::realpath(cli, nullptr);
     std::string out = full != nullptr ? full : "";
     std::free(full);
-    TORCH_CHECK(!out.empty() && ::access(out.c_str(), X_OK) == 0, "PARATRAIN_CLI='", cli,
+    struct stat st {};
+    TORCH_CHECK(!out.empty() && ::stat(out.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
+                    ::access(out.c_str(), X_OK) == 0,
+                "PARATRAIN_CLI='", cli,
                 "' is not an executable file; give the path of the paratrain CLI");
     return out;
   }

@@ -326,6 +326,7 @@ class ProcessGroupTransport : public Transport {
       int64_t from, int64_t to, int64_t micro_batch, bool grad, const at::Tensor& tensor) override {
     (void)from;
     (void)micro_batch;
+    check_not_broken();
     TORCH_CHECK(tensor.dim() <= kMaxDims, "pipeline: cannot send a ", tensor.dim(),
                 "-d tensor between stages (at most ", kMaxDims, " dims)");
     at::Tensor data = tensor.contiguous().to(wire_device());
@@ -346,6 +347,7 @@ class ProcessGroupTransport : public Transport {
   at::Tensor recv(int64_t from, int64_t to, int64_t micro_batch, bool grad) override {
     (void)to;
     (void)micro_batch;
+    check_not_broken();
     const int src = ranks_[static_cast<size_t>(from)];
     const int tag = grad ? 1 : 0;
     at::Tensor header =
@@ -374,13 +376,21 @@ class ProcessGroupTransport : public Transport {
     }
   }
 
-  // After a failure: forget the sends (their Work keeps the tensors until the engine is done).
+  // After a failure: forget the sends. Messages of the failed step may still be on their way (or
+  // a header without its data), and the header does not say which step it belongs to, so a later
+  // step would take them for its own: every later send or recv refuses instead.
   void abort(const std::string& why) override {
-    (void)why;
     pending_.clear();
+    broken_ = why;
   }
 
  private:
+  void check_not_broken() const {
+    TORCH_CHECK(broken_.empty(), "pipeline: an earlier step failed on this rank (", broken_,
+                "), so the stages' messages are out of step; create the process group and the "
+                "DistributedPipeline anew");
+  }
+
   // Where messages travel. It depends only on the group's engines and the schedule, never on
   // this rank's device alone, so that both ends of every message agree (a cuda stage next to a cpu
   // stage on a routed group). A group with a CPU engine (gloo, mpi; "cpu:gloo,cuda:nccl" too)
@@ -409,6 +419,7 @@ class ProcessGroupTransport : public Transport {
   std::vector<int> ranks_;
   torch::Device wire_;
   std::vector<std::pair<dist::WorkPtr, at::Tensor>> pending_;  // the tensor lives until sent
+  std::string broken_;  // why an earlier step failed; "" while the stages are in step
 };
 
 }  // namespace
@@ -789,8 +800,10 @@ DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
   TORCH_CHECK(options.chunks() >= 1, "pipeline: chunks must be >= 1, got ", options.chunks());
   check_device_exists(device);
   TORCH_CHECK(stage + 1 < p || loss != nullptr, "pipeline: the last stage needs a loss function");
-  stage_module->to(device);
+  // The transport first: it refuses a schedule or device the group cannot carry, and a refused
+  // constructor must leave the caller's module where it was.
   impl_->transport = make_process_group_transport(pg, stage_ranks, device, options.schedule());
+  stage_module->to(device);
   auto& r = impl_->runner;
   r.module = stage_module;
   r.device = device;
@@ -811,18 +824,30 @@ DistributedPipeline::~DistributedPipeline() = default;
 torch::Tensor DistributedPipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
   auto& r = impl_->runner;
   const int64_t m = r.options.chunks();
+  // Bad input is refused before any message moves: the pipeline stays usable.
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> targets;
+  if (r.index == 0) {
+    inputs = micro_batches(input, m, "input");
+  }
+  if (r.is_last()) {
+    targets = micro_batches(target, m, "target");
+  }
   try {
-    if (r.index == 0) {
-      r.inputs = micro_batches(input, m, "input");
-    }
+    r.inputs = std::move(inputs);
+    r.targets = std::move(targets);
     if (r.is_last()) {
-      r.targets = micro_batches(target, m, "target");
       r.batch = target.size(0);
     }
     r.run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
     impl_->transport->flush();
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    impl_->transport->abort(what.substr(0, what.find('\n')));
+    r.clear();
+    throw;
   } catch (...) {
-    impl_->transport->abort("step failed");
+    impl_->transport->abort("an unknown exception");
     r.clear();
     throw;
   }
