@@ -465,8 +465,11 @@ void install_signal_handlers(JobGuard& job) {
   ::dup2(out_fd, 1);
   ::dup2(err_fd, 2);
   ::execve(program.c_str(), argv.data(), envp.data());
-  const char msg[] = "paratrain launch: exec failed\n";
+  // write() only (async-signal-safe): the program, which the caller resolved before fork.
+  const char msg[] = "paratrain: cannot execute ";
   ssize_t ignored = ::write(2, msg, sizeof(msg) - 1);
+  ignored = ::write(2, program.c_str(), program.size());
+  ignored = ::write(2, "\n", 1);
   (void)ignored;
   ::_exit(127);
 }
@@ -718,11 +721,19 @@ std::string own_cli() {
   }
   std::string dir(lib);
   std::free(lib);
-  // dir/bin (the build tree), ../bin (prefix/lib), ../../bin (Debian's prefix/lib/<triplet>).
-  std::vector<std::string> candidates;
-  for (int up = 0; up < 3 && dir.find('/') != std::string::npos; ++up) {
-    dir = dir.substr(0, dir.rfind('/'));
-    candidates.push_back(dir + "/bin/paratrain");
+  // Beside it only, never further up (another tree there may hold another version): dir/bin
+  // (the build tree), dir itself when it is a bin/ (linked statically), ../bin from prefix/lib or
+  // lib64, ../../bin from Debian's prefix/lib/<triplet>.
+  auto parent = [](const std::string& p) { return p.substr(0, p.rfind('/')); };
+  auto name = [](const std::string& p) { return p.substr(p.rfind('/') + 1); };
+  dir = parent(dir);
+  std::vector<std::string> candidates{dir + "/bin/paratrain"};
+  if (name(dir) == "bin") {
+    candidates.push_back(dir + "/paratrain");
+  } else if (name(dir) == "lib" || name(dir) == "lib64") {
+    candidates.push_back(parent(dir) + "/bin/paratrain");
+  } else if (name(parent(dir)) == "lib") {
+    candidates.push_back(parent(parent(dir)) + "/bin/paratrain");
   }
   for (const std::string& candidate : candidates) {
     if (::access(candidate.c_str(), X_OK) == 0) {

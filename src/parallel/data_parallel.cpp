@@ -276,7 +276,9 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module,
         1, at::get_num_threads() / static_cast<int>(std::max<size_t>(1, cpu_replicas)));
   }
   if (st.devices.size() > 1) {
-    st.team = std::make_unique<detail::WorkerTeam>(st.devices.size(), threads);
+    const bool uses_cuda = std::any_of(st.devices.begin(), st.devices.end(),
+                                       [](const torch::Device& d) { return d.is_cuda(); });
+    st.team = std::make_unique<detail::WorkerTeam>(st.devices.size(), threads, uses_cuda);
     if (cpu_replicas > 1) {
       set_blas_threads(threads);
     }

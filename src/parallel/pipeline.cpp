@@ -359,10 +359,15 @@ class ProcessGroupTransport : public Transport {
                 src, " (", h[1], " dims)");
     TORCH_CHECK(h[0] >= 0 && h[0] < static_cast<int64_t>(c10::ScalarType::NumOptions),
                 "pipeline: a malformed message header from rank ", src, " (dtype ", h[0], ")");
+    const auto dtype = static_cast<c10::ScalarType>(h[0]);
+    TORCH_CHECK(dtype != c10::ScalarType::Undefined && !c10::isQIntType(dtype),
+                "pipeline: a malformed message header from rank ", src, " (dtype ", h[0], ")");
     std::vector<int64_t> sizes(h.data() + 2, h.data() + 2 + h[1]);
-    at::Tensor data = torch::empty(
-        sizes,
-        torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[0])).device(wire_device()));
+    TORCH_CHECK(std::all_of(sizes.begin(), sizes.end(), [](int64_t n) { return n >= 0; }),
+                "pipeline: a malformed message header from rank ", src, " (sizes ",
+                c10::IntArrayRef(sizes), ")");
+    at::Tensor data =
+        torch::empty(sizes, torch::TensorOptions().dtype(dtype).device(wire_device()));
     pg_->recv(data, src, tag)->wait();
     return data;
   }
@@ -705,7 +710,9 @@ Pipeline::Pipeline(nn::Sequential model,
   }
   const int threads =
       std::max<int>(1, at::get_num_threads() / static_cast<int>(std::max<size_t>(1, cpu_stages)));
-  impl_->team = std::make_unique<detail::WorkerTeam>(static_cast<size_t>(p), threads);
+  const bool uses_cuda = std::any_of(impl_->devices.begin(), impl_->devices.end(),
+                                     [](const torch::Device& d) { return d.is_cuda(); });
+  impl_->team = std::make_unique<detail::WorkerTeam>(static_cast<size_t>(p), threads, uses_cuda);
   if (cpu_stages > 1) {
     set_blas_threads(threads);
   }

@@ -30,7 +30,8 @@ std::vector<c10::Stream> current_cuda_streams() {
 
 }  // namespace
 
-WorkerTeam::WorkerTeam(size_t size, int intra_op_threads) : jobs_(size, nullptr) {
+WorkerTeam::WorkerTeam(size_t size, int intra_op_threads, bool uses_cuda)
+    : jobs_(size, nullptr), uses_cuda_(uses_cuda) {
   threads_.reserve(size);
   for (size_t i = 0; i < size; ++i) {
     threads_.emplace_back([this, i, intra_op_threads] { loop(i, intra_op_threads); });
@@ -107,7 +108,7 @@ std::vector<std::exception_ptr> WorkerTeam::run(const std::vector<std::function<
   state_ = std::make_unique<at::ThreadLocalState>();
   autocast_cpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CPU);
   autocast_gpu_dtype_ = amp::detail::autocast_dtype(c10::DeviceType::CUDA);
-  streams_ = current_cuda_streams();
+  streams_ = uses_cuda_ ? current_cuda_streams() : std::vector<c10::Stream>{};
   pending_ = tasks.size();
   for (size_t i = 0; i < tasks.size(); ++i) {
     jobs_[i] = &tasks[i];

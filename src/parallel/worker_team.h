@@ -25,8 +25,9 @@ namespace detail {
 class WorkerTeam {
  public:
   /// `size` threads. `intra_op_threads` > 0 sets each thread's intra-op (OpenMP) thread count
-  /// once at start.
-  explicit WorkerTeam(size_t size, int intra_op_threads = 0);
+  /// once at start. `uses_cuda`: some task runs on a GPU, so each run hands the caller's CUDA
+  /// streams to the tasks (reading them starts the CUDA driver, which an all-CPU team must not).
+  explicit WorkerTeam(size_t size, int intra_op_threads = 0, bool uses_cuda = false);
   ~WorkerTeam();
   WorkerTeam(const WorkerTeam&) = delete;
   WorkerTeam& operator=(const WorkerTeam&) = delete;
@@ -55,6 +56,7 @@ class WorkerTeam {
   // Autocast's dtypes are per thread and not part of at::ThreadLocalState in libtorch 1.13.
   at::ScalarType autocast_cpu_dtype_ = at::kBFloat16;
   at::ScalarType autocast_gpu_dtype_ = at::kHalf;
+  bool uses_cuda_;
   std::vector<c10::Stream> streams_;  // the caller's current CUDA streams, during run()
   bool stop_ = false;
 };
