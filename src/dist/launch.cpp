@@ -58,15 +58,16 @@ std::string format_device_list(const std::vector<int>& devices) {
   return list;
 }
 
+// An executable regular file (access(X_OK) alone also accepts directories).
+static bool runnable(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+}
+
 std::string find_program(const std::string& name) {
   if (name.empty()) {
     return "";
   }
-  auto runnable = [](const std::string& path) {
-    struct stat st;
-    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-           ::access(path.c_str(), X_OK) == 0;
-  };
   if (name.find('/') != std::string::npos) {
     return runnable(name) ? name : "";
   }
@@ -700,10 +701,7 @@ std::string own_cli() {
     char* full = ::realpath(cli, nullptr);
     std::string out = full != nullptr ? full : "";
     std::free(full);
-    struct stat st {};
-    TORCH_CHECK(!out.empty() && ::stat(out.c_str(), &st) == 0 && S_ISREG(st.st_mode) &&
-                    ::access(out.c_str(), X_OK) == 0,
-                "PARATRAIN_CLI='", cli,
+    TORCH_CHECK(!out.empty() && runnable(out), "PARATRAIN_CLI='", cli,
                 "' is not an executable file; give the path of the paratrain CLI");
     return out;
   }
@@ -736,7 +734,7 @@ std::string own_cli() {
     candidates.push_back(parent(parent(dir)) + "/bin/paratrain");
   }
   for (const std::string& candidate : candidates) {
-    if (::access(candidate.c_str(), X_OK) == 0) {
+    if (runnable(candidate)) {
       return candidate;
     }
   }
