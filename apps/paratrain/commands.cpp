@@ -16,7 +16,11 @@ const std::vector<Command>& commands() {
       {"launch", "[opts] -- PROG", "start PROG once per rank with torchrun's environment",
        run_launch},
       {"train", "[opts]",
-       "train a zoo model on Fashion-MNIST: alone, DDP, DataParallel or a pipeline", run_train},
+       "train a zoo model on Fashion-MNIST or an ImageFolder: alone, DDP, DataParallel or a "
+       "pipeline",
+       run_train},
+      {"data", "make-imagefolder [opts]", "write Fashion-MNIST as an ImageFolder of JPEG/PNG/WebP",
+       run_data},
       {"bench", "<name> [opts]", "the benchmarks below", run_bench},
   };
   return table;
@@ -30,6 +34,8 @@ const std::vector<Command>& bench_commands() {
        run_bench_strategies},
       {"pipeline", "", "GPipe/1F1B micro-batching vs plain model parallelism", run_bench_pipeline},
       {"amp", "", "DDP step time at opt levels O0-O3 (bf16), accuracy O0 vs O1", run_bench_amp},
+      {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
+       run_bench_data},
   };
   return table;
 }

@@ -21,7 +21,8 @@ namespace cli {
 namespace {
 
 const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp|cnn|resnet18..152[_cifar] --dataset fashion-mnist\n"
+    "usage: paratrain train --model linear|mlp|cnn|resnet18..152[_cifar]\n"
+    "         --dataset fashion-mnist|imagefolder [--data-dir D]\n"
     "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
     "         [--device cpu|cuda] [--devices cpu,cpu] [--stages P --chunks M\n"
     "         --schedule gpipe|1f1b] --epochs E\n"
@@ -31,6 +32,10 @@ const char* kTrainUsage =
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
     "\n"
+    "--dataset imagefolder reads D/train and D/val as torchvision's ImageFolder (JPEG, PNG,\n"
+    "WebP), training on RandomResizedCrop(--image-size) + horizontal flips and validating on\n"
+    "Resize(size * 8 / 7) + CenterCrop(size), normalized with ImageNet's mean and std; --workers\n"
+    "threads decode (0 decodes in the training thread).\n"
     "--batch-size is per rank (ddp) or the whole batch, scattered over --devices (dp, as\n"
     "nn.DataParallel) or cut into --chunks micro-batches flowing through --stages stages\n"
     "(pipeline; one thread per stage, on --devices or the CPU). --steps caps the steps of each\n"
@@ -53,6 +58,35 @@ bool inside_a_job() {
 }
 
 using Clock = std::chrono::steady_clock;
+
+struct TrainData {
+  data::DatasetPtr train;
+  data::DatasetPtr test;
+  int64_t classes;
+};
+
+// Fashion-MNIST as in-memory tensors, or an ImageFolder's train/ and val/ with the transforms of
+// torchvision's ImageNet recipe at `size`.
+TrainData load_data(const std::string& dataset, const std::string& dir, int64_t size) {
+  if (dataset == "fashion-mnist") {
+    data::FashionMNIST train(dir, data::FashionMNIST::Split::kTrain);
+    data::FashionMNIST test(dir, data::FashionMNIST::Split::kTest);
+    return {std::make_shared<data::TensorDataset>(train.images(), train.targets()),
+            std::make_shared<data::TensorDataset>(test.images(), test.targets()), 10};
+  }
+  namespace T = data::transforms;
+  const T::Normalize normalize({0.485, 0.456, 0.406}, {0.229, 0.224, 0.225});
+  auto train = std::make_shared<data::ImageFolder>(
+      dir + "/train",
+      T::compose(T::RandomResizedCrop(size), T::RandomHorizontalFlip(), T::ToTensor(), normalize));
+  auto val = std::make_shared<data::ImageFolder>(
+      dir + "/val",
+      T::compose(T::Resize(size * 8 / 7), T::CenterCrop(size), T::ToTensor(), normalize));
+  TORCH_CHECK(train->classes() == val->classes(), "the class folders of ", dir, "/train (",
+              train->classes().size(), ") and ", dir, "/val (", val->classes().size(),
+              ") differ: give both the same classes");
+  return {train, val, static_cast<int64_t>(train->classes().size())};
+}
 
 // "cpu,cpu" or "cuda:0,cuda:1": each must parse and exist.
 std::vector<torch::Device> parse_devices(const std::string& list) {
@@ -134,8 +168,11 @@ int run_train(const std::vector<std::string>& argv) {
   if (args.has("freeze-backbone") && head.empty()) {
     throw UsageError("--freeze-backbone goes with --head custom");
   }
-  if (dataset != "fashion-mnist") {
-    throw UsageError("unknown --dataset '" + dataset + "': the built-in dataset is fashion-mnist");
+  if (dataset != "fashion-mnist" && dataset != "imagefolder") {
+    throw UsageError("unknown --dataset '" + dataset + "': choose fashion-mnist or imagefolder");
+  }
+  if (dataset == "imagefolder" && !args.has("data-dir")) {
+    throw UsageError("--dataset imagefolder needs --data-dir D (with D/train and D/val)");
   }
   if (strategy != "single" && strategy != "ddp" && strategy != "dp" && strategy != "pipeline") {
     throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp, dp or pipeline");
@@ -202,8 +239,12 @@ int run_train(const std::vector<std::string>& argv) {
   if (batch_size <= 0) {
     throw UsageError("--batch-size must be positive, got " + std::to_string(batch_size));
   }
-  if (steps < 0 || workers < 0 || lr <= 0 || momentum < 0 || weight_decay < 0) {
-    throw UsageError("--steps, --workers, --momentum and --weight-decay must be >= 0, --lr > 0");
+  if (workers < 0) {
+    throw UsageError("--workers must be >= 0, got " + std::to_string(workers) +
+                     " (0 loads data in the training thread)");
+  }
+  if (steps < 0 || lr <= 0 || momentum < 0 || weight_decay < 0) {
+    throw UsageError("--steps, --momentum and --weight-decay must be >= 0, --lr > 0");
   }
   if (nproc < 0 || (nproc > 0 && strategy != "ddp")) {
     throw UsageError("--nproc needs --strategy ddp and a positive count");
@@ -264,19 +305,18 @@ int run_train(const std::vector<std::string>& argv) {
   std::ostream& info = json ? std::cerr : std::cout;
 
   // Data first: a missing dataset should fail before any training is set up.
-  data::FashionMNIST train(data_dir, data::FashionMNIST::Split::kTrain);
-  data::FashionMNIST test(data_dir, data::FashionMNIST::Split::kTest);
+  const TrainData sets = load_data(dataset, data_dir, image_size);
   torch::Device device = device_kind == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
 
   torch::manual_seed(seed);  // the same initial weights on every run
   // With --head custom the backbone keeps its 1000-class fc until the head replaces it, so
   // torchvision's ImageNet weights load as they are.
-  torch::nn::Sequential model = models::make(model_name, head.empty() ? 10 : 1000);
+  torch::nn::Sequential model = models::make(model_name, head.empty() ? sets.classes : 1000);
   if (args.has("load-weights")) {
     load_module_state(*model, load_weights(args.get("load-weights")));  // strict, as PyTorch
   }
   if (!head.empty()) {
-    model = models::with_head(model, 10);
+    model = models::with_head(model, sets.classes);
     if (args.has("freeze-backbone")) {
       models::freeze_backbone(model);
     }
@@ -314,11 +354,31 @@ int run_train(const std::vector<std::string>& argv) {
       mp.optimizer_parameters(),
       torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
 
-  data::DistributedSampler sampler(*train.size(), world, rank, /*shuffle=*/true,
-                                   static_cast<uint64_t>(seed));
+  auto sampler = std::make_shared<data::DistributedSampler>(
+      sets.train->size(), world, rank, /*shuffle=*/true, static_cast<uint64_t>(seed));
+  data::DataLoader loader(sets.train,
+                          data::LoaderOptions(static_cast<size_t>(batch_size))
+                              .workers(workers)
+                              .pin_memory(device.is_cuda())
+                              .seed(static_cast<uint64_t>(seed))
+                              .persistent_workers(true),
+                          sampler);
+  // Each rank validates a contiguous share of the validation set.
+  const size_t n_test = sets.test->size();
+  std::vector<size_t> share;
+  for (size_t i = n_test * static_cast<size_t>(rank) / static_cast<size_t>(world);
+       i < n_test * static_cast<size_t>(rank + 1) / static_cast<size_t>(world); ++i) {
+    share.push_back(i);
+  }
+  data::DataLoader test_loader(
+      sets.test,
+      data::LoaderOptions(dataset == "fashion-mnist" ? 1000 : static_cast<size_t>(batch_size))
+          .workers(workers)
+          .persistent_workers(true),
+      std::make_shared<data::FixedSampler>(std::move(share)));
   const size_t steps_per_epoch =
       std::min<size_t>(steps > 0 ? static_cast<size_t>(steps) : SIZE_MAX,
-                       (sampler.num_samples() + batch_size - 1) / batch_size);
+                       (sampler->num_samples() + batch_size - 1) / batch_size);
   if (speak) {
     info << "paratrain train: model " << model_name << " (" <<
         [&] {
@@ -328,9 +388,10 @@ int run_train(const std::vector<std::string>& argv) {
           }
           return n;
         }()
-         << " parameters), dataset " << dataset << " (" << *train.size() << " train, "
-         << *test.size() << " test), strategy " << strategy << ", " << world << " rank"
-         << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device" <<
+         << " parameters), dataset " << dataset << " (" << sets.train->size() << " train, "
+         << sets.test->size() << " test, " << sets.classes << " classes), strategy " << strategy
+         << ", " << world << " rank" << (world == 1 ? "" : "s")
+         << (pg ? " (" + pg->backend_name() + ")" : "") << ", device" <<
         [&] {
           std::ostringstream d;
           const auto& list = piped ? stage_devices : dp_devices;
@@ -365,11 +426,8 @@ int run_train(const std::vector<std::string>& argv) {
 
   for (int epoch = 0; epoch < epochs; ++epoch) {
     model->train();
-    sampler.set_epoch(static_cast<uint64_t>(epoch));
-    data::TensorLoader loader(train.images(), train.targets(), sampler.indices(),
-                              data::LoaderOptions(static_cast<size_t>(batch_size))
-                                  .workers(static_cast<size_t>(workers))
-                                  .pin_memory(device.is_cuda()));
+    loader.set_epoch(static_cast<uint64_t>(epoch));  // the sampler's set_epoch
+    loader.reset_stats();
     // Batches are resized on the device, one batch ahead, on a side stream (DevicePrefetcher).
     data::DevicePrefetcher batches(loader, device, [&](const torch::Tensor& images) {
       return data::adapt_images(images, image_size, channels);
@@ -424,19 +482,17 @@ int run_train(const std::vector<std::string>& argv) {
     model->eval();
     int64_t correct = 0;
     int64_t seen = 0;
+    const double data_wait = loader.stats().wait_seconds;
     {
       torch::NoGradGuard no_grad;
-      const int64_t n = test.images().size(0);
-      const int64_t begin = n * rank / world;
-      const int64_t end = n * (rank + 1) / world;
-      for (int64_t i = begin; i < end; i += 1000) {
-        const int64_t j = std::min(end, i + 1000);
-        auto images = mp.cast_input(
-            data::adapt_images(test.images().slice(0, i, j).to(device), image_size, channels));
+      test_loader.set_epoch(0);
+      while (auto batch = test_loader.next()) {
+        auto images =
+            mp.cast_input(data::adapt_images(batch->data.to(device), image_size, channels));
         auto autocast = mp.autocast();
         auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
-        correct += out.argmax(1).eq(test.targets().slice(0, i, j).to(device)).sum().item<int64_t>();
-        seen += j - i;
+        correct += out.argmax(1).eq(batch->target.to(out.device())).sum().item<int64_t>();
+        seen += batch->target.size(0);
       }
     }
     at::Tensor totals = torch::tensor({loss_sum.item<double>(), static_cast<double>(samples),
@@ -458,12 +514,13 @@ int run_train(const std::vector<std::string>& argv) {
         std::cout << std::setprecision(6) << "{\"epoch\": " << epoch + 1
                   << ", \"train_loss\": " << train_loss << ", \"test_accuracy\": " << accuracy
                   << ", \"images_per_sec\": " << images_per_sec << ", \"seconds\": " << seconds
-                  << "}" << std::endl;
+                  << ", \"data_wait_seconds\": " << data_wait << "}" << std::endl;
       } else {
         std::cout << std::fixed << std::setprecision(4) << "epoch " << epoch + 1 << "/" << epochs
                   << ": train_loss " << train_loss << ", test_accuracy " << accuracy
                   << ", images/s " << std::setprecision(0) << images_per_sec << " ("
-                  << std::setprecision(1) << seconds << " s)" << std::endl;
+                  << std::setprecision(1) << seconds << " s, " << data_wait
+                  << " s waiting for data)" << std::endl;
       }
     }
   }

@@ -8,10 +8,14 @@
 #include "paratrain/amp/grad_scaler.h"      // amp::GradScaler
 #include "paratrain/amp/mixed_precision.h"  // amp::MixedPrecision, opt levels O0-O3
 
+#include "paratrain/data/dataset.h"              // Dataset, ImageFolder, ImageList, TensorDataset
 #include "paratrain/data/device_prefetcher.h"    // DevicePrefetcher
 #include "paratrain/data/distributed_sampler.h"  // DistributedSampler
 #include "paratrain/data/fashion_mnist.h"        // FashionMNIST
-#include "paratrain/data/loader.h"               // TensorLoader, LoaderOptions
+#include "paratrain/data/image.h"                // read_image, decode_image, encode_*
+#include "paratrain/data/loader.h"               // DataLoader, LoaderOptions, samplers
+#include "paratrain/data/make_image_folder.h"    // write_image_folder
+#include "paratrain/data/transforms.h"           // transforms::Resize, RandomResizedCrop, ...
 
 #include "paratrain/dist/devices.h"        // local_device, check_device_exists
 #include "paratrain/dist/env.h"            // RankInfo, discover_rank_info

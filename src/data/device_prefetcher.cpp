@@ -10,7 +10,7 @@ namespace data {
 
 // Device-generic streams and events (c10::impl::VirtualGuardImpl) rather than c10::cuda's: the
 // same code builds against a CPU-only libtorch, where it is never asked for a stream.
-DevicePrefetcher::DevicePrefetcher(TensorLoader& loader, torch::Device device, Transform transform)
+DevicePrefetcher::DevicePrefetcher(BatchSource& loader, torch::Device device, Transform transform)
     : loader_(loader), device_(device), transform_(std::move(transform)) {
   if (device_.is_cuda()) {
     if (!device_.has_index()) {

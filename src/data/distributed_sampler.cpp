@@ -27,6 +27,11 @@ void DistributedSampler::set_epoch(uint64_t epoch) {
   build();
 }
 
+std::vector<size_t> DistributedSampler::epoch_indices(uint64_t epoch) {
+  set_epoch(epoch);
+  return indices_;
+}
+
 void DistributedSampler::build() {
   const size_t n = size_;
   const size_t replicas = static_cast<size_t>(num_replicas_);

@@ -198,9 +198,12 @@ torch::Tensor adapt_images(const torch::Tensor& images, int64_t size, int64_t ch
                                   .mode(torch::kBilinear)
                                   .align_corners(false));
   }
+  if (out.size(1) == 3 && channels == 1) {
+    return out.mean(1, /*keepdim=*/true);  // RGB to gray, for the 1-channel models
+  }
   if (out.size(1) != channels) {
     TORCH_CHECK(out.size(1) == 1, "cannot turn ", out.size(1), "-channel images into ", channels,
-                " channels (only 1-channel images are repeated)");
+                " channels (1-channel images are repeated, 3-channel ones averaged to 1)");
     out = out.expand({out.size(0), channels, out.size(2), out.size(3)}).contiguous();
   }
   return out;

@@ -5,7 +5,7 @@
 // device, as the prefetching loaders of PyTorch's ImageNet examples do. The step that takes a
 // batch waits only for that batch's copy, on the device, never on the host.
 //
-//   data::TensorLoader loader(..., LoaderOptions(64).workers(2).pin_memory(true));
+//   data::DataLoader loader(dataset, LoaderOptions(64).workers(2).pin_memory(true));
 //   data::DevicePrefetcher batches(loader, torch::Device("cuda:0"),
 //       [](const torch::Tensor& x) { return data::adapt_images(x, 224, 3); });
 //   while (auto batch = batches.next()) { ... batch->data, batch->target on cuda:0 ... }
@@ -33,7 +33,7 @@ class DevicePrefetcher {
   /// Applied to each batch's data on the device (after the copy), on the side stream.
   using Transform = std::function<torch::Tensor(const torch::Tensor&)>;
 
-  DevicePrefetcher(TensorLoader& loader, torch::Device device, Transform transform = nullptr);
+  DevicePrefetcher(BatchSource& loader, torch::Device device, Transform transform = nullptr);
   DevicePrefetcher(const DevicePrefetcher&) = delete;
   DevicePrefetcher& operator=(const DevicePrefetcher&) = delete;
 
@@ -45,7 +45,7 @@ class DevicePrefetcher {
   // Starts the copy and transform of the loader's next batch on the side stream.
   void prefetch();
 
-  TensorLoader& loader_;
+  BatchSource& loader_;
   torch::Device device_;
   Transform transform_;
   c10::optional<c10::Stream> stream_;  // the side stream (CUDA only)

@@ -15,7 +15,10 @@
 //     for (size_t i : sampler.indices()) { ... }
 //   }
 //
-// It is also a torch::data sampler (reset/next), so it plugs into libtorch's data loaders.
+// It is also an IndexSampler for paratrain's DataLoader (which calls set_epoch for each epoch) and
+// a torch::data sampler (reset/next), so it plugs into libtorch's data loaders.
+
+#include "paratrain/data/loader.h"
 
 #include <torch/data/samplers/base.h>
 
@@ -25,7 +28,8 @@
 namespace paratrain {
 namespace data {
 
-class DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
+class DistributedSampler : public torch::data::samplers::Sampler<std::vector<size_t>>,
+                           public IndexSampler {
  public:
   /// Throws c10::Error for num_replicas < 1 or rank outside [0, num_replicas).
   DistributedSampler(size_t size,
@@ -45,6 +49,9 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   size_t num_samples() const { return num_samples_; }
   /// num_samples() * num_replicas.
   size_t total_size() const { return num_samples_ * static_cast<size_t>(num_replicas_); }
+
+  /// IndexSampler: set_epoch(epoch), then indices(). The DataLoader calls it at each epoch.
+  std::vector<size_t> epoch_indices(uint64_t epoch) override;
 
   // torch::data::samplers::Sampler
   void reset(c10::optional<size_t> new_size = c10::nullopt) override;

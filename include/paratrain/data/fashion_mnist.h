@@ -51,8 +51,9 @@ torch::Tensor read_idx_bytes(const void* data,
                              const std::string& name = "idx data");
 
 /// A batch of N x 1 x 28 x 28 images made fit for models that expect other inputs: bilinearly
-/// resized to size x size and the channel repeated `channels` times (3 for the ResNets). Returns
-/// the batch itself when it already has that shape. Throws c10::Error for size or channels < 1
+/// resized to size x size and the channel repeated `channels` times (3 for the ResNets), or a
+/// 3-channel batch averaged to 1 channel for the 1-channel models. Returns the batch itself when
+/// it already has that shape. Throws c10::Error for size or channels < 1
 /// or a channel count that is not 1 or the batch's.
 torch::Tensor adapt_images(const torch::Tensor& images, int64_t size, int64_t channels);
 
