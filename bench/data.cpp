@@ -46,7 +46,9 @@ double paratrain_epoch(
   auto transform = T::compose(T::RandomResizedCrop(crop), T::RandomHorizontalFlip(), T::ToTensor(),
                               T::Normalize({0.485, 0.456, 0.406}, {0.229, 0.224, 0.225}));
   const auto start = Clock::now();
-  auto dataset = std::make_shared<data::ImageFolder>(dir, transform);
+  // Full-size decoding, as PIL's: DCT-scaled decoding (draft) would not be the same work.
+  auto dataset =
+      std::make_shared<data::ImageFolder>(dir, transform, data::ImageDatasetOptions().draft(false));
   data::DataLoader loader(
       dataset,
       data::LoaderOptions(static_cast<size_t>(batch)).workers(workers).shuffle(true).seed(epoch));
@@ -110,8 +112,10 @@ int run_bench_data(const std::vector<std::string>& argv) {
   const int crop = args.get_int("crop", 224);
   const int images = args.get_int("images", 2000);
   const int size = args.get_int("size", 64);
-  if (repeats < 1 || batch < 1 || crop < 1 || images < 10 || size < 8) {
-    throw UsageError("--repeats, --batch and --crop must be >= 1, --images >= 10, --size >= 8");
+  if (repeats < 1 || batch < 1 || crop < 1 || images < 100 || size < 8) {
+    throw UsageError(
+        "--repeats, --batch and --crop must be >= 1, --images >= 100 (every class "
+        "then has images), --size >= 8");
   }
   const auto workers = worker_counts(args);
   const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
@@ -120,6 +124,16 @@ int run_bench_data(const std::vector<std::string>& argv) {
 
   std::string dir = args.get("dir", "");
   std::string made;
+  // Removes the folder made here on every way out.
+  struct RemoveMade {
+    const std::string& path;
+    ~RemoveMade() {
+      if (!path.empty()) {
+        std::error_code ec;
+        fs::remove_all(path, ec);
+      }
+    }
+  } remove_made{made};
   if (dir.empty()) {
     made = results_file("data");  // a unique name; the folder replaces the file
     fs::remove(made);
@@ -159,16 +173,10 @@ int run_bench_data(const std::vector<std::string>& argv) {
     }
   } catch (...) {
     std::remove(out.c_str());
-    if (!made.empty()) {
-      fs::remove_all(made);
-    }
     throw;
   }
   std::remove(out.c_str());
   const double ceiling = decode_ceiling(dir);
-  if (!made.empty()) {
-    fs::remove_all(made);
-  }
   for (int64_t w : workers) {
     for (const std::string system : {"paratrain", "pytorch"}) {
       if (!rates.count({system, w})) {

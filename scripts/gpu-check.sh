@@ -4,7 +4,8 @@
 # ResNet-50 at 224x224, O1 fp16, batch 64 (bench/train_pytorch.py, data already on the GPU).
 #
 # What the machine lacks comes from ${PARATRAIN_GPU_DEPS:-.gpu-deps}, made by scripts/gpu-deps.sh
-# on a Debian machine: gloo's headers, GoogleTest's sources, zlib's headers, Fashion-MNIST.
+# on a Debian machine: gloo's headers, GoogleTest's sources, zlib's headers, the image libraries,
+# Fashion-MNIST.
 # Results: ${OUT:-/tmp/paratrain-gpu-check}/{build,ctest,speed}.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 {
   cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_WERROR=ON \
-    -DCMAKE_PREFIX_PATH="$prefix" -DGLOO_INCLUDE_DIR="$deps/include" \
+    -DCMAKE_PREFIX_PATH="$prefix;$deps" -DGLOO_INCLUDE_DIR="$deps/include" \
     -DZLIB_INCLUDE_DIR="$deps/include" -DZLIB_LIBRARY="$zlib" \
     -DPARATRAIN_GTEST_SOURCE_DIR="$deps/googletest" -DPARATRAIN_TEST_PYTHON="$(command -v "$python")"
   cmake --build "$build" -j "$(nproc)" -- -k 0

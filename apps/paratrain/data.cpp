@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <tuple>
 
@@ -46,10 +47,19 @@ int make_imagefolder(const std::vector<std::string>& argv) {
   if (size < 8) {
     throw UsageError("--size must be >= 8, got " + std::to_string(size));
   }
-  if ((args.has("train") && train_n < 0) || (args.has("val") && val_n < 0)) {
-    throw UsageError("--train and --val must be >= 0");
+  // Fashion-MNIST's first 24 training and 20 test images do not cover all ten classes; an
+  // ImageFolder refuses an empty class folder.
+  if ((args.has("train") && train_n < 100) || (args.has("val") && val_n < 100)) {
+    throw UsageError("--train and --val must be >= 100, so that every class has images");
   }
   const std::string out = args.get("out");
+  {
+    std::error_code ec;
+    if (std::filesystem::exists(out, ec) && !std::filesystem::is_empty(out, ec)) {
+      throw UsageError("--out " + out + " exists and is not empty: give a new folder (files " +
+                       "of an earlier run would mix with these)");
+    }
+  }
   const std::string dir = args.get("data-dir", data::kFashionMnistDir);
   auto options = data::MakeImageFolderOptions().size(size).mixed(!args.has("jpeg-only"));
   const auto start = std::chrono::steady_clock::now();

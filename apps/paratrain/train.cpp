@@ -82,9 +82,12 @@ TrainData load_data(const std::string& dataset, const std::string& dir, int64_t 
   auto val = std::make_shared<data::ImageFolder>(
       dir + "/val",
       T::compose(T::Resize(size * 8 / 7), T::CenterCrop(size), T::ToTensor(), normalize));
-  TORCH_CHECK(train->classes() == val->classes(), "the class folders of ", dir, "/train (",
-              train->classes().size(), ") and ", dir, "/val (", val->classes().size(),
-              ") differ: give both the same classes");
+  if (train->classes() != val->classes()) {
+    throw std::runtime_error("the class folders of " + dir + "/train (" +
+                             std::to_string(train->classes().size()) + ") and " + dir + "/val (" +
+                             std::to_string(val->classes().size()) +
+                             ") differ: give both the same classes");
+  }
   return {train, val, static_cast<int64_t>(train->classes().size())};
 }
 

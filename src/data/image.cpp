@@ -68,6 +68,18 @@ torch::Tensor to_chw(const torch::Tensor& hwc) {
   TORCH_CHECK(false, "cannot decode ", name, ": ", why);
 }
 
+// PIL's decompression-bomb limit (2 x Image.MAX_IMAGE_PIXELS, where PIL raises rather than
+// warns): a corrupt or hostile header must not make us allocate gigabytes.
+constexpr int64_t kMaxPixels = 2 * int64_t{89478485};
+
+bool too_large(int64_t height, int64_t width) {
+  return height <= 0 || width <= 0 || height > kMaxPixels / width;
+}
+
+std::string size_text(int64_t height, int64_t width) {
+  return std::to_string(height) + "x" + std::to_string(width);
+}
+
 ImageFormat known_format(const std::string& bytes, const std::string& name) {
   ImageFormat format = sniff_image_format(bytes.data(), bytes.size());
   if (format == ImageFormat::kUnknown) {
@@ -118,8 +130,10 @@ JpegHeader jpeg_header(const std::string& bytes, const std::string& name) {
     const std::string why = tjGetErrorStr2(tj);
     fail_jpeg(name, "JPEG header: " + why + (bytes.size() < 1024 ? " (truncated?)" : ""));
   }
-  if (h.width <= 0 || h.height <= 0) {
-    fail_jpeg(name, "JPEG header: no image size");
+  if (too_large(h.height, h.width)) {
+    fail_jpeg(name, "JPEG header: image size " + size_text(h.height, h.width) +
+                        " (HxW) is empty or above the limit of " + std::to_string(kMaxPixels) +
+                        " pixels");
   }
   return h;
 }
@@ -219,7 +233,8 @@ void png_warn(png_structp, png_const_charp) {}
 // libpng reports errors by longjmp, so this function holds no object with a destructor between
 // setjmp and the calls that may jump; the caller owns `out` (malloc'd). Returns false with
 // src->error set on failure. The transforms give what PIL's convert("RGB") gives: palette and
-// low-bit gray expanded, 16-bit reduced to its high byte, gray replicated, alpha dropped.
+// low-bit gray expanded, gray replicated, alpha dropped; 16-bit samples keep their high byte
+// (PIL does so for 16-bit RGB; for 16-bit gray, which it opens as "I;16", it clips instead).
 bool png_decode_raw(PngSource* src, unsigned char** out, png_uint_32* width, png_uint_32* height) {
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, src, png_fail, png_warn);
   if (png == nullptr) {
@@ -227,12 +242,17 @@ bool png_decode_raw(PngSource* src, unsigned char** out, png_uint_32* width, png
     return false;
   }
   png_infop info = png_create_info_struct(png);
+  if (info == nullptr) {
+    png_destroy_read_struct(&png, nullptr, nullptr);
+    std::snprintf(src->error, sizeof src->error, "out of memory");
+    return false;
+  }
   unsigned char* volatile pixels = nullptr;
   png_bytep* volatile rows = nullptr;
-  if (info == nullptr || setjmp(png_jmpbuf(png))) {
+  if (setjmp(png_jmpbuf(png))) {
     std::free(pixels);
     std::free(rows);
-    png_destroy_read_struct(&png, info ? &info : nullptr, nullptr);
+    png_destroy_read_struct(&png, &info, nullptr);
     if (src->error[0] == '\0') {
       std::snprintf(src->error, sizeof src->error, "out of memory");
     }
@@ -242,6 +262,9 @@ bool png_decode_raw(PngSource* src, unsigned char** out, png_uint_32* width, png
   png_read_info(png, info);
   const png_uint_32 w = png_get_image_width(png, info);
   const png_uint_32 h = png_get_image_height(png, info);
+  if (too_large(h, w)) {
+    png_error(png, "image size above the limit of 178956970 pixels");
+  }
   png_set_expand(png);
   png_set_strip_16(png);
   png_set_strip_alpha(png);
@@ -260,7 +283,7 @@ bool png_decode_raw(PngSource* src, unsigned char** out, png_uint_32* width, png
     rows[y] = pixels + size_t{y} * w * 3;
   }
   png_read_image(png, rows);
-  png_read_end(png, nullptr);
+  // No png_read_end: chunks after the pixels (or a missing IEND) do not matter, as with PIL.
   std::free(rows);
   png_destroy_read_struct(&png, &info, nullptr);
   *out = pixels;
@@ -286,6 +309,12 @@ torch::Tensor decode_png(const std::string& bytes, const std::string& name) {
 
 torch::Tensor decode_webp(const std::string& bytes, const std::string& name) {
   int w = 0, h = 0;
+  if (!WebPGetInfo(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &w, &h)) {
+    fail(name, "corrupt or truncated WebP");
+  }
+  if (too_large(h, w)) {
+    fail(name, "WebP image size " + size_text(h, w) + " (HxW) is above the limit");
+  }
   uint8_t* rgb =
       WebPDecodeRGB(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &w, &h);
   if (rgb == nullptr) {
@@ -313,6 +342,11 @@ ImageSize read_image_size(const std::string& bytes, const std::string& name) {
         const auto* b = reinterpret_cast<const unsigned char*>(bytes.data()) + at;
         return (int64_t{b[0]} << 24) | (int64_t{b[1]} << 16) | (int64_t{b[2]} << 8) | b[3];
       };
+      if (too_large(be32(20), be32(16))) {
+        fail(name, "PNG image size " + size_text(be32(20), be32(16)) +
+                       " (HxW) is empty or above the limit of " + std::to_string(kMaxPixels) +
+                       " pixels");
+      }
       return {be32(20), be32(16)};
     }
     default: {

@@ -99,6 +99,7 @@ void DataLoader::begin_pass() {
     ++pass_;
     ready_.clear();
     failed_.clear();
+    fatal_ = nullptr;
     state_ = State::kRunning;
   }
   cv_.notify_all();
@@ -116,6 +117,7 @@ void DataLoader::end_pass() {
     ++pass_;
     ready_.clear();
     failed_.clear();
+    fatal_ = nullptr;
   }
   cv_.notify_all();
   if (!options_.persistent_workers()) {
@@ -154,17 +156,27 @@ void DataLoader::stop_workers() {
   stop_ = false;
 }
 
-Sample DataLoader::get_one(size_t index, uint64_t epoch, size_t position) {
-  seed_sample_generator(options_.seed(), epoch, position);
+namespace {
+
+std::string message_of(const std::exception& e) {
+  const auto* ce = dynamic_cast<const c10::Error*>(&e);
+  return ce ? ce->what_without_backtrace() : e.what();
+}
+
+}  // namespace
+
+Sample DataLoader::get_one(size_t index,
+                           uint64_t epoch,
+                           size_t position,
+                           std::vector<BadSample>& bad) {
+  seed_sample_generator(options_.seed(), epoch, position, index);
   try {
     return dataset_->get(index);
   } catch (const std::exception& e) {
-    const c10::Error* ce = dynamic_cast<const c10::Error*>(&e);
-    const std::string why = ce ? ce->what_without_backtrace() : e.what();
+    const std::string why = message_of(e);
     const std::string what = dataset_->describe(index);
     if (options_.skip_bad_samples()) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      bad_.push_back({index, what, why});
+      bad.push_back({index, what, why});
       return {};
     }
     // The dataset's message usually names the file already; say it once.
@@ -174,8 +186,12 @@ Sample DataLoader::get_one(size_t index, uint64_t epoch, size_t position) {
   return {};  // not reached
 }
 
-Batch DataLoader::build(const Job& job) {
+Batch DataLoader::build(const Job& job, std::vector<BadSample>& bad) {
   const size_t first = job.batch * options_.batch_size();
+  if (job.indices.empty()) {
+    return {};
+  }
+  seed_sample_generator(options_.seed(), job.epoch, first, job.indices[0]);
   if (auto batch = dataset_->get_batch(job.indices)) {
     if (options_.pin_memory()) {
       batch->data = batch->data.pin_memory();
@@ -187,14 +203,25 @@ Batch DataLoader::build(const Job& job) {
   // would be another batch's worth of memory in flight per worker.
   Collator collator(job.indices.size(), options_.pin_memory());
   for (size_t k = 0; k < job.indices.size(); ++k) {
-    Sample s = get_one(job.indices[k], job.epoch, first + k);
-    if (s.data.defined()) {
+    const size_t index = job.indices[k];
+    Sample s = get_one(index, job.epoch, first + k, bad);
+    if (!s.data.defined()) {
+      continue;
+    }
+    try {
       collator.add(s);
+    } catch (const std::exception& e) {
+      if (!options_.skip_bad_samples()) {
+        throw;
+      }
+      bad.push_back({index, dataset_->describe(index), message_of(e)});
     }
   }
   return collator.finish();  // undefined when every sample was skipped
 }
 
+// Waits for a batch to build; nullopt when the workers stop. Allocates nothing: a job taken
+// must reach the consumer, as a batch or an error.
 std::optional<DataLoader::Job> DataLoader::take_job(std::unique_lock<std::mutex>& lock) {
   const size_t ahead =
       std::max<size_t>(1, options_.prefetch_factor()) * static_cast<size_t>(options_.workers());
@@ -205,35 +232,43 @@ std::optional<DataLoader::Job> DataLoader::take_job(std::unique_lock<std::mutex>
   if (stop_) {
     return std::nullopt;
   }
-  Job job{issued_++, pass_, epoch_, {}};
-  const size_t begin = job.batch * options_.batch_size();
-  const size_t end = std::min(indices_.size(), begin + options_.batch_size());
-  job.indices.assign(indices_.begin() + static_cast<std::ptrdiff_t>(begin),
-                     indices_.begin() + static_cast<std::ptrdiff_t>(end));
-  return job;
+  return Job{issued_++, pass_, epoch_, {}};
 }
 
 void DataLoader::work() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (auto job = take_job(lock)) {
-    lock.unlock();
     Batch batch;
     std::exception_ptr error;
+    std::vector<BadSample> bad;
     try {
-      batch = build(*job);
+      const size_t begin = job->batch * options_.batch_size();
+      const size_t end = std::min(indices_.size(), begin + options_.batch_size());
+      job->indices.assign(indices_.begin() + static_cast<std::ptrdiff_t>(begin),
+                          indices_.begin() + static_cast<std::ptrdiff_t>(end));
+      lock.unlock();
+      batch = build(*job, bad);
     } catch (...) {
       // An exception must not escape the thread (std::terminate): the consumer rethrows it.
       error = std::current_exception();
     }
-    lock.lock();
-    if (job->pass == pass_) {
+    if (!lock.owns_lock()) {
+      lock.lock();
+    }
+    if (job->pass != pass_) {
+      continue;  // the pass ended (set_epoch, an error): drop what was built for it
+    }
+    try {
+      bad_.insert(bad_.end(), bad.begin(), bad.end());
       if (error) {
         failed_.emplace(job->batch, error);
       } else {
         ready_.emplace(job->batch, std::move(batch));
       }
-      cv_.notify_all();
+    } catch (...) {
+      fatal_ = std::current_exception();  // out of memory: the consumer must not wait forever
     }
+    cv_.notify_all();
   }
 }
 
@@ -257,11 +292,15 @@ std::optional<Batch> DataLoader::next() {
       try {
         const size_t begin = next_ * options_.batch_size();
         const size_t end = std::min(indices_.size(), begin + options_.batch_size());
+        std::vector<BadSample> bad;
         batch = build(Job{next_,
                           pass_,
                           epoch_,
                           {indices_.begin() + static_cast<std::ptrdiff_t>(begin),
-                           indices_.begin() + static_cast<std::ptrdiff_t>(end)}});
+                           indices_.begin() + static_cast<std::ptrdiff_t>(end)}},
+                      bad);
+        std::lock_guard<std::mutex> lock(mutex_);
+        bad_.insert(bad_.end(), bad.begin(), bad.end());
       } catch (...) {
         end_pass();
         throw;
@@ -269,10 +308,12 @@ std::optional<Batch> DataLoader::next() {
       ++next_;
     } else {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return ready_.count(next_) > 0 || failed_.count(next_) > 0; });
+      cv_.wait(lock, [&] {
+        return ready_.count(next_) > 0 || failed_.count(next_) > 0 || fatal_ != nullptr;
+      });
       auto failed = failed_.find(next_);
-      if (failed != failed_.end()) {
-        std::exception_ptr error = failed->second;
+      if (failed != failed_.end() || (fatal_ && ready_.count(next_) == 0)) {
+        std::exception_ptr error = failed != failed_.end() ? failed->second : fatal_;
         lock.unlock();
         end_pass();
         std::rethrow_exception(error);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <typeinfo>
 
 namespace paratrain {
 namespace data {
@@ -172,8 +173,8 @@ Generator& sample_generator() {
   return tls_generator;
 }
 
-void seed_sample_generator(uint64_t seed, uint64_t epoch, uint64_t position) {
-  tls_generator.seed(mix(mix(mix(seed) ^ epoch) ^ position));
+void seed_sample_generator(uint64_t seed, uint64_t epoch, uint64_t position, uint64_t index) {
+  tls_generator.seed(mix(mix(mix(mix(seed) ^ epoch) ^ position) ^ index));
 }
 
 namespace transforms {
@@ -489,7 +490,9 @@ torch::Tensor run_chain(const std::vector<const Transform*>& chain,
                         torch::Tensor x,
                         Generator& gen) {
   for (size_t i = 0; i < chain.size(); ++i) {
-    const auto* to_float = dynamic_cast<const ConvertImageDtype*>(chain[i]);
+    // Exactly these two types (a user's subclass may do something else in apply()).
+    const bool to_float =
+        typeid(*chain[i]) == typeid(ConvertImageDtype) || typeid(*chain[i]) == typeid(ToTensor);
     const auto* normalize =
         i + 1 < chain.size() ? dynamic_cast<const Normalize*>(chain[i + 1]) : nullptr;
     if (to_float && normalize && x.dim() == 3 && x.scalar_type() == torch::kUInt8 &&

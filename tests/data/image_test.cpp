@@ -120,6 +120,16 @@ TEST(Image, CorruptFilesAreNamed) {
   EXPECT_NE(e.find("cannot decode " + dir + "/cut.webp: corrupt or truncated WebP"),
             std::string::npos)
       << e;
+  // A header claiming 60000 x 60000 pixels (SOF0's height and width patched): refused before
+  // any allocation, as PIL's decompression-bomb check.
+  std::string bomb = jpeg;
+  const size_t sof = bomb.find("\xFF\xC0");
+  ASSERT_NE(sof, std::string::npos);
+  bomb.replace(sof + 5, 4, "\xEA\x60\xEA\x60");
+  data::write_file(dir + "/bomb.jpg", bomb);
+  e = error_of([&] { data::read_image(dir + "/bomb.jpg"); });
+  EXPECT_NE(e.find("image size 60000x60000 (HxW) is empty or above the limit"), std::string::npos)
+      << e;
   e = error_of([&] { data::read_image(dir + "/missing.jpg"); });
   EXPECT_NE(e.find("cannot read " + dir + "/missing.jpg: No such file"), std::string::npos) << e;
   fs::remove_all(dir);

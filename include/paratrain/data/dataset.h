@@ -13,7 +13,7 @@
 
 #include "paratrain/data/transforms.h"
 
-#include <torch/data/example.h>
+#include <torch/arg.h>
 #include <torch/types.h>
 
 #include <map>
@@ -45,12 +45,12 @@ class Dataset {
   virtual Sample get(size_t index) = 0;
   /// A whole batch at once, for datasets that can do better than one get() per index (as
   /// PyTorch's __getitems__); nullopt (the default) makes the loader call get() per index.
-  virtual std::optional<Batch> get_batch(const std::vector<size_t>& indices) {
+  virtual std::optional<Batch> get_batch(const std::vector<size_t>& /*indices*/) {
     return std::nullopt;
   }
   /// What sample `index` is, for error messages (an ImageFolder's file); empty when nothing
   /// more than the index can be said.
-  virtual std::string describe(size_t index) const { return {}; }
+  virtual std::string describe(size_t /*index*/) const { return {}; }
 };
 using DatasetPtr = std::shared_ptr<Dataset>;
 

@@ -18,7 +18,7 @@
 // It is also an IndexSampler for paratrain's DataLoader (which calls set_epoch for each epoch) and
 // a torch::data sampler (reset/next), so it plugs into libtorch's data loaders.
 
-#include "paratrain/data/loader.h"
+#include "paratrain/data/sampler.h"
 
 #include <torch/data/samplers/base.h>
 

@@ -13,8 +13,9 @@
 //   }
 //
 // Randomness: shuffling draws from seed + epoch, and each sample's random transforms from
-// (seed, epoch, its position in the epoch), so the same seed gives the same batches on every
-// run whatever the number of workers.
+// (seed, epoch, its position in the epoch, its index), so the same seed gives the same batches on
+// every run whatever the number of workers; the index makes DDP ranks, whose positions coincide,
+// draw different crops.
 //
 // Errors: a sample that fails (a corrupt file, a transform that cannot apply) throws from next()
 // a c10::Error naming the sample's index and file, and the epoch's pass ends there. With
@@ -24,6 +25,7 @@
 // Threads: one consumer thread calls next() and the other members.
 
 #include "paratrain/data/dataset.h"
+#include "paratrain/data/sampler.h"
 
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -41,44 +43,6 @@
 
 namespace paratrain {
 namespace data {
-
-/// The order of a dataset's indices in each epoch (DistributedSampler is one).
-class IndexSampler {
- public:
-  virtual ~IndexSampler() = default;
-  virtual std::vector<size_t> epoch_indices(uint64_t epoch) = 0;
-};
-
-/// 0 .. size-1 (torch.utils.data.SequentialSampler).
-class SequentialSampler : public IndexSampler {
- public:
-  explicit SequentialSampler(size_t size) : size_(size) {}
-  std::vector<size_t> epoch_indices(uint64_t epoch) override;
-
- private:
-  size_t size_;
-};
-
-/// torch.randperm(size) from a CPU generator seeded seed + epoch (as DistributedSampler shuffles).
-class RandomSampler : public IndexSampler {
- public:
-  RandomSampler(size_t size, uint64_t seed) : size_(size), seed_(seed) {}
-  std::vector<size_t> epoch_indices(uint64_t epoch) override;
-
- private:
-  size_t size_;
-  uint64_t seed_;
-};
-
-/// The same given indices every epoch.
-class FixedSampler : public IndexSampler {
- public:
-  explicit FixedSampler(std::vector<size_t> indices) : indices_(std::move(indices)) {}
-  std::vector<size_t> epoch_indices(uint64_t) override { return indices_; }
-
- private:
-  std::vector<size_t> indices_;
-};
 
 struct LoaderOptions {
   explicit LoaderOptions(size_t batch_size) : batch_size_(batch_size) {}
@@ -164,8 +128,8 @@ class DataLoader : public BatchSource {
     std::vector<size_t> indices;
   };
   // Builds batch `job.batch`; empty data when every sample was skipped.
-  Batch build(const Job& job);
-  Sample get_one(size_t index, uint64_t epoch, size_t position);
+  Batch build(const Job& job, std::vector<BadSample>& bad);
+  Sample get_one(size_t index, uint64_t epoch, size_t position, std::vector<BadSample>& bad);
   void begin_pass();
   void end_pass();
   void start_workers();
@@ -193,6 +157,7 @@ class DataLoader : public BatchSource {
   std::map<size_t, Batch> ready_;                // guarded by mutex_
   std::map<size_t, std::exception_ptr> failed_;  // guarded by mutex_
   std::vector<BadSample> bad_;                   // guarded by mutex_
+  std::exception_ptr fatal_;                     // guarded by mutex_: a result that was lost
   bool stop_ = false;                            // guarded by mutex_
   std::vector<std::thread> threads_;
 };

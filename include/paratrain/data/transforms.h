@@ -12,7 +12,8 @@
 //   auto val = T::compose(T::Resize(256), T::CenterCrop(224), T::ToTensor(), T::Normalize(...));
 //
 // Random transforms draw from the Generator they are given. The DataLoader seeds one per sample
-// from (seed, epoch, position in the epoch), so batches do not depend on the number of workers;
+// from (seed, epoch, position in the epoch, index), so batches do not depend on the number of
+// workers;
 // datasets reach it through data::sample_generator().
 //
 // The transforms here run single-threaded per image on purpose: the loader runs one image per
@@ -36,8 +37,9 @@ using Generator = std::mt19937_64;
 /// is a generator seeded 0 on first use.
 Generator& sample_generator();
 
-/// Seeds the calling thread's sample generator for `position` of `epoch` under `seed`.
-void seed_sample_generator(uint64_t seed, uint64_t epoch, uint64_t position);
+/// Seeds the calling thread's sample generator for dataset index `index` at `position` of
+/// `epoch` under `seed`.
+void seed_sample_generator(uint64_t seed, uint64_t epoch, uint64_t position, uint64_t index);
 
 namespace transforms {
 
@@ -70,7 +72,7 @@ struct Size {
 /// torchvision.transforms.Resize(size, antialias=True) with bilinear interpolation. A single
 /// size sets the shorter side (the longer one keeps the aspect ratio, truncated as torchvision
 /// does); (h, w) sets both.
-class Resize : public Transform {
+class Resize final : public Transform {
  public:
   explicit Resize(Size size);
   torch::Tensor apply(const torch::Tensor& image, Generator& gen) const override;
@@ -84,7 +86,7 @@ class Resize : public Transform {
 
 /// torchvision.transforms.CenterCrop. An image smaller than the crop is an error (torchvision
 /// pads it with zeros, which silently trains on black borders): resize first.
-class CenterCrop : public Transform {
+class CenterCrop final : public Transform {
  public:
   explicit CenterCrop(Size size);
   torch::Tensor apply(const torch::Tensor& image, Generator& gen) const override;
@@ -97,7 +99,7 @@ class CenterCrop : public Transform {
 /// torchvision.transforms.RandomResizedCrop(size, scale=(0.08, 1), ratio=(3/4, 4/3),
 /// antialias=True): up to 10 tries for a box of random area and log-uniform aspect ratio that
 /// fits, else the central crop at the nearest allowed ratio; the box is resized to `size`.
-class RandomResizedCrop : public Transform {
+class RandomResizedCrop final : public Transform {
  public:
   explicit RandomResizedCrop(Size size,
                              std::array<double, 2> scale = {0.08, 1.0},
@@ -115,7 +117,7 @@ class RandomResizedCrop : public Transform {
 };
 
 /// torchvision.transforms.RandomHorizontalFlip(p=0.5).
-class RandomHorizontalFlip : public Transform {
+class RandomHorizontalFlip final : public Transform {
  public:
   explicit RandomHorizontalFlip(double p = 0.5);
   torch::Tensor apply(const torch::Tensor& image, Generator& gen) const override;
@@ -136,7 +138,7 @@ class ConvertImageDtype : public Transform {
 
 /// torchvision.transforms.ToTensor for images that are already tensors [C, H, W]: uint8 to float
 /// in [0, 1], as ConvertImageDtype(torch.float).
-class ToTensor : public ConvertImageDtype {
+class ToTensor final : public ConvertImageDtype {
  public:
   ToTensor() = default;
   std::string name() const override { return "ToTensor()"; }
@@ -144,7 +146,7 @@ class ToTensor : public ConvertImageDtype {
 
 /// torchvision.transforms.Normalize(mean, std): (x - mean[c]) / std[c] on a float image. One
 /// value, or one per channel.
-class Normalize : public Transform {
+class Normalize final : public Transform {
  public:
   Normalize(std::vector<double> mean, std::vector<double> std);
   torch::Tensor apply(const torch::Tensor& image, Generator& gen) const override;
@@ -159,7 +161,7 @@ class Normalize : public Transform {
 
 /// torchvision.transforms.Compose: each transform in turn. ToTensor (or ConvertImageDtype)
 /// followed by Normalize runs as one pass over the image, with the same arithmetic.
-class Compose : public Transform {
+class Compose final : public Transform {
  public:
   explicit Compose(std::vector<TransformPtr> transforms);
   torch::Tensor apply(const torch::Tensor& image, Generator& gen) const override;
