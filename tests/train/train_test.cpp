@@ -49,11 +49,13 @@ TEST(Train, MainJobShortened) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::smatch m;
   std::regex row(R"(\{"epoch": 1, "train_loss": ([0-9.e-]+), "test_accuracy": ([0-9.e-]+), )"
-                 R"("images_per_sec": ([0-9.e+-]+), "seconds": ([0-9.e-]+)\})");
+                 R"("images_per_sec": ([0-9.e+-]+), "seconds": ([0-9.e-]+), )"
+                 R"("data_wait_seconds": ([0-9.e-]+)\})");
   ASSERT_TRUE(std::regex_search(r.output, m, row)) << r.output;
   EXPECT_GT(std::stod(m[2]), 0.70) << r.output;
   EXPECT_LT(std::stod(m[1]), 1.5) << r.output;
   EXPECT_GT(std::stod(m[3]), 0) << r.output;
+  EXPECT_GE(std::stod(m[5]), 0) << r.output;  // the time spent waiting for batches
   // The weights load back into the same model, by name.
   auto state = load_safetensors(weights);
   EXPECT_EQ(state.count("linear0.weight"), 1u);
