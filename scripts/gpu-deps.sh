@@ -9,6 +9,7 @@ rm -rf "$out"
 mkdir -p "$out/include" "$out/fashion-mnist"
 cp -r /usr/include/gloo "$out/include/"
 cp /usr/include/zlib.h /usr/include/zconf.h "$out/include/"
+cp -r /usr/include/nlohmann "$out/include/"  # header only: checkpoint manifests, metrics
 # The image libraries (headers and shared objects; they need only libc, libm and zlib).
 # (-L: Debian's png.h, pngconf.h and pnglibconf.h are links into libpng16/)
 cp -rL /usr/include/turbojpeg.h /usr/include/png.h /usr/include/pngconf.h \

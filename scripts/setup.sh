@@ -12,6 +12,7 @@ packages=(
   libopenblas0-pthread  # without it libtorch falls back to the reference BLAS (5x slower)
   libopenmpi-dev openmpi-bin
   zlib1g-dev
+  nlohmann-json3-dev    # checkpoint manifests, metrics, configs
   libturbojpeg0-dev libpng-dev libwebp-dev  # ImageFolder decoding: TurboJPEG, libpng, libwebp
   dataset-fashion-mnist
   libgtest-dev googletest

@@ -28,14 +28,16 @@ const char* kLaunchUsage =
     "  --log-dir D          also write each rank's output to D/rank_R.log\n"
     "  --backend B          gloo, mpi, nccl, or routes by tensor device such as\n"
     "                       cpu:gloo,cuda:nccl; mpi runs the job through mpirun\n"
-    "  --no-prefix          relay output without the [rank R]: prefix\n";
+    "  --no-prefix          relay output without the [rank R]: prefix\n"
+    "  --max-restarts N     when a worker fails, stop all and start them all again, up to N\n"
+    "                       times (torchrun's; TORCHELASTIC_RESTART_COUNT tells the attempt)\n";
 }  // namespace
 
 int run_launch(const std::vector<std::string>& argv) {
   Args args(argv,
             {"nproc-per-node", "nproc_per_node", "nnodes", "node-rank", "node_rank", "master-addr",
              "master_addr", "master-port", "master_port", "devices", "log-dir", "log_dir",
-             "backend", "env"},
+             "backend", "env", "max-restarts", "max_restarts"},
             {"standalone", "help", "no-prefix", "from-mpirun"});
   if (args.has("help")) {
     std::cout << kLaunchUsage;
@@ -72,6 +74,13 @@ int run_launch(const std::vector<std::string>& argv) {
   o.log_dir(args.get(pick("log-dir", "log_dir"), ""));
   o.backend(args.get("backend", ""));
   o.prefix_output(!args.has("no-prefix"));
+  {
+    const int restarts = args.get_int(pick("max-restarts", "max_restarts"), 0);
+    if (restarts < 0) {
+      throw UsageError("--max-restarts must be >= 0, got " + std::to_string(restarts));
+    }
+    o.max_restarts(restarts);
+  }
   std::map<std::string, std::string> env;
   for (const auto& kv : args.get_all("env")) {
     auto eq = kv.find('=');

@@ -7,6 +7,9 @@
 
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -31,6 +34,20 @@ const char* kTrainUsage =
     "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
     "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
     "[--json]\n"
+    "         [--optimizer sgd|adam|adamw] [--lr-schedule constant|step|multistep|cosine\n"
+    "         [--lr-step-size N] [--lr-gamma G] [--lr-milestones a,b] [--lr-t-max T]\n"
+    "         [--lr-eta-min E]] [--warmup N [--warmup-start-factor F]] [--schedule-per-step]\n"
+    "         [--clip-grad-norm X] [--accumulate K]\n"
+    "         [--checkpoint-dir D [--checkpoint-every N] [--checkpoint-every-epoch] [--keep K]]\n"
+    "         [--resume auto|PATH] [--max-restarts M] [--metrics F.jsonl [--log-every N]]\n"
+    "\n"
+    "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
+    "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto continues\n"
+    "from the newest one that verifies and ends with the weights an uninterrupted run ends with.\n"
+    "--max-restarts with --nproc restarts every rank after a failure, as torchrun does.\n"
+    "The lr schedule steps per epoch (--schedule-per-step: per optimizer step) with PyTorch's\n"
+    "StepLR, MultiStepLR, CosineAnnealingLR (t_max defaults to the epochs after the warm-up)\n"
+    "and LinearLR warm-up semantics.\n"
     "\n"
     "--dataset imagefolder reads D/train and D/val as torchvision's ImageFolder (JPEG, PNG,\n"
     "WebP), training on RandomResizedCrop(--image-size) + horizontal flips and validating on\n"
@@ -117,16 +134,162 @@ std::vector<torch::Device> parse_devices(const std::string& list) {
   return out;
 }
 
+// The optimizer, schedule, accumulation, clipping, checkpoint and metrics flags.
+TrainerOptions loop_options(const Args& args, int epochs) {
+  TrainerOptions o;
+  o.optimizer(OptimizerOptions()
+                  .kind(args.get("optimizer", "sgd"))
+                  .lr(args.get_double("lr", 0.05))
+                  .momentum(args.get_double("momentum", 0.9))
+                  .weight_decay(args.get_double("weight-decay", 0.0)));
+  const std::string kind = o.optimizer().kind();
+  if (kind != "sgd" && kind != "adam" && kind != "adamw") {
+    throw UsageError("unknown --optimizer '" + kind + "': choose sgd, adam or adamw");
+  }
+  LRScheduleOptions ls;
+  ls.kind(args.get("lr-schedule", "constant"))
+      .step_size(args.get_int("lr-step-size", 30))
+      .gamma(args.get_double("lr-gamma", 0.1))
+      .eta_min(args.get_double("lr-eta-min", 0.0))
+      .warmup(args.get_int("warmup", 0))
+      .warmup_start_factor(args.get_double("warmup-start-factor", 1.0 / 3.0));
+  std::vector<int64_t> milestones;
+  {
+    std::stringstream in(args.get("lr-milestones", ""));
+    std::string item;
+    while (std::getline(in, item, ',')) {
+      try {
+        size_t used = 0;
+        milestones.push_back(std::stoll(item, &used));
+        if (used != item.size()) {
+          throw std::invalid_argument(item);
+        }
+      } catch (const std::exception&) {
+        throw UsageError("bad --lr-milestones entry '" + item + "': give numbers like 30,60,80");
+      }
+    }
+  }
+  ls.milestones(milestones);
+  // CosineAnnealingLR's T_max: by default the whole run after the warm-up, in epochs (or steps).
+  ls.t_max(args.get_int("lr-t-max", std::max(1, epochs - static_cast<int>(ls.warmup()))));
+  try {
+    check_lr_schedule(ls);
+  } catch (const c10::Error& e) {
+    throw UsageError(std::string("--lr-schedule: ") + e.what_without_backtrace());
+  }
+  o.lr_schedule(ls).schedule_per_step(args.has("schedule-per-step"));
+  o.clip_grad_norm(args.get_double("clip-grad-norm", 0.0));
+  o.accumulate(args.get_int("accumulate", 1));
+  if (o.clip_grad_norm() < 0 || o.accumulate() < 1) {
+    throw UsageError("--clip-grad-norm must be >= 0 and --accumulate >= 1");
+  }
+  o.checkpoint_dir(args.get("checkpoint-dir", ""))
+      .checkpoint_every(args.get_int("checkpoint-every", 0))
+      .checkpoint_every_epoch(args.has("checkpoint-every-epoch"))
+      .keep(args.get_int("keep", 3))
+      .resume(args.get("resume", ""))
+      .metrics(args.get("metrics", ""))
+      .log_every(args.get_int("log-every", args.has("metrics") ? 10 : 0));
+  if (o.keep() < 1) {
+    throw UsageError("--keep must be >= 1, got " + std::to_string(o.keep()) +
+                     ": keeping no checkpoint could never resume");
+  }
+  if (o.checkpoint_every() < 0 || o.log_every() < 0) {
+    throw UsageError("--checkpoint-every and --log-every must be >= 0");
+  }
+  if ((o.checkpoint_every() > 0 || o.checkpoint_every_epoch() || args.has("keep")) &&
+      o.checkpoint_dir().empty()) {
+    throw UsageError(
+        "--checkpoint-every, --checkpoint-every-epoch and --keep need --checkpoint-dir");
+  }
+  if (!o.checkpoint_dir().empty() && o.checkpoint_every() == 0 && !o.checkpoint_every_epoch()) {
+    o.checkpoint_every_epoch(true);  // a directory alone: one checkpoint per epoch
+  }
+  if (o.resume() == "auto" && o.checkpoint_dir().empty()) {
+    throw UsageError("--resume auto needs --checkpoint-dir (where to look)");
+  }
+  if (!o.checkpoint_dir().empty()) {
+    try {
+      Checkpoint probe(CheckpointOptions(o.checkpoint_dir()).keep(o.keep()));  // made, writable
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
+  if (!o.resume().empty() && o.resume() != "auto" && ::access(o.resume().c_str(), R_OK) != 0) {
+    throw UsageError("--resume " + o.resume() +
+                     " does not exist: give a checkpoint's ckpt-N.json, or --resume auto");
+  }
+  return o;
+}
+
+// Tests and `paratrain bench faults` kill a rank at a chosen step: PARATRAIN_FAULT_AT_STEP=S
+// (and PARATRAIN_FAULT_RANK=R, default 0) SIGKILLs rank R right after optimizer step S, on the
+// first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).
+void install_fault(Trainer& trainer, int rank) {
+  const char* at = std::getenv("PARATRAIN_FAULT_AT_STEP");
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const char* who = std::getenv("PARATRAIN_FAULT_RANK");
+  if (at == nullptr || (restart != nullptr && std::atoi(restart) != 0) ||
+      (who != nullptr ? std::atoi(who) : 0) != rank) {
+    return;
+  }
+  const int64_t step = std::atoll(at);
+  trainer.on_step_end([step](const StepInfo& info) {
+    if (info.global_step == step) {
+      ::kill(::getpid(), SIGKILL);
+    }
+  });
+}
+
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
   Args args(argv,
-            {"model",   "dataset",    "strategy",     "nproc",        "backend",      "epochs",
-             "steps",   "batch-size", "lr",           "momentum",     "weight-decay", "seed",
-             "workers", "data-dir",   "save-weights", "load-weights", "devices",      "stages",
-             "chunks",  "schedule",   "amp",          "amp-dtype",    "image-size",   "channels",
-             "head",    "device"},
-            {"json", "help", "freeze-backbone"});
+            {"model",
+             "dataset",
+             "strategy",
+             "nproc",
+             "backend",
+             "epochs",
+             "steps",
+             "batch-size",
+             "lr",
+             "momentum",
+             "weight-decay",
+             "seed",
+             "workers",
+             "data-dir",
+             "save-weights",
+             "load-weights",
+             "devices",
+             "stages",
+             "chunks",
+             "schedule",
+             "amp",
+             "amp-dtype",
+             "image-size",
+             "channels",
+             "head",
+             "device",
+             "optimizer",
+             "lr-schedule",
+             "lr-step-size",
+             "lr-gamma",
+             "lr-milestones",
+             "lr-t-max",
+             "lr-eta-min",
+             "warmup",
+             "warmup-start-factor",
+             "clip-grad-norm",
+             "accumulate",
+             "checkpoint-dir",
+             "checkpoint-every",
+             "keep",
+             "resume",
+             "max-restarts",
+             "metrics",
+             "log-every"},
+            {"json", "help", "freeze-backbone", "checkpoint-every-epoch", "schedule-per-step"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
     return 0;
@@ -270,6 +433,8 @@ int run_train(const std::vector<std::string>& argv) {
     }
   }
 
+  TrainerOptions o = loop_options(args, epochs);  // checked once, before any rank starts
+
   // ddp with --nproc outside a job: become the launcher of N copies of this command.
   if (strategy == "ddp" && nproc > 0 && !inside_a_job()) {
     std::vector<std::string> command{self_path(), "train"};
@@ -278,25 +443,37 @@ int run_train(const std::vector<std::string>& argv) {
         ++i;
         continue;
       }
-      if (argv[i].rfind("--nproc=", 0) == 0) {
+      if (argv[i] == "--max-restarts") {
+        ++i;  // the launcher restarts; the ranks do not
+        continue;
+      }
+      if (argv[i].rfind("--nproc=", 0) == 0 || argv[i].rfind("--max-restarts=", 0) == 0) {
         continue;
       }
       command.push_back(argv[i]);
     }
-    dist::LaunchOptions o;
-    o.nproc_per_node(nproc).standalone(true).command(command).prefix_output(false).name(
+    dist::LaunchOptions lo;
+    lo.nproc_per_node(nproc).standalone(true).command(command).prefix_output(false).name(
         "paratrain train");
+    const int restarts = args.get_int("max-restarts", 0);
+    if (restarts < 0) {
+      throw UsageError("--max-restarts must be >= 0, got " + std::to_string(restarts));
+    }
+    lo.max_restarts(restarts);
     const std::string backend = args.get("backend", "auto");
     if (backend != "auto") {
-      o.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun", "--no-prefix"});
+      lo.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun", "--no-prefix"});
     }
-    dist::LaunchResult r = dist::launch(o);
+    dist::LaunchResult r = dist::launch(lo);
     if (!r.summary.empty()) {
       std::cerr << r.summary << std::endl;
     }
     return r.exit_code;
   }
 
+  if (args.has("max-restarts")) {
+    throw UsageError("--max-restarts goes with --strategy ddp --nproc N (or paratrain launch)");
+  }
   dist::ProcessGroupPtr pg;
   if (strategy == "ddp") {
     pg = dist::init_process_group(
@@ -309,7 +486,8 @@ int run_train(const std::vector<std::string>& argv) {
 
   // Data first: a missing dataset should fail before any training is set up.
   const TrainData sets = load_data(dataset, data_dir, image_size);
-  torch::Device device = device_kind == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
+  const torch::Device device =
+      device_kind == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
 
   torch::manual_seed(seed);  // the same initial weights on every run
   // With --head custom the backbone keeps its 1000-class fc until the head replaces it, so
@@ -324,100 +502,83 @@ int run_train(const std::vector<std::string>& argv) {
       models::freeze_backbone(model);
     }
   }
-  if (!dp_devices.empty()) {
-    device = dp_devices[0];  // the module lives on the first device, as with nn.DataParallel
-  }
-  if (piped) {
-    device = stage_devices[0];  // the pipeline moves each stage to its own device
-  }
-  model->to(device);
-  // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
-  amp::MixedPrecision mp(model, device, amp_options);
-  std::unique_ptr<DistributedDataParallel> ddp;
-  if (pg) {
-    ddp = std::make_unique<DistributedDataParallel>(model, pg);
-    mp.sync_masters();  // DDP broadcast rank 0's weights into the model
-  }
-  std::unique_ptr<DataParallel> dp;
-  if (!dp_devices.empty()) {
-    dp = std::make_unique<DataParallel>(model, dp_devices);
-  }
-  std::unique_ptr<pipeline::Pipeline> pipe;
-  if (piped) {
-    pipe = std::make_unique<pipeline::Pipeline>(
-        model, pipeline::balance_by_parameters(model, stages), stage_devices,
-        [&mp](const torch::Tensor& out, const torch::Tensor& target) {
-          return mp.scaler().scale(
-              torch::nn::functional::cross_entropy(mp.cast_output(out), target));
-        },
-        pipeline::PipelineOptions().chunks(chunks).schedule(schedule));
-    device = stage_devices.back();  // where the loss and outputs are
-  }
-  torch::optim::SGD optimizer(
-      mp.optimizer_parameters(),
-      torch::optim::SGDOptions(lr).momentum(momentum).weight_decay(weight_decay));
+  const int64_t n_params = [&] {
+    int64_t n = 0;
+    for (const auto& p : model->parameters()) {
+      n += p.numel();
+    }
+    return n;
+  }();
+  const std::vector<int64_t> balance =
+      piped ? pipeline::balance_by_parameters(model, stages) : std::vector<int64_t>{};
 
-  auto sampler = std::make_shared<data::DistributedSampler>(
-      sets.train->size(), world, rank, /*shuffle=*/true, static_cast<uint64_t>(seed));
-  data::DataLoader loader(sets.train,
-                          data::LoaderOptions(static_cast<size_t>(batch_size))
-                              .workers(workers)
-                              .pin_memory(device.is_cuda())
-                              .seed(static_cast<uint64_t>(seed))
-                              .persistent_workers(true),
-                          sampler);
-  // Each rank validates a contiguous share of the validation set.
-  const size_t n_test = sets.test->size();
-  std::vector<size_t> share;
-  for (size_t i = n_test * static_cast<size_t>(rank) / static_cast<size_t>(world);
-       i < n_test * static_cast<size_t>(rank + 1) / static_cast<size_t>(world); ++i) {
-    share.push_back(i);
-  }
-  data::DataLoader test_loader(
-      sets.test,
-      data::LoaderOptions(dataset == "fashion-mnist" ? 1000 : static_cast<size_t>(batch_size))
-          .workers(workers)
-          .persistent_workers(true),
-      std::make_shared<data::FixedSampler>(std::move(share)));
-  const size_t steps_per_epoch =
-      std::min<size_t>(steps > 0 ? static_cast<size_t>(steps) : SIZE_MAX,
-                       (sampler->num_samples() + batch_size - 1) / batch_size);
+  // What a checkpoint must agree on to resume this run (not --epochs: a run may be extended).
+  const nlohmann::json config{{"model", model_name},
+                              {"dataset", dataset},
+                              {"strategy", strategy},
+                              {"world_size", world},
+                              {"batch_size", batch_size},
+                              {"steps", steps},
+                              {"optimizer", o.optimizer().kind()},
+                              {"lr", lr},
+                              {"momentum", momentum},
+                              {"weight_decay", weight_decay},
+                              {"lr_schedule", o.lr_schedule().kind()},
+                              {"warmup", o.lr_schedule().warmup()},
+                              {"accumulate", o.accumulate()},
+                              {"clip_grad_norm", o.clip_grad_norm()},
+                              {"seed", seed},
+                              {"amp", args.get("amp", "O0")},
+                              {"amp_dtype", args.get("amp-dtype", "")},
+                              {"image_size", image_size},
+                              {"channels", channels},
+                              {"head", head},
+                              {"devices", args.get("devices", "")},
+                              {"chunks", piped ? chunks : 0}};
+  o.strategy(parse_strategy(strategy))
+      .device(device)
+      .devices(piped ? stage_devices : dp_devices)
+      .chunks(chunks)
+      .pipeline_schedule(schedule)
+      .process_group(pg)
+      .amp(amp_options)
+      .epochs(epochs)
+      .steps_per_epoch(steps)
+      .batch_size(batch_size)
+      .eval_batch_size(dataset == "fashion-mnist" ? 1000 : batch_size)
+      .workers(workers)
+      .seed(static_cast<uint64_t>(seed))
+      .input_transform([image_size, channels](const torch::Tensor& images) {
+        return data::adapt_images(images, image_size, channels);
+      })
+      .config(config.dump());
+  Trainer trainer(model, sets.train, sets.test, o);
+  install_fault(trainer, rank);
+  amp::MixedPrecision& mp = trainer.mixed_precision();
   if (speak) {
-    info << "paratrain train: model " << model_name << " (" <<
-        [&] {
-          int64_t n = 0;
-          for (const auto& p : model->parameters()) {
-            n += p.numel();
-          }
-          return n;
-        }()
-         << " parameters), dataset " << dataset << " (" << sets.train->size() << " train, "
-         << sets.test->size() << " test, " << sets.classes << " classes), strategy " << strategy
-         << ", " << world << " rank" << (world == 1 ? "" : "s")
-         << (pg ? " (" + pg->backend_name() + ")" : "") << ", device" <<
-        [&] {
-          std::ostringstream d;
-          const auto& list = piped ? stage_devices : dp_devices;
-          if (list.empty()) {
-            d << " " << device;
-          }
-          for (size_t i = 0; i < list.size(); ++i) {
-            d << (i == 0 ? "s " : ",") << list[i];
-          }
-          if (pipe) {
-            d << " (" << stages << " stages, balance "
-              << c10::IntArrayRef(pipeline::balance_by_parameters(model, stages)) << ", " << chunks
-              << " chunks, " << pipeline::to_string(schedule) << ")";
-          }
-          return d.str();
-        }()
-         << ", batch " << batch_size
-         << (dp     ? " (whole, scattered), "
-             : pipe ? " (whole, micro-batched), "
-                    : " per rank, ")
-         << steps_per_epoch << " steps per epoch, lr " << lr << ", momentum " << momentum
-         << ", weight decay " << weight_decay << ", seed " << seed << ", " << at::get_num_threads()
-         << " threads per rank"
+    std::ostringstream d;
+    const auto& list = piped ? stage_devices : dp_devices;
+    if (list.empty()) {
+      d << " " << device;
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      d << (i == 0 ? "s " : ",") << list[i];
+    }
+    if (piped) {
+      d << " (" << stages << " stages, balance " << c10::IntArrayRef(balance) << ", " << chunks
+        << " chunks, " << pipeline::to_string(schedule) << ")";
+    }
+    info << "paratrain train: model " << model_name << " (" << n_params << " parameters), dataset "
+         << dataset << " (" << sets.train->size() << " train, " << sets.test->size() << " test, "
+         << sets.classes << " classes), strategy " << strategy << ", " << world << " rank"
+         << (world == 1 ? "" : "s") << (pg ? " (" + pg->backend_name() + ")" : "") << ", device"
+         << d.str() << ", batch " << batch_size
+         << (!dp_devices.empty() ? " (whole, scattered), "
+             : piped             ? " (whole, micro-batched), "
+                                 : " per rank, ")
+         << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind() << " lr "
+         << lr << ", momentum " << momentum << ", weight decay " << weight_decay << ", seed "
+         << seed << ", " << at::get_num_threads() << " threads per rank"
          << (mp.opt_level() == amp::OptLevel::kO0
                  ? std::string()
                  : ", amp " + amp::to_string(mp.opt_level()) + " (" +
@@ -426,125 +587,43 @@ int run_train(const std::vector<std::string>& argv) {
          << std::endl;
   }
   const bool progress = speak && !json && ::isatty(1);
-
-  for (int epoch = 0; epoch < epochs; ++epoch) {
-    model->train();
-    loader.set_epoch(static_cast<uint64_t>(epoch));  // the sampler's set_epoch
-    loader.reset_stats();
-    // Batches are resized on the device, one batch ahead, on a side stream (DevicePrefetcher).
-    data::DevicePrefetcher batches(loader, device, [&](const torch::Tensor& images) {
-      return data::adapt_images(images, image_size, channels);
+  if (progress) {
+    const int64_t per_epoch = trainer.steps_per_epoch();
+    trainer.on_step_end([&, per_epoch](const StepInfo& s) {
+      const int64_t in_epoch = s.global_step - s.epoch * per_epoch;
+      std::printf("\repoch %lld/%d step %lld/%lld", static_cast<long long>(s.epoch + 1), epochs,
+                  static_cast<long long>(in_epoch), static_cast<long long>(per_epoch));
+      std::fflush(stdout);
     });
-    // Summed on the device: reading the loss every step would make the host wait for the device.
-    torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions(torch::kDouble).device(device));
-    int64_t samples = 0;
-    auto start = Clock::now();
-    for (size_t step = 0; step < steps_per_epoch; ++step) {
-      auto batch = batches.next();
-      if (!batch) {
-        break;
-      }
-      auto x = batch->data;
-      auto y = batch->target;
-      optimizer.zero_grad();
-      torch::Tensor loss;
-      {
-        auto autocast = mp.autocast();  // O1 only; its threads (dp, pipeline) inherit it
-        x = mp.cast_input(x);
-        if (pipe) {
-          // Forward and backward of every micro-batch (the loss function scales when on).
-          loss = pipe->step(x, y) / mp.scaler().get_scale();
-        } else {
-          auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
-          loss = torch::nn::functional::cross_entropy(mp.cast_output(out), y);
-        }
-      }
-      if (!pipe) {
-        mp.backward(loss);
-      }
-      mp.step(optimizer);
-      loss_sum += loss.detach().sum().to(loss_sum.device(), torch::kDouble) *
-                  static_cast<double>(y.size(0));
-      samples += y.size(0);
-      if (progress && (step % 10 == 0 || step + 1 == steps_per_epoch)) {
-        const int width = 30;
-        int filled = static_cast<int>(width * (step + 1) / steps_per_epoch);
-        std::printf("\repoch %d/%d [%s%s] %zu/%zu loss %.4f", epoch + 1, epochs,
-                    std::string(static_cast<size_t>(filled), '=').c_str(),
-                    std::string(static_cast<size_t>(width - filled), ' ').c_str(), step + 1,
-                    steps_per_epoch, loss_sum.item<double>() / std::max<int64_t>(1, samples));
-        std::fflush(stdout);
-      }
+  }
+  trainer.on_epoch_end([&](const EpochResult& r) {
+    if (!speak) {
+      return;
     }
-    if (device.is_cuda()) {
-      loss_sum.item<double>();  // the epoch's time includes its last step's device work
+    if (progress) {
+      std::printf("\n");
     }
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-
-    // Test accuracy over the whole test set: each rank takes a contiguous share.
-    model->eval();
-    int64_t correct = 0;
-    int64_t seen = 0;
-    const double data_wait = loader.stats().wait_seconds;
-    {
-      torch::NoGradGuard no_grad;
-      test_loader.set_epoch(0);
-      while (auto batch = test_loader.next()) {
-        auto images =
-            mp.cast_input(data::adapt_images(batch->data.to(device), image_size, channels));
-        auto autocast = mp.autocast();
-        auto out = pipe ? pipe->forward(images) : model->forward(images.to(device));
-        correct += out.argmax(1).eq(batch->target.to(out.device())).sum().item<int64_t>();
-        seen += batch->target.size(0);
-      }
+    if (json) {
+      std::cout << std::setprecision(6) << "{\"epoch\": " << r.epoch + 1
+                << ", \"train_loss\": " << r.train_loss << ", \"test_accuracy\": " << r.val_accuracy
+                << ", \"images_per_sec\": " << r.images_per_sec << ", \"seconds\": " << r.seconds
+                << ", \"data_wait_seconds\": " << r.data_wait_seconds << "}" << std::endl;
+    } else {
+      std::cout << std::fixed << std::setprecision(4) << "epoch " << r.epoch + 1 << "/" << epochs
+                << ": train_loss " << r.train_loss << ", test_accuracy " << r.val_accuracy
+                << ", lr " << std::setprecision(6) << r.lr << ", images/s " << std::setprecision(0)
+                << r.images_per_sec << " (" << std::setprecision(1) << r.seconds << " s, "
+                << r.data_wait_seconds << " s waiting for data)" << std::endl;
     }
-    at::Tensor totals = torch::tensor({loss_sum.item<double>(), static_cast<double>(samples),
-                                       static_cast<double>(correct), static_cast<double>(seen)},
-                                      torch::kDouble)
-                            .to(device);
-    if (pg) {
-      pg->allreduce(totals)->wait();
-    }
-    totals = totals.cpu();
-    const double train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
-    const double accuracy = totals[2].item<double>() / std::max(1.0, totals[3].item<double>());
-    const double images_per_sec = totals[1].item<double>() / seconds;
-    if (speak) {
-      if (progress) {
-        std::printf("\n");
-      }
-      if (json) {
-        std::cout << std::setprecision(6) << "{\"epoch\": " << epoch + 1
-                  << ", \"train_loss\": " << train_loss << ", \"test_accuracy\": " << accuracy
-                  << ", \"images_per_sec\": " << images_per_sec << ", \"seconds\": " << seconds
-                  << ", \"data_wait_seconds\": " << data_wait << "}" << std::endl;
-      } else {
-        std::cout << std::fixed << std::setprecision(4) << "epoch " << epoch + 1 << "/" << epochs
-                  << ": train_loss " << train_loss << ", test_accuracy " << accuracy
-                  << ", images/s " << std::setprecision(0) << images_per_sec << " ("
-                  << std::setprecision(1) << seconds << " s, " << data_wait
-                  << " s waiting for data)" << std::endl;
-      }
-    }
+  });
+  try {
+    trainer.fit();
+  } catch (const NonFiniteLoss& e) {
+    std::cerr << "paratrain train: " << e.what() << std::endl;
+    return 1;
   }
   if (args.has("save-weights") && speak) {
-    auto state = module_state(*model);
-    if (mp.opt_level() == amp::OptLevel::kO2) {
-      // The fp32 masters, not the model's half copy: masters() follows parameters() with tied
-      // weights once.
-      std::vector<torch::Tensor> unique;
-      for (const auto& p : model->named_parameters()) {
-        size_t i = 0;
-        while (i < unique.size() && !unique[i].is_same(p.value())) {
-          ++i;
-        }
-        if (i == unique.size()) {
-          unique.push_back(p.value());
-        }
-        state[p.key()] = mp.masters()[i].detach();
-      }
-    }
-    save_safetensors(state, args.get("save-weights"));
+    save_safetensors(trainer.weights(), args.get("save-weights"));
     info << "paratrain train: weights written to " << args.get("save-weights") << std::endl;
   }
   if (pg) {

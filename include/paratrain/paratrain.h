@@ -30,5 +30,8 @@
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
 #include "paratrain/parallel/threads.h"   // set_blas_threads
+#include "paratrain/train/checkpoint.h"   // Checkpoint, optimizer_state, rng_state
+#include "paratrain/train/lr_schedule.h"  // LRSchedule: step, multistep, cosine, warm-up
 #include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state
 #include "paratrain/train/torch_load.h"   // load_torch_state_dict, load_weights
+#include "paratrain/train/trainer.h"      // Trainer, TrainerOptions, make_optimizer

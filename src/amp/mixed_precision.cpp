@@ -157,25 +157,37 @@ void MixedPrecision::backward(const torch::Tensor& loss) {
   scaler_.scale(loss).backward();
 }
 
+void MixedPrecision::move_grads_to_masters() {
+  if (options_.opt_level() != OptLevel::kO2) {
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    torch::Tensor& p = params_[i];
+    torch::Tensor& m = masters_[i];
+    if (m.is_same(p) || !p.grad().defined()) {
+      continue;
+    }
+    if (m.grad().defined()) {
+      m.mutable_grad().copy_(p.grad());
+    } else {
+      m.mutable_grad() = p.grad().to(m.device(), at::kFloat);
+    }
+    // The model's half gradients are a staging area: the optimizer zeroes the masters' only.
+    p.mutable_grad() = torch::Tensor();
+  }
+}
+
+void MixedPrecision::unscale_(torch::optim::Optimizer& optimizer) {
+  move_grads_to_masters();
+  if (scaler_.is_enabled()) {
+    scaler_.unscale_(optimizer);
+  }
+}
+
 bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
   const bool o2 = options_.opt_level() == OptLevel::kO2;
-  if (o2) {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      torch::Tensor& p = params_[i];
-      torch::Tensor& m = masters_[i];
-      if (m.is_same(p) || !p.grad().defined()) {
-        continue;
-      }
-      if (m.grad().defined()) {
-        m.mutable_grad().copy_(p.grad());
-      } else {
-        m.mutable_grad() = p.grad().to(m.device(), at::kFloat);
-      }
-      // The model's half gradients are a staging area: the optimizer zeroes the masters' only.
-      p.mutable_grad() = torch::Tensor();
-    }
-  }
+  move_grads_to_masters();  // a no-op after unscale_()
   bool stepped = true;
   if (scaler_.is_enabled()) {
     stepped = scaler_.step(optimizer);

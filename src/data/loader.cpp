@@ -69,12 +69,13 @@ size_t DataLoader::num_batches() {
   return num_batches_;
 }
 
-void DataLoader::set_epoch(uint64_t epoch) {
+void DataLoader::set_epoch(uint64_t epoch, size_t start_batch) {
   if (state_ != State::kIdle) {
     end_pass();
   }
   std::lock_guard<std::mutex> lock(mutex_);
   epoch_ = epoch;
+  start_batch_ = start_batch;
   state_ = State::kIdle;
 }
 
@@ -94,8 +95,11 @@ void DataLoader::begin_pass() {
     std::lock_guard<std::mutex> lock(mutex_);
     indices_ = std::move(indices);
     num_batches_ = num_batches(indices_.size());
-    next_ = 0;
-    issued_ = 0;
+    // A resumed epoch starts where its checkpoint stopped. Each sample's seed depends on its
+    // position, not on what came before, so the batches that follow are the same ones.
+    next_ = std::min(start_batch_, num_batches_);
+    issued_ = next_;
+    start_batch_ = 0;  // the next pass of this epoch starts from its beginning
     ++pass_;
     ready_.clear();
     failed_.clear();

@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <iostream>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -873,8 +874,51 @@ LaunchResult run_job(const LaunchOptions& o, const Placement& where) {
 
 }  // namespace
 
+namespace {
+
+std::string describe_failure(const WorkerFailure& f) {
+  return "rank " + std::to_string(f.rank) + " (pid " + std::to_string(f.pid) + ") " +
+         (f.signal != 0 ? std::string("was killed by signal ") + std::to_string(f.signal) + " (" +
+                              strsignal(f.signal) + ")"
+                        : "exited with code " + std::to_string(f.exit_code)) +
+         " at " + f.time;
+}
+
+}  // namespace
+
 LaunchResult launch(const LaunchOptions& options) {
-  return run_job(options, Placement{});
+  TORCH_CHECK(options.max_restarts() >= 0, "--max-restarts must be >= 0, got ",
+              options.max_restarts());
+  std::vector<WorkerFailure> failures;
+  for (int attempt = 0;; ++attempt) {
+    LaunchOptions o = options;
+    Environment env = o.env();
+    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
+    o.env(env);
+    LaunchResult r = run_job(o, Placement{});
+    if (r.first_failure) {
+      failures.push_back(*r.first_failure);
+    }
+    const bool retry = r.exit_code != 0 && r.interrupted_by == 0 && r.first_failure &&
+                       attempt < options.max_restarts();
+    if (!retry) {
+      r.restarts = attempt;
+      r.failures = failures;
+      if (options.max_restarts() > 0 && !failures.empty() && !r.summary.empty()) {
+        r.summary += "\n" + options.name() + ": " + std::to_string(attempt) + " restart" +
+                     (attempt == 1 ? "" : "s") + " of " + std::to_string(options.max_restarts()) +
+                     " used; every failure:";
+        for (size_t i = 0; i < failures.size(); ++i) {
+          r.summary += "\n  attempt " + std::to_string(i) + ": " + describe_failure(failures[i]);
+        }
+      }
+      return r;
+    }
+    std::cerr << options.name() << ": " << describe_failure(*r.first_failure)
+              << "; stopped every worker, restarting all (restart " << attempt + 1 << " of "
+              << options.max_restarts() << ")" << std::endl;
+  }
 }
 
 namespace detail {

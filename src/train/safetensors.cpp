@@ -237,11 +237,10 @@ std::string json_escape(const std::string& s) {
 
 }  // namespace
 
-void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
-                      const std::string& path) {
+SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors) {
   std::ostringstream header;
   header << "{\"__metadata__\":{\"format\":\"pt\"}";
-  std::vector<torch::Tensor> data;
+  SafetensorsParts parts;
   int64_t offset = 0;
   for (const auto& kv : tensors) {
     torch::Tensor t = kv.second.detach().to(torch::kCPU).contiguous();
@@ -252,23 +251,28 @@ void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
     }
     header << "],\"data_offsets\":[" << offset << "," << offset + t.nbytes() << "]}";
     offset += static_cast<int64_t>(t.nbytes());
-    data.push_back(t);
+    parts.tensors.push_back(t);
   }
   header << "}";
   std::string h = header.str();
   while (h.size() % 8 != 0) {
     h += ' ';  // the format pads the header to 8 bytes with spaces
   }
+  const uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) {
+    parts.header += static_cast<char>(static_cast<unsigned char>(n >> (8 * i)));
+  }
+  parts.header += h;
+  return parts;
+}
+
+void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
+                      const std::string& path) {
+  const SafetensorsParts parts = encode_safetensors(tensors);
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   TORCH_CHECK(out.good(), "safetensors: cannot write ", path);
-  uint64_t n = h.size();
-  unsigned char len[8];
-  for (int i = 0; i < 8; ++i) {
-    len[i] = static_cast<unsigned char>(n >> (8 * i));
-  }
-  out.write(reinterpret_cast<const char*>(len), 8);
-  out.write(h.data(), static_cast<std::streamsize>(h.size()));
-  for (const auto& t : data) {
+  out.write(parts.header.data(), static_cast<std::streamsize>(parts.header.size()));
+  for (const auto& t : parts.tensors) {
     out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
   }
   TORCH_CHECK(out.good(), "safetensors: writing ", path, " failed");

@@ -90,6 +90,10 @@ class MixedPrecision {
   torch::Tensor cast_output(const torch::Tensor& output) const;
   /// loss (scaled when loss scaling is on) .backward().
   void backward(const torch::Tensor& loss);
+  /// O2: half gradients to the fp32 masters; then the scaler's unscale_ when loss scaling is on.
+  /// The gradients of optimizer_parameters() are then at their true scale, to clip or measure
+  /// before step().
+  void unscale_(torch::optim::Optimizer& optimizer);
   /// O2: half gradients to the fp32 masters (and cleared on the model). Then the scaler's
   /// unscale/step/update (or a plain step), and O2's masters copied back into the model.
   /// Returns whether the optimizer stepped (false after an inf/NaN gradient).
@@ -103,6 +107,7 @@ class MixedPrecision {
   const std::vector<torch::Tensor>& masters() const { return masters_; }
 
  private:
+  void move_grads_to_masters();
   std::shared_ptr<torch::nn::Module> model_;
   torch::Device device_;
   AmpOptions options_;

@@ -100,8 +100,9 @@ class DataLoader : public BatchSource {
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  /// Ends any pass under way; the next call to next() starts epoch `epoch`'s pass.
-  void set_epoch(uint64_t epoch);
+  /// Ends any pass under way; the next call to next() starts epoch `epoch`'s pass, at batch
+  /// `start_batch` (a resumed epoch: the batches before it are neither loaded nor returned).
+  void set_epoch(uint64_t epoch, size_t start_batch = 0);
   uint64_t epoch() const { return epoch_; }
 
   /// The next batch of the current epoch (starting its pass on the first call), or nullopt once
@@ -147,9 +148,10 @@ class DataLoader : public BatchSource {
   enum class State { kIdle, kRunning, kDone } state_ = State::kIdle;
   std::vector<size_t> indices_;
   size_t num_batches_ = 0;
-  size_t next_ = 0;    // the batch next() returns next
-  size_t issued_ = 0;  // the next batch a worker takes
-  uint64_t pass_ = 0;  // increments at each pass, so late results of an ended one are dropped
+  size_t start_batch_ = 0;  // set_epoch's: where the next pass begins
+  size_t next_ = 0;         // the batch next() returns next
+  size_t issued_ = 0;       // the next batch a worker takes
+  uint64_t pass_ = 0;       // increments at each pass, so late results of an ended one are dropped
   size_t reported_bad_ = 0;
 
   mutable std::mutex mutex_;

@@ -50,6 +50,9 @@ struct LaunchOptions {
   TORCH_ARG(bool, prefix_output) = true;
   /// Name used in the launcher's own messages.
   TORCH_ARG(std::string, name) = "paratrain launch";
+  /// torchrun's --max-restarts: when a worker fails, every worker is stopped and all are started
+  /// again, up to this many times, with TORCHELASTIC_RESTART_COUNT set to the attempt (0 first).
+  TORCH_ARG(int, max_restarts) = 0;
   /// With backend "mpi" (or routes with mpi): the command mpirun starts on each rank in front of
   /// `command`, which relays that rank's output and reports its failure. Empty: `paratrain launch
   /// --from-mpirun` with the CLI of this build ($PARATRAIN_CLI, else bin/paratrain beside the
@@ -75,6 +78,9 @@ struct LaunchResult {
   int interrupted_by = 0;  ///< signal that interrupted the launcher, 0 if none
   /// The summary printed on failure; empty on success.
   std::string summary;
+  /// Restarts made (max_restarts), and the first failure of each attempt that failed.
+  int restarts = 0;
+  std::vector<WorkerFailure> failures;
 };
 
 /// Checks the options (throws c10::Error with one line for bad input: nproc_per_node < 1, a

@@ -10,10 +10,19 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace paratrain {
 
 /// Writes `tensors` (moved to CPU, made contiguous) to `path`. Throws c10::Error on I/O errors.
+/// A safetensors file in pieces: the 8-byte length and header, then each tensor's bytes (on the
+/// CPU, contiguous) in order. save_safetensors writes them; checkpoints checksum them as written.
+struct SafetensorsParts {
+  std::string header;
+  std::vector<torch::Tensor> tensors;
+};
+SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors);
+
 void save_safetensors(const std::map<std::string, torch::Tensor>& tensors, const std::string& path);
 
 /// Reads every tensor of a safetensors file. Throws c10::Error naming the file for anything that

@@ -1,0 +1,126 @@
+// Checkpoints for exact resume, for the Trainer and for users' own loops:
+//
+//   paratrain::Checkpoint ckpt(paratrain::CheckpointOptions("runs/ckpt").keep(3), pg);
+//   if (auto last = ckpt.load_latest()) {                     // the newest one that verifies
+//     paratrain::load_module_state(*model, paratrain::with_prefix(last->shared, "model.", true));
+//     paratrain::load_optimizer_state(optimizer, paratrain::with_prefix(last->shared, "optim.",
+//     true)); paratrain::set_rng_state(last->own); step = last->step;
+//   }
+//   ...
+//   paratrain::CheckpointState s;
+//   s.step = step;
+//   s.shared = paratrain::with_prefix(paratrain::module_state(*model), "model.");
+//   s.own = paratrain::rng_state();
+//   ckpt.save(std::move(s));   // copies to host now, writes on a background thread
+//
+// Layout in the directory, for step N: rank 0 writes ckpt-N.safetensors (the state every rank
+// shares: model, optimizer, masters) and then its manifest ckpt-N.json (the step, the world size,
+// the caller's metadata as JSON, and the tensor file's size and CRC-32). Every rank r writes its
+// own ckpt-N.rank-r.safetensors and ckpt-N.rank-r.json (RNG states). A sharded optimizer adds
+// tensors to the rank files. Each file is written to a temporary name, fsynced, renamed, and
+// the directory fsynced: a checkpoint is either whole or absent from the listing, and a damaged
+// one (a truncated file, a flipped byte) fails its checksum on load.
+#pragma once
+
+#include "paratrain/dist/process_group.h"
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace paratrain {
+
+using TensorMap = std::map<std::string, torch::Tensor>;
+
+struct CheckpointOptions {
+  /* implicit */ CheckpointOptions(std::string dir = "") : dir_(std::move(dir)) {}
+  TORCH_ARG(std::string, dir);
+  /// How many checkpoints stay on disk; older ones are deleted after each save. >= 1.
+  TORCH_ARG(int64_t, keep) = 3;
+  /// Write on a background thread (save() returns after copying to host memory).
+  TORCH_ARG(bool, background) = true;
+};
+
+struct CheckpointState {
+  int64_t step = 0;
+  /// A JSON object (text) saved in the manifest: counters, config, scaler state.
+  std::string meta = "{}";
+  /// Rank 0's tensors, the same on every rank (only rank 0's are written).
+  TensorMap shared;
+  /// This rank's own tensors (RNG states, shards).
+  TensorMap own;
+  /// Where it was loaded from (the manifest), empty for a new one.
+  std::string path;
+};
+
+class Checkpoint {
+ public:
+  /// Creates the directory if needed and checks that it is writable (c10::Error, one line, if
+  /// not). With a process group, rank 0 writes the shared files and every rank its own.
+  explicit Checkpoint(CheckpointOptions options, dist::ProcessGroupPtr pg = nullptr);
+  ~Checkpoint();  // waits for the write under way (errors are reported to stderr)
+  Checkpoint(const Checkpoint&) = delete;
+  Checkpoint& operator=(const Checkpoint&) = delete;
+
+  /// Copies the tensors to host memory on this thread, then writes (in the background when
+  /// options.background). Waits for the previous save first and rethrows its error.
+  void save(CheckpointState state);
+  /// Waits for the save under way; rethrows its error.
+  void wait();
+  /// Seconds the last finished write took (background thread time).
+  double last_write_seconds() const { return last_write_seconds_; }
+
+  /// The newest checkpoint that verifies on every rank (a collective with a process group).
+  /// A damaged one is skipped with a warning to `warn` (stderr by default) naming the file and
+  /// the reason. nullopt when the directory holds none.
+  std::optional<CheckpointState> load_latest(
+      const std::function<void(const std::string&)>& warn = nullptr);
+  /// The steps of the manifests in the directory, newest first.
+  std::vector<int64_t> steps() const;
+
+  /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files.
+  /// Throws c10::Error naming the file and what is wrong.
+  static CheckpointState load(const std::string& path, int rank = 0);
+
+  const CheckpointOptions& options() const { return options_; }
+
+ private:
+  void write(const CheckpointState& state);
+  void prune();
+  void remove_stale_temporaries();
+  CheckpointOptions options_;
+  dist::ProcessGroupPtr pg_;
+  int rank_ = 0;
+  std::thread writer_;
+  std::exception_ptr error_;
+  double last_write_seconds_ = 0;
+};
+
+/// `prefix` + each key; with `strip`, only the keys that start with `prefix`, without it.
+TensorMap with_prefix(const TensorMap& tensors, const std::string& prefix, bool strip = false);
+
+/// The optimizer's per-parameter state (SGD's momentum buffers; Adam's and AdamW's moments and
+/// step counts) as tensors keyed "<group>.<index>.<field>". Other optimizers: c10::Error.
+TensorMap optimizer_state(torch::optim::Optimizer& optimizer);
+/// Restores what optimizer_state() returned into an optimizer over the same parameters.
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& state);
+
+/// The CPU generator's state ("rng.cpu") and each CUDA device's ("rng.cuda.N").
+TensorMap rng_state();
+void set_rng_state(const TensorMap& state);
+
+/// Writes `size` bytes to `path` atomically: a temporary file in the same directory, fsync,
+/// rename, fsync of the directory. Throws c10::Error naming the path and errno's text.
+void write_file_atomic(const std::string& path, const void* data, size_t size);
+
+}  // namespace paratrain

@@ -1,0 +1,182 @@
+// A Trainer in the spirit of Lightning's: it owns the strategy (one process, DDP, DataParallel or
+// a pipeline, each with AMP O0-O3), the optimizer, the learning-rate schedule, the loop, the
+// evaluation, checkpoints with exact resume, and metrics.
+//
+//   auto model = paratrain::models::make("resnet18", 10);
+//   paratrain::Trainer trainer(model, train_set, val_set,
+//       paratrain::TrainerOptions()
+//           .strategy(paratrain::Strategy::kDDP).process_group(pg).device(torch::kCUDA)
+//           .optimizer(paratrain::OptimizerOptions().kind("sgd").lr(0.1))
+//           .lr_schedule(paratrain::LRScheduleOptions().kind("cosine").t_max(90))
+//           .epochs(90).batch_size(256)
+//           .checkpoint_dir("ckpt").checkpoint_every(1000).resume("auto"));
+//   trainer.on_epoch_end([](const paratrain::EpochResult& r) { ... });
+//   trainer.fit();
+//
+// A run killed at any step and resumed from its last checkpoint ends with the same weights, bit
+// for bit, as a run that was never stopped: the checkpoint holds the weights, the optimizer's
+// state, the schedule, the GradScaler, the O2 masters, every rank's RNG states, and where the
+// sampler and loader were in the epoch.
+#pragma once
+
+#include "paratrain/amp/mixed_precision.h"
+#include "paratrain/data/dataset.h"
+#include "paratrain/dist/process_group.h"
+#include "paratrain/parallel/pipeline.h"
+#include "paratrain/train/checkpoint.h"
+#include "paratrain/train/lr_schedule.h"
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+
+enum class Strategy { kSingle, kDDP, kDataParallel, kPipeline };
+/// "single", "ddp", "dp", "pipeline"; c10::Error naming the choices otherwise.
+Strategy parse_strategy(const std::string& name);
+std::string to_string(Strategy strategy);
+
+struct OptimizerOptions {
+  /// "sgd", "adam" or "adamw" (libtorch's).
+  TORCH_ARG(std::string, kind) = "sgd";
+  TORCH_ARG(double, lr) = 0.05;
+  TORCH_ARG(double, momentum) = 0.9;  // sgd
+  TORCH_ARG(double, weight_decay) = 0.0;
+  TORCH_ARG(double, beta1) = 0.9;  // adam, adamw
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+};
+
+/// libtorch's optimizer for the options; c10::Error for an unknown kind or a bad value.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> parameters,
+                                                        const OptimizerOptions& options);
+
+/// The global L2 norm of the gradients of `parameters` (on any mix of devices), as
+/// torch.nn.utils.clip_grad_norm_ computes it; with max_norm > 0 the gradients are scaled by
+/// max_norm / (norm + 1e-6) when that is below 1. Under DDP the gradients are already averaged,
+/// so every rank computes the same norm.
+double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm);
+
+/// What fit() throws for a non-finite loss, naming the step and the rank
+/// (TrainerOptions::stop_on_non_finite).
+struct NonFiniteLoss : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct TrainerOptions {
+  TORCH_ARG(Strategy, strategy) = Strategy::kSingle;
+  /// single and ddp: where the model computes.
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// dp: the replicas' devices (the model lives on the first); pipeline: one per stage.
+  TORCH_ARG(std::vector<torch::Device>, devices) = {};
+  TORCH_ARG(int64_t, chunks) = 4;  // pipeline micro-batches
+  TORCH_ARG(pipeline::Schedule, pipeline_schedule) = pipeline::Schedule::kGPipe;
+  /// ddp: the group (dist::init_process_group()).
+  TORCH_ARG(dist::ProcessGroupPtr, process_group) = nullptr;
+  TORCH_ARG(amp::AmpOptions, amp) = {};
+  TORCH_ARG(OptimizerOptions, optimizer) = {};
+  TORCH_ARG(LRScheduleOptions, lr_schedule) = {};
+  /// The schedule steps after every optimizer step instead of every epoch.
+  TORCH_ARG(bool, schedule_per_step) = false;
+  TORCH_ARG(int64_t, epochs) = 1;
+  /// Caps the optimizer steps of each epoch (0: the whole epoch).
+  TORCH_ARG(int64_t, steps_per_epoch) = 0;
+  /// Per rank (ddp), or the whole batch (dp, pipeline).
+  TORCH_ARG(int64_t, batch_size) = 64;
+  TORCH_ARG(int64_t, eval_batch_size) = 0;  // 0: batch_size
+  TORCH_ARG(int64_t, workers) = 1;          // DataLoader threads
+  TORCH_ARG(uint64_t, seed) = 0;            // the sampler's and the transforms'
+  /// Clip the global gradient norm to this (0: no clipping).
+  TORCH_ARG(double, clip_grad_norm) = 0.0;
+  /// Batches whose gradients add up before each optimizer step (ddp: no_sync but the last).
+  TORCH_ARG(int64_t, accumulate) = 1;
+  /// Applied to each batch's input on the device (e.g. data::adapt_images).
+  TORCH_ARG(std::function<torch::Tensor(const torch::Tensor&)>, input_transform) = nullptr;
+  /// Checkpoints: a directory, every N optimizer steps and/or at each epoch's end, the newest K
+  /// kept. resume: "" (start fresh), "auto" (the newest one that verifies, if any), or a path.
+  TORCH_ARG(std::string, checkpoint_dir) = "";
+  TORCH_ARG(int64_t, checkpoint_every) = 0;
+  TORCH_ARG(bool, checkpoint_every_epoch) = false;
+  TORCH_ARG(int64_t, keep) = 3;
+  TORCH_ARG(std::string, resume) = "";
+  /// JSON object describing the run; a checkpoint whose config differs is refused on resume,
+  /// naming the first difference.
+  TORCH_ARG(std::string, config) = "{}";
+  /// JSON lines: an epoch row per epoch, a step row every log_every optimizer steps (0: none).
+  TORCH_ARG(std::string, metrics) = "";
+  TORCH_ARG(int64_t, log_every) = 0;
+  /// A non-finite loss stops the run (NonFiniteLoss naming step and rank); with dynamic loss
+  /// scaling the GradScaler skips the step instead, as PyTorch does.
+  TORCH_ARG(bool, stop_on_non_finite) = true;
+};
+
+struct StepInfo {
+  int64_t epoch = 0;        // 0-based
+  int64_t batch = 0;        // batches of this epoch done
+  int64_t global_step = 0;  // optimizer steps done
+  double lr = 0;
+  /// Measured only on log steps (log_every) or when clipping: NaN otherwise.
+  double loss = std::numeric_limits<double>::quiet_NaN();
+  double grad_norm = std::numeric_limits<double>::quiet_NaN();
+  double loss_scale = 1.0;
+  bool stepped = true;  // false when the GradScaler skipped the step
+};
+
+struct EpochResult {
+  int64_t epoch = 0;  // 0-based
+  double train_loss = 0;
+  double val_accuracy = 0;
+  double images_per_sec = 0;
+  double seconds = 0;
+  double data_wait_seconds = 0;
+  double lr = 0;
+  int64_t global_step = 0;
+};
+
+class Trainer {
+ public:
+  /// Builds the strategy and the optimizer. `val` may be null (no evaluation). Throws c10::Error
+  /// with one line for bad options.
+  Trainer(torch::nn::Sequential model,
+          data::DatasetPtr train,
+          data::DatasetPtr val,
+          TrainerOptions options);
+  ~Trainer();
+
+  /// Resumes when options.resume says so, then trains the remaining epochs.
+  std::vector<EpochResult> fit();
+  /// Accuracy over the validation set (a collective under ddp).
+  double evaluate();
+  /// Saves a checkpoint now (options.checkpoint_dir must be set).
+  void save_checkpoint();
+
+  void on_step_end(std::function<void(const StepInfo&)> callback);
+  void on_epoch_end(std::function<void(const EpochResult&)> callback);
+
+  torch::nn::Sequential& model();
+  torch::optim::Optimizer& optimizer();
+  amp::MixedPrecision& mixed_precision();
+  /// The weights (O2: the fp32 masters in the model's names).
+  TensorMap weights() const;
+  int64_t global_step() const;
+  int64_t epoch() const;
+  const TrainerOptions& options() const;
+  /// The checkpoint resumed from ("" when none).
+  std::string resumed_from() const;
+  int64_t steps_per_epoch() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace paratrain

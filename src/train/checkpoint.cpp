@@ -1,0 +1,565 @@
+#include "paratrain/train/checkpoint.h"
+
+#include "paratrain/train/safetensors.h"
+
+#include <ATen/Context.h>
+#include <torch/cuda.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <zlib.h>
+#include <nlohmann/json.hpp>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+
+namespace paratrain {
+
+namespace {
+
+using Json = nlohmann::json;
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+std::string parent_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+void fsync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot open directory ", dir, ": ", errno_text());
+  const int rc = ::fsync(fd);
+  const int saved = errno;
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "checkpoint: fsync of directory ", dir, " failed: ", std::strerror(saved));
+}
+
+struct Piece {
+  const void* data;
+  size_t size;
+};
+
+// Writes the pieces to a temporary name, fsyncs, renames over `path`, fsyncs the directory.
+// Returns the CRC-32 of what was written.
+uint32_t write_pieces_atomic(const std::string& path, const std::vector<Piece>& pieces) {
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", tmp, ": ", errno_text());
+  uLong crc = crc32(0L, Z_NULL, 0);
+  auto fail = [&](const char* what) {
+    const int saved = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "checkpoint: ", what, " ", tmp, " failed: ", std::strerror(saved));
+  };
+  for (const Piece& p : pieces) {
+    const char* at = static_cast<const char*>(p.data);
+    size_t left = p.size;
+    while (left > 0) {
+      // zlib's crc32 takes a uInt length: feed it at most 1 GiB at a time.
+      const size_t chunk = std::min<size_t>(left, size_t(1) << 30);
+      const ssize_t n = ::write(fd, at, chunk);
+      if (n < 0 && errno == EINTR) {
+        continue;
+      }
+      if (n <= 0) {
+        fail("writing");
+      }
+      crc = crc32(crc, reinterpret_cast<const Bytef*>(at), static_cast<uInt>(n));
+      at += n;
+      left -= static_cast<size_t>(n);
+    }
+  }
+  if (::fsync(fd) != 0) {
+    fail("fsync of");
+  }
+  if (::close(fd) != 0) {
+    const int saved = errno;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "checkpoint: closing ", tmp, " failed: ", std::strerror(saved));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int saved = errno;
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "checkpoint: renaming ", tmp, " to ", path,
+                " failed: ", std::strerror(saved));
+  }
+  fsync_dir(parent_of(path));
+  return static_cast<uint32_t>(crc);
+}
+
+// A safetensors file written atomically; returns {"file", "bytes", "crc32"} for its manifest.
+Json write_tensors(const std::string& dir, const std::string& name, const TensorMap& tensors) {
+  const SafetensorsParts parts = encode_safetensors(tensors);
+  std::vector<Piece> pieces{{parts.header.data(), parts.header.size()}};
+  size_t bytes = parts.header.size();
+  for (const auto& t : parts.tensors) {
+    pieces.push_back({t.data_ptr(), t.nbytes()});
+    bytes += t.nbytes();
+  }
+  const uint32_t crc = write_pieces_atomic(dir + "/" + name, pieces);
+  return Json{{"file", name}, {"bytes", bytes}, {"crc32", crc}};
+}
+
+void write_json(const std::string& path, const Json& j) {
+  const std::string text = j.dump(1) + "\n";
+  write_pieces_atomic(path, {{text.data(), text.size()}});
+}
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot open ", path, ": ", errno_text());
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+Json read_json(const std::string& path) {
+  const std::string text = read_all(path);
+  try {
+    return Json::parse(text);
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, path, " is not valid JSON (", e.what(), "): the file is damaged");
+  }
+}
+
+// Reads a tensor file named by a manifest entry and checks its size and CRC-32.
+TensorMap read_tensors(const std::string& dir, const Json& entry) {
+  const std::string path = dir + "/" + entry.at("file").get<std::string>();
+  const std::string bytes = read_all(path);
+  const size_t want = entry.at("bytes").get<size_t>();
+  TORCH_CHECK(bytes.size() == want, path, " has ", bytes.size(), " bytes, its manifest says ", want,
+              ": the file is truncated or damaged");
+  const uint32_t crc = static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0),
+                                                   reinterpret_cast<const Bytef*>(bytes.data()),
+                                                   static_cast<uInt>(bytes.size())));
+  TORCH_CHECK(crc == entry.at("crc32").get<uint32_t>(), path, " fails its CRC-32 check (", crc,
+              " against ", entry.at("crc32").get<uint32_t>(), "): the file is damaged");
+  return load_safetensors_bytes(bytes.data(), bytes.size(), path);
+}
+
+std::string stem(int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "ckpt-%010lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_stem(int64_t step, int rank) {
+  return stem(step) + ".rank-" + std::to_string(rank);
+}
+
+// "ckpt-0000000012.json" -> 12; other names -> -1.
+int64_t manifest_step(const std::string& name) {
+  const std::string pre = "ckpt-";
+  const std::string post = ".json";
+  if (name.size() != pre.size() + 10 + post.size() || name.compare(0, pre.size(), pre) != 0 ||
+      name.compare(name.size() - post.size(), post.size(), post) != 0) {
+    return -1;
+  }
+  const std::string digits = name.substr(pre.size(), 10);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) {
+    return -1;
+  }
+  return std::stoll(digits);
+}
+
+void make_dirs(const std::string& dir) {
+  std::string at;
+  std::stringstream parts(dir);
+  std::string part;
+  if (!dir.empty() && dir[0] == '/') {
+    at = "/";
+  }
+  while (std::getline(parts, part, '/')) {
+    if (part.empty()) {
+      continue;
+    }
+    at += (at.empty() || at.back() == '/' ? "" : "/") + part;
+    if (::mkdir(at.c_str(), 0755) != 0 && errno != EEXIST) {
+      TORCH_CHECK(false, "cannot create the checkpoint directory ", dir, " (at ", at,
+                  "): ", errno_text(), "; give a writable --checkpoint-dir");
+    }
+  }
+}
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const void* data, size_t size) {
+  write_pieces_atomic(path, {{data, size}});
+}
+
+Checkpoint::Checkpoint(CheckpointOptions options, dist::ProcessGroupPtr pg)
+    : options_(std::move(options)), pg_(std::move(pg)), rank_(pg_ ? pg_->rank() : 0) {
+  TORCH_CHECK(!options_.dir().empty(), "Checkpoint: the directory is empty");
+  TORCH_CHECK(options_.keep() >= 1, "the number of checkpoints to keep must be >= 1, got ",
+              options_.keep(), " (keeping none could not resume)");
+  make_dirs(options_.dir());
+  struct stat st;
+  TORCH_CHECK(::stat(options_.dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+              "the checkpoint directory ", options_.dir(), " is not a directory");
+  TORCH_CHECK(::access(options_.dir().c_str(), W_OK | X_OK) == 0, "the checkpoint directory ",
+              options_.dir(), " is not writable: ", errno_text(),
+              "; give a writable --checkpoint-dir");
+  remove_stale_temporaries();
+}
+
+// A process killed while writing leaves "<name>.tmp-<pid>" behind. Each rank removes its own
+// (rank 0 also the shared files'): no one else writes them, and this rank writes none yet.
+void Checkpoint::remove_stale_temporaries() {
+  DIR* d = ::opendir(options_.dir().c_str());
+  if (d == nullptr) {
+    return;
+  }
+  const std::string mine = ".rank-" + std::to_string(rank_) + ".";
+  std::vector<std::string> stale;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.compare(0, 5, "ckpt-") != 0 || name.find(".tmp-") == std::string::npos) {
+      continue;
+    }
+    const bool ranked = name.find(".rank-") != std::string::npos;
+    if ((ranked && name.find(mine) != std::string::npos) || (!ranked && rank_ == 0)) {
+      stale.push_back(options_.dir() + "/" + name);
+    }
+  }
+  ::closedir(d);
+  for (const auto& path : stale) {
+    ::unlink(path.c_str());
+  }
+}
+
+Checkpoint::~Checkpoint() {
+  try {
+    wait();
+  } catch (const std::exception& e) {
+    std::cerr << "paratrain: a checkpoint write failed: " << e.what() << std::endl;
+  }
+}
+
+void Checkpoint::wait() {
+  if (writer_.joinable()) {
+    writer_.join();
+  }
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+void Checkpoint::save(CheckpointState state) {
+  wait();
+  // Host copies now: training goes on changing the originals while the writer runs.
+  auto to_host = [](TensorMap& m) {
+    for (auto& kv : m) {
+      kv.second =
+          kv.second.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+    }
+  };
+  if (rank_ != 0) {
+    state.shared.clear();
+  }
+  to_host(state.shared);
+  to_host(state.own);
+  if (!options_.background()) {
+    write(state);
+    return;
+  }
+  writer_ = std::thread([this, s = std::move(state)] {
+    try {
+      write(s);
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+}
+
+void Checkpoint::write(const CheckpointState& s) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string& dir = options_.dir();
+  // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible.
+  Json own = write_tensors(dir, rank_stem(s.step, rank_) + ".safetensors", s.own);
+  write_json(dir + "/" + rank_stem(s.step, rank_) + ".json",
+             Json{{"step", s.step}, {"rank", rank_}, {"tensors", own}});
+  if (rank_ == 0) {
+    Json shared = write_tensors(dir, stem(s.step) + ".safetensors", s.shared);
+    Json meta;
+    try {
+      meta = Json::parse(s.meta);
+    } catch (const Json::exception& e) {
+      TORCH_CHECK(false, "checkpoint: the metadata is not JSON: ", e.what());
+    }
+    write_json(dir + "/" + stem(s.step) + ".json", Json{{"format", "paratrain-checkpoint-1"},
+                                                        {"step", s.step},
+                                                        {"world_size", pg_ ? pg_->size() : 1},
+                                                        {"meta", meta},
+                                                        {"tensors", shared}});
+  }
+  prune();
+  last_write_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<int64_t> Checkpoint::steps() const {
+  std::vector<int64_t> out;
+  DIR* d = ::opendir(options_.dir().c_str());
+  if (d == nullptr) {
+    return out;
+  }
+  while (dirent* e = ::readdir(d)) {
+    const int64_t step = manifest_step(e->d_name);
+    if (step >= 0) {
+      out.push_back(step);
+    }
+  }
+  ::closedir(d);
+  std::sort(out.rbegin(), out.rend());
+  return out;
+}
+
+// Deletes this rank's files (rank 0: and the shared ones) of all but the `keep` newest steps.
+// The manifest goes first, so a half-deleted checkpoint is never listed.
+void Checkpoint::prune() {
+  const std::vector<int64_t> all = steps();
+  for (size_t i = static_cast<size_t>(options_.keep()); i < all.size(); ++i) {
+    const std::string base = options_.dir() + "/";
+    if (rank_ == 0) {
+      ::unlink((base + stem(all[i]) + ".json").c_str());
+      ::unlink((base + stem(all[i]) + ".safetensors").c_str());
+    }
+    ::unlink((base + rank_stem(all[i], rank_) + ".json").c_str());
+    ::unlink((base + rank_stem(all[i], rank_) + ".safetensors").c_str());
+  }
+}
+
+CheckpointState Checkpoint::load(const std::string& path, int rank) {
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
+              " does not exist: give a ckpt-N.json manifest, or --resume auto");
+  const std::string dir = parent_of(path);
+  const Json manifest = read_json(path);
+  TORCH_CHECK(manifest.is_object() && manifest.value("format", "") == "paratrain-checkpoint-1",
+              path, " is not a paratrain checkpoint manifest");
+  CheckpointState s;
+  s.path = path;
+  try {
+    s.step = manifest.at("step").get<int64_t>();
+    s.meta = manifest.at("meta").dump();
+    s.shared = read_tensors(dir, manifest.at("tensors"));
+    const std::string own_path = dir + "/" + rank_stem(s.step, rank) + ".json";
+    const Json own = read_json(own_path);
+    TORCH_CHECK(own.at("step").get<int64_t>() == s.step && own.at("rank").get<int>() == rank,
+                own_path, " belongs to another step or rank");
+    s.own = read_tensors(dir, own.at("tensors"));
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, path, " is missing a field (", e.what(), "): the manifest is damaged");
+  }
+  return s;
+}
+
+std::optional<CheckpointState> Checkpoint::load_latest(
+    const std::function<void(const std::string&)>& warn) {
+  wait();
+  for (int64_t step : steps()) {
+    std::optional<CheckpointState> s;
+    try {
+      s = load(options_.dir() + "/" + stem(step) + ".json", rank_);
+    } catch (const c10::Error& e) {
+      const std::string line = std::string("skipping checkpoint ") + stem(step) + ": " +
+                               e.what_without_backtrace() + "; trying the one before";
+      if (warn) {
+        warn(line);
+      } else {
+        std::cerr << "paratrain: warning: " << line << std::endl;
+      }
+    }
+    if (pg_) {
+      // Every rank must resume from the same step: take it only if it verified everywhere.
+      at::Tensor ok = torch::tensor({s ? 1 : 0}, torch::kInt);
+      pg_->allreduce(ok, dist::ReduceOp::kMin)->wait();
+      if (ok.item<int>() == 0) {
+        continue;
+      }
+    }
+    if (s) {
+      return s;
+    }
+  }
+  return std::nullopt;
+}
+
+TensorMap with_prefix(const TensorMap& tensors, const std::string& prefix, bool strip) {
+  TensorMap out;
+  for (const auto& kv : tensors) {
+    if (!strip) {
+      out[prefix + kv.first] = kv.second;
+    } else if (kv.first.compare(0, prefix.size(), prefix) == 0) {
+      out[kv.first.substr(prefix.size())] = kv.second;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// libtorch keys an optimizer's per-parameter state by the parameter's TensorImpl address.
+std::string state_key(const torch::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+
+template <typename Fn>
+void for_each_param(torch::optim::Optimizer& optimizer, Fn fn) {
+  auto& groups = optimizer.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      fn(std::to_string(g) + "." + std::to_string(i) + ".", groups[g].params()[i]);
+    }
+  }
+}
+
+template <typename AdamState>
+void save_adam(const AdamState& st, const std::string& key, TensorMap& out) {
+  out[key + "step"] = torch::tensor(static_cast<int64_t>(st.step()), torch::kLong);
+  out[key + "exp_avg"] = st.exp_avg();
+  out[key + "exp_avg_sq"] = st.exp_avg_sq();
+  if (st.max_exp_avg_sq().defined()) {
+    out[key + "max_exp_avg_sq"] = st.max_exp_avg_sq();
+  }
+}
+
+template <typename AdamState>
+std::unique_ptr<AdamState> load_adam(const TensorMap& in,
+                                     const std::string& key,
+                                     const torch::Tensor& p) {
+  auto st = std::make_unique<AdamState>();
+  st->step(in.at(key + "step").template item<int64_t>());
+  st->exp_avg(in.at(key + "exp_avg").to(p.options()));
+  st->exp_avg_sq(in.at(key + "exp_avg_sq").to(p.options()));
+  if (in.count(key + "max_exp_avg_sq")) {
+    st->max_exp_avg_sq(in.at(key + "max_exp_avg_sq").to(p.options()));
+  }
+  return st;
+}
+
+const char* optimizer_kind(torch::optim::Optimizer& o) {
+  if (dynamic_cast<torch::optim::SGD*>(&o)) {
+    return "sgd";
+  }
+  if (dynamic_cast<torch::optim::AdamW*>(&o)) {
+    return "adamw";
+  }
+  if (dynamic_cast<torch::optim::Adam*>(&o)) {
+    return "adam";
+  }
+  TORCH_CHECK(false, "checkpoints hold the state of SGD, Adam and AdamW; this optimizer is none");
+}
+
+}  // namespace
+
+TensorMap optimizer_state(torch::optim::Optimizer& optimizer) {
+  const std::string kind = optimizer_kind(optimizer);
+  TensorMap out;
+  auto& state = optimizer.state();
+  for_each_param(optimizer, [&](const std::string& key, const torch::Tensor& p) {
+    auto it = state.find(state_key(p));
+    if (it == state.end()) {
+      return;  // no step yet (or no gradient): nothing to keep
+    }
+    if (kind == "sgd") {
+      const auto& st = static_cast<const torch::optim::SGDParamState&>(*it->second);
+      if (st.momentum_buffer().defined()) {
+        out[key + "momentum_buffer"] = st.momentum_buffer();
+      }
+    } else if (kind == "adam") {
+      save_adam(static_cast<const torch::optim::AdamParamState&>(*it->second), key, out);
+    } else {
+      save_adam(static_cast<const torch::optim::AdamWParamState&>(*it->second), key, out);
+    }
+  });
+  return out;
+}
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& in) {
+  const std::string kind = optimizer_kind(optimizer);
+  auto& state = optimizer.state();
+  state.clear();
+  size_t used = 0;
+  for_each_param(optimizer, [&](const std::string& key, const torch::Tensor& p) {
+    if (kind == "sgd") {
+      auto it = in.find(key + "momentum_buffer");
+      if (it == in.end()) {
+        return;
+      }
+      TORCH_CHECK(it->second.sizes() == p.sizes(), "optimizer state ", key,
+                  "momentum_buffer has shape ", it->second.sizes(), ", its parameter ", p.sizes());
+      auto st = std::make_unique<torch::optim::SGDParamState>();
+      st->momentum_buffer(it->second.to(p.options()));
+      state[state_key(p)] = std::move(st);
+      ++used;
+    } else if (in.count(key + "step")) {
+      TORCH_CHECK(in.at(key + "exp_avg").sizes() == p.sizes(), "optimizer state ", key,
+                  "exp_avg has shape ", in.at(key + "exp_avg").sizes(), ", its parameter ",
+                  p.sizes());
+      if (kind == "adam") {
+        state[state_key(p)] = load_adam<torch::optim::AdamParamState>(in, key, p);
+      } else {
+        state[state_key(p)] = load_adam<torch::optim::AdamWParamState>(in, key, p);
+      }
+      ++used;
+    }
+  });
+  TORCH_CHECK(used > 0 || in.empty(),
+              "the optimizer state in the checkpoint matches none of the "
+              "optimizer's parameters (another optimizer or model?)");
+}
+
+TensorMap rng_state() {
+  TensorMap out;
+  {
+    at::Generator g = at::globalContext().defaultGenerator(at::kCPU);
+    std::lock_guard<std::mutex> lock(g.mutex());
+    out["rng.cpu"] = g.get_state();
+  }
+  if (torch::cuda::is_available()) {
+    for (size_t d = 0; d < torch::cuda::device_count(); ++d) {
+      at::Generator g = at::globalContext().defaultGenerator(
+          at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
+      std::lock_guard<std::mutex> lock(g.mutex());
+      out["rng.cuda." + std::to_string(d)] = g.get_state();
+    }
+  }
+  return out;
+}
+
+void set_rng_state(const TensorMap& state) {
+  for (const auto& kv : state) {
+    if (kv.first == "rng.cpu") {
+      at::Generator g = at::globalContext().defaultGenerator(at::kCPU);  // a handle to it
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_state(kv.second);
+    } else if (kv.first.compare(0, 9, "rng.cuda.") == 0 && torch::cuda::is_available()) {
+      const auto d = static_cast<c10::DeviceIndex>(std::stoi(kv.first.substr(9)));
+      if (d < static_cast<c10::DeviceIndex>(torch::cuda::device_count())) {
+        at::Generator g = at::globalContext().defaultGenerator(at::Device(at::kCUDA, d));
+        std::lock_guard<std::mutex> lock(g.mutex());
+        g.set_state(kv.second);
+      }
+    }
+  }
+}
+
+}  // namespace paratrain

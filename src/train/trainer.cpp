@@ -1,0 +1,688 @@
+#include "paratrain/train/trainer.h"
+
+#include "paratrain/data/device_prefetcher.h"
+#include "paratrain/data/distributed_sampler.h"
+#include "paratrain/data/loader.h"
+#include "paratrain/data/sampler.h"
+#include "paratrain/parallel/data_parallel.h"
+#include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/train/safetensors.h"
+
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+
+namespace paratrain {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+Strategy parse_strategy(const std::string& name) {
+  if (name == "single") {
+    return Strategy::kSingle;
+  }
+  if (name == "ddp") {
+    return Strategy::kDDP;
+  }
+  if (name == "dp") {
+    return Strategy::kDataParallel;
+  }
+  TORCH_CHECK(name == "pipeline", "unknown strategy '", name,
+              "': choose single, ddp, dp or pipeline");
+  return Strategy::kPipeline;
+}
+
+std::string to_string(Strategy s) {
+  switch (s) {
+    case Strategy::kSingle:
+      return "single";
+    case Strategy::kDDP:
+      return "ddp";
+    case Strategy::kDataParallel:
+      return "dp";
+    case Strategy::kPipeline:
+      return "pipeline";
+  }
+  return "?";
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> params,
+                                                        const OptimizerOptions& o) {
+  TORCH_CHECK(o.lr() > 0 && o.weight_decay() >= 0 && o.momentum() >= 0 && o.eps() > 0,
+              "optimizer: lr and eps must be > 0, momentum and weight_decay >= 0 (got lr ", o.lr(),
+              ", momentum ", o.momentum(), ", weight_decay ", o.weight_decay(), ", eps ", o.eps(),
+              ")");
+  if (o.kind() == "sgd") {
+    return std::make_unique<torch::optim::SGD>(
+        params,
+        torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
+  }
+  TORCH_CHECK(o.beta1() >= 0 && o.beta1() < 1 && o.beta2() >= 0 && o.beta2() < 1,
+              "optimizer: betas must be in [0, 1), got (", o.beta1(), ", ", o.beta2(), ")");
+  const auto betas = std::make_tuple(o.beta1(), o.beta2());
+  if (o.kind() == "adam") {
+    return std::make_unique<torch::optim::Adam>(
+        params,
+        torch::optim::AdamOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay()));
+  }
+  TORCH_CHECK(o.kind() == "adamw", "unknown optimizer '", o.kind(), "': choose sgd, adam or adamw");
+  return std::make_unique<torch::optim::AdamW>(
+      params,
+      torch::optim::AdamWOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay()));
+}
+
+double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+  // Squares summed per device first: one small copy per device, not one per parameter (and
+  // libtorch's clip_grad_norm_ stacks norms that may sit on different devices).
+  std::map<std::string, torch::Tensor> per_device;
+  for (const auto& p : parameters) {
+    if (!p.grad().defined()) {
+      continue;
+    }
+    torch::Tensor sq = p.grad().detach().to(torch::kFloat).pow(2).sum();
+    auto& acc = per_device[p.device().str()];
+    acc = acc.defined() ? acc + sq : sq;
+  }
+  double total = 0;
+  for (const auto& kv : per_device) {
+    total += kv.second.to(torch::kCPU, torch::kDouble).item<double>();
+  }
+  const double norm = std::sqrt(total);
+  if (max_norm > 0) {
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1) {  // also false for a NaN norm: the scaler skips that step anyway
+      torch::NoGradGuard no_grad;
+      for (const auto& p : parameters) {
+        if (p.grad().defined()) {
+          p.grad().mul_(coef);
+        }
+      }
+    }
+  }
+  return norm;
+}
+
+struct Trainer::Impl {
+  TrainerOptions o;
+  torch::nn::Sequential model;
+  data::DatasetPtr train;
+  data::DatasetPtr val;
+  int rank = 0;
+  int world = 1;
+  torch::Device device = torch::kCPU;  // where batches go
+  std::unique_ptr<amp::MixedPrecision> mp;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<DataParallel> dp;
+  std::unique_ptr<pipeline::Pipeline> pipe;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::unique_ptr<LRSchedule> schedule;
+  std::shared_ptr<data::DistributedSampler> sampler;
+  std::unique_ptr<data::DataLoader> loader;
+  std::unique_ptr<data::DataLoader> val_loader;
+  std::unique_ptr<Checkpoint> ckpt;
+  std::ofstream metrics;
+  std::vector<std::function<void(const StepInfo&)>> step_callbacks;
+  std::vector<std::function<void(const EpochResult&)>> epoch_callbacks;
+  int64_t epoch = 0;
+  int64_t batch = 0;  // batches of `epoch` done
+  int64_t global_step = 0;
+  int64_t batches_per_epoch = 0;
+  std::string resumed_from;
+
+  void check_options() const;
+  void build_strategy();
+  void build_loaders();
+  torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& target) const;
+  void train_epoch(double& loss_sum, int64_t& samples);
+  StepInfo optimizer_step(const torch::Tensor& loss, bool log);
+  double evaluate();
+  void resume();
+  void restore(const CheckpointState& s);
+  CheckpointState capture();
+  TensorMap weights() const;
+  void write_metrics(const Json& row);
+  bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
+};
+
+void Trainer::Impl::check_options() const {
+  TORCH_CHECK(o.epochs() >= 1, "epochs must be >= 1, got ", o.epochs());
+  TORCH_CHECK(o.batch_size() >= 1, "batch_size must be >= 1, got ", o.batch_size());
+  TORCH_CHECK(o.accumulate() >= 1, "accumulate must be >= 1, got ", o.accumulate());
+  TORCH_CHECK(o.steps_per_epoch() >= 0, "steps_per_epoch must be >= 0, got ", o.steps_per_epoch());
+  TORCH_CHECK(o.workers() >= 0, "workers must be >= 0, got ", o.workers());
+  TORCH_CHECK(o.clip_grad_norm() >= 0, "clip_grad_norm must be >= 0, got ", o.clip_grad_norm());
+  TORCH_CHECK(o.checkpoint_every() >= 0, "checkpoint_every must be >= 0, got ",
+              o.checkpoint_every());
+  TORCH_CHECK(o.keep() >= 1, "keep must be >= 1, got ", o.keep(),
+              " (keeping no checkpoint could not resume)");
+  TORCH_CHECK(o.log_every() >= 0, "log_every must be >= 0, got ", o.log_every());
+  const bool saves = o.checkpoint_every() > 0 || o.checkpoint_every_epoch();
+  TORCH_CHECK(!saves || !o.checkpoint_dir().empty(),
+              "checkpoints need a directory: set checkpoint_dir (--checkpoint-dir)");
+  TORCH_CHECK(o.resume().empty() || o.resume() != "auto" || !o.checkpoint_dir().empty(),
+              "resume auto needs checkpoint_dir (--checkpoint-dir): where to look");
+  TORCH_CHECK((o.strategy() == Strategy::kDDP) == (o.process_group() != nullptr),
+              o.strategy() == Strategy::kDDP ? "the ddp strategy needs a process_group"
+                                             : "a process_group goes with the ddp strategy");
+  TORCH_CHECK(o.strategy() != Strategy::kDataParallel || !o.devices().empty(),
+              "the dp strategy needs devices (e.g. cpu,cpu)");
+  TORCH_CHECK(o.strategy() != Strategy::kPipeline || !o.devices().empty(),
+              "the pipeline strategy needs one device per stage");
+  TORCH_CHECK(o.strategy() != Strategy::kPipeline || o.chunks() <= o.batch_size(), "chunks (",
+              o.chunks(), ") is larger than batch_size (", o.batch_size(),
+              "): a micro-batch needs a sample");
+  check_lr_schedule(o.lr_schedule());
+  try {
+    TORCH_CHECK(Json::parse(o.config()).is_object(), "config must be a JSON object");
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "config is not JSON: ", e.what());
+  }
+}
+
+torch::Tensor Trainer::Impl::loss_of(const torch::Tensor& out, const torch::Tensor& target) const {
+  return torch::nn::functional::cross_entropy(mp->cast_output(out), target);
+}
+
+void Trainer::Impl::build_strategy() {
+  if (o.process_group()) {
+    rank = o.process_group()->rank();
+    world = o.process_group()->size();
+  }
+  const bool listed =
+      o.strategy() == Strategy::kDataParallel || o.strategy() == Strategy::kPipeline;
+  device = listed ? o.devices().front() : o.device();
+  model->to(device);
+  // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
+  mp = std::make_unique<amp::MixedPrecision>(model, device, o.amp());
+  if (o.strategy() == Strategy::kDDP) {
+    ddp = std::make_unique<DistributedDataParallel>(model, o.process_group());
+    mp->sync_masters();  // DDP broadcast rank 0's weights into the model
+  } else if (o.strategy() == Strategy::kDataParallel) {
+    dp = std::make_unique<DataParallel>(model, o.devices());
+  } else if (o.strategy() == Strategy::kPipeline) {
+    const auto stages = static_cast<int64_t>(o.devices().size());
+    pipe = std::make_unique<pipeline::Pipeline>(
+        model, pipeline::balance_by_parameters(model, stages), o.devices(),
+        [this](const torch::Tensor& out, const torch::Tensor& target) {
+          return mp->scaler().scale(loss_of(out, target)) / static_cast<double>(o.accumulate());
+        },
+        pipeline::PipelineOptions().chunks(o.chunks()).schedule(o.pipeline_schedule()));
+  }
+  opt = make_optimizer(mp->optimizer_parameters(), o.optimizer());
+  schedule = std::make_unique<LRSchedule>(*opt, o.lr_schedule());
+}
+
+void Trainer::Impl::build_loaders() {
+  sampler = std::make_shared<data::DistributedSampler>(train->size(), world, rank,
+                                                       /*shuffle=*/true, o.seed());
+  loader =
+      std::make_unique<data::DataLoader>(train,
+                                         data::LoaderOptions(static_cast<size_t>(o.batch_size()))
+                                             .workers(o.workers())
+                                             .pin_memory(device.is_cuda())
+                                             .seed(o.seed())
+                                             .persistent_workers(true),
+                                         sampler);
+  int64_t batches = static_cast<int64_t>(loader->num_batches(sampler->num_samples()));
+  if (o.steps_per_epoch() > 0) {
+    batches = std::min(batches, o.steps_per_epoch() * o.accumulate());
+  }
+  batches_per_epoch = batches;
+  if (val) {
+    // Each rank evaluates a contiguous share of the validation set.
+    const size_t n = val->size();
+    std::vector<size_t> share;
+    for (size_t i = n * static_cast<size_t>(rank) / static_cast<size_t>(world);
+         i < n * static_cast<size_t>(rank + 1) / static_cast<size_t>(world); ++i) {
+      share.push_back(i);
+    }
+    const int64_t eval_batch = o.eval_batch_size() > 0 ? o.eval_batch_size() : o.batch_size();
+    val_loader =
+        std::make_unique<data::DataLoader>(val,
+                                           data::LoaderOptions(static_cast<size_t>(eval_batch))
+                                               .workers(o.workers())
+                                               .persistent_workers(true),
+                                           std::make_shared<data::FixedSampler>(std::move(share)));
+  }
+}
+
+void Trainer::Impl::write_metrics(const Json& row) {
+  if (metrics.is_open()) {
+    metrics << row.dump() << "\n";
+    metrics.flush();  // a killed run keeps every row written so far
+  }
+}
+
+// Clip or measure at the true scale, then step (skipped by the scaler on inf/NaN gradients).
+StepInfo Trainer::Impl::optimizer_step(const torch::Tensor& loss, bool log) {
+  StepInfo info;
+  const bool measure = log || o.clip_grad_norm() > 0;
+  if (measure) {
+    mp->unscale_(*opt);
+    info.grad_norm = clip_grad_norm(mp->optimizer_parameters(), o.clip_grad_norm());
+  }
+  info.loss_scale = mp->loss_scaling() ? mp->scaler().get_scale() : 1.0;
+  info.stepped = mp->step(*opt);
+  ++global_step;
+  if (o.schedule_per_step()) {
+    schedule->step();
+  }
+  if (log) {
+    info.loss = loss.detach().to(torch::kCPU, torch::kDouble).item<double>();
+  }
+  info.lr = schedule->lr();
+  info.global_step = global_step;
+  info.epoch = epoch;
+  return info;
+}
+
+void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
+  model->train();
+  loader->set_epoch(static_cast<uint64_t>(epoch), static_cast<size_t>(batch));
+  loader->reset_stats();
+  // Batches are moved (and transformed) on the device one batch ahead (DevicePrefetcher).
+  data::DevicePrefetcher batches(*loader, device, o.input_transform());
+  // Summed on the device: reading the loss every step would make the host wait for the device.
+  torch::Tensor loss_sum;
+  const double accumulate = static_cast<double>(o.accumulate());
+  const bool guard_loss = o.stop_on_non_finite() && !mp->loss_scaling();
+  while (batch < batches_per_epoch) {
+    auto b = batches.next();
+    if (!b) {
+      break;
+    }
+    const bool first = batch % o.accumulate() == 0;
+    const bool last = (batch + 1) % o.accumulate() == 0 || batch + 1 == batches_per_epoch;
+    if (first) {
+      opt->zero_grad();
+    }
+    torch::Tensor loss;  // the batch's mean loss, unscaled
+    {
+      std::unique_ptr<DistributedDataParallel::NoSyncGuard> no_sync;
+      if (ddp && !last) {
+        no_sync = std::make_unique<DistributedDataParallel::NoSyncGuard>(*ddp);
+      }
+      torch::Tensor x = b->data;
+      {
+        auto autocast = mp->autocast();  // O1 only; its threads (dp, pipeline) inherit it
+        x = mp->cast_input(x);
+        if (pipe) {
+          loss = pipe->step(x, b->target) * (accumulate / mp->scaler().get_scale());
+        } else {
+          auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
+          loss = loss_of(out, b->target);
+        }
+      }
+      if (!pipe) {
+        mp->backward(o.accumulate() > 1 ? loss / accumulate : loss);
+      }
+    }
+    if (guard_loss &&
+        !std::isfinite(loss.detach().to(torch::kCPU, torch::kDouble).item<double>())) {
+      throw NonFiniteLoss(
+          "the loss is " + std::to_string(loss.detach().to(torch::kCPU).item<double>()) +
+          " at step " + std::to_string(global_step + 1) + " (epoch " + std::to_string(epoch + 1) +
+          ", batch " + std::to_string(batch + 1) + ") on rank " + std::to_string(rank) +
+          ": lower the learning rate, clip gradients, or check the data");
+    }
+    const torch::Tensor weighted =
+        loss.detach().to(torch::kDouble) * static_cast<double>(b->target.size(0));
+    loss_sum = loss_sum.defined() ? loss_sum + weighted.to(loss_sum.device()) : weighted;
+    samples += b->target.size(0);
+    if (!last) {
+      ++batch;
+      continue;
+    }
+    StepInfo info = optimizer_step(loss, is_log_step());
+    ++batch;
+    info.batch = batch;
+    if (!std::isnan(info.loss)) {
+      write_metrics(Json{{"step", info.global_step},
+                         {"epoch", epoch + 1},
+                         {"batch", batch},
+                         {"loss", info.loss},
+                         {"lr", info.lr},
+                         {"grad_norm", info.grad_norm},
+                         {"loss_scale", info.loss_scale},
+                         {"stepped", info.stepped}});
+    }
+    if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
+      ckpt->save(capture());
+    }
+    for (auto& cb : step_callbacks) {
+      cb(info);
+    }
+  }
+  if (loss_sum.defined()) {
+    loss_sum_out += loss_sum.to(torch::kCPU).item<double>();
+  }
+}
+
+double Trainer::Impl::evaluate() {
+  if (!val_loader) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  model->eval();
+  int64_t correct = 0;
+  int64_t seen = 0;
+  {
+    torch::NoGradGuard no_grad;
+    val_loader->set_epoch(0);
+    while (auto b = val_loader->next()) {
+      torch::Tensor x = b->data.to(device);
+      if (o.input_transform()) {
+        x = o.input_transform()(x);
+      }
+      x = mp->cast_input(x);
+      auto autocast = mp->autocast();
+      auto out = pipe ? pipe->forward(x) : model->forward(x);
+      correct += out.argmax(1).eq(b->target.to(out.device())).sum().item<int64_t>();
+      seen += b->target.size(0);
+    }
+  }
+  model->train();
+  at::Tensor totals =
+      torch::tensor({static_cast<double>(correct), static_cast<double>(seen)}, torch::kDouble);
+  if (ddp) {
+    totals = totals.to(device);
+    o.process_group()->allreduce(totals)->wait();
+    totals = totals.cpu();
+  }
+  return totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+}
+
+TensorMap Trainer::Impl::weights() const {
+  TensorMap state = module_state(*model);
+  if (mp->opt_level() != amp::OptLevel::kO2) {
+    return state;
+  }
+  // The fp32 masters under the model's names: masters() follows parameters(), tied weights once.
+  std::vector<torch::Tensor> unique;
+  for (const auto& p : model->named_parameters()) {
+    size_t i = 0;
+    while (i < unique.size() && !unique[i].is_same(p.value())) {
+      ++i;
+    }
+    if (i == unique.size()) {
+      unique.push_back(p.value());
+    }
+    state[p.key()] = mp->masters()[i].detach();
+  }
+  return state;
+}
+
+CheckpointState Trainer::Impl::capture() {
+  CheckpointState s;
+  s.step = global_step;
+  Json scaler;
+  for (const auto& kv : mp->scaler().state_dict()) {
+    scaler[kv.first] = kv.second;
+  }
+  s.meta = Json{{"epoch", epoch},
+                {"batch", batch},
+                {"global_step", global_step},
+                {"schedule_steps", schedule->steps()},
+                {"scaler", scaler},
+                {"strategy", to_string(o.strategy())},
+                {"config", Json::parse(o.config())}}
+               .dump();
+  s.shared = with_prefix(module_state(*model), "model.");
+  for (const auto& kv : with_prefix(optimizer_state(*opt), "optim.")) {
+    s.shared[kv.first] = kv.second;
+  }
+  if (mp->opt_level() == amp::OptLevel::kO2) {
+    for (size_t i = 0; i < mp->masters().size(); ++i) {
+      s.shared["amp.master." + std::to_string(i)] = mp->masters()[i];
+    }
+  }
+  s.own = rng_state();
+  return s;
+}
+
+namespace {
+
+// The first key whose value differs, as one line; empty when equal.
+std::string first_difference(const Json& saved, const Json& now) {
+  std::set<std::string> keys;
+  for (const auto& kv : saved.items()) {
+    keys.insert(kv.key());
+  }
+  for (const auto& kv : now.items()) {
+    keys.insert(kv.key());
+  }
+  for (const auto& k : keys) {
+    const Json a = saved.contains(k) ? saved.at(k) : Json("(unset)");
+    const Json b = now.contains(k) ? now.at(k) : Json("(unset)");
+    if (a != b) {
+      return "'" + k + "' is " + a.dump() + " there and " + b.dump() + " in this run";
+    }
+  }
+  return "";
+}
+
+// The first parameter or buffer whose name or shape differs; empty when the same.
+std::string model_difference(const TensorMap& saved, const TensorMap& now) {
+  for (const auto& kv : now) {
+    auto it = saved.find(kv.first);
+    if (it == saved.end()) {
+      return "it has no '" + kv.first + "'";
+    }
+    if (it->second.sizes() != kv.second.sizes()) {
+      std::ostringstream line;
+      line << "'" << kv.first << "' has shape " << it->second.sizes() << " there and "
+           << kv.second.sizes() << " in this model";
+      return line.str();
+    }
+  }
+  for (const auto& kv : saved) {
+    if (!now.count(kv.first)) {
+      return "it has '" + kv.first + "', which this model lacks";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+void Trainer::Impl::restore(const CheckpointState& s) {
+  Json meta;
+  try {
+    meta = Json::parse(s.meta);
+    const std::string model_diff =
+        model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
+    TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
+    const std::string config_diff = first_difference(meta.at("config"), Json::parse(o.config()));
+    TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
+                " was made with another configuration: ", config_diff,
+                "; resume with the same settings, or use another --checkpoint-dir");
+    load_module_state(*model, with_prefix(s.shared, "model.", true));
+    if (mp->opt_level() == amp::OptLevel::kO2) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < mp->masters().size(); ++i) {
+        auto it = s.shared.find("amp.master." + std::to_string(i));
+        TORCH_CHECK(it != s.shared.end(), "checkpoint ", s.path,
+                    " has no O2 master weights: it was saved at another opt level");
+        mp->masters()[i].copy_(it->second);
+      }
+    }
+    load_optimizer_state(*opt, with_prefix(s.shared, "optim.", true));
+    schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
+    std::map<std::string, double> scaler;
+    for (const auto& kv : meta.at("scaler").items()) {
+      scaler[kv.key()] = kv.value().get<double>();
+    }
+    if (!scaler.empty()) {
+      mp->scaler().load_state_dict(scaler);
+    }
+    set_rng_state(s.own);
+    epoch = meta.at("epoch").get<int64_t>();
+    batch = meta.at("batch").get<int64_t>();
+    global_step = meta.at("global_step").get<int64_t>();
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "checkpoint ", s.path, " lacks a field (", e.what(),
+                "): it is damaged or from another program");
+  }
+  resumed_from = s.path;
+}
+
+void Trainer::Impl::resume() {
+  if (o.resume() == "auto") {
+    std::optional<CheckpointState> s = ckpt->load_latest();
+    if (!s) {
+      if (rank == 0) {
+        std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
+                  << " yet: starting from step 0" << std::endl;
+      }
+      return;
+    }
+    restore(*s);
+  } else {
+    restore(Checkpoint::load(o.resume(), rank));
+  }
+  if (rank == 0) {
+    std::cerr << "paratrain: resumed from " << resumed_from << " (step " << global_step
+              << ", epoch " << epoch + 1 << ", batch " << batch << ")" << std::endl;
+  }
+}
+
+Trainer::Trainer(torch::nn::Sequential model,
+                 data::DatasetPtr train,
+                 data::DatasetPtr val,
+                 TrainerOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.o = std::move(options);
+  m.model = std::move(model);
+  m.train = std::move(train);
+  m.val = std::move(val);
+  TORCH_CHECK(m.train, "Trainer: the training set is null");
+  m.check_options();
+  m.build_strategy();
+  m.build_loaders();
+  if (!m.o.checkpoint_dir().empty()) {
+    m.ckpt = std::make_unique<Checkpoint>(CheckpointOptions(m.o.checkpoint_dir()).keep(m.o.keep()),
+                                          m.o.process_group());
+  }
+  if (!m.o.metrics().empty() && m.rank == 0) {
+    m.metrics.open(m.o.metrics(), std::ios::app);  // a resumed run goes on in the same file
+    TORCH_CHECK(m.metrics.is_open(), "cannot write the metrics file ", m.o.metrics(), ": ",
+                std::strerror(errno));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+std::vector<EpochResult> Trainer::fit() {
+  Impl& m = *impl_;
+  if (!m.o.resume().empty()) {
+    m.resume();
+  }
+  std::vector<EpochResult> results;
+  while (m.epoch < m.o.epochs()) {
+    const auto start = Clock::now();
+    double loss_sum = 0;
+    int64_t samples = 0;
+    m.train_epoch(loss_sum, samples);
+    EpochResult r;
+    r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    r.data_wait_seconds = m.loader->stats().wait_seconds;
+    r.epoch = m.epoch;
+    r.val_accuracy = m.evaluate();
+    at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples)}, torch::kDouble);
+    if (m.ddp) {
+      totals = totals.to(m.device);
+      m.o.process_group()->allreduce(totals)->wait();
+      totals = totals.cpu();
+    }
+    r.train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+    r.images_per_sec = totals[1].item<double>() / std::max(1e-9, r.seconds);
+    r.lr = m.schedule->lr();
+    if (!m.o.schedule_per_step()) {
+      m.schedule->step();
+    }
+    ++m.epoch;
+    m.batch = 0;
+    r.global_step = m.global_step;
+    m.write_metrics(Json{{"epoch", r.epoch + 1},
+                         {"step", r.global_step},
+                         {"train_loss", r.train_loss},
+                         {"val_accuracy", r.val_accuracy},
+                         {"lr", r.lr},
+                         {"images_per_sec", r.images_per_sec},
+                         {"seconds", r.seconds},
+                         {"data_wait_seconds", r.data_wait_seconds}});
+    if (m.o.checkpoint_every_epoch()) {
+      m.ckpt->save(m.capture());
+    }
+    for (auto& cb : m.epoch_callbacks) {
+      cb(r);
+    }
+    results.push_back(r);
+  }
+  if (m.ckpt) {
+    m.ckpt->wait();
+  }
+  return results;
+}
+
+double Trainer::evaluate() {
+  return impl_->evaluate();
+}
+
+void Trainer::save_checkpoint() {
+  TORCH_CHECK(impl_->ckpt, "save_checkpoint needs checkpoint_dir");
+  impl_->ckpt->save(impl_->capture());
+  impl_->ckpt->wait();
+}
+
+void Trainer::on_step_end(std::function<void(const StepInfo&)> callback) {
+  impl_->step_callbacks.push_back(std::move(callback));
+}
+
+void Trainer::on_epoch_end(std::function<void(const EpochResult&)> callback) {
+  impl_->epoch_callbacks.push_back(std::move(callback));
+}
+
+torch::nn::Sequential& Trainer::model() {
+  return impl_->model;
+}
+torch::optim::Optimizer& Trainer::optimizer() {
+  return *impl_->opt;
+}
+amp::MixedPrecision& Trainer::mixed_precision() {
+  return *impl_->mp;
+}
+TensorMap Trainer::weights() const {
+  return impl_->weights();
+}
+int64_t Trainer::global_step() const {
+  return impl_->global_step;
+}
+int64_t Trainer::epoch() const {
+  return impl_->epoch;
+}
+const TrainerOptions& Trainer::options() const {
+  return impl_->o;
+}
+std::string Trainer::resumed_from() const {
+  return impl_->resumed_from;
+}
+int64_t Trainer::steps_per_epoch() const {
+  const int64_t a = impl_->o.accumulate();
+  return (impl_->batches_per_epoch + a - 1) / a;
+}
+
+}  // namespace paratrain

@@ -1,0 +1,403 @@
+// The Trainer in process (every strategy against single-process training, exact resume), the
+// learning-rate schedules against python3-torch, and checkpoints (atomic files, checksums,
+// fallback, pruning, optimizer and RNG state).
+
+#include "test_util.h"
+
+#include "paratrain/data/dataset.h"
+#include "paratrain/dist/init.h"
+#include "paratrain/models/registry.h"
+#include "paratrain/train/checkpoint.h"
+#include "paratrain/train/lr_schedule.h"
+#include "paratrain/train/safetensors.h"
+#include "paratrain/train/trainer.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+std::string temp_dir(const std::string& name) {
+  std::string dir = "/tmp/" + unique_token(name);
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+void remove_tree(const std::string& dir) {
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// 512 samples of 784 features in 10 linearly separable-ish classes.
+data::DatasetPtr toy_data(int64_t n = 512, uint64_t seed = 1) {
+  torch::manual_seed(static_cast<int64_t>(seed));
+  torch::Tensor y = torch::randint(0, 10, {n}, torch::kLong);
+  torch::Tensor centers = torch::randn({10, 784});
+  torch::Tensor x = centers.index_select(0, y) + 0.5 * torch::randn({n, 784});
+  return std::make_shared<data::TensorDataset>(x.view({n, 1, 28, 28}), y);
+}
+
+torch::nn::Sequential fresh(const std::string& name) {
+  torch::manual_seed(0);
+  return models::make(name, 10);
+}
+
+// The message of any exception f throws (the Trainer's own are not all c10::Error).
+std::string thrown_by(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string exact(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+TensorMap copies(const TensorMap& m) {
+  TensorMap out;
+  for (const auto& kv : m) {
+    out[kv.first] = kv.second.detach().clone();
+  }
+  return out;
+}
+
+void expect_bitwise(const TensorMap& a, const TensorMap& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& kv : a) {
+    ASSERT_TRUE(b.count(kv.first)) << kv.first;
+    EXPECT_TRUE(torch::equal(kv.second.cpu(), b.at(kv.first).cpu())) << kv.first << " differs";
+  }
+}
+
+// ---- learning-rate schedules ----------------------------------------------------------------
+
+TEST(LRSchedule, MatchesPyTorch) {
+  if (!python_has("torch")) {
+    GTEST_SKIP() << test_python() << " has no torch to compute the reference lrs";
+  }
+  struct Case {
+    LRScheduleOptions o;
+    std::string milestones;
+  };
+  std::vector<Case> cases{
+      {LRScheduleOptions().kind("step").step_size(3).gamma(0.5), "-"},
+      {LRScheduleOptions().kind("multistep").milestones({2, 5, 9}).gamma(0.1), "2,5,9"},
+      {LRScheduleOptions().kind("cosine").t_max(7).eta_min(0.001), "-"},
+      {LRScheduleOptions().kind("cosine").t_max(6).warmup(4).warmup_start_factor(0.1), "-"},
+      {LRScheduleOptions().kind("multistep").milestones({1, 3}).gamma(0.5).warmup(3), "1,3"},
+      {LRScheduleOptions().kind("constant").warmup(5).warmup_start_factor(0.25), "-"},
+  };
+  for (const auto& c : cases) {
+    const int n = 20;
+    auto r = run_process(
+        {test_python(), std::string(PARATRAIN_TEST_DATA_DIR) + "/../train/make_lr_reference.py",
+         c.o.kind(), std::to_string(c.o.step_size()), exact(c.o.gamma()), c.milestones,
+         std::to_string(c.o.t_max()), exact(c.o.eta_min()), std::to_string(c.o.warmup()),
+         exact(c.o.warmup_start_factor()), std::to_string(n)},
+        {}, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::istringstream in(r.output);
+    auto params = std::vector<torch::Tensor>{torch::zeros({1}, torch::requires_grad())};
+    torch::optim::SGD opt(params, torch::optim::SGDOptions(0.1));
+    LRSchedule schedule(opt, c.o);
+    for (int t = 0; t < n; ++t) {
+      double want = 0;
+      ASSERT_TRUE(in >> want) << r.output;
+      // PyTorch steps some schedules recursively: equal up to rounding.
+      EXPECT_NEAR(schedule.lr(), want, 1e-12 + 1e-9 * std::abs(want))
+          << c.o.kind() << " warmup " << c.o.warmup() << " at step " << t;
+      EXPECT_DOUBLE_EQ(lr_at(c.o, 0.1, t), schedule.lr());
+      schedule.step();
+    }
+  }
+}
+
+TEST(LRSchedule, BadOptions) {
+  EXPECT_NE(error_of([] {
+              check_lr_schedule(LRScheduleOptions().kind("poly"));
+            }).find("unknown lr schedule 'poly': choose constant, step, multistep or cosine"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              check_lr_schedule(LRScheduleOptions().kind("multistep").milestones({5, 2}));
+            }).find("milestones must be increasing"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              check_lr_schedule(LRScheduleOptions().warmup(2).warmup_start_factor(0));
+            }).find("warmup_start_factor must be in (0, 1]"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              make_optimizer({}, OptimizerOptions().kind("lamb"));
+            }).find("unknown optimizer 'lamb': choose sgd, adam or adamw"),
+            std::string::npos);
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+TEST(Checkpoint, OptimizerStateRoundTripsBitwise) {
+  for (const std::string kind : {"sgd", "adam", "adamw"}) {
+    auto model = fresh("mlp");
+    auto opt = make_optimizer(model->parameters(), OptimizerOptions().kind(kind).lr(0.01));
+    auto step = [&](torch::optim::Optimizer& o, torch::nn::Sequential& m, int i) {
+      torch::manual_seed(100 + i);
+      o.zero_grad();
+      m->forward(torch::randn({8, 1, 28, 28})).pow(2).mean().backward();
+      o.step();
+    };
+    for (int i = 0; i < 3; ++i) {
+      step(*opt, model, i);
+    }
+    const TensorMap saved_opt = copies(optimizer_state(*opt));
+    const TensorMap saved_model = copies(module_state(*model));
+    EXPECT_FALSE(saved_opt.empty()) << kind;
+    step(*opt, model, 3);
+    // A second model and optimizer restored from the copies take the same step.
+    auto model2 = fresh("mlp");
+    load_module_state(*model2, saved_model);
+    auto opt2 = make_optimizer(model2->parameters(), OptimizerOptions().kind(kind).lr(0.01));
+    load_optimizer_state(*opt2, saved_opt);
+    step(*opt2, model2, 3);
+    expect_bitwise(module_state(*model), module_state(*model2));
+  }
+}
+
+TEST(Checkpoint, AtomicFilesFallbackAndPruning) {
+  const std::string dir = temp_dir("ckpt");
+  {
+    Checkpoint ckpt(CheckpointOptions(dir).keep(3));
+    for (int64_t step : {10, 20, 30, 40}) {
+      CheckpointState s;
+      s.step = step;
+      s.meta = "{\"step\": " + std::to_string(step) + "}";
+      s.shared["w"] = torch::full({4}, static_cast<float>(step));
+      s.own = rng_state();
+      ckpt.save(std::move(s));
+    }
+    ckpt.wait();
+    EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{40, 30, 20}));  // keep 3
+  }
+  // No temporary file is left, and the oldest checkpoint's files are gone.
+  auto r = run_process({"ls", dir}, {}, 10);
+  EXPECT_EQ(r.output.find(".tmp-"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("ckpt-0000000010"), std::string::npos) << r.output;
+
+  // Truncate the newest: resume falls back to the one before, with a warning naming the file.
+  const std::string newest = dir + "/ckpt-0000000040.safetensors";
+  ASSERT_EQ(::truncate(newest.c_str(), 20), 0);
+  // Flip a byte in the next: its CRC-32 fails.
+  {
+    std::fstream f(dir + "/ckpt-0000000030.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-2, std::ios::end);
+    f.put('\x55');
+  }
+  Checkpoint ckpt(CheckpointOptions(dir).keep(3));
+  std::vector<std::string> warnings;
+  auto s = ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->step, 20);
+  EXPECT_TRUE(torch::equal(s->shared.at("w"), torch::full({4}, 20.0f)));
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("ckpt-0000000040.safetensors has 20 bytes"), std::string::npos)
+      << warnings[0];
+  EXPECT_NE(warnings[1].find("ckpt-0000000030.safetensors fails its CRC-32 check"),
+            std::string::npos)
+      << warnings[1];
+  remove_tree(dir);
+
+  EXPECT_NE(error_of([] {
+              Checkpoint c(CheckpointOptions("/proc/paratrain-ckpt"));
+            }).find("cannot create the checkpoint directory /proc/paratrain-ckpt"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Checkpoint c(CheckpointOptions("/tmp").keep(0));
+            }).find("the number of checkpoints to keep must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Checkpoint::load("/nonexistent/ckpt-0000000001.json");
+            }).find("does not exist"),
+            std::string::npos);
+}
+
+TEST(Checkpoint, RngStateRestoresTheSameDraws) {
+  torch::manual_seed(7);
+  torch::randn({3});
+  const TensorMap state = rng_state();
+  const torch::Tensor a = torch::randn({5});
+  torch::randn({11});
+  set_rng_state(state);
+  EXPECT_TRUE(torch::equal(a, torch::randn({5})));
+}
+
+// ---- the Trainer ------------------------------------------------------------------------------
+
+TrainerOptions base_options() {
+  return TrainerOptions().epochs(2).batch_size(64).workers(0).optimizer(
+      OptimizerOptions().kind("sgd").lr(0.05).momentum(0.9));
+}
+
+TEST(Trainer, EveryInProcessStrategyMatchesOneProcess) {
+  auto data = toy_data();
+  auto run = [&](TrainerOptions o) {
+    Trainer t(fresh("linear"), data, data, o);
+    auto results = t.fit();
+    EXPECT_EQ(results.size(), 2u);
+    EXPECT_GT(results.back().val_accuracy, 0.5);
+    return t.weights();
+  };
+  const TensorMap single = run(base_options());
+  const TensorMap dp =
+      run(base_options().strategy(Strategy::kDataParallel).devices({torch::kCPU, torch::kCPU}));
+  const TensorMap pipe = run(
+      base_options().strategy(Strategy::kPipeline).devices({torch::kCPU, torch::kCPU}).chunks(4));
+  for (const auto& kv : single) {
+    expect_close(dp.at(kv.first), kv.second, "dp " + kv.first);
+    expect_close(pipe.at(kv.first), kv.second, "pipeline " + kv.first);
+  }
+}
+
+TEST(Trainer, DdpOnTwoThreadsMatchesOneProcess) {
+  // Two ranks of a gloo group in this process, batch 32 each, against one process with batch
+  // 64: the DistributedSampler gives rank r the samples r, r + 2, ... of the same permutation,
+  // so each step sees the same 64 samples. linear has no BatchNorm, whose statistics would be
+  // per rank.
+  auto data = toy_data();
+  Trainer one(fresh("linear"), data, nullptr, base_options());
+  one.fit();
+  const int port = free_port();
+  std::vector<TensorMap> weights(2);
+  std::vector<std::string> errors(2);
+  std::vector<torch::nn::Sequential> models{fresh("linear"), fresh("linear")};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        auto pg =
+            dist::init_process_group(dist::InitOptions()
+                                         .backend("gloo")
+                                         .init_method("tcp://127.0.0.1:" + std::to_string(port))
+                                         .rank(r)
+                                         .world_size(2)
+                                         .uses_cuda(false));
+        Trainer t(models[static_cast<size_t>(r)], data, nullptr,
+                  base_options().strategy(Strategy::kDDP).process_group(pg).batch_size(32));
+        t.fit();
+        weights[static_cast<size_t>(r)] = t.weights();
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) {
+    t.join();
+  }
+  ASSERT_EQ(errors[0] + errors[1], "");
+  expect_bitwise(weights[0], weights[1]);
+  for (const auto& kv : one.weights()) {
+    expect_close(weights[0].at(kv.first), kv.second, "ddp " + kv.first);
+  }
+}
+
+TEST(Trainer, ResumeAfterAFailureIsBitwiseEqual) {
+  // Adam, a warm-up into a cosine schedule stepped per step, accumulation of 2 batches and
+  // clipping: a run stopped by an exception at step 11 and resumed ends where an uninterrupted
+  // run does, bit for bit.
+  auto data = toy_data();
+  auto options = [&](const std::string& dir) {
+    return base_options()
+        .epochs(3)
+        .optimizer(OptimizerOptions().kind("adam").lr(0.01))
+        .lr_schedule(LRScheduleOptions().kind("cosine").t_max(8).warmup(3))
+        .schedule_per_step(true)
+        .accumulate(2)
+        .clip_grad_norm(1.0)
+        .workers(2)
+        .checkpoint_dir(dir)
+        .checkpoint_every(2)
+        .resume("auto");
+  };
+  const std::string a = temp_dir("uninterrupted");
+  Trainer whole(fresh("mlp"), data, data, options(a));
+  whole.fit();
+
+  const std::string b = temp_dir("resumed");
+  {
+    Trainer t(fresh("mlp"), data, data, options(b));
+    t.on_step_end([](const StepInfo& s) {
+      if (s.global_step == 11) {
+        throw std::runtime_error("injected failure");
+      }
+    });
+    EXPECT_NE(thrown_by([&] { t.fit(); }).find("injected failure"), std::string::npos);
+  }
+  Trainer resumed(fresh("mlp"), data, data, options(b));
+  resumed.fit();
+  EXPECT_NE(resumed.resumed_from().find("ckpt-0000000010.json"), std::string::npos)
+      << resumed.resumed_from();
+  EXPECT_EQ(resumed.global_step(), whole.global_step());
+  expect_bitwise(whole.weights(), resumed.weights());
+  expect_bitwise(optimizer_state(whole.optimizer()), optimizer_state(resumed.optimizer()));
+
+  // Another model, or another config, is refused with the first difference.
+  EXPECT_NE(error_of([&] {
+              Trainer t(fresh("linear"), data, data, options(b));
+              t.fit();
+            }).find("is from another model"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              Trainer t(fresh("mlp"), data, data, options(b).config("{\"lr\": 0.5}"));
+              t.fit();
+            }).find("was made with another configuration: 'lr' is \"(unset)\" there and 0.5"),
+            std::string::npos);
+  remove_tree(a);
+  remove_tree(b);
+}
+
+TEST(Trainer, NonFiniteLossStopsWithStepAndRank) {
+  // One sample holds a NaN: the step whose batch has it stops the run.
+  torch::Tensor x = torch::randn({256, 1, 28, 28});
+  x[100][0][3][3] = std::numeric_limits<float>::quiet_NaN();
+  auto data = std::make_shared<data::TensorDataset>(x, torch::randint(0, 10, {256}));
+  Trainer t(fresh("linear"), data, nullptr, base_options());
+  const std::string e = thrown_by([&] { t.fit(); });
+  EXPECT_NE(e.find("the loss is nan at step "), std::string::npos) << e;
+  EXPECT_NE(e.find(") on rank 0: lower the learning rate"), std::string::npos) << e;
+  EXPECT_LT(t.global_step(), 4);  // it stopped in the first epoch
+}
+
+TEST(Trainer, BadOptions) {
+  auto data = toy_data(64);
+  auto error = [&](TrainerOptions o) {
+    return error_of([&] { Trainer t(fresh("linear"), data, nullptr, o); });
+  };
+  EXPECT_NE(error(base_options().accumulate(0)).find("accumulate must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(error(base_options().checkpoint_every(5)).find("checkpoints need a directory"),
+            std::string::npos);
+  EXPECT_NE(error(base_options().resume("auto")).find("resume auto needs checkpoint_dir"),
+            std::string::npos);
+  EXPECT_NE(error(base_options().strategy(Strategy::kDDP))
+                .find("the ddp strategy needs a "
+                      "process_group"),
+            std::string::npos);
+  EXPECT_NE(error(base_options().checkpoint_dir("/tmp").keep(0)).find("keep must be >= 1, got 0"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
