@@ -40,6 +40,7 @@ const char* kTrainUsage =
     "         [--clip-grad-norm X] [--accumulate K]\n"
     "         [--checkpoint-dir D [--checkpoint-every N] [--checkpoint-every-epoch] [--keep K]]\n"
     "         [--resume auto|PATH] [--max-restarts M] [--metrics F.jsonl [--log-every N]]\n"
+    "         [--check-replicas N]\n"
     "\n"
     "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
     "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto continues\n"
@@ -189,7 +190,11 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       .keep(args.get_int("keep", 3))
       .resume(args.get("resume", ""))
       .metrics(args.get("metrics", ""))
-      .log_every(args.get_int("log-every", args.has("metrics") ? 10 : 0));
+      .log_every(args.get_int("log-every", args.has("metrics") ? 10 : 0))
+      .check_replicas(args.get_int("check-replicas", 0));
+  if (o.check_replicas() < 0) {
+    throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
+  }
   if (o.keep() < 1) {
     throw UsageError("--keep must be >= 1, got " + std::to_string(o.keep()) +
                      ": keeping no checkpoint could never resume");
@@ -224,7 +229,8 @@ TrainerOptions loop_options(const Args& args, int epochs) {
 
 // Tests and `paratrain bench faults` kill a rank at a chosen step: PARATRAIN_FAULT_AT_STEP=S
 // (and PARATRAIN_FAULT_RANK=R, default 0) SIGKILLs rank R right after optimizer step S, on the
-// first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0).
+// first attempt only (TORCHELASTIC_RESTART_COUNT unset or 0). PARATRAIN_FAULT=perturb nudges
+// that rank's last parameter instead, for --check-replicas.
 void install_fault(Trainer& trainer, int rank) {
   const char* at = std::getenv("PARATRAIN_FAULT_AT_STEP");
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -234,10 +240,18 @@ void install_fault(Trainer& trainer, int rank) {
     return;
   }
   const int64_t step = std::atoll(at);
-  trainer.on_step_end([step](const StepInfo& info) {
-    if (info.global_step == step) {
-      ::kill(::getpid(), SIGKILL);
+  const char* how = std::getenv("PARATRAIN_FAULT");
+  const bool perturb = how != nullptr && std::string(how) == "perturb";
+  trainer.on_step_end([&trainer, step, perturb](const StepInfo& info) {
+    if (info.global_step != step) {
+      return;
     }
+    if (perturb) {  // PARATRAIN_FAULT=perturb: this rank's weights drift (--check-replicas)
+      torch::NoGradGuard no_grad;
+      trainer.model()->parameters().back().add_(1e-3);
+      return;
+    }
+    ::kill(::getpid(), SIGKILL);
   });
 }
 
@@ -288,7 +302,8 @@ int run_train(const std::vector<std::string>& argv) {
              "resume",
              "max-restarts",
              "metrics",
-             "log-every"},
+             "log-every",
+             "check-replicas"},
             {"json", "help", "freeze-backbone", "checkpoint-every-epoch", "schedule-per-step"});
   if (args.has("help")) {
     std::cout << kTrainUsage;
@@ -619,6 +634,9 @@ int run_train(const std::vector<std::string>& argv) {
   try {
     trainer.fit();
   } catch (const NonFiniteLoss& e) {
+    std::cerr << "paratrain train: " << e.what() << std::endl;
+    return 1;
+  } catch (const ReplicaDivergence& e) {
     std::cerr << "paratrain train: " << e.what() << std::endl;
     return 1;
   }

@@ -273,12 +273,12 @@ void Checkpoint::save(CheckpointState state) {
   if (rank_ != 0) {
     state.shared.clear();
   }
-  to_host(state.shared);
-  to_host(state.own);
   if (!options_.background()) {
-    write(state);
+    write(state);  // nothing changes the tensors while this thread writes them: no copy
     return;
   }
+  to_host(state.shared);
+  to_host(state.own);
   writer_ = std::thread([this, s = std::move(state)] {
     try {
       write(s);

@@ -154,6 +154,7 @@ struct Trainer::Impl {
   CheckpointState capture();
   TensorMap weights() const;
   void write_metrics(const Json& row);
+  void check_replicas();
   bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
 };
 
@@ -169,6 +170,7 @@ void Trainer::Impl::check_options() const {
   TORCH_CHECK(o.keep() >= 1, "keep must be >= 1, got ", o.keep(),
               " (keeping no checkpoint could not resume)");
   TORCH_CHECK(o.log_every() >= 0, "log_every must be >= 0, got ", o.log_every());
+  TORCH_CHECK(o.check_replicas() >= 0, "check_replicas must be >= 0, got ", o.check_replicas());
   const bool saves = o.checkpoint_every() > 0 || o.checkpoint_every_epoch();
   TORCH_CHECK(!saves || !o.checkpoint_dir().empty(),
               "checkpoints need a directory: set checkpoint_dir (--checkpoint-dir)");
@@ -359,6 +361,9 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
                          {"loss_scale", info.loss_scale},
                          {"stepped", info.stepped}});
     }
+    if (ddp && o.check_replicas() > 0 && global_step % o.check_replicas() == 0) {
+      check_replicas();
+    }
     if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
       ckpt->save(capture());
     }
@@ -368,6 +373,64 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
   }
   if (loss_sum.defined()) {
     loss_sum_out += loss_sum.to(torch::kCPU).item<double>();
+  }
+}
+
+// DDP keeps every replica's parameters bitwise equal; a rank whose weights drifted (a bug, bad
+// memory, a skipped step) is found by comparing per-tensor checksums of every rank.
+void Trainer::Impl::check_replicas() {
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> sums;
+  {
+    torch::NoGradGuard no_grad;
+    // Parameters only: BatchNorm's running statistics are each rank's own until DDP broadcasts
+    // rank 0's at the next forward.
+    for (const auto& kv : model->named_parameters()) {
+      names.push_back(kv.key());
+      torch::Tensor t = kv.value().detach().to(torch::kDouble);
+      // The sum and a position-weighted sum: a swap of two values changes the second.
+      torch::Tensor w = torch::arange(t.numel(), t.options()).remainder(7).add_(1);
+      sums.push_back(torch::stack({t.sum(), (t.reshape(-1) * w).sum()}));
+    }
+  }
+  torch::Tensor mine = torch::stack(sums).to(device);
+  std::vector<torch::Tensor> all;
+  for (int r = 0; r < world; ++r) {
+    all.push_back(torch::empty_like(mine));
+  }
+  o.process_group()->allgather(all, mine)->wait();
+  // A rank differs when its checksums differ from those of most ranks (of rank 0 with two).
+  std::vector<torch::Tensor> host;
+  for (auto& t : all) {
+    host.push_back(t.cpu());
+  }
+  std::vector<int> agree(static_cast<size_t>(world), 0);
+  for (int a = 0; a < world; ++a) {
+    for (int b = 0; b < world; ++b) {
+      agree[static_cast<size_t>(a)] +=
+          torch::equal(host[static_cast<size_t>(a)], host[static_cast<size_t>(b)]);
+    }
+  }
+  const int reference =
+      static_cast<int>(std::max_element(agree.begin(), agree.end()) - agree.begin());
+  std::string diverged;
+  std::string tensor;
+  for (int r = 0; r < world; ++r) {
+    const torch::Tensor& h = host[static_cast<size_t>(r)];
+    if (torch::equal(h, host[static_cast<size_t>(reference)])) {
+      continue;
+    }
+    diverged += (diverged.empty() ? "" : ", ") + std::to_string(r);
+    if (tensor.empty()) {
+      const auto differs = h.ne(host[static_cast<size_t>(reference)]).any(1).nonzero();
+      tensor = names[static_cast<size_t>(differs[0].item<int64_t>())];
+    }
+  }
+  if (!diverged.empty()) {
+    throw ReplicaDivergence("the replicas diverged at step " + std::to_string(global_step) +
+                            ": rank(s) " + diverged + " hold weights that differ from rank " +
+                            std::to_string(reference) + "'s, first in '" + tensor +
+                            "' (--check-replicas)");
   }
 }
 
@@ -546,12 +609,15 @@ void Trainer::Impl::resume() {
         std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
                   << " yet: starting from step 0" << std::endl;
       }
+      write_metrics(Json{{"resumed_from", nullptr}, {"step", 0}});
       return;
     }
     restore(*s);
   } else {
     restore(Checkpoint::load(o.resume(), rank));
   }
+  // In the metrics, where this attempt starts: the steps logged after it repeat lost work.
+  write_metrics(Json{{"resumed_from", resumed_from}, {"step", global_step}});
   if (rank == 0) {
     std::cerr << "paratrain: resumed from " << resumed_from << " (step " << global_step
               << ", epoch " << epoch + 1 << ", batch " << batch << ")" << std::endl;

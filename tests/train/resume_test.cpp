@@ -137,6 +137,28 @@ TEST(Resume, MaxRestartsContinuesFromTheLastCheckpoint) {
   std::system(("rm -rf '" + base + "'*").c_str());
 }
 
+TEST(Train, CheckReplicasNamesTheRankThatDiverged) {
+  // Rank 1's weights are nudged after step 3; the check at step 4 names it.
+  auto r = run_process(
+      job({"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--check-replicas", "2"}),
+      {kCpuOnly,
+       {"PARATRAIN_TIMEOUT", "60"},
+       {"PARATRAIN_FAULT_AT_STEP", "3"},
+       {"PARATRAIN_FAULT_RANK", "1"},
+       {"PARATRAIN_FAULT", "perturb"}},
+      300);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("the replicas diverged at step 4: rank(s) 1 hold weights that differ "
+                          "from rank 0's, first in 'linear2.bias'"),
+            std::string::npos)
+      << r.output;
+  // Without the nudge the same job passes every check.
+  auto ok = run_process(
+      job({"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--check-replicas", "1"}),
+      {kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}}, 300);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
 TEST(Resume, BadInput) {
   const std::string base = "/tmp/" + unique_token("badresume");
   const std::string dir = base + "-ckpt";
@@ -163,6 +185,7 @@ TEST(Resume, BadInput) {
        "--max-restarts must be >= 0, got -1"},
       {{"--checkpoint-dir", dir, "--keep", "0"}, "--keep must be >= 1, got 0"},
       {{"--keep", "2"}, "need --checkpoint-dir"},
+      {{"--check-replicas", "-1"}, "--check-replicas must be >= 0, got -1"},
   };
   for (const auto& c : cases) {
     auto r = run_process(job(plus({"--epochs", "1", "--steps", "1"}, c.args)), {kCpuOnly}, 120);

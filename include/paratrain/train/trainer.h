@@ -116,6 +116,14 @@ struct TrainerOptions {
   /// A non-finite loss stops the run (NonFiniteLoss naming step and rank); with dynamic loss
   /// scaling the GradScaler skips the step instead, as PyTorch does.
   TORCH_ARG(bool, stop_on_non_finite) = true;
+  /// ddp: every N optimizer steps the ranks compare checksums of their parameters;
+  /// a rank whose weights differ is named (ReplicaDivergence). 0: never.
+  TORCH_ARG(int64_t, check_replicas) = 0;
+};
+
+/// What fit() throws when --check-replicas finds ranks whose weights differ.
+struct ReplicaDivergence : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 struct StepInfo {
