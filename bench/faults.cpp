@@ -1,6 +1,8 @@
 // paratrain bench faults: what failures cost a long job, and what checkpoints cost.
 //
-// Part 1: a 2-rank DDP job of the mlp on Fashion-MNIST (`paratrain train --nproc 2
+// Part 1 (lost_steps has one entry per restart that got as far as resuming; a kill during an
+// attempt's start-up loses no steps, only the start-up time, and is counted apart): a 2-rank DDP
+// job of the mlp on Fashion-MNIST (`paratrain train --nproc 2
 // --max-restarts K --resume auto`, checkpoints every --checkpoint-every steps). While it runs, a
 // random worker is SIGKILLed at a random time (uniform in [--min-gap, --max-gap] seconds after
 // the previous restart's workers appeared), --kills times. Reported: the restarts, the steps
@@ -306,7 +308,7 @@ int run_bench_faults(const std::vector<std::string>& argv) {
              "seed", "repeats", "resnet-steps", "resnet-image", "resnet-batch", "dir"},
             {"json", "help"});
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench faults [--kills 20] [--epochs 3] [--steps 0]\n"
+    std::cout << "usage: paratrain bench faults [--kills 20] [--epochs 5] [--steps 0]\n"
                  "         [--checkpoint-every 20] [--min-gap 2.0] [--max-gap 6.0] [--seed S]\n"
                  "         [--repeats 3] [--resnet-steps 300] [--resnet-image 32]\n"
                  "         [--resnet-batch 16] [--dir /tmp] [--json]\n";
@@ -407,7 +409,8 @@ int run_bench_faults(const std::vector<std::string>& argv) {
     }
     std::cout << std::setprecision(6) << "{\"kills\": " << faulty.kills
               << ", \"restarts\": " << restarts_made << ", \"lost_steps\": [" << l.str()
-              << "], \"lost_steps_total\": " << lost_total
+              << "], \"lost_steps_total\": " << lost_total << ", \"restarts_killed_in_startup\": "
+              << std::max<int64_t>(0, restarts_made - static_cast<int64_t>(lost.size()))
               << ", \"clean_seconds\": " << clean.seconds
               << ", \"faulty_seconds\": " << faulty.seconds
               << ", \"overhead_fraction\": " << overhead

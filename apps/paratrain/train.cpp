@@ -40,7 +40,7 @@ const char* kTrainUsage =
     "         [--clip-grad-norm X] [--accumulate K]\n"
     "         [--checkpoint-dir D [--checkpoint-every N] [--checkpoint-every-epoch] [--keep K]]\n"
     "         [--resume auto|PATH] [--max-restarts M] [--metrics F.jsonl [--log-every N]]\n"
-    "         [--check-replicas N]\n"
+    "         [--check-replicas N] [--trace F.json]\n"
     "\n"
     "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
     "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto continues\n"
@@ -191,7 +191,8 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       .resume(args.get("resume", ""))
       .metrics(args.get("metrics", ""))
       .log_every(args.get_int("log-every", args.has("metrics") ? 10 : 0))
-      .check_replicas(args.get_int("check-replicas", 0));
+      .check_replicas(args.get_int("check-replicas", 0))
+      .trace(args.get("trace", ""));
   if (o.check_replicas() < 0) {
     throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
   }
@@ -303,7 +304,8 @@ int run_train(const std::vector<std::string>& argv) {
              "max-restarts",
              "metrics",
              "log-every",
-             "check-replicas"},
+             "check-replicas",
+             "trace"},
             {"json", "help", "freeze-backbone", "checkpoint-every-epoch", "schedule-per-step"});
   if (args.has("help")) {
     std::cout << kTrainUsage;

@@ -1,5 +1,7 @@
 #include "paratrain/parallel/distributed_data_parallel.h"
 
+#include "paratrain/train/trace.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -396,6 +398,7 @@ void DistributedDataParallel::launch_ready_buckets_locked() {
   // that all ranks issue the same collectives in the same order.
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
+    b.launched_at = std::chrono::steady_clock::now();
     b.work = hook_->run(*pg_, b.flat);
     b.launched = true;
     ++next_bucket_;
@@ -424,8 +427,13 @@ void DistributedDataParallel::finalize_backward() {
     return;
   }
   auto start = std::chrono::steady_clock::now();
-  for (auto& b : buckets_) {
-    b.work->wait();
+  trace::Tracer* tracer = trace::current();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    buckets_[i].work->wait();
+    if (tracer != nullptr) {  // each bucket's allreduce from launch to the end of its wait
+      tracer->complete("allreduce bucket " + std::to_string(i), "comm", buckets_[i].launched_at,
+                       std::chrono::steady_clock::now());
+    }
   }
   last_exposed_comm_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

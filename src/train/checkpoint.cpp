@@ -1,6 +1,7 @@
 #include "paratrain/train/checkpoint.h"
 
 #include "paratrain/train/safetensors.h"
+#include "paratrain/train/trace.h"
 
 #include <ATen/Context.h>
 #include <torch/cuda.h>
@@ -289,6 +290,7 @@ void Checkpoint::save(CheckpointState state) {
 }
 
 void Checkpoint::write(const CheckpointState& s) {
+  trace::Span span("checkpoint write", "checkpoint");
   const auto start = std::chrono::steady_clock::now();
   const std::string& dir = options_.dir();
   // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible.

@@ -7,6 +7,7 @@
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
 #include "paratrain/train/safetensors.h"
+#include "paratrain/train/trace.h"
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -155,6 +157,7 @@ struct Trainer::Impl {
   TensorMap weights() const;
   void write_metrics(const Json& row);
   void check_replicas();
+  void write_trace(const trace::Tracer& tracer);
   bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
 };
 
@@ -270,6 +273,7 @@ void Trainer::Impl::write_metrics(const Json& row) {
 
 // Clip or measure at the true scale, then step (skipped by the scaler on inf/NaN gradients).
 StepInfo Trainer::Impl::optimizer_step(const torch::Tensor& loss, bool log) {
+  trace::Span span("optimizer step", "compute");
   StepInfo info;
   const bool measure = log || o.clip_grad_norm() > 0;
   if (measure) {
@@ -302,7 +306,11 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
   const double accumulate = static_cast<double>(o.accumulate());
   const bool guard_loss = o.stop_on_non_finite() && !mp->loss_scaling();
   while (batch < batches_per_epoch) {
-    auto b = batches.next();
+    std::optional<data::Batch> b;
+    {
+      trace::Span span("data wait", "data");
+      b = batches.next();
+    }
     if (!b) {
       break;
     }
@@ -319,6 +327,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
       }
       torch::Tensor x = b->data;
       {
+        trace::Span span(pipe ? "forward and backward (pipeline)" : "forward", "compute");
         auto autocast = mp->autocast();  // O1 only; its threads (dp, pipeline) inherit it
         x = mp->cast_input(x);
         if (pipe) {
@@ -329,6 +338,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
         }
       }
       if (!pipe) {
+        trace::Span span("backward", "compute");
         mp->backward(o.accumulate() > 1 ? loss / accumulate : loss);
       }
     }
@@ -365,6 +375,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
       check_replicas();
     }
     if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
+      trace::Span span("checkpoint (copy to host)", "checkpoint");
       ckpt->save(capture());
     }
     for (auto& cb : step_callbacks) {
@@ -431,6 +442,27 @@ void Trainer::Impl::check_replicas() {
                             ": rank(s) " + diverged + " hold weights that differ from rank " +
                             std::to_string(reference) + "'s, first in '" + tensor +
                             "' (--check-replicas)");
+  }
+}
+
+// Each rank writes its part; rank 0 merges them into options.trace once all are written.
+void Trainer::Impl::write_trace(const trace::Tracer& tracer) {
+  if (!ddp) {
+    tracer.write(o.trace());
+    return;
+  }
+  const std::string mine = o.trace() + ".rank-" + std::to_string(rank);
+  tracer.write(mine);
+  o.process_group()->barrier()->wait();
+  if (rank == 0) {
+    std::vector<std::string> parts;
+    for (int r = 0; r < world; ++r) {
+      parts.push_back(o.trace() + ".rank-" + std::to_string(r));
+    }
+    trace::merge(parts, o.trace());
+    for (const auto& p : parts) {
+      std::remove(p.c_str());
+    }
   }
 }
 
@@ -653,6 +685,20 @@ Trainer::~Trainer() = default;
 
 std::vector<EpochResult> Trainer::fit() {
   Impl& m = *impl_;
+  std::unique_ptr<trace::Tracer> tracer;
+  struct Uninstall {
+    bool on = false;
+    ~Uninstall() {
+      if (on) {
+        trace::set_current(nullptr);
+      }
+    }
+  } uninstall;
+  if (!m.o.trace().empty()) {
+    tracer = std::make_unique<trace::Tracer>(m.rank);
+    trace::set_current(tracer.get());
+    uninstall.on = true;
+  }
   if (!m.o.resume().empty()) {
     m.resume();
   }
@@ -691,6 +737,7 @@ std::vector<EpochResult> Trainer::fit() {
                          {"seconds", r.seconds},
                          {"data_wait_seconds", r.data_wait_seconds}});
     if (m.o.checkpoint_every_epoch()) {
+      trace::Span span("checkpoint (copy to host)", "checkpoint");
       m.ckpt->save(m.capture());
     }
     for (auto& cb : m.epoch_callbacks) {
@@ -700,6 +747,9 @@ std::vector<EpochResult> Trainer::fit() {
   }
   if (m.ckpt) {
     m.ckpt->wait();
+  }
+  if (tracer) {
+    m.write_trace(*tracer);
   }
   return results;
 }

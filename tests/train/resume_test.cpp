@@ -159,6 +159,36 @@ TEST(Train, CheckReplicasNamesTheRankThatDiverged) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
+TEST(Train, TraceHoldsEveryRanksSpans) {
+  const std::string base = "/tmp/" + unique_token("trace");
+  auto r = run_process(
+      job({"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--epochs", "1", "--steps",
+           "3", "--checkpoint-dir", base + "-ckpt", "--trace", base + ".json"}),
+      {kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Read back by Python's json module: spans per (rank, name), each a complete event.
+  auto count =
+      run_process({test_python(), "-c",
+                   "import json, sys, collections\n"
+                   "events = json.load(open(sys.argv[1]))['traceEvents']\n"
+                   "spans = [e for e in events if e['ph'] == 'X']\n"
+                   "assert all(e['dur'] >= 0 and e['ts'] > 0 for e in spans)\n"
+                   "c = collections.Counter('%d %s' % (e['pid'], e['name']) for e in spans)\n"
+                   "print(';'.join('%s=%d' % kv for kv in sorted(c.items())))\n",
+                   base + ".json"},
+                  {}, 60);
+  ASSERT_EQ(count.exit_code, 0) << count.output;
+  for (int rank : {0, 1}) {
+    const std::string p = std::to_string(rank) + " ";
+    for (const std::string name : {"forward=3", "backward=3", "optimizer step=3", "data wait=3",
+                                   "allreduce bucket 0=3", "checkpoint write=1"}) {
+      EXPECT_NE(count.output.find(p + name), std::string::npos)
+          << p + name << " in " << count.output;
+    }
+  }
+  std::system(("rm -rf '" + base + "'*").c_str());
+}
+
 TEST(Resume, BadInput) {
   const std::string base = "/tmp/" + unique_token("badresume");
   const std::string dir = base + "-ckpt";

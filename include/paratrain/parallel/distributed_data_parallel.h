@@ -35,6 +35,7 @@
 #include "paratrain/dist/process_group.h"
 #include "paratrain/parallel/comm_hooks.h"
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -141,6 +142,7 @@ class DistributedDataParallel {
     size_t pending = 0;            // parameters not yet ready this iteration
     bool launched = false;
     dist::WorkPtr work;
+    std::chrono::steady_clock::time_point launched_at;  // for trace::current()
   };
 
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,

@@ -119,6 +119,10 @@ struct TrainerOptions {
   /// ddp: every N optimizer steps the ranks compare checksums of their parameters;
   /// a rank whose weights differ is named (ReplicaDivergence). 0: never.
   TORCH_ARG(int64_t, check_replicas) = 0;
+  /// A Chrome trace (Perfetto, chrome://tracing) of fit(): forward, backward, optimizer steps,
+  /// data waits, checkpoints, and under ddp each bucket's allreduce from launch to wait; every
+  /// rank in one file. "": none.
+  TORCH_ARG(std::string, trace) = "";
 };
 
 /// What fit() throws when --check-replicas finds ranks whose weights differ.
