@@ -12,8 +12,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -171,7 +174,11 @@ TrainerOptions loop_options(const Args& args, int epochs) {
     }
   }
   ls.milestones(milestones);
-  // CosineAnnealingLR's T_max: by default the whole run after the warm-up, in epochs (or steps).
+  // CosineAnnealingLR's T_max: by default the whole run after the warm-up, in epochs; stepped per
+  // optimizer step it must be given in steps.
+  if (ls.kind() == "cosine" && args.has("schedule-per-step") && !args.has("lr-t-max")) {
+    throw UsageError("--lr-schedule cosine with --schedule-per-step needs --lr-t-max in steps");
+  }
   ls.t_max(args.get_int("lr-t-max", std::max(1, epochs - static_cast<int>(ls.warmup()))));
   try {
     check_lr_schedule(ls);
@@ -219,6 +226,12 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       Checkpoint probe(CheckpointOptions(o.checkpoint_dir()).keep(o.keep()));  // made, writable
     } catch (const c10::Error& e) {
       throw UsageError(e.what_without_backtrace());
+    }
+  }
+  if (!o.trace().empty()) {
+    std::ofstream probe(o.trace(), std::ios::app);  // found unwritable now, not after the run
+    if (!probe) {
+      throw UsageError("cannot write the --trace file " + o.trace() + ": " + std::strerror(errno));
     }
   }
   if (!o.resume().empty() && o.resume() != "auto" && ::access(o.resume().c_str(), R_OK) != 0) {
@@ -530,28 +543,40 @@ int run_train(const std::vector<std::string>& argv) {
       piped ? pipeline::balance_by_parameters(model, stages) : std::vector<int64_t>{};
 
   // What a checkpoint must agree on to resume this run (not --epochs: a run may be extended).
-  const nlohmann::json config{{"model", model_name},
-                              {"dataset", dataset},
-                              {"strategy", strategy},
-                              {"world_size", world},
-                              {"batch_size", batch_size},
-                              {"steps", steps},
-                              {"optimizer", o.optimizer().kind()},
-                              {"lr", lr},
-                              {"momentum", momentum},
-                              {"weight_decay", weight_decay},
-                              {"lr_schedule", o.lr_schedule().kind()},
-                              {"warmup", o.lr_schedule().warmup()},
-                              {"accumulate", o.accumulate()},
-                              {"clip_grad_norm", o.clip_grad_norm()},
-                              {"seed", seed},
-                              {"amp", args.get("amp", "O0")},
-                              {"amp_dtype", args.get("amp-dtype", "")},
-                              {"image_size", image_size},
-                              {"channels", channels},
-                              {"head", head},
-                              {"devices", args.get("devices", "")},
-                              {"chunks", piped ? chunks : 0}};
+  const nlohmann::json config{
+      {"model", model_name},
+      {"dataset", dataset},
+      {"strategy", strategy},
+      {"world_size", world},
+      {"batch_size", batch_size},
+      {"steps", steps},
+      {"optimizer", o.optimizer().kind()},
+      {"lr", lr},
+      {"momentum", momentum},
+      {"weight_decay", weight_decay},
+      {"lr_schedule", o.lr_schedule().kind()},
+      {"warmup", o.lr_schedule().warmup()},
+      {"accumulate", o.accumulate()},
+      {"clip_grad_norm", o.clip_grad_norm()},
+      {"seed", seed},
+      {"amp", args.get("amp", "O0")},
+      {"amp_dtype", args.get("amp-dtype", "")},
+      {"image_size", image_size},
+      {"channels", channels},
+      {"head", head},
+      {"devices", args.get("devices", "")},
+      {"chunks", piped ? chunks : 0},
+      {"stages", piped ? stages : 0},
+      {"schedule", piped ? pipeline::to_string(schedule) : ""},
+      {"freeze_backbone", args.has("freeze-backbone")},
+      {"schedule_per_step", o.schedule_per_step()},
+      {"lr_step_size", o.lr_schedule().step_size()},
+      {"lr_gamma", o.lr_schedule().gamma()},
+      {"lr_milestones", o.lr_schedule().milestones()},
+      // T_max only for cosine: it follows --epochs by default.
+      {"lr_t_max", o.lr_schedule().kind() == "cosine" ? o.lr_schedule().t_max() : 0},
+      {"lr_eta_min", o.lr_schedule().eta_min()},
+      {"warmup_start_factor", o.lr_schedule().warmup_start_factor()}};
   o.strategy(parse_strategy(strategy))
       .device(device)
       .devices(piped ? stage_devices : dp_devices)

@@ -208,6 +208,9 @@ Checkpoint::Checkpoint(CheckpointOptions options, dist::ProcessGroupPtr pg)
   TORCH_CHECK(!options_.dir().empty(), "Checkpoint: the directory is empty");
   TORCH_CHECK(options_.keep() >= 1, "the number of checkpoints to keep must be >= 1, got ",
               options_.keep(), " (keeping none could not resume)");
+  TORCH_CHECK(!pg_ || pg_->size() == 1 || options_.keep() >= 2,
+              "keep at least 2 checkpoints with several ranks, got ", options_.keep(),
+              ": a rank killed while writing the newest leaves only the one before to resume from");
   make_dirs(options_.dir());
   struct stat st;
   TORCH_CHECK(::stat(options_.dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode),
@@ -290,6 +293,12 @@ void Checkpoint::save(CheckpointState state) {
 }
 
 void Checkpoint::write(const CheckpointState& s) {
+  Json meta;
+  try {
+    meta = Json::parse(s.meta);  // before any file: a bad one must not leave orphans
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "checkpoint: the metadata is not JSON: ", e.what());
+  }
   trace::Span span("checkpoint write", "checkpoint");
   const auto start = std::chrono::steady_clock::now();
   const std::string& dir = options_.dir();
@@ -299,12 +308,6 @@ void Checkpoint::write(const CheckpointState& s) {
              Json{{"step", s.step}, {"rank", rank_}, {"tensors", own}});
   if (rank_ == 0) {
     Json shared = write_tensors(dir, stem(s.step) + ".safetensors", s.shared);
-    Json meta;
-    try {
-      meta = Json::parse(s.meta);
-    } catch (const Json::exception& e) {
-      TORCH_CHECK(false, "checkpoint: the metadata is not JSON: ", e.what());
-    }
     write_json(dir + "/" + stem(s.step) + ".json", Json{{"format", "paratrain-checkpoint-1"},
                                                         {"step", s.step},
                                                         {"world_size", pg_ ? pg_->size() : 1},
@@ -333,19 +336,45 @@ std::vector<int64_t> Checkpoint::steps() const {
   return out;
 }
 
-// Deletes this rank's files (rank 0: and the shared ones) of all but the `keep` newest steps.
-// The manifest goes first, so a half-deleted checkpoint is never listed.
+// Deletes the checkpoints older than the `keep` newest: rank 0 the manifests (first, so a
+// half-deleted checkpoint is never listed) and shared files, every rank its own files, judged by
+// its own listing (the manifests may already be gone).
 void Checkpoint::prune() {
-  const std::vector<int64_t> all = steps();
-  for (size_t i = static_cast<size_t>(options_.keep()); i < all.size(); ++i) {
-    const std::string base = options_.dir() + "/";
-    if (rank_ == 0) {
+  const size_t keep = static_cast<size_t>(options_.keep());
+  const std::string base = options_.dir() + "/";
+  if (rank_ == 0) {
+    const std::vector<int64_t> all = steps();
+    for (size_t i = keep; i < all.size(); ++i) {
       ::unlink((base + stem(all[i]) + ".json").c_str());
       ::unlink((base + stem(all[i]) + ".safetensors").c_str());
     }
-    ::unlink((base + rank_stem(all[i], rank_) + ".json").c_str());
-    ::unlink((base + rank_stem(all[i], rank_) + ".safetensors").c_str());
   }
+  const std::vector<int64_t> mine = own_steps();
+  for (size_t i = keep; i < mine.size(); ++i) {
+    ::unlink((base + rank_stem(mine[i], rank_) + ".json").c_str());
+    ::unlink((base + rank_stem(mine[i], rank_) + ".safetensors").c_str());
+  }
+}
+
+// The steps of this rank's own manifests (ckpt-N.rank-R.json), newest first.
+std::vector<int64_t> Checkpoint::own_steps() const {
+  std::vector<int64_t> out;
+  DIR* d = ::opendir(options_.dir().c_str());
+  if (d == nullptr) {
+    return out;
+  }
+  const std::string suffix = ".rank-" + std::to_string(rank_) + ".json";
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.size() == 5 + 10 + suffix.size() && name.compare(0, 5, "ckpt-") == 0 &&
+        name.compare(15, suffix.size(), suffix) == 0 &&
+        name.substr(5, 10).find_first_not_of("0123456789") == std::string::npos) {
+      out.push_back(std::stoll(name.substr(5, 10)));
+    }
+  }
+  ::closedir(d);
+  std::sort(out.rbegin(), out.rend());
+  return out;
 }
 
 CheckpointState Checkpoint::load(const std::string& path, int rank) {
@@ -360,6 +389,7 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   s.path = path;
   try {
     s.step = manifest.at("step").get<int64_t>();
+    s.world_size = manifest.at("world_size").get<int>();
     s.meta = manifest.at("meta").dump();
     s.shared = read_tensors(dir, manifest.at("tensors"));
     const std::string own_path = dir + "/" + rank_stem(s.step, rank) + ".json";
@@ -376,24 +406,56 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
 std::optional<CheckpointState> Checkpoint::load_latest(
     const std::function<void(const std::string&)>& warn) {
   wait();
-  for (int64_t step : steps()) {
+  std::vector<int64_t> candidates = steps();
+  const torch::Device where = options_.collective_device();
+  if (pg_) {
+    // Every rank walks rank 0's listing, so that all vote on the same steps in the same order.
+    at::Tensor count = torch::tensor({static_cast<int64_t>(candidates.size())}).to(where);
+    pg_->broadcast(count, 0)->wait();
+    at::Tensor list = torch::zeros({count.cpu().item<int64_t>()}, torch::kLong);
+    if (rank_ == 0 && list.numel() > 0) {
+      list.copy_(torch::tensor(candidates, torch::kLong));
+    }
+    list = list.to(where);
+    if (list.numel() > 0) {
+      pg_->broadcast(list, 0)->wait();
+    }
+    list = list.cpu();
+    candidates.assign(list.data_ptr<int64_t>(), list.data_ptr<int64_t>() + list.numel());
+  }
+  const int world = pg_ ? pg_->size() : 1;
+  for (int64_t step : candidates) {
     std::optional<CheckpointState> s;
+    const std::string path = options_.dir() + "/" + stem(step) + ".json";
     try {
-      s = load(options_.dir() + "/" + stem(step) + ".json", rank_);
+      s = load(path, rank_);
+      const int saved_world = s->world_size;
+      TORCH_CHECK(saved_world == world, "checkpoint ", path, " was made by ", saved_world,
+                  " ranks and this job has ", world,
+                  ": resume with as many ranks, or use another --checkpoint-dir");
     } catch (const c10::Error& e) {
-      const std::string line = std::string("skipping checkpoint ") + stem(step) + ": " +
-                               e.what_without_backtrace() + "; trying the one before";
+      const std::string what = e.what_without_backtrace();
+      if (what.find(" ranks and this job has ") != std::string::npos) {
+        throw;  // the same on every rank: not a damaged file to skip
+      }
+      s.reset();
+      const std::string line = std::string("skipping checkpoint ") + stem(step) + ": " + what +
+                               "; trying the one before";
       if (warn) {
         warn(line);
       } else {
         std::cerr << "paratrain: warning: " << line << std::endl;
       }
+    } catch (const std::exception& e) {
+      s.reset();
+      std::cerr << "paratrain: warning: skipping checkpoint " << stem(step) << ": " << e.what()
+                << std::endl;
     }
     if (pg_) {
       // Every rank must resume from the same step: take it only if it verified everywhere.
-      at::Tensor ok = torch::tensor({s ? 1 : 0}, torch::kInt);
+      at::Tensor ok = torch::tensor({s ? 1 : 0}, torch::kInt).to(where);
       pg_->allreduce(ok, dist::ReduceOp::kMin)->wait();
-      if (ok.item<int>() == 0) {
+      if (ok.cpu().item<int>() == 0) {
         continue;
       }
     }

@@ -358,10 +358,11 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
       ++batch;
       continue;
     }
-    StepInfo info = optimizer_step(loss, is_log_step());
+    const bool log = is_log_step();
+    StepInfo info = optimizer_step(loss, log);
     ++batch;
     info.batch = batch;
-    if (!std::isnan(info.loss)) {
+    if (log) {
       write_metrics(Json{{"step", info.global_step},
                          {"epoch", epoch + 1},
                          {"batch", batch},
@@ -415,6 +416,10 @@ void Trainer::Impl::check_replicas() {
   for (auto& t : all) {
     host.push_back(t.cpu());
   }
+  // Bit for bit: NaN weights that are the same everywhere are not a divergence.
+  auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return torch::equal(a.view(torch::kLong), b.view(torch::kLong));
+  };
   std::vector<int> agree(static_cast<size_t>(world), 0);
   for (int a = 0; a < world; ++a) {
     for (int b = 0; b < world; ++b) {
@@ -428,12 +433,15 @@ void Trainer::Impl::check_replicas() {
   std::string tensor;
   for (int r = 0; r < world; ++r) {
     const torch::Tensor& h = host[static_cast<size_t>(r)];
-    if (torch::equal(h, host[static_cast<size_t>(reference)])) {
+    if (same(h, host[static_cast<size_t>(reference)])) {
       continue;
     }
     diverged += (diverged.empty() ? "" : ", ") + std::to_string(r);
     if (tensor.empty()) {
-      const auto differs = h.ne(host[static_cast<size_t>(reference)]).any(1).nonzero();
+      const auto differs = h.view(torch::kLong)
+                               .ne(host[static_cast<size_t>(reference)].view(torch::kLong))
+                               .any(1)
+                               .nonzero();
       tensor = names[static_cast<size_t>(differs[0].item<int64_t>())];
     }
   }
@@ -671,8 +679,15 @@ Trainer::Trainer(torch::nn::Sequential model,
   m.build_strategy();
   m.build_loaders();
   if (!m.o.checkpoint_dir().empty()) {
-    m.ckpt = std::make_unique<Checkpoint>(CheckpointOptions(m.o.checkpoint_dir()).keep(m.o.keep()),
+    m.ckpt = std::make_unique<Checkpoint>(CheckpointOptions(m.o.checkpoint_dir())
+                                              .keep(m.o.keep())
+                                              .collective_device(m.ddp ? m.device : torch::kCPU),
                                           m.o.process_group());
+    // A fresh run would mix its checkpoints with another run's (and prune its own first).
+    TORCH_CHECK(!m.o.resume().empty() || m.ckpt->steps().empty(), "the checkpoint directory ",
+                m.o.checkpoint_dir(),
+                " holds checkpoints of another run: continue it with --resume auto, or give an "
+                "empty --checkpoint-dir");
   }
   if (!m.o.metrics().empty() && m.rank == 0) {
     m.metrics.open(m.o.metrics(), std::ios::app);  // a resumed run goes on in the same file
@@ -699,6 +714,20 @@ std::vector<EpochResult> Trainer::fit() {
     trace::set_current(tracer.get());
     uninstall.on = true;
   }
+  // Declared after the tracer, so destroyed before it: a background checkpoint write still
+  // under way when fit() throws reports its span to a live tracer.
+  struct WaitForWriter {
+    Checkpoint* ckpt;
+    ~WaitForWriter() {
+      if (ckpt != nullptr) {
+        try {
+          ckpt->wait();
+        } catch (const std::exception& e) {
+          std::cerr << "paratrain: a checkpoint write failed: " << e.what() << std::endl;
+        }
+      }
+    }
+  } wait_for_writer{m.ckpt.get()};
   if (!m.o.resume().empty()) {
     m.resume();
   }

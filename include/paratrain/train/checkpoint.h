@@ -28,6 +28,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -45,10 +46,13 @@ using TensorMap = std::map<std::string, torch::Tensor>;
 struct CheckpointOptions {
   /* implicit */ CheckpointOptions(std::string dir = "") : dir_(std::move(dir)) {}
   TORCH_ARG(std::string, dir);
-  /// How many checkpoints stay on disk; older ones are deleted after each save. >= 1.
+  /// How many checkpoints stay on disk; older ones are deleted after each save. >= 1, and >= 2
+  /// with a process group: a rank killed while writing the newest leaves only the one before.
   TORCH_ARG(int64_t, keep) = 3;
   /// Write on a background thread (save() returns after copying to host memory).
   TORCH_ARG(bool, background) = true;
+  /// Where load_latest's collectives run: the CPU, or the rank's GPU for an nccl-only group.
+  TORCH_ARG(torch::Device, collective_device) = torch::kCPU;
 };
 
 struct CheckpointState {
@@ -61,6 +65,8 @@ struct CheckpointState {
   TensorMap own;
   /// Where it was loaded from (the manifest), empty for a new one.
   std::string path;
+  /// The number of ranks that wrote it (set by load).
+  int world_size = 1;
 };
 
 class Checkpoint {
@@ -78,11 +84,12 @@ class Checkpoint {
   /// Waits for the save under way; rethrows its error.
   void wait();
   /// Seconds the last finished write took (background thread time).
-  double last_write_seconds() const { return last_write_seconds_; }
+  double last_write_seconds() const { return last_write_seconds_.load(); }
 
-  /// The newest checkpoint that verifies on every rank (a collective with a process group).
+  /// The newest checkpoint that verifies on every rank (a collective with a process group: rank
+  /// 0's listing is the one all ranks walk, so the directory must be shared by the ranks).
   /// A damaged one is skipped with a warning to `warn` (stderr by default) naming the file and
-  /// the reason. nullopt when the directory holds none.
+  /// the reason; one made by another number of ranks is an error. nullopt when there is none.
   std::optional<CheckpointState> load_latest(
       const std::function<void(const std::string&)>& warn = nullptr);
   /// The steps of the manifests in the directory, newest first.
@@ -98,12 +105,13 @@ class Checkpoint {
   void write(const CheckpointState& state);
   void prune();
   void remove_stale_temporaries();
+  std::vector<int64_t> own_steps() const;
   CheckpointOptions options_;
   dist::ProcessGroupPtr pg_;
   int rank_ = 0;
   std::thread writer_;
   std::exception_ptr error_;
-  double last_write_seconds_ = 0;
+  std::atomic<double> last_write_seconds_{0};
 };
 
 /// `prefix` + each key; with `strip`, only the keys that start with `prefix`, without it.
