@@ -211,11 +211,16 @@ struct ResnetNumbers {
 double write_fsync(const std::string& path, const std::vector<char>& bytes) {
   const auto t = Clock::now();
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  TORCH_CHECK(fd >= 0, "bench faults: cannot write ", path);
+  if (fd < 0) {
+    throw std::runtime_error("bench faults: cannot write " + path);
+  }
   size_t done = 0;
   while (done < bytes.size()) {
     const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    TORCH_CHECK(n > 0, "bench faults: writing ", path, " failed");
+    if (n <= 0) {
+      ::close(fd);
+      throw std::runtime_error("bench faults: writing " + path + " failed");
+    }
     done += static_cast<size_t>(n);
   }
   ::fsync(fd);
@@ -327,7 +332,10 @@ int run_bench_faults(const std::vector<std::string>& argv) {
   const uint64_t seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int>(::getpid())));
   const std::string dir =
       args.get("dir", "/tmp") + "/paratrain-bench-faults-" + std::to_string(::getpid());
-  TORCH_CHECK(::mkdir(dir.c_str(), 0755) == 0, "bench faults: cannot create ", dir);
+  // No TORCH_CHECK in the CLI: its __FILE__ would put a source path in the installed binary.
+  if (::mkdir(dir.c_str(), 0755) != 0) {
+    throw std::runtime_error("bench faults: cannot create " + dir);
+  }
   struct Cleanup {
     std::string dir;
     ~Cleanup() { std::system(("rm -rf '" + dir + "'").c_str()); }
@@ -373,11 +381,15 @@ int run_bench_faults(const std::vector<std::string>& argv) {
   };
   info << "bench faults: the uninterrupted job ..." << std::endl;
   const JobResult clean = run_job(with("clean"), dir + "/clean.log", 0, 0, 0, seed);
-  TORCH_CHECK(clean.exit_code == 0, "bench faults: the uninterrupted job failed:\n", clean.log);
+  if (clean.exit_code != 0) {
+    throw std::runtime_error("bench faults: the uninterrupted job failed:\n" + clean.log);
+  }
   info << "bench faults: the job with " << kills << " kills ..." << std::endl;
   const JobResult faulty =
       run_job(with("faulty"), dir + "/faulty.log", kills, min_gap, max_gap, seed);
-  TORCH_CHECK(faulty.exit_code == 0, "bench faults: the job with kills failed:\n", faulty.log);
+  if (faulty.exit_code != 0) {
+    throw std::runtime_error("bench faults: the job with kills failed:\n" + faulty.log);
+  }
   int restarts_made = 0;
   for (size_t p = faulty.log.find("restarting all"); p != std::string::npos;
        p = faulty.log.find("restarting all", p + 1)) {
