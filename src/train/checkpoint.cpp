@@ -24,6 +24,7 @@
 #include <iostream>
 #include <mutex>
 #include <sstream>
+#include <type_traits>
 
 namespace paratrain {
 
@@ -480,9 +481,17 @@ TensorMap with_prefix(const TensorMap& tensors, const std::string& prefix, bool 
 
 namespace {
 
-// libtorch keys an optimizer's per-parameter state by the parameter's TensorImpl address.
-std::string state_key(const torch::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
+// libtorch keys an optimizer's per-parameter state by the parameter's TensorImpl address: as
+// text in 1.x (c10::guts::to_string, an ostream of the pointer), as the pointer in 2.x.
+template <typename Map>
+typename Map::key_type state_key(const Map&, const torch::Tensor& p) {
+  if constexpr (std::is_same<typename Map::key_type, std::string>::value) {
+    std::ostringstream text;
+    text << p.unsafeGetTensorImpl();
+    return text.str();
+  } else {
+    return p.unsafeGetTensorImpl();
+  }
 }
 
 template <typename Fn>
@@ -539,7 +548,7 @@ TensorMap optimizer_state(torch::optim::Optimizer& optimizer) {
   TensorMap out;
   auto& state = optimizer.state();
   for_each_param(optimizer, [&](const std::string& key, const torch::Tensor& p) {
-    auto it = state.find(state_key(p));
+    auto it = state.find(state_key(state, p));
     if (it == state.end()) {
       return;  // no step yet (or no gradient): nothing to keep
     }
@@ -572,16 +581,16 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& i
                   "momentum_buffer has shape ", it->second.sizes(), ", its parameter ", p.sizes());
       auto st = std::make_unique<torch::optim::SGDParamState>();
       st->momentum_buffer(it->second.to(p.options()));
-      state[state_key(p)] = std::move(st);
+      state[state_key(state, p)] = std::move(st);
       ++used;
     } else if (in.count(key + "step")) {
       TORCH_CHECK(in.at(key + "exp_avg").sizes() == p.sizes(), "optimizer state ", key,
                   "exp_avg has shape ", in.at(key + "exp_avg").sizes(), ", its parameter ",
                   p.sizes());
       if (kind == "adam") {
-        state[state_key(p)] = load_adam<torch::optim::AdamParamState>(in, key, p);
+        state[state_key(state, p)] = load_adam<torch::optim::AdamParamState>(in, key, p);
       } else {
-        state[state_key(p)] = load_adam<torch::optim::AdamWParamState>(in, key, p);
+        state[state_key(state, p)] = load_adam<torch::optim::AdamWParamState>(in, key, p);
       }
       ++used;
     }
