@@ -164,11 +164,23 @@ std::vector<std::pair<Row, Row>> mpi_gloo_pairs(const std::vector<Row>& rows) {
 }  // namespace
 
 int run_bench_allreduce(const std::vector<std::string>& argv) {
-  Args args(argv, {"backends", "ranks", "min-bytes", "max-bytes", "factor", "iters", "out"},
-            {"json", "help", "worker"});
+  static const CommandSpec spec{
+      "paratrain bench allreduce",
+      "Times allreduce per message size and backend, and prints the bus bandwidth.",
+      {
+          {"backends", "LIST", "the backends to compare (default: gloo and mpi where built)"},
+          {"ranks", "N", "processes (default 2)"},
+          {"min-bytes", "SIZE", "the smallest message (default 1K)"},
+          {"max-bytes", "SIZE", "the largest message (default 64M)"},
+          {"factor", "F", "the step between sizes (default 4)"},
+          {"iters", "N", "allreduces per size (default: by size)"},
+          {"json", "", "print JSON"},
+          {"worker", "", ""},
+          {"out", "FILE", ""},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench allreduce [--backends gloo,mpi] [--ranks 2]\n"
-                 "         [--min-bytes 1K] [--max-bytes 64M] [--factor 4] [--iters N] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   if (args.has("worker")) {

@@ -111,11 +111,24 @@ int run_amp_worker(const Args& args) {
 }  // namespace
 
 int run_bench_amp(const std::vector<std::string>& argv) {
-  Args args(argv, {"levels", "steps", "accuracy-steps", "level", "dtype", "out", "backend"},
-            {"json", "help", "worker", "accuracy"});
+  static const CommandSpec spec{
+      "paratrain bench amp",
+      "DDP step time at opt levels O0-O3 (bf16), and accuracy O0 vs O1.",
+      {
+          {"levels", "LIST", "the opt levels (default O0,O1,O2,O3)"},
+          {"steps", "N", "timed steps per level"},
+          {"accuracy-steps", "N", "training steps of the accuracy comparison (0: skip)"},
+          {"backend", "NAME", "mpi or gloo"},
+          {"json", "", "print JSON"},
+          {"worker", "", ""},
+          {"accuracy", "", ""},
+          {"level", "L", ""},
+          {"dtype", "T", ""},
+          {"out", "FILE", ""},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench amp [--levels O0,O1,O2,O3] [--steps N]\n"
-                 "         [--accuracy-steps N (0: skip)] [--backend mpi|gloo] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   if (args.has("worker")) {

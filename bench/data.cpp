@@ -97,12 +97,24 @@ std::vector<int64_t> worker_counts(const Args& args) {
 }  // namespace
 
 int run_bench_data(const std::vector<std::string>& argv) {
-  Args args(argv, {"dir", "images", "size", "workers", "repeats", "batch", "crop", "python"},
-            {"json", "no-pytorch", "help"});
+  static const CommandSpec spec{
+      "paratrain bench data",
+      "ImageFolder images/s: paratrain's loader against PyTorch's DataLoader with PIL.",
+      {
+          {"dir", "IMAGEFOLDER", "an ImageFolder to read (default: one made of Fashion-MNIST)"},
+          {"images", "N", "images in the made ImageFolder (default 2000)"},
+          {"size", "N", "their side (default 64)"},
+          {"workers", "LIST", "the loader threads to compare (default 1,2)"},
+          {"repeats", "N", "passes per setting (default 3)"},
+          {"batch", "B", "batch size (default 64)"},
+          {"crop", "N", "RandomResizedCrop's size (default 224)"},
+          {"no-pytorch", "", "skip PyTorch's DataLoader"},
+          {"python", "P", "the Python with torch (default: python3 or /usr/bin/python3)"},
+          {"json", "", "print JSON"},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench data [--dir IMAGEFOLDER | --images 2000 --size 64]\n"
-                 "         [--workers 1,2] [--repeats 3] [--batch 64] [--crop 224]\n"
-                 "         [--no-pytorch] [--python P] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   const bool json = args.has("json");

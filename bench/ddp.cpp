@@ -142,14 +142,30 @@ int run_worker(const Args& args) {
 }  // namespace
 
 int run_bench_ddp(const std::vector<std::string>& argv) {
-  Args args(argv, {"workloads", "backend", "steps", "mode", "workload", "out", "python"},
-            {"json", "help", "worker", "no-pytorch", "gradient-as-bucket-view"});
+  static const CommandSpec spec{
+      "paratrain bench ddp",
+      "DDP step time against independent trainers and PyTorch's DDP, on the same kernels.",
+      {
+          {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)"},
+          {"backend", "NAME", "mpi or gloo"},
+          {"steps", "N", "timed steps per workload"},
+          {"gradient-as-bucket-view", "", "DDP's gradient_as_bucket_view"},
+          {"no-pytorch", "", "skip PyTorch's DDP row"},
+          {"python", "P",
+           "the Python with torch for the PyTorch row (default: python3 on PATH or "
+           "/usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)"},
+          {"trace", "FILE",
+           "also write a Chrome trace of paratrain's DDP steps and print how much of the "
+           "allreduce time backward hides"},
+          {"json", "", "print JSON"},
+          {"worker", "", ""},
+          {"mode", "M", ""},
+          {"workload", "W", ""},
+          {"out", "FILE", ""},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench ddp [--workloads mlp,resnet18] [--backend mpi|gloo]\n"
-                 "         [--steps N] [--gradient-as-bucket-view] [--no-pytorch] [--python P]\n"
-                 "         [--json]\n"
-                 "--python: the Python with torch for the PyTorch DDP row (default: python3 on\n"
-                 "PATH or /usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)\n";
+    std::cout << args.help();
     return 0;
   }
   if (args.has("worker")) {

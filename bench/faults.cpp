@@ -308,15 +308,30 @@ ResnetNumbers resnet_checkpoint(
 
 }  // namespace
 int run_bench_faults(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"kills", "max-restarts", "epochs", "steps", "checkpoint-every", "min-gap", "max-gap",
-             "seed", "repeats", "resnet-steps", "resnet-image", "resnet-batch", "dir"},
-            {"json", "help"});
+  static const CommandSpec spec{
+      "paratrain bench faults",
+      "Kills a random rank of a 2-rank DDP run at random times under --max-restarts and\n"
+      "--resume auto: restarts, lost steps, overhead, and whether the weights stay bitwise equal;\n"
+      "then a ResNet-50 checkpoint's save time and step overhead.",
+      {
+          {"kills", "N", "kills (default 20)"},
+          {"max-restarts", "N", "the run's --max-restarts (default: --kills)"},
+          {"epochs", "E", "epochs of the mlp run (default 5)"},
+          {"steps", "S", "cap on the steps per epoch (default 0: all)"},
+          {"checkpoint-every", "N", "steps between checkpoints (default 20)"},
+          {"min-gap", "SECONDS", "the shortest time between kills (default 2.0)"},
+          {"max-gap", "SECONDS", "the longest time between kills (default 6.0)"},
+          {"seed", "S", "the seed of the kill times"},
+          {"repeats", "N", "repeats of the ResNet-50 timings (default 3)"},
+          {"resnet-steps", "N", "steps of the step-overhead run (default 300)"},
+          {"resnet-image", "N", "its image side (default 32)"},
+          {"resnet-batch", "B", "its batch (default 16)"},
+          {"dir", "DIR", "where the runs write (default /tmp)"},
+          {"json", "", "print one JSON object"},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench faults [--kills 20] [--epochs 5] [--steps 0]\n"
-                 "         [--checkpoint-every 20] [--min-gap 2.0] [--max-gap 6.0] [--seed S]\n"
-                 "         [--repeats 3] [--resnet-steps 300] [--resnet-image 32]\n"
-                 "         [--resnet-batch 16] [--dir /tmp] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   const int kills = args.get_int("kills", 20);

@@ -49,10 +49,19 @@ struct Row {
 }  // namespace
 
 int run_bench_pipeline(const std::vector<std::string>& argv) {
-  Args args(argv, {"chunks", "steps", "batch", "balance", "model"}, {"json", "help"});
+  static const CommandSpec spec{"paratrain bench pipeline",
+                                "GPipe and 1F1B micro-batching against plain model parallelism.",
+                                {
+                                    {"chunks", "LIST", "the micro-batch counts (default 2,4,8)"},
+                                    {"steps", "N", "timed steps (default 3)"},
+                                    {"batch", "B", "batch size (default 64)"},
+                                    {"balance", "MODE", "time or layer2 (default time)"},
+                                    {"model", "NAME", "the zoo model (default resnet50_cifar)"},
+                                    {"json", "", "print JSON"},
+                                }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench pipeline [--chunks 2,4,8] [--steps N] [--batch B]\n"
-                 "         [--balance time|layer2] [--model resnet50_cifar] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   const int steps = args.get_int("steps", 3);

@@ -203,11 +203,22 @@ int run_strategy_worker(const Args& args) {
 }  // namespace
 
 int run_bench_strategies(const std::vector<std::string>& argv) {
-  Args args(argv, {"workloads", "steps", "strategy", "workload", "out", "backend"},
-            {"json", "help", "worker"});
+  static const CommandSpec spec{
+      "paratrain bench strategies",
+      "One process against DataParallel against DDP: step time and peak memory.",
+      {
+          {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)"},
+          {"steps", "N", "timed steps per workload"},
+          {"backend", "NAME", "mpi or gloo"},
+          {"json", "", "print JSON"},
+          {"worker", "", ""},
+          {"strategy", "S", ""},
+          {"workload", "W", ""},
+          {"out", "FILE", ""},
+      }};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain bench strategies [--workloads mlp,resnet18] [--steps N]\n"
-                 "         [--backend mpi|gloo] [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   if (args.has("worker")) {

@@ -10,6 +10,7 @@ mkdir -p "$out/include" "$out/fashion-mnist"
 cp -r /usr/include/gloo "$out/include/"
 cp /usr/include/zlib.h /usr/include/zconf.h "$out/include/"
 cp -r /usr/include/nlohmann "$out/include/"  # header only: checkpoint manifests, metrics
+cp -r /usr/include/CLI "$out/include/"        # header only: the CLI's command lines
 # The image libraries (headers and shared objects; they need only libc, libm and zlib).
 # (-L: Debian's png.h, pngconf.h and pnglibconf.h are links into libpng16/)
 cp -rL /usr/include/turbojpeg.h /usr/include/png.h /usr/include/pngconf.h \

@@ -13,6 +13,9 @@ packages=(
   libopenmpi-dev openmpi-bin
   zlib1g-dev
   nlohmann-json3-dev    # checkpoint manifests, metrics, configs
+  libcli11-dev          # the CLI's command lines and --config TOML files
+  libprotobuf-dev protobuf-compiler  # TensorBoard's Event protobufs (--tensorboard)
+  python3-protobuf python3-crc32c    # the tests' independent reader of those event files
   libturbojpeg0-dev libpng-dev libwebp-dev  # ImageFolder decoding: TurboJPEG, libpng, libwebp
   dataset-fashion-mnist
   libgtest-dev googletest

@@ -1,50 +1,196 @@
 #include "args.h"
 
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <sstream>
 
 namespace paratrain {
 namespace cli {
 
-Args::Args(const std::vector<std::string>& argv,
-           const std::set<std::string>& valued,
-           const std::set<std::string>& flags) {
-  for (size_t i = 0; i < argv.size(); ++i) {
-    const std::string& a = argv[i];
-    if (a == "--") {
-      rest_.assign(argv.begin() + static_cast<long>(i) + 1, argv.end());
-      return;
+namespace {
+
+std::vector<std::string> split_names(const std::string& names) {
+  std::vector<std::string> out;
+  std::stringstream in(names);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    out.push_back(item);
+  }
+  return out;
+}
+
+// CLI11's messages, said the way the rest of the CLI says them.
+std::string describe(const CLI::ParseError& e, const std::string& config) {
+  const std::string what = e.what();
+  if (dynamic_cast<const CLI::ArgumentMismatch*>(&e) != nullptr) {
+    return what.substr(0, what.find(':')) + " needs a value";
+  }
+  if (dynamic_cast<const CLI::FileError*>(&e) != nullptr) {
+    return "cannot read --config " + config + ": give a readable TOML file";
+  }
+  if (dynamic_cast<const CLI::ConfigError*>(&e) != nullptr) {
+    return "--config " + config + ": " + what;
+  }
+  return what;
+}
+
+// A flag's value: "--json", "--json=false" or `json = true` in a config file.
+bool flag_value(const std::string& name, const std::string& text) {
+  std::string t = text;
+  std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (t == "true" || t == "1" || t == "yes" || t == "on") {
+    return true;
+  }
+  if (t == "false" || t == "0" || t == "no" || t == "off" || t == "-1") {
+    return false;
+  }
+  throw UsageError("--" + name + " takes no value (or true/false), got '" + text + "'");
+}
+
+// Every key of the config file must name an option: CLI11 ignores the others, which would hide a
+// misspelt setting. Read with CLI11's own TOML reader, the one that fills the options.
+void check_config_keys(const CLI::App& app,
+                       const std::string& path,
+                       const std::vector<std::string>& known) {
+  for (const CLI::ConfigItem& item : app.get_config_formatter_base()->from_file(path)) {
+    if (item.name == "++" || item.name == "--") {
+      continue;  // the start or end of a [section]; its keys come as items with parents
     }
-    if (a.rfind("--", 0) != 0) {
-      positional_.push_back(a);
+    const std::string key = item.fullname();
+    if (!item.parents.empty() || std::find(known.begin(), known.end(), key) == known.end()) {
+      throw UsageError("unknown key '" + key + "' in --config " + path +
+                       "; the nearest valid key is '" + nearest(item.name, known) + "'");
+    }
+  }
+}
+
+// `text` broken at spaces into lines of at most `width` characters; CLI11 indents each line
+// under the option's column but does not wrap.
+std::string wrap(const std::string& text, size_t width) {
+  std::string out;
+  size_t line = 0;
+  std::stringstream in(text);
+  std::string word;
+  while (in >> word) {
+    if (line > 0 && line + 1 + word.size() > width) {
+      out += '\n';
+      line = 0;
+    } else if (line > 0) {
+      out += ' ';
+      ++line;
+    }
+    out += word;
+    line += word.size();
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string nearest(const std::string& word, const std::vector<std::string>& choices) {
+  // Levenshtein distance: CLI11 suggests nothing, and the lists are a few dozen short names.
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const std::string& c : choices) {
+    std::vector<size_t> row(c.size() + 1);
+    for (size_t j = 0; j <= c.size(); ++j) {
+      row[j] = j;
+    }
+    for (size_t i = 1; i <= word.size(); ++i) {
+      size_t diagonal = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= c.size(); ++j) {
+        const size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (word[i - 1] != c[j - 1])});
+        diagonal = up;
+      }
+    }
+    if (row[c.size()] < best_distance) {
+      best_distance = row[c.size()];
+      best = c;
+    }
+  }
+  return best;
+}
+
+Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
+  const auto dash = std::find(argv.begin(), argv.end(), "--");
+  std::vector<std::string> words(argv.begin(), dash);
+  if (dash != argv.end()) {
+    if (!spec.program) {
+      throw UsageError("unexpected '--': " + spec.name + " runs no program");
+    }
+    rest_.assign(dash + 1, argv.end());
+  }
+  CLI::App app(spec.description, spec.name);
+  app.set_help_flag("-h,--help", "print this help and exit");
+  CLI::Option* config =
+      app.set_config("--config", "",
+                     wrap("read options from a TOML file whose keys are the long option names "
+                          "(lr = 0.1); the command line overrides it",
+                          68))
+          ->type_name("FILE");
+  app.allow_extras(true);  // unknown words are reported below, with the nearest option
+  app.footer(spec.footer);
+  app.get_formatter()->column_width(30);
+  std::vector<std::pair<std::string, CLI::Option*>> options;
+  std::vector<std::string> known;  // every name and alias
+  for (const OptionSpec& o : spec.options) {
+    const std::vector<std::string> names = split_names(o.names);
+    std::string flags;
+    for (const auto& n : names) {
+      flags += (flags.empty() ? "--" : ",--") + n;
+      known.push_back(n);
+    }
+    const std::string help = wrap(o.help, 68);
+    CLI::Option* opt = o.value.empty() ? app.add_flag(flags, help)
+                                       : app.add_option(flags, help)
+                                             ->type_name(o.value)
+                                             ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+    if (o.help.empty()) {
+      opt->group("");  // internal: hidden from the help
+    }
+    options.emplace_back(names[0], opt);
+  }
+  help_ = app.help();
+  std::vector<std::string> reversed(words.rbegin(), words.rend());  // CLI11 pops from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    values_.emplace("help", "1");
+    return;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(describe(e, config->count() > 0 ? config->as<std::string>() : ""));
+  } catch (const CLI::Error& e) {
+    throw UsageError(e.what());
+  }
+  for (const std::string& w : app.remaining()) {
+    if (w.size() > 1 && w[0] == '-') {
+      const std::string name = w.substr(w.find_first_not_of('-'));
+      throw UsageError("unknown option " + w + " (the nearest is --" +
+                       nearest(name.substr(0, name.find('=')), known) + ")");
+    }
+    throw UsageError("unexpected '" + w + "'" +
+                     (spec.program ? " before the program: put the program after --"
+                                   : ": options start with --"));
+  }
+  if (config->count() > 0) {
+    check_config_keys(app, config->as<std::string>(), known);
+  }
+  for (const auto& [name, opt] : options) {
+    if (opt->get_expected_min() == 0) {  // a flag
+      if (opt->count() > 0 && flag_value(name, opt->results().back())) {
+        values_.emplace(name, "1");
+      }
       continue;
     }
-    std::string name = a.substr(2);
-    std::string value;
-    bool inline_value = false;
-    auto eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      inline_value = true;
-    }
-    if (flags.count(name)) {
-      if (inline_value) {
-        throw UsageError("--" + name + " takes no value");
-      }
-      values_.emplace(name, "1");
-    } else if (valued.count(name)) {
-      if (!inline_value) {
-        if (i + 1 >= argv.size()) {
-          throw UsageError("--" + name + " needs a value");
-        }
-        value = argv[++i];
-      }
-      values_.emplace(name, value);
-    } else {
-      throw UsageError("unknown option --" + name);
+    for (const std::string& r : opt->results()) {
+      values_.emplace(name, r);
     }
   }
 }

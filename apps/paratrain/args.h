@@ -1,10 +1,13 @@
 #pragma once
 
-// A small command-line reader for the subcommands: "--name value", "--name=value", flags, and
-// everything after "--" kept verbatim. Unknown options are errors that name the option.
+// The command lines of the subcommands, read with CLI11 (Debian's libcli11-dev): each command
+// declares its options once, in a CommandSpec, and both the parser and `--help` come from it.
+// Every command also takes `--config FILE.toml`, whose keys are the long option names
+// (`lr = 0.1`, `lr-schedule = "cosine"`, `json = true`); the command line overrides the file.
+// Values are kept as the text the user wrote and converted by the getters, so a bad value gets
+// a message naming the option.
 
 #include <map>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -17,13 +20,32 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// One option: `names` is the long name without dashes, then any aliases after commas
+/// ("nproc-per-node,nproc_per_node"); `value` names its value in the help ("N", "DIR"), empty
+/// for a flag; an empty `help` hides an internal option (the benchmarks' worker modes).
+struct OptionSpec {
+  std::string names;
+  std::string value;
+  std::string help;
+};
+
+/// A subcommand's command line. `program`: it takes "-- PROGRAM ARGS..." (paratrain launch).
+struct CommandSpec {
+  std::string name;         // "paratrain train"
+  std::string description;  // printed above the options
+  std::vector<OptionSpec> options;
+  std::string footer = "";  // printed below the options
+  bool program = false;
+};
+
 class Args {
  public:
-  /// `valued`: options that take a value; `flags`: options that do not.
-  Args(const std::vector<std::string>& argv,
-       const std::set<std::string>& valued,
-       const std::set<std::string>& flags);
+  /// Parses `argv` (the words after the subcommand) against `spec`. Throws UsageError for an
+  /// unknown option (naming the nearest known one), a missing value, an unreadable config file
+  /// or an unknown key in it (naming the nearest valid key).
+  Args(const std::vector<std::string>& argv, const CommandSpec& spec);
 
+  /// Whether an option was given (on the command line or in the config); `help` for --help.
   bool has(const std::string& name) const { return values_.count(name) > 0; }
   std::string get(const std::string& name, const std::string& fallback = "") const;
   int get_int(const std::string& name, int fallback) const;
@@ -34,16 +56,19 @@ class Args {
   std::vector<std::string> get_all(const std::string& name) const;
   /// Words after "--".
   const std::vector<std::string>& rest() const { return rest_; }
-  /// Words before "--" that are not options.
-  const std::vector<std::string>& positional() const { return positional_; }
+  /// The help made from the spec.
+  const std::string& help() const { return help_; }
 
  private:
   std::multimap<std::string, std::string> values_;
   std::vector<std::string> rest_;
-  std::vector<std::string> positional_;
+  std::string help_;
 };
 
 long long parse_bytes(const std::string& text, const std::string& what);
+
+/// The entry of `choices` closest to `word` by edit distance (empty when `choices` is).
+std::string nearest(const std::string& word, const std::vector<std::string>& choices);
 
 }  // namespace cli
 }  // namespace paratrain

@@ -20,18 +20,28 @@ namespace cli {
 
 namespace {
 
-constexpr const char* kDataUsage =
-    "usage: paratrain data make-imagefolder --from fashion-mnist --out DIR [--size 64]\n"
-    "         [--train N] [--val N] [--data-dir FASHION_MNIST_DIR] [--jpeg-only]\n"
-    "Writes DIR/train/<class>/<i>.<ext> from the training split and DIR/val/... from the test\n"
-    "split (the first N images of each; default all): mostly RGB JPEGs of side --size (some\n"
-    "25%/50% larger, some wider), with grayscale JPEGs, RGB and RGBA PNGs and WebPs mixed in\n"
-    "unless --jpeg-only.\n";
+const CommandSpec& data_spec() {
+  static const CommandSpec spec{
+      "paratrain data make-imagefolder",
+      "Writes DIR/train/<class>/<i>.<ext> from Fashion-MNIST's training split and DIR/val/...\n"
+      "from its test split: mostly RGB JPEGs of side --size (some 25%/50% larger, some wider),\n"
+      "with grayscale JPEGs, RGB and RGBA PNGs and WebPs mixed in unless --jpeg-only.",
+      {
+          {"from", "NAME", "the source dataset: fashion-mnist (the default and only one)"},
+          {"out", "DIR", "the new ImageFolder (required; must be new or empty)"},
+          {"size", "N", "the images' side (default 64)"},
+          {"train", "N", "the first N training images (default all; at least 100)"},
+          {"val", "N", "the first N test images (default all; at least 100)"},
+          {"data-dir", "DIR", "Fashion-MNIST's folder (default: Debian's)"},
+          {"jpeg-only", "", "write JPEGs only"},
+      }};
+  return spec;
+}
 
 int make_imagefolder(const std::vector<std::string>& argv) {
-  Args args(argv, {"from", "out", "size", "train", "val", "data-dir"}, {"jpeg-only", "help"});
+  Args args(argv, data_spec());
   if (args.has("help")) {
-    std::cout << kDataUsage;
+    std::cout << args.help();
     return 0;
   }
   const std::string from = args.get("from", "fashion-mnist");
@@ -86,7 +96,9 @@ int make_imagefolder(const std::vector<std::string>& argv) {
 
 int run_data(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    std::cout << kDataUsage;
+    std::cout << "usage: paratrain data make-imagefolder [options]\n\n"
+              << data_spec().description
+              << "\n\nrun `paratrain data make-imagefolder --help` for its options\n";
     return args.empty() ? 2 : 0;
   }
   if (args[0] != "make-imagefolder") {

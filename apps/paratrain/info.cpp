@@ -44,9 +44,13 @@ std::string loaded_blas() {
 }  // namespace
 
 int run_info(const std::vector<std::string>& argv) {
-  Args args(argv, {}, {"help", "json"});
+  static const CommandSpec spec{
+      "paratrain info",
+      "Prints the versions, the backends of this build, the CPU threads and the CUDA devices.",
+      {{"json", "", "print one JSON object"}}};
+  Args args(argv, spec);
   if (args.has("help")) {
-    std::cout << "usage: paratrain info [--json]\n";
+    std::cout << args.help();
     return 0;
   }
   std::string backends;

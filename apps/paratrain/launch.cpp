@@ -11,71 +11,72 @@ namespace paratrain {
 namespace cli {
 
 namespace {
-const char* kLaunchUsage =
-    "usage: paratrain launch [options] -- PROGRAM [ARGS...]\n"
-    "\n"
-    "Starts PROGRAM once per rank with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
-    "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), prefixes each output line with\n"
-    "[rank R]:, and stops every worker when one fails.\n"
-    "\n"
-    "  --nproc-per-node N   workers on this node (default: number of --devices, else 1)\n"
-    "  --nnodes M           nodes in the job (default 1)\n"
-    "  --node-rank R        this node's index (default 0)\n"
-    "  --master-addr A      address of node 0 (required with --nnodes > 1; default 127.0.0.1)\n"
-    "  --master-port P      port of rank 0's store (default 29500)\n"
-    "  --standalone         one node, a free port picked for you\n"
-    "  --devices 0,1,3      GPUs to use: sets CUDA_VISIBLE_DEVICES; local rank i uses cuda:i\n"
-    "  --log-dir D          also write each rank's output to D/rank_R.log\n"
-    "  --backend B          gloo, mpi, nccl, or routes by tensor device such as\n"
-    "                       cpu:gloo,cuda:nccl; mpi runs the job through mpirun\n"
-    "  --no-prefix          relay output without the [rank R]: prefix\n"
-    "  --max-restarts N     when a worker fails, stop all and start them all again, up to N\n"
-    "                       times (torchrun's; TORCHELASTIC_RESTART_COUNT tells the attempt)\n";
+
+const CommandSpec& launch_spec() {
+  static const CommandSpec spec{
+      "paratrain launch",
+      "Starts PROGRAM once per rank with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
+      "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), prefixes each output line with\n"
+      "[rank R]:, and stops every worker when one fails.",
+      {
+          {"nproc-per-node,nproc_per_node", "N",
+           "workers on this node (default: number of --devices, else 1)"},
+          {"nnodes", "M", "nodes in the job (default 1)"},
+          {"node-rank,node_rank", "R", "this node's index (default 0)"},
+          {"master-addr,master_addr", "A",
+           "address of node 0 (required with --nnodes > 1; default 127.0.0.1)"},
+          {"master-port,master_port", "P", "port of rank 0's store (default 29500)"},
+          {"standalone", "", "one node, a free port picked for you"},
+          {"devices", "0,1,3", "GPUs to use: sets CUDA_VISIBLE_DEVICES; local rank i uses cuda:i"},
+          {"log-dir,log_dir", "D", "also write each rank's output to D/rank_R.log"},
+          {"backend", "B",
+           "gloo, mpi, nccl, or routes by tensor device such as cpu:gloo,cuda:nccl; mpi runs the "
+           "job through mpirun"},
+          {"env", "NAME=VALUE", "set a variable in every worker (repeatable)"},
+          {"no-prefix", "", "relay output without the [rank R]: prefix"},
+          {"max-restarts,max_restarts", "N",
+           "when a worker fails, stop all and start them all again, up to N times (torchrun's; "
+           "TORCHELASTIC_RESTART_COUNT tells the attempt)"},
+          {"from-mpirun", "", ""},  // internal: what mpirun runs for --backend mpi
+      },
+      "The program and its arguments follow --: paratrain launch [options] -- PROGRAM [ARGS...]",
+      true};
+  return spec;
+}
+
 }  // namespace
 
 int run_launch(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"nproc-per-node", "nproc_per_node", "nnodes", "node-rank", "node_rank", "master-addr",
-             "master_addr", "master-port", "master_port", "devices", "log-dir", "log_dir",
-             "backend", "env", "max-restarts", "max_restarts"},
-            {"standalone", "help", "no-prefix", "from-mpirun"});
+  Args args(argv, launch_spec());
   if (args.has("help")) {
-    std::cout << kLaunchUsage;
+    std::cout << args.help();
     return 0;
-  }
-  auto pick = [&](const char* dash, const char* underscore) {
-    return args.has(dash) ? std::string(dash) : std::string(underscore);
-  };
-  if (!args.positional().empty()) {
-    throw UsageError("unexpected '" + args.positional()[0] +
-                     "' before the program: put the program after --");
   }
   dist::LaunchOptions o;
   o.command(args.rest());
   if (args.rest().empty()) {
     throw UsageError("no program given: paratrain launch [options] -- PROGRAM ARGS...");
   }
-  std::string nproc_name = pick("nproc-per-node", "nproc_per_node");
-  if (args.has(nproc_name)) {
-    int n = args.get_int(nproc_name, 0);
+  if (args.has("nproc-per-node")) {
+    int n = args.get_int("nproc-per-node", 0);
     if (n < 1) {
       throw UsageError("--nproc-per-node must be at least 1, got " + std::to_string(n));
     }
     o.nproc_per_node(n);
   }
   o.nnodes(args.get_int("nnodes", 1));
-  o.node_rank(args.get_int(pick("node-rank", "node_rank"), 0));
-  o.master_addr(args.get(pick("master-addr", "master_addr"), ""));
-  o.master_port(args.get_int(pick("master-port", "master_port"), 29500));
+  o.node_rank(args.get_int("node-rank", 0));
+  o.master_addr(args.get("master-addr", ""));
+  o.master_port(args.get_int("master-port", 29500));
   o.standalone(args.has("standalone"));
   if (args.has("devices")) {
     o.devices(dist::parse_device_list(args.get("devices")));
   }
-  o.log_dir(args.get(pick("log-dir", "log_dir"), ""));
+  o.log_dir(args.get("log-dir", ""));
   o.backend(args.get("backend", ""));
   o.prefix_output(!args.has("no-prefix"));
   {
-    const int restarts = args.get_int(pick("max-restarts", "max_restarts"), 0);
+    const int restarts = args.get_int("max-restarts", 0);
     if (restarts < 0) {
       throw UsageError("--max-restarts must be >= 0, got " + std::to_string(restarts));
     }

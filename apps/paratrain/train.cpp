@@ -26,44 +26,87 @@ namespace cli {
 
 namespace {
 
-const char* kTrainUsage =
-    "usage: paratrain train --model linear|mlp|cnn|resnet18..152[_cifar]\n"
-    "         --dataset fashion-mnist|imagefolder [--data-dir D]\n"
-    "         --strategy single|ddp|dp|pipeline [--nproc N] [--backend auto|gloo|mpi]\n"
-    "         [--device cpu|cuda] [--devices cpu,cpu] [--stages P --chunks M\n"
-    "         --schedule gpipe|1f1b] --epochs E\n"
-    "         [--steps S] --batch-size B [--amp O0|O1|O2|O3 [--amp-dtype bf16|fp16]]\n"
-    "         [--image-size N] [--channels C] [--head custom] [--freeze-backbone]\n"
-    "         [--lr L] [--momentum M] [--weight-decay W] [--seed S] [--workers K]\n"
-    "         [--data-dir D] [--save-weights F.safetensors] [--load-weights F.safetensors] "
-    "[--json]\n"
-    "         [--optimizer sgd|adam|adamw] [--lr-schedule constant|step|multistep|cosine\n"
-    "         [--lr-step-size N] [--lr-gamma G] [--lr-milestones a,b] [--lr-t-max T]\n"
-    "         [--lr-eta-min E]] [--warmup N [--warmup-start-factor F]] [--schedule-per-step]\n"
-    "         [--clip-grad-norm X] [--accumulate K]\n"
-    "         [--checkpoint-dir D [--checkpoint-every N] [--checkpoint-every-epoch] [--keep K]]\n"
-    "         [--resume auto|PATH] [--max-restarts M] [--metrics F.jsonl [--log-every N]]\n"
-    "         [--check-replicas N] [--trace F.json]\n"
-    "\n"
-    "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
-    "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto continues\n"
-    "from the newest one that verifies and ends with the weights an uninterrupted run ends with.\n"
-    "--max-restarts with --nproc restarts every rank after a failure, as torchrun does.\n"
-    "The lr schedule steps per epoch (--schedule-per-step: per optimizer step) with PyTorch's\n"
-    "StepLR, MultiStepLR, CosineAnnealingLR (t_max defaults to the epochs after the warm-up)\n"
-    "and LinearLR warm-up semantics.\n"
-    "\n"
-    "--dataset imagefolder reads D/train and D/val as torchvision's ImageFolder (JPEG, PNG,\n"
-    "WebP), training on RandomResizedCrop(--image-size) + horizontal flips and validating on\n"
-    "Resize(size * 8 / 7) + CenterCrop(size), normalized with ImageNet's mean and std; --workers\n"
-    "threads decode (0 decodes in the training thread).\n"
-    "--batch-size is per rank (ddp) or the whole batch, scattered over --devices (dp, as\n"
-    "nn.DataParallel) or cut into --chunks micro-batches flowing through --stages stages\n"
-    "(pipeline; one thread per stage, on --devices or the CPU). --steps caps the steps of each\n"
-    "epoch. With --strategy ddp, --nproc N starts N ranks through the launcher; under\n"
-    "`paratrain launch` or mpirun it joins the job. --device: single and ddp compute on\n"
-    "cuda:LOCAL_RANK when CUDA is available (cuda), else on the CPU; --device cpu keeps them on\n"
-    "the CPU on a machine with GPUs.\n";
+const CommandSpec& train_spec() {
+  static const CommandSpec spec{
+      "paratrain train",
+      "Trains a zoo model on Fashion-MNIST or an ImageFolder: in one process, with DDP over\n"
+      "several, with DataParallel over --devices, or as a pipeline of --stages.",
+      {
+          {"model", "NAME", "linear, mlp, cnn, resnet18..152 or resnet*_cifar (default mlp)"},
+          {"dataset", "NAME", "fashion-mnist (default) or imagefolder"},
+          {"data-dir", "DIR",
+           "the dataset's folder; an ImageFolder has DIR/train and DIR/val (default: Debian's "
+           "Fashion-MNIST)"},
+          {"strategy", "NAME", "single (default), ddp, dp or pipeline"},
+          {"nproc", "N", "with ddp: start N ranks through the launcher"},
+          {"backend", "NAME", "ddp's backend: auto (default), gloo, mpi or nccl"},
+          {"max-restarts", "N",
+           "with --nproc: when a rank fails, stop every rank and start them all again, up to N "
+           "times (torchrun's); add --resume auto to continue from the last checkpoint"},
+          {"device", "KIND",
+           "single and ddp: cuda (cuda:LOCAL_RANK, the default where CUDA is available) or cpu"},
+          {"devices", "LIST",
+           "dp: the devices the batch is scattered over; pipeline: one per stage (cpu,cpu)"},
+          {"stages", "P", "pipeline stages (default 2)"},
+          {"chunks", "M", "pipeline micro-batches per batch (default 4)"},
+          {"schedule", "NAME", "pipeline schedule: gpipe (default) or 1f1b"},
+          {"epochs", "E", "epochs (default 1)"},
+          {"steps", "S", "cap on the steps of each epoch (default 0: the whole epoch)"},
+          {"batch-size", "B",
+           "per rank (ddp), or the whole batch (dp scatters it, pipeline cuts it) (default 64)"},
+          {"workers", "K", "decoding threads; 0 decodes in the training thread (default 1)"},
+          {"image-size", "N", "the model's input side (default: the model's own)"},
+          {"channels", "C", "1 or 3 input channels (default: the model's own)"},
+          {"head", "custom", "replace the classifier by a Linear-BN-ReLU-Dropout head"},
+          {"freeze-backbone", "", "with --head custom: train the head only"},
+          {"amp", "LEVEL", "mixed precision O0 (default), O1, O2 or O3"},
+          {"amp-dtype", "TYPE", "with --amp: bf16 (default) or fp16"},
+          {"optimizer", "NAME", "sgd (default), adam or adamw"},
+          {"lr", "L", "learning rate (default 0.05)"},
+          {"momentum", "M", "SGD momentum (default 0.9)"},
+          {"weight-decay", "W", "weight decay (default 0)"},
+          {"lr-schedule", "NAME",
+           "constant (default), step, multistep or cosine, with PyTorch's StepLR, MultiStepLR and "
+           "CosineAnnealingLR semantics"},
+          {"lr-step-size", "N", "step: decay every N epochs (default 30)"},
+          {"lr-gamma", "G", "step, multistep: the decay factor (default 0.1)"},
+          {"lr-milestones", "A,B", "multistep: the epochs where the lr decays"},
+          {"lr-t-max", "T", "cosine: T_max (default: the epochs after the warm-up)"},
+          {"lr-eta-min", "E", "cosine: the lowest lr (default 0)"},
+          {"warmup", "N", "LinearLR warm-up over N epochs (or steps), before the schedule"},
+          {"warmup-start-factor", "F", "the warm-up's first factor (default 1/3)"},
+          {"schedule-per-step", "", "step the schedule per optimizer step, not per epoch"},
+          {"clip-grad-norm", "X", "clip the gradients' global norm to X (0: off)"},
+          {"accumulate", "K", "accumulate gradients over K batches per optimizer step"},
+          {"seed", "S", "the seed of the weights, the shuffling and the augmentations (default 0)"},
+          {"checkpoint-dir", "DIR",
+           "write checkpoints there (per epoch unless --checkpoint-every)"},
+          {"checkpoint-every", "N", "a checkpoint every N optimizer steps"},
+          {"checkpoint-every-epoch", "", "a checkpoint at every epoch's end"},
+          {"keep", "K", "keep the newest K checkpoints (default 3)"},
+          {"resume", "auto|PATH",
+           "continue from the newest checkpoint that verifies (auto) or from PATH (ckpt-N.json)"},
+          {"metrics", "FILE", "write loss, accuracy, lr, images/s, grad norm, loss scale as JSONL"},
+          {"tensorboard", "DIR", "write the same metrics as TensorBoard event files into DIR"},
+          {"log-every", "N", "a metrics row every N steps (default 10 with --metrics)"},
+          {"check-replicas", "N",
+           "every N steps, compare the ranks' parameters and name a diverged one"},
+          {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
+          {"save-weights", "FILE", "write the trained weights as safetensors"},
+          {"load-weights", "FILE", "start from these weights (safetensors or torch.save files)"},
+          {"json", "", "print each epoch as a JSON object"},
+      },
+      "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
+      "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto\n"
+      "continues from the newest one that verifies and ends with the weights an uninterrupted run\n"
+      "ends with. --dataset imagefolder reads D/train and D/val as torchvision's ImageFolder\n"
+      "(JPEG, PNG, WebP), training on RandomResizedCrop(--image-size) + horizontal flips and\n"
+      "validating on Resize(size * 8 / 7) + CenterCrop(size), normalized with ImageNet's mean and\n"
+      "std. With --strategy ddp, --nproc N starts N ranks; under `paratrain launch` or mpirun it\n"
+      "joins the job. Example config: --config run.toml holding `model = \"resnet18\"`,\n"
+      "`lr = 0.1`, `checkpoint-dir = \"ckpt\"`; later flags override it."};
+  return spec;
+}
 
 // Started by a launcher that already made the ranks: paratrain launch / torchrun, mpirun, or srun
 // with several tasks (a plain sbatch shell has SLURM_PROCID too, but one task).
@@ -272,56 +315,9 @@ void install_fault(Trainer& trainer, int rank) {
 }  // namespace
 
 int run_train(const std::vector<std::string>& argv) {
-  Args args(argv,
-            {"model",
-             "dataset",
-             "strategy",
-             "nproc",
-             "backend",
-             "epochs",
-             "steps",
-             "batch-size",
-             "lr",
-             "momentum",
-             "weight-decay",
-             "seed",
-             "workers",
-             "data-dir",
-             "save-weights",
-             "load-weights",
-             "devices",
-             "stages",
-             "chunks",
-             "schedule",
-             "amp",
-             "amp-dtype",
-             "image-size",
-             "channels",
-             "head",
-             "device",
-             "optimizer",
-             "lr-schedule",
-             "lr-step-size",
-             "lr-gamma",
-             "lr-milestones",
-             "lr-t-max",
-             "lr-eta-min",
-             "warmup",
-             "warmup-start-factor",
-             "clip-grad-norm",
-             "accumulate",
-             "checkpoint-dir",
-             "checkpoint-every",
-             "keep",
-             "resume",
-             "max-restarts",
-             "metrics",
-             "log-every",
-             "check-replicas",
-             "trace"},
-            {"json", "help", "freeze-backbone", "checkpoint-every-epoch", "schedule-per-step"});
+  Args args(argv, train_spec());
   if (args.has("help")) {
-    std::cout << kTrainUsage;
+    std::cout << args.help();
     return 0;
   }
   const std::string model_name = args.get("model", "mlp");
@@ -482,6 +478,8 @@ int run_train(const std::vector<std::string>& argv) {
       }
       command.push_back(argv[i]);
     }
+    // The ranks neither launch nor restart, whatever a --config file says.
+    command.insert(command.end(), {"--nproc", "0", "--max-restarts", "0"});
     dist::LaunchOptions lo;
     lo.nproc_per_node(nproc).standalone(true).command(command).prefix_output(false).name(
         "paratrain train");
@@ -501,7 +499,7 @@ int run_train(const std::vector<std::string>& argv) {
     return r.exit_code;
   }
 
-  if (args.has("max-restarts")) {
+  if (args.get_int("max-restarts", 0) != 0) {
     throw UsageError("--max-restarts goes with --strategy ddp --nproc N (or paratrain launch)");
   }
   dist::ProcessGroupPtr pg;

@@ -238,7 +238,17 @@ TEST(Resume, BadInput) {
         base + "-keep1", "--keep", "1"},
        "keep at least 2 checkpoints with several ranks, got 1"},
       {{"--checkpoint-dir", dir}, "holds checkpoints of another run: continue it with --resume"},
+      {{"--config", base + "-typo.toml"},
+       "unknown key 'lr_shedule' in --config " + base +
+           "-typo.toml; the nearest valid key is 'lr-schedule'"},
+      {{"--config", base + "-section.toml"}, "unknown key 'optim.lr' in --config"},
+      {{"--config", base + "-missing.toml"}, "cannot read --config " + base + "-missing.toml"},
+      {{"--config", base + "-badvalue.toml"}, "--lr 'fast' is not a number"},
+      {{"--lrr", "0.1"}, "unknown option --lrr (the nearest is --lr)"},
   };
+  { std::ofstream(base + "-typo.toml") << "lr = 0.1\nlr_shedule = \"cosine\"\n"; }
+  { std::ofstream(base + "-section.toml") << "[optim]\nlr = 0.1\n"; }
+  { std::ofstream(base + "-badvalue.toml") << "lr = \"fast\"\n"; }
   for (const auto& c : cases) {
     auto r = run_process(job(plus({"--epochs", "1", "--steps", "1"}, c.args)), {kCpuOnly}, 120);
     EXPECT_NE(r.exit_code, 0) << c.message;
@@ -250,6 +260,31 @@ TEST(Resume, BadInput) {
   EXPECT_NE(launch.output.find("--max-restarts must be >= 0, got -2"), std::string::npos)
       << launch.output;
   std::system(("rm -rf '" + base + "'*").c_str());
+}
+
+// `--config run.toml` fills the options it names; the command line overrides it; a DDP job's ranks
+// read the same file without launching or restarting themselves.
+TEST(Train, ConfigFileWithCommandLineOverrides) {
+  const std::string base = "/tmp/" + unique_token("config");
+  {
+    std::ofstream(base + ".toml") << "# a run's settings\nmodel = \"linear\"\nepochs = 1\n"
+                                     "steps = 3\nlr = 0.5\noptimizer = \"adam\"\njson = true\n"
+                                     "strategy = \"ddp\"\nnproc = 2\nbackend = \"gloo\"\n"
+                                     "max-restarts = 1\n";
+  }
+  auto from_file = run_process({cli_path(), "train", "--config", base + ".toml"}, {kCpuOnly}, 120);
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.output;
+  EXPECT_NE(from_file.output.find("model linear"), std::string::npos) << from_file.output;
+  EXPECT_NE(from_file.output.find("2 ranks (gloo)"), std::string::npos) << from_file.output;
+  EXPECT_NE(from_file.output.find("adam lr 0.5,"), std::string::npos) << from_file.output;
+  EXPECT_NE(from_file.output.find("{\"epoch\": 1"), std::string::npos) << from_file.output;
+  auto overridden = run_process({cli_path(), "train", "--config", base + ".toml", "--lr", "0.01",
+                                 "--nproc", "0", "--strategy", "single", "--max-restarts", "0"},
+                                {kCpuOnly}, 120);
+  ASSERT_EQ(overridden.exit_code, 0) << overridden.output;
+  EXPECT_NE(overridden.output.find("adam lr 0.01,"), std::string::npos) << overridden.output;
+  EXPECT_NE(overridden.output.find("1 rank,"), std::string::npos) << overridden.output;
+  std::remove((base + ".toml").c_str());
 }
 
 }  // namespace
