@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -240,7 +241,8 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       .keep(args.get_int("keep", 3))
       .resume(args.get("resume", ""))
       .metrics(args.get("metrics", ""))
-      .log_every(args.get_int("log-every", args.has("metrics") ? 10 : 0))
+      .tensorboard(args.get("tensorboard", ""))
+      .log_every(args.get_int("log-every", args.has("metrics") || args.has("tensorboard") ? 10 : 0))
       .check_replicas(args.get_int("check-replicas", 0))
       .trace(args.get("trace", ""));
   if (o.check_replicas() < 0) {
@@ -269,6 +271,19 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       Checkpoint probe(CheckpointOptions(o.checkpoint_dir()).keep(o.keep()));  // made, writable
     } catch (const c10::Error& e) {
       throw UsageError(e.what_without_backtrace());
+    }
+  }
+  if (!o.tensorboard().empty()) {
+    if (!tensorboard::available()) {
+      throw UsageError(
+          "--tensorboard: this paratrain was built without Protocol Buffers; install "
+          "libprotobuf-dev and protobuf-compiler and build it again, or use --metrics");
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(o.tensorboard(), ec);
+    if (ec || ::access(o.tensorboard().c_str(), W_OK) != 0) {
+      throw UsageError("cannot write the --tensorboard directory " + o.tensorboard() + ": " +
+                       (ec ? ec.message() : std::strerror(errno)));
     }
   }
   if (!o.trace().empty()) {

@@ -33,5 +33,7 @@
 #include "paratrain/train/checkpoint.h"   // Checkpoint, optimizer_state, rng_state
 #include "paratrain/train/lr_schedule.h"  // LRSchedule: step, multistep, cosine, warm-up
 #include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state
+#include "paratrain/train/tensorboard.h"  // tensorboard::SummaryWriter (event files)
 #include "paratrain/train/torch_load.h"   // load_torch_state_dict, load_weights
+#include "paratrain/train/trace.h"        // trace::Tracer, Span (Chrome traces)
 #include "paratrain/train/trainer.h"      // Trainer, TrainerOptions, make_optimizer

@@ -7,6 +7,7 @@
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
 #include "paratrain/train/safetensors.h"
+#include "paratrain/train/tensorboard.h"
 #include "paratrain/train/trace.h"
 
 #include <torch/nn/functional/loss.h>
@@ -136,6 +137,9 @@ struct Trainer::Impl {
   std::unique_ptr<data::DataLoader> val_loader;
   std::unique_ptr<Checkpoint> ckpt;
   std::ofstream metrics;
+  std::unique_ptr<tensorboard::SummaryWriter> tb;
+  std::chrono::steady_clock::time_point log_clock;  // since the last step row
+  int64_t log_samples = 0;                          // this rank's samples since then
   std::vector<std::function<void(const StepInfo&)>> step_callbacks;
   std::vector<std::function<void(const EpochResult&)>> epoch_callbacks;
   int64_t epoch = 0;
@@ -156,6 +160,7 @@ struct Trainer::Impl {
   CheckpointState capture();
   TensorMap weights() const;
   void write_metrics(const Json& row);
+  void write_tensorboard(const Json& row);
   void check_replicas();
   void write_trace(const trace::Tracer& tracer);
   bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
@@ -264,10 +269,35 @@ void Trainer::Impl::build_loaders() {
   }
 }
 
+// A metrics row as TensorBoard scalars at its global step: "train/loss" for step rows,
+// "epoch/val_accuracy" for epoch rows; a resume purges what the lost steps had logged.
+void Trainer::Impl::write_tensorboard(const Json& row) {
+  const int64_t step = row.at("step").get<int64_t>();
+  if (row.contains("resumed_from")) {
+    tb->purge(step + 1);  // the rows of later steps were lost work, about to be redone
+    tb->flush();
+    return;
+  }
+  const std::string prefix = row.contains("train_loss") ? "epoch/" : "train/";
+  for (const auto& [key, value] : row.items()) {
+    if (key == "step" || key == "epoch" || key == "batch" || !value.is_number()) {
+      continue;
+    }
+    const double v = value.get<double>();
+    if (!std::isnan(v)) {  // NaN: not measured at this step (the gradient norm)
+      tb->add_scalar(prefix + key, v, step);
+    }
+  }
+  tb->flush();  // a killed run keeps every row written so far
+}
+
 void Trainer::Impl::write_metrics(const Json& row) {
   if (metrics.is_open()) {
     metrics << row.dump() << "\n";
     metrics.flush();  // a killed run keeps every row written so far
+  }
+  if (tb) {
+    write_tensorboard(row);
   }
 }
 
@@ -299,6 +329,8 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
   model->train();
   loader->set_epoch(static_cast<uint64_t>(epoch), static_cast<size_t>(batch));
   loader->reset_stats();
+  log_clock = std::chrono::steady_clock::now();
+  log_samples = 0;
   // Batches are moved (and transformed) on the device one batch ahead (DevicePrefetcher).
   data::DevicePrefetcher batches(*loader, device, o.input_transform());
   // Summed on the device: reading the loss every step would make the host wait for the device.
@@ -354,6 +386,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
         loss.detach().to(torch::kDouble) * static_cast<double>(b->target.size(0));
     loss_sum = loss_sum.defined() ? loss_sum + weighted.to(loss_sum.device()) : weighted;
     samples += b->target.size(0);
+    log_samples += b->target.size(0);
     if (!last) {
       ++batch;
       continue;
@@ -363,6 +396,13 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
     ++batch;
     info.batch = batch;
     if (log) {
+      const auto now = std::chrono::steady_clock::now();
+      // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
+      const double images_per_sec =
+          static_cast<double>(log_samples * (ddp ? world : 1)) /
+          std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
+      log_clock = now;
+      log_samples = 0;
       write_metrics(Json{{"step", info.global_step},
                          {"epoch", epoch + 1},
                          {"batch", batch},
@@ -370,6 +410,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
                          {"lr", info.lr},
                          {"grad_norm", info.grad_norm},
                          {"loss_scale", info.loss_scale},
+                         {"images_per_sec", images_per_sec},
                          {"stepped", info.stepped}});
     }
     if (ddp && o.check_replicas() > 0 && global_step % o.check_replicas() == 0) {
@@ -688,6 +729,9 @@ Trainer::Trainer(torch::nn::Sequential model,
                 m.o.checkpoint_dir(),
                 " holds checkpoints of another run: continue it with --resume auto, or give an "
                 "empty --checkpoint-dir");
+  }
+  if (!m.o.tensorboard().empty() && m.rank == 0) {
+    m.tb = std::make_unique<tensorboard::SummaryWriter>(m.o.tensorboard());
   }
   if (!m.o.metrics().empty() && m.rank == 0) {
     m.metrics.open(m.o.metrics(), std::ios::app);  // a resumed run goes on in the same file

@@ -113,6 +113,10 @@ struct TrainerOptions {
   /// JSON lines: an epoch row per epoch, a step row every log_every optimizer steps (0: none).
   TORCH_ARG(std::string, metrics) = "";
   TORCH_ARG(int64_t, log_every) = 0;
+  /// The same rows as TensorBoard scalars (train/loss, train/lr, train/grad_norm,
+  /// train/loss_scale, train/images_per_sec at each logged step; epoch/train_loss,
+  /// epoch/val_accuracy, ... per epoch), in event files under this directory (rank 0's).
+  TORCH_ARG(std::string, tensorboard) = "";
   /// A non-finite loss stops the run (NonFiniteLoss naming step and rank); with dynamic loss
   /// scaling the GradScaler skips the step instead, as PyTorch does.
   TORCH_ARG(bool, stop_on_non_finite) = true;
