@@ -13,6 +13,10 @@
 // Hidden communication: the time DDP still waits for bucket reductions when backward ends
 // (exposed), against the time the same bucket allreduces take alone after training:
 // hidden = 1 - exposed / alone.
+//
+// --trace FILE: the DDP run also writes a Chrome trace of its timed steps (forward, backward, the
+// optimizer step, each bucket's allreduce from launch to wait, and DDP's exposed wait), and the
+// report adds, from the trace, backward's time and the wait in it after its compute ended.
 
 #include "args.h"
 #include "bench_util.h"
@@ -21,6 +25,8 @@
 #include "paratrain/paratrain.h"
 
 #include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
 
 #include <unistd.h>
 #include <algorithm>
@@ -38,6 +44,53 @@ namespace cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The trace of workload `name`: FILE itself for one workload, else FILE with the name before
+// its extension (trace.json -> trace.mlp.json).
+std::string trace_path(const std::string& file, const std::string& name, size_t workloads) {
+  if (workloads == 1) {
+    return file;
+  }
+  const size_t dot = file.rfind('.');
+  const size_t slash = file.rfind('/');
+  if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
+    return file + "." + name;
+  }
+  return file.substr(0, dot) + "." + name + file.substr(dot);
+}
+
+// From a merged trace: the median over ranks and steps of the backward span, and of DDP's
+// exposed wait inside it (from the end of backward's compute until the last bucket's allreduce
+// is done). A bucket's own span ends at its wait, so only the exposed wait tells what the
+// network cost the step.
+struct TracedBackward {
+  double backward_seconds;
+  double exposed_seconds;
+};
+
+TracedBackward backward_in_trace(const std::string& path) {
+  std::ifstream in(path);
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  std::vector<double> backward, exposed;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.value("ph", "") != "X") {
+      continue;
+    }
+    const double seconds = e.at("dur").get<double>() * 1e-6;
+    const std::string name = e.at("name").get<std::string>();
+    if (name == "backward") {
+      backward.push_back(seconds);
+    } else if (name == "allreduce wait (exposed)") {
+      exposed.push_back(seconds);
+    }
+  }
+  if (backward.empty() || exposed.size() != backward.size()) {
+    throw std::runtime_error("the trace " + path + " has " + std::to_string(backward.size()) +
+                             " backward spans and " + std::to_string(exposed.size()) +
+                             " allreduce waits: expected one of each per step and rank");
+  }
+  return {median(backward), median(exposed)};
+}
 
 // One process of a measured system.
 int run_worker(const Args& args) {
@@ -61,20 +114,53 @@ int run_worker(const Args& args) {
   torch::Tensor y = torch::randint(0, 10, {w.batch});
   std::vector<double> times;
   std::vector<double> exposed;
+  const std::string trace_file = ddp ? args.get("trace", "") : "";
+  std::unique_ptr<trace::Tracer> tracer;
   for (int step = 0; step < w.warmup + w.steps; ++step) {
     if (pg) {
       pg->barrier()->wait();
     }
+    if (step == w.warmup && !trace_file.empty()) {  // the timed steps only
+      tracer = std::make_unique<trace::Tracer>(pg->rank());
+      trace::set_current(tracer.get());
+    }
     auto t0 = Clock::now();
     opt.zero_grad();
-    auto out = ddp ? ddp->forward(x) : model->forward(x);
-    torch::nn::functional::cross_entropy(out, y).backward();
-    opt.step();
+    torch::Tensor loss;
+    {
+      trace::Span span("forward", "compute");
+      auto out = ddp ? ddp->forward(x) : model->forward(x);
+      loss = torch::nn::functional::cross_entropy(out, y);
+    }
+    {
+      trace::Span span("backward", "compute");
+      loss.backward();
+    }
+    {
+      trace::Span span("optimizer step", "compute");
+      opt.step();
+    }
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     if (step >= w.warmup) {
       times.push_back(seconds);
       if (ddp) {
         exposed.push_back(ddp->last_exposed_comm_seconds());
+      }
+    }
+  }
+  if (tracer) {
+    trace::set_current(nullptr);
+    const std::string mine = trace_file + ".rank-" + std::to_string(pg->rank());
+    tracer->write(mine);
+    pg->barrier()->wait();
+    if (pg->rank() == 0) {
+      std::vector<std::string> parts;
+      for (int r = 0; r < pg->size(); ++r) {
+        parts.push_back(trace_file + ".rank-" + std::to_string(r));
+      }
+      trace::merge(parts, trace_file);
+      for (const auto& part : parts) {
+        std::remove(part.c_str());
       }
     }
   }
@@ -177,6 +263,12 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   const bool pytorch = !args.has("no-pytorch");
   const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
   const std::string script = pytorch ? bench_script("ddp_pytorch.py") : "";
+  if (args.has("trace")) {
+    std::ofstream probe(args.get("trace"), std::ios::app);  // unwritable: said now, not at the end
+    if (!probe) {
+      throw UsageError("cannot write the --trace file " + args.get("trace"));
+    }
+  }
   const std::string out = results_file("ddp");
 
   auto run = [&](const std::vector<std::string>& command, const std::string& be) {
@@ -197,6 +289,10 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
     }
     auto ddp_cmd = base;
     ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
+    if (args.has("trace")) {
+      ddp_cmd.insert(ddp_cmd.end(),
+                     {"--trace", trace_path(args.get("trace"), name, workloads.size())});
+    }
     run(ddp_cmd, backend);
     if (!json) {
       std::cerr << "measuring " << name << ": two independent trainers..." << std::endl;
@@ -232,6 +328,12 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
     const bool have_pt = step.count({name, "pytorch"}) > 0;
     const double theirs = have_pt ? step[{name, "pytorch"}] : 0;
     const std::string& ddp_row = rows[{name, "paratrain"}];
+    const std::string traced =
+        args.has("trace") ? trace_path(args.get("trace"), name, workloads.size()) : "";
+    const TracedBackward tb = traced.empty() ? TracedBackward{0, 0} : backward_in_trace(traced);
+    const double alone = traced.empty() ? 0.0 : std::stod(json_field(ddp_row, "comm_seconds"));
+    const double trace_hidden =
+        alone > 0 ? std::clamp(1.0 - tb.exposed_seconds / alone, 0.0, 1.0) : 1.0;
     if (json) {
       for (const char* sys : {"paratrain", "independent", "pytorch"}) {
         auto key = std::make_pair(name, std::string(sys));
@@ -244,6 +346,12 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
           line += ", \"ratio_to_independent\": " + std::to_string(ours / indep);
           if (have_pt) {
             line += ", \"ratio_to_pytorch\": " + std::to_string(ours / theirs);
+          }
+          if (!traced.empty()) {
+            line += ", \"trace\": " + nlohmann::json(traced).dump() +
+                    ", \"trace_backward_seconds\": " + std::to_string(tb.backward_seconds) +
+                    ", \"trace_exposed_seconds\": " + std::to_string(tb.exposed_seconds) +
+                    ", \"trace_hidden_fraction\": " + std::to_string(trace_hidden);
           }
           line += "}";
         }
@@ -268,6 +376,12 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
               << std::setprecision(2) << 1e3 * std::stod(json_field(ddp_row, "comm_seconds"))
               << " ms, exposed " << 1e3 * std::stod(json_field(ddp_row, "exposed_comm_seconds"))
               << " ms)\n";
+    if (!traced.empty()) {
+      std::cout << std::setprecision(2) << "  in the trace (" << traced << "): backward "
+                << tb.backward_seconds * 1e3 << " ms, of which waiting for allreduce after its "
+                << "compute " << tb.exposed_seconds * 1e3 << " ms: " << std::setprecision(0)
+                << 100 * trace_hidden << "% of the allreduce time hidden (medians)\n";
+    }
   }
   std::cout.flush();
   return 0;

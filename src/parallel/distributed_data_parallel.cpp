@@ -435,6 +435,9 @@ void DistributedDataParallel::finalize_backward() {
                        std::chrono::steady_clock::now());
     }
   }
+  if (tracer != nullptr) {  // the end of backward's compute: what follows waits for the network
+    tracer->complete("allreduce wait (exposed)", "comm", start, std::chrono::steady_clock::now());
+  }
   last_exposed_comm_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 

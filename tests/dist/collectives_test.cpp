@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <cctype>
 
 namespace paratrain {
@@ -155,6 +157,33 @@ TEST(Bench, DdpJsonRows) {
         "\"ratio_to_pytorch\": ", "\"hidden_comm_fraction\": "}) {
     EXPECT_NE(r.output.find(key), std::string::npos) << key << "\n" << r.output;
   }
+}
+
+TEST(Bench, DdpTraceShowsTheWaitAfterBackward) {
+  // bench ddp --trace: every rank's timed steps in one trace, with DDP's exposed wait, and the
+  // report's share of the allreduce time that backward hides.
+  const std::string trace = "/tmp/" + unique_token("bench-ddp-trace") + ".json";
+  auto r = run_process({cli_path(), "bench", "ddp", "--workloads", "mlp", "--steps", "3", "--json",
+                        "--no-pytorch", "--trace", trace},
+                       {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* key : {"\"trace_hidden_fraction\": ", "\"trace_exposed_seconds\": "}) {
+    EXPECT_NE(r.output.find(key), std::string::npos) << key << "\n" << r.output;
+  }
+  std::ifstream in(trace);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  EXPECT_EQ(count("\"name\":\"backward\""), 6u) << "3 timed steps on 2 ranks";
+  EXPECT_EQ(count("\"name\":\"allreduce wait (exposed)\""), 6u);
+  EXPECT_EQ(count("\"name\":\"allreduce bucket 0\""), 6u);
+  EXPECT_EQ(count("\"name\":\"rank 1\""), 1u) << "rank 1's process is named";
+  std::remove(trace.c_str());
 }
 
 TEST(InitMethods, TcpAndFile) {
