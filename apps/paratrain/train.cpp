@@ -503,6 +503,11 @@ int run_train(const std::vector<std::string>& argv) {
       throw UsageError("--max-restarts must be >= 0, got " + std::to_string(restarts));
     }
     lo.max_restarts(restarts);
+    if (restarts > 0 && o.resume() != "auto") {
+      std::cerr << "paratrain train: note: --max-restarts without --resume auto starts each "
+                   "restart from step 0"
+                << std::endl;
+    }
     const std::string backend = args.get("backend", "auto");
     if (backend != "auto") {
       lo.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun", "--no-prefix"});

@@ -645,6 +645,9 @@ class Supervisor {
   void on_signals() {
     unsigned char sig;
     while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      if (sig == SIGINT || sig == SIGTERM) {
+        result_.signal_received = sig;
+      }
       if ((sig == SIGINT || sig == SIGTERM) && result_.interrupted_by == 0 &&
           !result_.first_failure) {
         result_.interrupted_by = sig;
@@ -900,8 +903,8 @@ LaunchResult launch(const LaunchOptions& options) {
     if (r.first_failure) {
       failures.push_back(*r.first_failure);
     }
-    const bool retry = r.exit_code != 0 && r.interrupted_by == 0 && r.first_failure &&
-                       attempt < options.max_restarts();
+    const bool retry = r.exit_code != 0 && r.interrupted_by == 0 && r.signal_received == 0 &&
+                       r.first_failure && attempt < options.max_restarts();
     if (!retry) {
       r.restarts = attempt;
       r.failures = failures;

@@ -226,6 +226,23 @@ TEST(Launch, SigtermReachesEveryWorker) {
   expect_no_leftovers(token);
 }
 
+TEST(Launch, SigtermWhileStoppingAfterAFailureEndsTheRestarts) {
+  // A worker fails, the launcher stops the others (one ignores SIGTERM: kill_grace), and the user
+  // sends SIGTERM meanwhile: the job ends there instead of restarting under --max-restarts.
+  std::string token = unique_token("termrestart");
+  RunningProcess p = start_process({cli_path(), "launch", "--nproc-per-node", "2", "--max-restarts",
+                                    "3", "--", probe_path(), "exit-stubborn", "0", "3", token});
+  ASSERT_TRUE(p.wait_for_output("rank 0 exiting with 3", 30)) << p.output;
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the launcher is stopping rank 1
+  ::kill(p.pid, SIGTERM);
+  ProcessResult r = p.finish(30);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("restarting all"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3"), std::string::npos) << r.output;
+  expect_no_leftovers(token);
+}
+
 TEST(Launch, KilledLauncherTakesWorkersAlong) {
   // SIGKILL cannot be forwarded: the workers' parent-death signal ends them instead.
   std::string token = unique_token("sigkill");

@@ -57,14 +57,17 @@ int main(int argc, char** argv) {
     std::cout << std::endl;
     return 0;
   }
-  if (mode == "exit" || mode == "signal") {
+  if (mode == "exit" || mode == "signal" || mode == "exit-stubborn") {
     const int who = std::atoi(argv[2]);
     const int what = std::atoi(argv[3]);
+    if (mode == "exit-stubborn" && rank != who) {
+      ::signal(SIGTERM, SIG_IGN);  // the launcher's stop takes its kill_grace (3 s)
+    }
     start_child(argv[0], token);
     std::cout << "ready" << std::endl;
     if (rank == who) {
       ::usleep(300 * 1000);
-      if (mode == "exit") {
+      if (mode != "signal") {
         std::cout << "rank " << rank << " exiting with " << what << std::endl;
         return what;
       }

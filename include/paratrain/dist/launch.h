@@ -76,6 +76,9 @@ struct LaunchResult {
   int exit_code = 0;
   std::optional<WorkerFailure> first_failure;
   int interrupted_by = 0;  ///< signal that interrupted the launcher, 0 if none
+  /// SIGINT or SIGTERM received at any time, also while stopping after a worker's failure: the
+  /// launcher then does not restart (--max-restarts), as torchrun stops on a signal.
+  int signal_received = 0;
   /// The summary printed on failure; empty on success.
   std::string summary;
   /// Restarts made (max_restarts), and the first failure of each attempt that failed.
