@@ -69,11 +69,13 @@ struct Row {
 };
 
 std::string to_json(const Row& r) {
-  std::ostringstream s;
-  s << std::setprecision(6) << "{\"benchmark\": \"allreduce\", \"backend\": \"" << r.backend
-    << "\", \"ranks\": " << r.ranks << ", \"bytes\": " << r.bytes << ", \"seconds\": " << r.seconds
-    << ", \"busbw_gbps\": " << r.busbw_gbps << ", \"iterations\": " << r.iterations << "}";
-  return s.str();
+  return json_line({{"benchmark", "allreduce"},
+                    {"backend", r.backend},
+                    {"ranks", r.ranks},
+                    {"bytes", r.bytes},
+                    {"seconds", r.seconds},
+                    {"busbw_gbps", r.busbw_gbps},
+                    {"iterations", r.iterations}});
 }
 
 // One rank of one backend's job.
@@ -249,13 +251,20 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
     for (const auto& r : rows) {
       std::cout << to_json(r) << "\n";
     }
-    std::cout << "{\"benchmark\": \"allreduce\", \"backend\": \"memcpy\", \"ranks\": 1, "
-              << "\"bytes\": " << ref_bytes << ", \"seconds\": " << ref_bytes / memcpy_bw / 1e9
-              << ", \"busbw_gbps\": " << memcpy_bw << "}\n";
+    std::cout << json_line({{"benchmark", "allreduce"},
+                            {"backend", "memcpy"},
+                            {"ranks", 1},
+                            {"bytes", ref_bytes},
+                            {"seconds", ref_bytes / memcpy_bw / 1e9},
+                            {"busbw_gbps", memcpy_bw}})
+              << "\n";
     for (const auto& [a, b] : mpi_gloo_pairs(rows)) {
-      std::cout << "{\"benchmark\": \"allreduce\", \"comparison\": \"mpi/gloo\", \"ranks\": "
-                << a.ranks << ", \"bytes\": " << a.bytes
-                << ", \"busbw_ratio\": " << a.busbw_gbps / b.busbw_gbps << "}\n";
+      std::cout << json_line({{"benchmark", "allreduce"},
+                              {"comparison", "mpi/gloo"},
+                              {"ranks", a.ranks},
+                              {"bytes", a.bytes},
+                              {"busbw_ratio", a.busbw_gbps / b.busbw_gbps}})
+                << "\n";
     }
     std::cout.flush();
     return 0;

@@ -1,10 +1,11 @@
 #pragma once
 
-// Shared by the benchmark programs: medians, and reading back the flat JSON rows that their
-// worker processes append to a results file (one object per line, string or number values).
+// Shared by the benchmark programs: medians, and reading back the JSON rows that their worker
+// processes append to a results file (one object per line, read with nlohmann-json).
 
 #include "args.h"
 #include "commands.h"
+#include "json_line.h"
 
 #include "paratrain/dist/init.h"
 #include "paratrain/dist/launch.h"
@@ -33,19 +34,19 @@ inline double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/// The value of "key" in a flat JSON row written by a benchmark worker; "" when absent.
+/// The value of "key" in a JSON row written by a benchmark worker, as text (a string's
+/// characters, a number's digits); "" when absent. Throws std::runtime_error for a line that is
+/// not a JSON object (a worker's row got mixed with other output).
 inline std::string json_field(const std::string& line, const std::string& key) {
-  auto p = line.find("\"" + key + "\": ");
-  if (p == std::string::npos) {
+  const nlohmann::json row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!row.is_object()) {
+    throw std::runtime_error("a benchmark worker wrote a row that is not a JSON object: " + line);
+  }
+  const auto it = row.find(key);
+  if (it == row.end()) {
     return "";
   }
-  p += key.size() + 4;
-  auto e = line.find_first_of(",}", p);
-  std::string v = line.substr(p, e - p);
-  if (!v.empty() && v.front() == '"') {
-    v = v.substr(1, v.size() - 2);
-  }
-  return v;
+  return it->is_string() ? it->get<std::string>() : it->dump();
 }
 
 // The workloads of `bench ddp` and `bench strategies`: the model, its batch per rank (per
@@ -82,20 +83,20 @@ inline std::vector<std::string> bench_workloads(const Args& args) {
   return out;
 }
 
+/// A row of `fields` whose values are JSON texts (numbers from std::to_string, quoted()).
 inline std::string row_json(const std::map<std::string, std::string>& fields) {
-  std::ostringstream s;
-  s << "{";
-  bool first = true;
+  JsonRow row = JsonRow::object();
   for (const auto& kv : fields) {
-    s << (first ? "" : ", ") << "\"" << kv.first << "\": " << kv.second;
-    first = false;
+    JsonRow value = JsonRow::parse(kv.second, nullptr, /*allow_exceptions=*/false);
+    row[kv.first] = value.is_discarded() ? JsonRow() : value;  // "nan", "inf": null, as JSON has
+                                                               // no such numbers
   }
-  s << "}";
-  return s.str();
+  return json_line(row);
 }
 
+/// `s` as a JSON string, escaped.
 inline std::string quoted(const std::string& s) {
-  return "\"" + s + "\"";
+  return JsonRow(s).dump();
 }
 
 /// A fresh empty file for the rows of a benchmark's workers: /tmp/paratrain-bench-NAME-XXXXXX.

@@ -340,22 +340,20 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
         if (!rows.count(key)) {
           continue;
         }
-        std::string line = rows[key];
+        JsonRow row = JsonRow::parse(rows[key]);
         if (std::string(sys) == "paratrain") {
-          line.pop_back();
-          line += ", \"ratio_to_independent\": " + std::to_string(ours / indep);
+          row["ratio_to_independent"] = ours / indep;
           if (have_pt) {
-            line += ", \"ratio_to_pytorch\": " + std::to_string(ours / theirs);
+            row["ratio_to_pytorch"] = ours / theirs;
           }
           if (!traced.empty()) {
-            line += ", \"trace\": " + nlohmann::json(traced).dump() +
-                    ", \"trace_backward_seconds\": " + std::to_string(tb.backward_seconds) +
-                    ", \"trace_exposed_seconds\": " + std::to_string(tb.exposed_seconds) +
-                    ", \"trace_hidden_fraction\": " + std::to_string(trace_hidden);
+            row["trace"] = traced;
+            row["trace_backward_seconds"] = tb.backward_seconds;
+            row["trace_exposed_seconds"] = tb.exposed_seconds;
+            row["trace_hidden_fraction"] = trace_hidden;
           }
-          line += "}";
         }
-        std::cout << line << "\n";
+        std::cout << json_line(row) << "\n";
       }
       continue;
     }

@@ -430,25 +430,25 @@ int run_bench_faults(const std::vector<std::string>& argv) {
   // A checkpoint every 100 steps: its cost spread over 100 steps.
   const double step_overhead = rn.step_plain > 0 ? rn.checkpoint_cost / (100 * rn.step_plain) : 0;
   if (args.has("json")) {
-    std::ostringstream l;
-    for (size_t i = 0; i < lost.size(); ++i) {
-      l << (i ? ", " : "") << lost[i];
-    }
-    std::cout << std::setprecision(6) << "{\"kills\": " << faulty.kills
-              << ", \"restarts\": " << restarts_made << ", \"lost_steps\": [" << l.str()
-              << "], \"lost_steps_total\": " << lost_total << ", \"restarts_killed_in_startup\": "
-              << std::max<int64_t>(0, restarts_made - static_cast<int64_t>(lost.size()))
-              << ", \"clean_seconds\": " << clean.seconds
-              << ", \"faulty_seconds\": " << faulty.seconds
-              << ", \"overhead_fraction\": " << overhead
-              << ", \"bitwise_equal\": " << (equal ? "true" : "false")
-              << ", \"resnet50_checkpoint_bytes\": " << rn.bytes
-              << ", \"resnet50_save_seconds\": " << rn.save_seconds
-              << ", \"resnet50_fsync_seconds\": " << rn.fsync_seconds
-              << ", \"resnet50_save_vs_fsync\": " << save_ratio
-              << ", \"resnet50_step_seconds\": " << rn.step_plain
-              << ", \"resnet50_checkpoint_cost_seconds\": " << rn.checkpoint_cost
-              << ", \"resnet50_checkpoint_step_overhead\": " << step_overhead << "}" << std::endl;
+    std::cout << json_line(
+                     {{"kills", faulty.kills},
+                      {"restarts", restarts_made},
+                      {"lost_steps", lost},
+                      {"lost_steps_total", lost_total},
+                      {"restarts_killed_in_startup",
+                       std::max<int64_t>(0, restarts_made - static_cast<int64_t>(lost.size()))},
+                      {"clean_seconds", clean.seconds},
+                      {"faulty_seconds", faulty.seconds},
+                      {"overhead_fraction", overhead},
+                      {"bitwise_equal", equal},
+                      {"resnet50_checkpoint_bytes", rn.bytes},
+                      {"resnet50_save_seconds", rn.save_seconds},
+                      {"resnet50_fsync_seconds", rn.fsync_seconds},
+                      {"resnet50_save_vs_fsync", save_ratio},
+                      {"resnet50_step_seconds", rn.step_plain},
+                      {"resnet50_checkpoint_cost_seconds", rn.checkpoint_cost},
+                      {"resnet50_checkpoint_step_overhead", step_overhead}})
+              << std::endl;
   } else {
     std::cout << std::fixed << std::setprecision(2) << "kills " << faulty.kills << ", restarts "
               << restarts_made << ", steps lost " << lost_total << " (";

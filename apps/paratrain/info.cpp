@@ -2,6 +2,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "json_line.h"
 
 #include "paratrain/paratrain.h"
 
@@ -59,16 +60,13 @@ int run_info(const std::vector<std::string>& argv) {
   }
   const int cuda_devices = static_cast<int>(torch::cuda::device_count());
   if (args.has("json")) {
-    std::cout << "{\"paratrain\": \"" << PARATRAIN_VERSION << "\", \"libtorch\": \""
-              << TORCH_VERSION << "\", \"backends\": [";
-    bool first = true;
-    for (const auto& b : dist::available_backends()) {
-      std::cout << (first ? "" : ", ") << "\"" << b << "\"";
-      first = false;
-    }
-    std::cout << "], \"cpu_threads\": " << at::get_num_threads()
-              << ", \"cpu_cores\": " << std::thread::hardware_concurrency()
-              << ", \"cuda_devices\": " << cuda_devices << "}" << std::endl;
+    std::cout << json_line({{"paratrain", PARATRAIN_VERSION},
+                            {"libtorch", TORCH_VERSION},
+                            {"backends", dist::available_backends()},
+                            {"cpu_threads", at::get_num_threads()},
+                            {"cpu_cores", std::thread::hardware_concurrency()},
+                            {"cuda_devices", cuda_devices}})
+              << std::endl;
     return 0;
   }
   std::cout << "paratrain     " << PARATRAIN_VERSION << "\n"

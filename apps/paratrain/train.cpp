@@ -2,6 +2,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "json_line.h"
 
 #include "paratrain/paratrain.h"
 
@@ -664,10 +665,13 @@ int run_train(const std::vector<std::string>& argv) {
       std::printf("\n");
     }
     if (json) {
-      std::cout << std::setprecision(6) << "{\"epoch\": " << r.epoch + 1
-                << ", \"train_loss\": " << r.train_loss << ", \"test_accuracy\": " << r.val_accuracy
-                << ", \"images_per_sec\": " << r.images_per_sec << ", \"seconds\": " << r.seconds
-                << ", \"data_wait_seconds\": " << r.data_wait_seconds << "}" << std::endl;
+      std::cout << json_line({{"epoch", r.epoch + 1},
+                              {"train_loss", r.train_loss},
+                              {"test_accuracy", r.val_accuracy},
+                              {"images_per_sec", r.images_per_sec},
+                              {"seconds", r.seconds},
+                              {"data_wait_seconds", r.data_wait_seconds}})
+                << std::endl;
     } else {
       std::cout << std::fixed << std::setprecision(4) << "epoch " << r.epoch + 1 << "/" << epochs
                 << ": train_loss " << r.train_loss << ", test_accuracy " << r.val_accuracy

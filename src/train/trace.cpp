@@ -28,6 +28,10 @@ void Tracer::complete(const std::string& name,
                       Clock::time_point begin,
                       Clock::time_point end) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (events_.size() >= max_events_) {
+    ++dropped_;
+    return;
+  }
   const auto me = std::this_thread::get_id();
   int tid = -1;
   for (const auto& t : threads_) {
@@ -47,6 +51,11 @@ size_t Tracer::size() const {
   return events_.size();
 }
 
+size_t Tracer::dropped() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return dropped_;
+}
+
 void Tracer::write(const std::string& path) const {
   nlohmann::json events = nlohmann::json::array();
   events.push_back({{"name", "process_name"},
@@ -55,6 +64,16 @@ void Tracer::write(const std::string& path) const {
                     {"args", {{"name", "rank " + std::to_string(rank_)}}}});
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (dropped_ > 0) {  // said in the trace itself, where whoever reads it looks
+      events.push_back({{"name", "trace full: " + std::to_string(dropped_) +
+                                     " later spans left out (max_events " +
+                                     std::to_string(max_events_) + ")"},
+                        {"ph", "i"},
+                        {"s", "p"},
+                        {"ts", events_.empty() ? 0 : events_.back().ts_us},
+                        {"pid", rank_},
+                        {"tid", 0}});
+    }
     for (const auto& e : events_) {
       events.push_back({{"name", e.name},
                         {"cat", e.category},

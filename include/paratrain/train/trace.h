@@ -24,7 +24,10 @@ using Clock = std::chrono::steady_clock;
 
 class Tracer {
  public:
-  explicit Tracer(int rank = 0) : rank_(rank) {}
+  /// Keeps the first `max_events` spans (about 100 bytes each) and counts the rest: a trace of a
+  /// long run stays bounded; trace a short stretch (--steps) to see every step.
+  explicit Tracer(int rank = 0, size_t max_events = 1000000)
+      : rank_(rank), max_events_(max_events) {}
   /// Records one span; safe from any thread.
   void complete(const std::string& name,
                 const char* category,
@@ -33,6 +36,8 @@ class Tracer {
   /// {"traceEvents": [...]} with a process name per rank; throws c10::Error if unwritable.
   void write(const std::string& path) const;
   size_t size() const;
+  /// Spans left out once max_events were kept.
+  size_t dropped() const;
   int rank() const { return rank_; }
 
  private:
@@ -44,6 +49,8 @@ class Tracer {
     int tid;
   };
   int rank_;
+  size_t max_events_;
+  size_t dropped_ = 0;
   mutable std::mutex mutex_;
   std::vector<Event> events_;
   std::vector<std::pair<std::thread::id, int>> threads_;  // small track numbers
