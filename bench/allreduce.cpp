@@ -34,10 +34,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
 std::string human_bytes(long long b) {
   std::ostringstream s;
   if (b >= (1LL << 20)) {

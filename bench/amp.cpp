@@ -92,7 +92,7 @@ int run_amp_worker(const Args& args) {
       auto t0 = Clock::now();
       train_step(x, y);
       if (s >= w.warmup) {
-        times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        times.push_back(seconds_since(t0));
       }
     }
     at::Tensor t = torch::tensor({median(times)}, torch::kDouble);

@@ -36,10 +36,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 double paratrain_epoch(
     const std::string& dir, int64_t workers, int batch, int crop, uint64_t epoch) {
   namespace T = data::transforms;

@@ -30,8 +30,11 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -140,7 +143,7 @@ int run_worker(const Args& args) {
       trace::Span span("optimizer step", "compute");
       opt.step();
     }
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double seconds = seconds_since(t0);
     if (step >= w.warmup) {
       times.push_back(seconds);
       if (ddp) {
@@ -205,7 +208,7 @@ int run_worker(const Args& args) {
       for (auto& work : works) {
         work->wait();
       }
-      alone.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      alone.push_back(seconds_since(t0));
     }
     const double comm = median(alone);
     const double hidden = comm > 0 ? std::clamp(1.0 - median(exposed) / comm, 0.0, 1.0) : 1.0;
@@ -242,7 +245,8 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
            "/usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)"},
           {"trace", "FILE",
            "also write a Chrome trace of paratrain's DDP steps and print how much of the "
-           "allreduce time backward hides"},
+           "allreduce time backward hides; with several workloads, one file each "
+           "(trace.json: trace.mlp.json, trace.resnet18.json)"},
           {"json", "", "print JSON"},
           {"worker", "", ""},
           {"mode", "M", ""},
@@ -263,10 +267,11 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   const bool pytorch = !args.has("no-pytorch");
   const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
   const std::string script = pytorch ? bench_script("ddp_pytorch.py") : "";
-  if (args.has("trace")) {
-    std::ofstream probe(args.get("trace"), std::ios::app);  // unwritable: said now, not at the end
-    if (!probe) {
-      throw UsageError("cannot write the --trace file " + args.get("trace"));
+  if (args.has("trace")) {  // an unwritable place is said now, not after the measurements
+    const std::string dir = std::filesystem::path(args.get("trace")).parent_path().string();
+    if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0) {
+      throw UsageError("cannot write the --trace file " + args.get("trace") + ": " +
+                       std::strerror(errno));
     }
   }
   const std::string out = results_file("ddp");

@@ -52,10 +52,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
 // The live children of `parent` (the launcher's workers), from /proc.
 std::vector<int> children_of(int parent) {
   std::vector<int> out;
@@ -172,7 +168,7 @@ JobResult run_job(const std::vector<std::string>& argv,
       int status = 0;
       if (::waitpid(launcher, &status, WNOHANG) == launcher) {
         r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-        r.seconds = since(t0);
+        r.seconds = seconds_since(t0);
         r.log = read_text(log);
         return r;  // the job ended before every kill was made
       }
@@ -195,7 +191,7 @@ JobResult run_job(const std::vector<std::string>& argv,
     }
   }
   r.exit_code = wait_exit(launcher);
-  r.seconds = since(t0);
+  r.seconds = seconds_since(t0);
   r.log = read_text(log);
   return r;
 }
@@ -225,7 +221,7 @@ double write_fsync(const std::string& path, const std::vector<char>& bytes) {
   }
   ::fsync(fd);
   ::close(fd);
-  return since(t);
+  return seconds_since(t);
 }
 
 ResnetNumbers resnet_checkpoint(
@@ -258,7 +254,7 @@ ResnetNumbers resnet_checkpoint(
     for (int r = 0; r < repeats; ++r) {
       const auto t = Clock::now();
       sync.save(capture(r + 1));
-      save.push_back(since(t));
+      save.push_back(seconds_since(t));
     }
     for (const auto& kv : capture(0).shared) {
       n.bytes += static_cast<double>(kv.second.nbytes());
@@ -287,7 +283,7 @@ ResnetNumbers resnet_checkpoint(
         bg.save(capture(block));
       }
       step();
-      times.push_back(since(t));
+      times.push_back(seconds_since(t));
     }
     if (times.size() < 20) {
       continue;

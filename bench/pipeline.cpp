@@ -139,7 +139,7 @@ int run_bench_pipeline(const std::vector<std::string>& argv) {
       }
       opt.step();
       if (s > 0) {
-        times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+        times.push_back(seconds_since(t0));
       }
     }
     const double t = median(times);
@@ -167,7 +167,7 @@ int run_bench_pipeline(const std::vector<std::string>& argv) {
       opt.zero_grad();
       pipe.step(x, y);
       opt.step();
-      const double t = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double t = seconds_since(t0);
       if (s > 0) {
         times.push_back(t);
         double busy = 0;

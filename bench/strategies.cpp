@@ -162,7 +162,7 @@ int run_strategy_worker(const Args& args) {
     torch::nn::functional::cross_entropy(out, y).backward();
     opt.step();
     if (step >= w.warmup) {
-      times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+      times.push_back(seconds_since(t0));
     }
   }
   double step_seconds = median(times);

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <sstream>
 
@@ -52,12 +53,41 @@ bool flag_value(const std::string& name, const std::string& text) {
   throw UsageError("--" + name + " takes no value (or true/false), got '" + text + "'");
 }
 
+// The --config FILE of `words` (the last one given), or "".
+std::string config_path(const std::vector<std::string>& words) {
+  std::string path;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (words[i] == "--config" && i + 1 < words.size()) {
+      path = words[++i];
+    } else if (words[i].rfind("--config=", 0) == 0) {
+      path = words[i].substr(9);
+    }
+  }
+  return path;
+}
+
+// The items of the config file, read with CLI11's own TOML reader (the one that fills the
+// options). Only a regular file: CLI11 would read /dev/zero forever, and a pipe twice.
+std::vector<CLI::ConfigItem> read_config(const CLI::App& app, const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    throw UsageError("cannot read --config " + path + ": " +
+                     (std::filesystem::exists(path, ec) ? "not a regular file" : "no such file") +
+                     "; give a readable TOML file");
+  }
+  try {
+    return app.get_config_formatter_base()->from_file(path);
+  } catch (const CLI::Error& e) {
+    throw UsageError("--config " + path + ": " + e.what());
+  }
+}
+
 // Every key of the config file must name an option: CLI11 ignores the others, which would hide a
-// misspelt setting. Read with CLI11's own TOML reader, the one that fills the options.
-void check_config_keys(const CLI::App& app,
+// misspelt setting.
+void check_config_keys(const std::vector<CLI::ConfigItem>& items,
                        const std::string& path,
                        const std::vector<std::string>& known) {
-  for (const CLI::ConfigItem& item : app.get_config_formatter_base()->from_file(path)) {
+  for (const CLI::ConfigItem& item : items) {
     if (item.name == "++" || item.name == "--") {
       continue;  // the start or end of a [section]; its keys come as items with parents
     }
@@ -67,6 +97,21 @@ void check_config_keys(const CLI::App& app,
                        "; the nearest valid key is '" + nearest(item.name, known) + "'");
     }
   }
+}
+
+// CLI11 drops an empty inline value ("--resume=") and would take the next word instead: make it
+// an explicit empty word.
+std::vector<std::string> split_empty_values(const std::vector<std::string>& words) {
+  std::vector<std::string> out;
+  for (const std::string& w : words) {
+    if (w.size() > 3 && w.rfind("--", 0) == 0 && w.back() == '=' && w.find('=') == w.size() - 1) {
+      out.push_back(w.substr(0, w.size() - 1));
+      out.emplace_back();
+    } else {
+      out.push_back(w);
+    }
+  }
+  return out;
 }
 
 // `text` broken at spaces into lines of at most `width` characters; CLI11 indents each line
@@ -120,7 +165,7 @@ std::string nearest(const std::string& word, const std::vector<std::string>& cho
 
 Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
   const auto dash = std::find(argv.begin(), argv.end(), "--");
-  std::vector<std::string> words(argv.begin(), dash);
+  const std::vector<std::string> words = split_empty_values({argv.begin(), dash});
   if (dash != argv.end()) {
     if (!spec.program) {
       throw UsageError("unexpected '--': " + spec.name + " runs no program");
@@ -129,21 +174,20 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
   }
   CLI::App app(spec.description, spec.name);
   app.set_help_flag("-h,--help", "print this help and exit");
-  CLI::Option* config =
-      app.set_config("--config", "",
-                     wrap("read options from a TOML file whose keys are the long option names "
-                          "(lr = 0.1); the command line overrides it",
-                          68))
-          ->type_name("FILE");
+  app.set_config("--config", "",
+                 wrap("read options from a TOML file whose keys are the long option names "
+                      "(lr = 0.1); the command line overrides it",
+                      68))
+      ->type_name("FILE")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.allow_extras(true);  // unknown words are reported below, with the nearest option
   app.footer(spec.footer);
   app.get_formatter()->column_width(30);
-  std::vector<std::pair<std::string, CLI::Option*>> options;
+  std::vector<std::pair<const OptionSpec*, CLI::Option*>> options;
   std::vector<std::string> known;  // every name and alias
   for (const OptionSpec& o : spec.options) {
-    const std::vector<std::string> names = split_names(o.names);
     std::string flags;
-    for (const auto& n : names) {
+    for (const auto& n : split_names(o.names)) {
       flags += (flags.empty() ? "--" : ",--") + n;
       known.push_back(n);
     }
@@ -155,9 +199,29 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
     if (o.help.empty()) {
       opt->group("");  // internal: hidden from the help
     }
-    options.emplace_back(names[0], opt);
+    options.emplace_back(&o, opt);
   }
   help_ = app.help();
+  const std::string config = config_path(words);
+  std::vector<CLI::ConfigItem> items;
+  if (!config.empty() && std::find(words.begin(), words.end(), "--help") == words.end() &&
+      std::find(words.begin(), words.end(), "-h") == words.end()) {
+    items = read_config(app, config);
+    check_config_keys(items, config, known);
+  }
+  parse(app, words, spec, known);
+  if (values_.count("help")) {
+    return;
+  }
+  for (const auto& [o, opt] : options) {
+    collect(*o, *opt, items);
+  }
+}
+
+void Args::parse(CLI::App& app,
+                 const std::vector<std::string>& words,
+                 const CommandSpec& spec,
+                 const std::vector<std::string>& known) {
   std::vector<std::string> reversed(words.rbegin(), words.rend());  // CLI11 pops from the back
   try {
     app.parse(reversed);
@@ -165,13 +229,14 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
     values_.emplace("help", "1");
     return;
   } catch (const CLI::ParseError& e) {
-    throw UsageError(describe(e, config->count() > 0 ? config->as<std::string>() : ""));
+    throw UsageError(describe(e, config_path(words)));
   } catch (const CLI::Error& e) {
     throw UsageError(e.what());
   }
   for (const std::string& w : app.remaining()) {
-    if (w.size() > 1 && w[0] == '-') {
-      const std::string name = w.substr(w.find_first_not_of('-'));
+    const size_t start = w.find_first_not_of('-');
+    if (w.size() > 1 && w[0] == '-' && start != std::string::npos) {
+      const std::string name = w.substr(start);
       throw UsageError("unknown option " + w + " (the nearest is --" +
                        nearest(name.substr(0, name.find('=')), known) + ")");
     }
@@ -179,19 +244,33 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
                      (spec.program ? " before the program: put the program after --"
                                    : ": options start with --"));
   }
-  if (config->count() > 0) {
-    check_config_keys(app, config->as<std::string>(), known);
+}
+
+void Args::collect(const OptionSpec& o,
+                   const CLI::Option& opt,
+                   const std::vector<CLI::ConfigItem>& items) {
+  const std::string name = split_names(o.names)[0];
+  if (opt.get_expected_min() == 0) {  // a flag
+    if (opt.count() > 0 && flag_value(name, opt.results().back())) {
+      values_.emplace(name, "1");
+    }
+    return;
   }
-  for (const auto& [name, opt] : options) {
-    if (opt->get_expected_min() == 0) {  // a flag
-      if (opt->count() > 0 && flag_value(name, opt->results().back())) {
-        values_.emplace(name, "1");
+  std::vector<std::string> results = opt.results();
+  if (!o.repeatable && results.size() > 1) {
+    // Values from a config list (the command line did not give the option) are one value.
+    for (const CLI::ConfigItem& item : items) {
+      if (item.parents.empty() && results == item.inputs && opt.check_name("--" + item.name)) {
+        std::string joined;
+        for (const std::string& v : item.inputs) {
+          joined += (joined.empty() ? "" : ",") + v;
+        }
+        results = {joined};
       }
-      continue;
     }
-    for (const std::string& r : opt->results()) {
-      values_.emplace(name, r);
-    }
+  }
+  for (const std::string& r : results) {
+    values_.emplace(name, r);
   }
 }
 

@@ -12,6 +12,12 @@
 #include <string>
 #include <vector>
 
+namespace CLI {
+class App;
+class Option;
+struct ConfigItem;
+}  // namespace CLI
+
 namespace paratrain {
 namespace cli {
 
@@ -27,6 +33,9 @@ struct OptionSpec {
   std::string names;
   std::string value;
   std::string help;
+  /// Every occurrence counts (get_all), and a config file may give a list. Otherwise the last
+  /// occurrence wins, and a config list (`lr-milestones = [30, 60]`) is read as "30,60".
+  bool repeatable = false;
 };
 
 /// A subcommand's command line. `program`: it takes "-- PROGRAM ARGS..." (paratrain launch).
@@ -60,6 +69,14 @@ class Args {
   const std::string& help() const { return help_; }
 
  private:
+  void parse(CLI::App& app,
+             const std::vector<std::string>& words,
+             const CommandSpec& spec,
+             const std::vector<std::string>& known);
+  void collect(const OptionSpec& o,
+               const CLI::Option& opt,
+               const std::vector<CLI::ConfigItem>& items);
+
   std::multimap<std::string, std::string> values_;
   std::vector<std::string> rest_;
   std::string help_;

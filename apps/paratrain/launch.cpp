@@ -32,7 +32,7 @@ const CommandSpec& launch_spec() {
           {"backend", "B",
            "gloo, mpi, nccl, or routes by tensor device such as cpu:gloo,cuda:nccl; mpi runs the "
            "job through mpirun"},
-          {"env", "NAME=VALUE", "set a variable in every worker (repeatable)"},
+          {"env", "NAME=VALUE", "set a variable in every worker (repeatable)", true},
           {"no-prefix", "", "relay output without the [rank R]: prefix"},
           {"max-restarts,max_restarts", "N",
            "when a worker fails, stop all and start them all again, up to N times (torchrun's; "

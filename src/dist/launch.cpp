@@ -568,6 +568,14 @@ class Supervisor {
         break;
       }
     }
+    // A signal that came as the last worker ended was not read by relay(): it still counts
+    // against a restart (it stops nothing now).
+    unsigned char sig;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      if (sig == SIGINT || sig == SIGTERM) {
+        result_.signal_received = sig;
+      }
+    }
     result_.summary = summary();
     return result_;
   }

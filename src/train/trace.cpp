@@ -65,14 +65,14 @@ void Tracer::write(const std::string& path) const {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (dropped_ > 0) {  // said in the trace itself, where whoever reads it looks
-      events.push_back({{"name", "trace full: " + std::to_string(dropped_) +
-                                     " later spans left out (max_events " +
-                                     std::to_string(max_events_) + ")"},
-                        {"ph", "i"},
-                        {"s", "p"},
-                        {"ts", events_.empty() ? 0 : events_.back().ts_us},
-                        {"pid", rank_},
-                        {"tid", 0}});
+      events.push_back(
+          {{"name", "trace full: " + std::to_string(dropped_) +
+                        " later spans left out (max_events " + std::to_string(max_events_) + ")"},
+           {"ph", "i"},
+           {"s", "p"},
+           {"ts", events_.empty() ? 0 : events_.back().ts_us},
+           {"pid", rank_},
+           {"tid", 0}});
     }
     for (const auto& e : events_) {
       events.push_back({{"name", e.name},

@@ -801,14 +801,19 @@ std::vector<EpochResult> Trainer::fit() {
     ++m.epoch;
     m.batch = 0;
     r.global_step = m.global_step;
-    m.write_metrics(Json{{"epoch", r.epoch + 1},
-                         {"step", r.global_step},
-                         {"train_loss", r.train_loss},
-                         {"val_accuracy", r.val_accuracy},
-                         {"lr", r.lr},
-                         {"images_per_sec", r.images_per_sec},
-                         {"seconds", r.seconds},
-                         {"data_wait_seconds", r.data_wait_seconds}});
+    // An epoch resumed from a checkpoint at its last step trained nothing here: its row was
+    // written by the attempt that trained it.
+    const bool trained = totals[1].item<double>() > 0;
+    if (trained) {
+      m.write_metrics(Json{{"epoch", r.epoch + 1},
+                           {"step", r.global_step},
+                           {"train_loss", r.train_loss},
+                           {"val_accuracy", r.val_accuracy},
+                           {"lr", r.lr},
+                           {"images_per_sec", r.images_per_sec},
+                           {"seconds", r.seconds},
+                           {"data_wait_seconds", r.data_wait_seconds}});
+    }
     if (m.o.checkpoint_every_epoch()) {
       trace::Span span("checkpoint (copy to host)", "checkpoint");
       m.ckpt->save(m.capture());

@@ -245,10 +245,18 @@ TEST(Resume, BadInput) {
       {{"--config", base + "-missing.toml"}, "cannot read --config " + base + "-missing.toml"},
       {{"--config", base + "-badvalue.toml"}, "--lr 'fast' is not a number"},
       {{"--lrr", "0.1"}, "unknown option --lrr (the nearest is --lr)"},
+      {{"---"}, "unexpected '---'"},
+      {{"--config", "/dev/zero"}, "cannot read --config /dev/zero: not a regular file"},
+      // A config list is one comma-separated value, not its last element.
+      {{"--config", base + "-list.toml"}, "bad --lr-milestones entry 'x'"},
   };
   { std::ofstream(base + "-typo.toml") << "lr = 0.1\nlr_shedule = \"cosine\"\n"; }
   { std::ofstream(base + "-section.toml") << "[optim]\nlr = 0.1\n"; }
   { std::ofstream(base + "-badvalue.toml") << "lr = \"fast\"\n"; }
+  {
+    std::ofstream(base + "-list.toml") << "lr-schedule = \"multistep\"\n"
+                                          "lr-milestones = [\"x\", 2]\n";
+  }
   for (const auto& c : cases) {
     auto r = run_process(job(plus({"--epochs", "1", "--steps", "1"}, c.args)), {kCpuOnly}, 120);
     EXPECT_NE(r.exit_code, 0) << c.message;

@@ -10,6 +10,7 @@
 #include "paratrain/train/checkpoint.h"
 #include "paratrain/train/lr_schedule.h"
 #include "paratrain/train/safetensors.h"
+#include "paratrain/train/trace.h"
 #include "paratrain/train/trainer.h"
 
 #include <c10/util/Exception.h>
@@ -241,6 +242,26 @@ TEST(Checkpoint, RngStateRestoresTheSameDraws) {
   torch::randn({11});
   set_rng_state(state);
   EXPECT_TRUE(torch::equal(a, torch::randn({5})));
+}
+
+TEST(Trace, KeepsAtMostMaxEventsAndSaysHowManyItDropped) {
+  trace::Tracer tracer(3, /*max_events=*/3);
+  const auto t0 = trace::Clock::now();
+  for (int i = 0; i < 5; ++i) {
+    tracer.complete("span " + std::to_string(i), "compute", t0, t0 + std::chrono::microseconds(i));
+  }
+  EXPECT_EQ(tracer.size(), 3u);
+  EXPECT_EQ(tracer.dropped(), 2u);
+  const std::string path = "/tmp/" + unique_token("trace") + ".json";
+  tracer.write(path);
+  std::ifstream in(path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("\"span 2\""), std::string::npos) << text;
+  EXPECT_EQ(text.find("\"span 3\""), std::string::npos) << text;
+  EXPECT_NE(text.find("trace full: 2 later spans left out (max_events 3)"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("\"rank 3\""), std::string::npos) << text;
+  std::remove(path.c_str());
 }
 
 // ---- the Trainer ------------------------------------------------------------------------------
