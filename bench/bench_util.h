@@ -52,6 +52,9 @@ inline std::string json_field(const std::string& line, const std::string& key) {
   if (it == row.end()) {
     return "";
   }
+  if (it->is_null()) {
+    return "nan";  // row_json's null: a non-finite number
+  }
   return it->is_string() ? it->get<std::string>() : it->dump();
 }
 

@@ -268,7 +268,11 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
   const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
   const std::string script = pytorch ? bench_script("ddp_pytorch.py") : "";
   if (args.has("trace")) {  // an unwritable place is said now, not after the measurements
-    const std::string dir = std::filesystem::path(args.get("trace")).parent_path().string();
+    const std::filesystem::path path(args.get("trace"));
+    if (path.filename().empty()) {
+      throw UsageError("--trace '" + args.get("trace") + "' names no file: give e.g. trace.json");
+    }
+    const std::string dir = path.parent_path().string();
     if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0) {
       throw UsageError("cannot write the --trace file " + args.get("trace") + ": " +
                        std::strerror(errno));

@@ -101,10 +101,20 @@ void check_config_keys(const std::vector<CLI::ConfigItem>& items,
 
 // CLI11 drops an empty inline value ("--resume=") and would take the next word instead: make it
 // an explicit empty word.
-std::vector<std::string> split_empty_values(const std::vector<std::string>& words) {
+std::vector<std::string> split_empty_values(const std::vector<std::string>& words,
+                                            const CommandSpec& spec) {
+  std::vector<std::string> valued{"config"};
+  for (const OptionSpec& o : spec.options) {
+    if (!o.value.empty()) {
+      const std::vector<std::string> names = split_names(o.names);
+      valued.insert(valued.end(), names.begin(), names.end());
+    }
+  }
   std::vector<std::string> out;
   for (const std::string& w : words) {
-    if (w.size() > 3 && w.rfind("--", 0) == 0 && w.back() == '=' && w.find('=') == w.size() - 1) {
+    const std::string name = w.size() > 3 ? w.substr(2, w.size() - 3) : "";
+    if (w.rfind("--", 0) == 0 && w.back() == '=' && w.find('=') == w.size() - 1 &&
+        std::find(valued.begin(), valued.end(), name) != valued.end()) {
       out.push_back(w.substr(0, w.size() - 1));
       out.emplace_back();
     } else {
@@ -165,7 +175,7 @@ std::string nearest(const std::string& word, const std::vector<std::string>& cho
 
 Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
   const auto dash = std::find(argv.begin(), argv.end(), "--");
-  const std::vector<std::string> words = split_empty_values({argv.begin(), dash});
+  const std::vector<std::string> words = split_empty_values({argv.begin(), dash}, spec);
   if (dash != argv.end()) {
     if (!spec.program) {
       throw UsageError("unexpected '--': " + spec.name + " runs no program");
@@ -202,10 +212,14 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
     options.emplace_back(&o, opt);
   }
   help_ = app.help();
+  if (std::find(words.begin(), words.end(), "--help") != words.end() ||
+      std::find(words.begin(), words.end(), "-h") != words.end()) {
+    values_.emplace("help", "1");  // before CLI11 reads any --config file
+    return;
+  }
   const std::string config = config_path(words);
   std::vector<CLI::ConfigItem> items;
-  if (!config.empty() && std::find(words.begin(), words.end(), "--help") == words.end() &&
-      std::find(words.begin(), words.end(), "-h") == words.end()) {
+  if (!config.empty()) {
     items = read_config(app, config);
     check_config_keys(items, config, known);
   }
@@ -214,7 +228,9 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
     return;
   }
   for (const auto& [o, opt] : options) {
-    collect(*o, *opt, items);
+    const auto& order = app.parse_order();  // the command line's options, not the config's
+    collect(*o, *opt,
+            std::find(order.begin(), order.end(), opt) == order.end() ? items : decltype(items){});
   }
 }
 
@@ -258,7 +274,8 @@ void Args::collect(const OptionSpec& o,
   }
   std::vector<std::string> results = opt.results();
   if (!o.repeatable && results.size() > 1) {
-    // Values from a config list (the command line did not give the option) are one value.
+    // Values from a config list (`items` is empty when the command line gave the option) are
+    // one value.
     for (const CLI::ConfigItem& item : items) {
       if (item.parents.empty() && results == item.inputs && opt.check_name("--" + item.name)) {
         std::string joined;

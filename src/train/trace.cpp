@@ -29,7 +29,9 @@ void Tracer::complete(const std::string& name,
                       Clock::time_point end) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (events_.size() >= max_events_) {
-    ++dropped_;
+    if (dropped_++ == 0) {
+      first_drop_us_ = micros(begin);
+    }
     return;
   }
   const auto me = std::this_thread::get_id();
@@ -70,7 +72,7 @@ void Tracer::write(const std::string& path) const {
                         " later spans left out (max_events " + std::to_string(max_events_) + ")"},
            {"ph", "i"},
            {"s", "p"},
-           {"ts", events_.empty() ? 0 : events_.back().ts_us},
+           {"ts", first_drop_us_},
            {"pid", rank_},
            {"tid", 0}});
     }

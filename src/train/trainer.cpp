@@ -278,7 +278,7 @@ void Trainer::Impl::write_tensorboard(const Json& row) {
     tb->flush();
     return;
   }
-  const std::string prefix = row.contains("train_loss") ? "epoch/" : "train/";
+  const std::string prefix = row.contains("val_accuracy") ? "epoch/" : "train/";
   for (const auto& [key, value] : row.items()) {
     if (key == "step" || key == "epoch" || key == "batch" || !value.is_number()) {
       continue;
@@ -801,10 +801,7 @@ std::vector<EpochResult> Trainer::fit() {
     ++m.epoch;
     m.batch = 0;
     r.global_step = m.global_step;
-    // An epoch resumed from a checkpoint at its last step trained nothing here: its row was
-    // written by the attempt that trained it.
-    const bool trained = totals[1].item<double>() > 0;
-    if (trained) {
+    if (totals[1].item<double>() > 0) {
       m.write_metrics(Json{{"epoch", r.epoch + 1},
                            {"step", r.global_step},
                            {"train_loss", r.train_loss},
@@ -813,6 +810,15 @@ std::vector<EpochResult> Trainer::fit() {
                            {"images_per_sec", r.images_per_sec},
                            {"seconds", r.seconds},
                            {"data_wait_seconds", r.data_wait_seconds}});
+    } else {
+      // Resumed from a checkpoint at the epoch's last step: the training stats belong to the
+      // attempt that trained it (which may have died before writing them); the evaluation is
+      // this attempt's.
+      m.write_metrics(Json{{"epoch", r.epoch + 1},
+                           {"step", r.global_step},
+                           {"val_accuracy", r.val_accuracy},
+                           {"lr", r.lr},
+                           {"resumed", true}});
     }
     if (m.o.checkpoint_every_epoch()) {
       trace::Span span("checkpoint (copy to host)", "checkpoint");

@@ -159,7 +159,7 @@ TEST(TensorBoard, TrainerScalarsMatchTheMetrics) {
     std::ifstream in(dir + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
       const Json row = Json::parse(line);
-      const std::string prefix = row.contains("train_loss") ? "epoch/" : "train/";
+      const std::string prefix = row.contains("val_accuracy") ? "epoch/" : "train/";
       for (const auto& [key, value] : row.items()) {
         if (key != "step" && key != "epoch" && key != "batch" && value.is_number()) {
           want[{prefix + key, row.at("step").get<int64_t>()}] = value.get<double>();

@@ -51,6 +51,7 @@ class Tracer {
   int rank_;
   size_t max_events_;
   size_t dropped_ = 0;
+  int64_t first_drop_us_ = 0;
   mutable std::mutex mutex_;
   std::vector<Event> events_;
   std::vector<std::pair<std::thread::id, int>> threads_;  // small track numbers
