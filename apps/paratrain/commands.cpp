@@ -21,6 +21,10 @@ const std::vector<Command>& commands() {
        run_train},
       {"data", "make-imagefolder [opts]", "write Fashion-MNIST as an ImageFolder of JPEG/PNG/WebP",
        run_data},
+      {"tune", "[opts] [-- COMMAND]",
+       "hyperparameter search (grid, random, TPE, BOHB; ASHA, Hyperband, median) over train "
+       "jobs or any command",
+       run_tune},
       {"bench", "<name> [opts]", "the benchmarks below", run_bench},
   };
   return table;

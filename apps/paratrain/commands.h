@@ -14,6 +14,7 @@ int run_info(const std::vector<std::string>& args);
 int run_launch(const std::vector<std::string>& args);
 int run_train(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
+int run_tune(const std::vector<std::string>& args);
 int run_bench_data(const std::vector<std::string>& args);
 int run_bench(const std::vector<std::string>& args);
 int run_bench_allreduce(const std::vector<std::string>& args);

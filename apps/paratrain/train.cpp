@@ -658,6 +658,14 @@ int run_train(const std::vector<std::string>& argv) {
     });
   }
   trainer.on_epoch_end([&](const EpochResult& r) {
+    if (json && o.checkpoint_every_epoch()) {
+      // A reader of these rows (paratrain tune) may stop the job as soon as it sees one: the
+      // epoch's checkpoint is on disk on every rank before the row is printed.
+      trainer.wait_for_checkpoint();
+      if (pg) {
+        pg->barrier()->wait();
+      }
+    }
     if (!speak) {
       return;
     }

@@ -848,6 +848,12 @@ void Trainer::save_checkpoint() {
   impl_->ckpt->wait();
 }
 
+void Trainer::wait_for_checkpoint() {
+  if (impl_->ckpt) {
+    impl_->ckpt->wait();
+  }
+}
+
 void Trainer::on_step_end(std::function<void(const StepInfo&)> callback) {
   impl_->step_callbacks.push_back(std::move(callback));
 }

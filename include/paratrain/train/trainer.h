@@ -173,6 +173,10 @@ class Trainer {
   double evaluate();
   /// Saves a checkpoint now (options.checkpoint_dir must be set).
   void save_checkpoint();
+  /// Blocks until the checkpoint being written in the background is on disk (none: returns).
+  /// An epoch-end callback that tells others the epoch is done calls it first, so that whoever
+  /// stops the job then can resume from that epoch.
+  void wait_for_checkpoint();
 
   void on_step_end(std::function<void(const StepInfo&)> callback);
   void on_epoch_end(std::function<void(const EpochResult&)> callback);

@@ -1,0 +1,303 @@
+// paratrain tune: hyperparameter search over `paratrain train` jobs or any command that prints
+// JSON metric lines (paratrain::tune, include/paratrain/tune/tuner.h).
+
+#include "args.h"
+#include "commands.h"
+
+#ifdef PARATRAIN_WITH_TUNE
+#include "paratrain/tune/tuner.h"
+
+#include <torch/cuda.h>
+#include <nlohmann/json.hpp>
+#endif
+
+#include <unistd.h>
+
+#include <cmath>
+#include <fstream>
+#include <iostream>
+
+namespace paratrain {
+namespace cli {
+
+#ifndef PARATRAIN_WITH_TUNE
+int run_tune(const std::vector<std::string>&) {
+  std::cerr << "paratrain tune: this build has no SQLite (install libsqlite3-dev and rebuild)"
+            << std::endl;
+  return 1;
+}
+#else
+namespace {
+
+const CommandSpec& tune_spec() {
+  static const CommandSpec spec{
+      "paratrain tune",
+      "Searches hyperparameters. Each trial is `paratrain train` with the sampled values as its\n"
+      "flags (with `-- train ARGS` for the fixed ones), or COMMAND after --: it gets each value\n"
+      "as an environment variable and wherever {name} appears in its arguments, and prints its\n"
+      "metrics as JSON lines ({\"training_iteration\": 3, \"accuracy\": 0.86}). The study lives\n"
+      "in --storage; a tuner started again on it continues (finished trials kept, running ones\n"
+      "retried from their checkpoints).",
+      {
+          {"storage", "URL", "sqlite:///FILE or a file path (default sqlite:///paratrain-tune.db)"},
+          {"study", "NAME", "the study's name (required)"},
+          {"space", "NAME=DIST",
+           "a parameter: uniform(a,b), quniform(a,b,q), loguniform(a,b), qloguniform(a,b,q), "
+           "randint(a,b), choice(x,y,...) or grid_search(x,y,...); repeat for each",
+           true},
+          {"metric", "NAME", "the reported metric to optimize (required)"},
+          {"mode", "min|max", "minimize or maximize the metric (required)"},
+          {"scope", "last|best", "a trial's value: its last report (default) or its best"},
+          {"searcher", "NAME", "grid, random (default), tpe or bohb"},
+          {"scheduler", "NAME", "fifo (default; hyperband with bohb), asha, hyperband or median"},
+          {"num-samples", "N", "trials (grid: passes over the grid; default 1)"},
+          {"max-concurrent", "K", "at most K trials at once (default: as many as fit)"},
+          {"seed", "S", "the searcher's seed (default 0)"},
+          {"max-t", "T",
+           "the most iterations a trial runs (asha 100, hyperband 81; a train trial's epochs)"},
+          {"grace-period", "T", "asha, median: iterations before a trial can stop (default 1)"},
+          {"reduction-factor", "F", "asha (default 4), hyperband (default 3)"},
+          {"max-failures", "N", "times a failed trial is retried (default 3)"},
+          {"ranks", "R", "processes per trial (default: train's --nproc, else 1)"},
+          {"threads", "T", "threads per rank, OMP_NUM_THREADS (default 1)"},
+          {"gpus", "G", "GPUs per trial, as its own CUDA_VISIBLE_DEVICES (default 0)"},
+          {"cpus", "N", "the cores to pack trials onto (default: those this process may use)"},
+          {"trial-dir", "DIR", "trials' logs and checkpoints (default paratrain-tune/STUDY)"},
+          {"kill-grace", "SECONDS", "SIGTERM, then SIGKILL this long after (default 5)"},
+          {"json", "", "print JSON rows instead of lines"},
+          {"table", "", "a live status table (the default on a terminal)"},
+      },
+      "Example:\n"
+      "  paratrain tune --study s --metric test_accuracy --mode max --searcher bohb \\\n"
+      "    --space 'lr=loguniform(1e-3, 0.3)' --space 'batch-size=choice(32, 64, 128)' \\\n"
+      "    --num-samples 20 --max-t 3 -- train --model mlp\n"
+      "A config file (--config FILE.toml, or FILE.json) takes the same keys:\n"
+      "  space = [\"lr=loguniform(1e-3, 0.3)\", \"batch-size=choice(32, 64, 128)\"]",
+      true};
+  return spec;
+}
+
+// A JSON config ({"study": "s", "space": {"lr": "loguniform(1e-3, 0.3)"}, ...}) as the command
+// line words it stands for, put before the real ones so that those override it.
+std::vector<std::string> json_config_words(const std::vector<std::string>& argv) {
+  std::vector<std::string> out, rest;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    std::string path;
+    if (argv[i] == "--") {
+      rest.insert(rest.end(), argv.begin() + static_cast<long>(i), argv.end());
+      break;
+    }
+    if (argv[i] == "--config" && i + 1 < argv.size()) {
+      path = argv[i + 1];
+    } else if (argv[i].rfind("--config=", 0) == 0) {
+      path = argv[i].substr(9);
+    }
+    const bool json = path.size() > 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+    if (!json) {
+      rest.push_back(argv[i]);
+      continue;
+    }
+    i += argv[i] == "--config" ? 1 : 0;
+    std::ifstream in(path);
+    if (!in) {
+      throw UsageError("--config " + path + " cannot be read");
+    }
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      throw UsageError("--config " + path + " is not a JSON object");
+    }
+    for (const auto& [key, value] : j.items()) {
+      auto word = [](const nlohmann::json& v) {
+        return v.is_string() ? v.get<std::string>() : v.dump();
+      };
+      if (key == "space" && value.is_object()) {
+        for (const auto& [name, dist] : value.items()) {
+          out.insert(out.end(), {"--space", name + "=" + word(dist)});
+        }
+      } else if (value.is_array()) {
+        for (const auto& v : value) {
+          out.insert(out.end(), {"--" + key, word(v)});
+        }
+      } else if (value.is_boolean()) {
+        if (value.get<bool>()) {
+          out.push_back("--" + key);
+        }
+      } else {
+        out.insert(out.end(), {"--" + key, word(value)});
+      }
+    }
+  }
+  out.insert(out.end(), rest.begin(), rest.end());
+  return out;
+}
+
+// The value of `--name V` or `--name=V` among train's flags.
+std::string flag_value(const std::vector<std::string>& words, const std::string& name) {
+  std::string value;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (words[i] == "--" + name && i + 1 < words.size()) {
+      value = words[i + 1];
+    } else if (words[i].rfind("--" + name + "=", 0) == 0) {
+      value = words[i].substr(name.size() + 3);
+    }
+  }
+  return value;
+}
+
+std::string shell_word(const std::string& w) {
+  if (!w.empty() && w.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                        "0123456789-_./=:,+") == std::string::npos) {
+    return w;
+  }
+  std::string out = "'";
+  for (char c : w) {
+    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  }
+  return out + "'";
+}
+
+// The command that runs the best trial again on its own.
+std::string reproduce(const tune::TunerOptions& o, const tune::TrialSummary& best) {
+  std::string out;
+  if (o.train()) {
+    out = "paratrain train";
+    for (const auto& w : o.train_args()) {
+      out += " " + shell_word(w);
+    }
+    const int64_t max_t = tune::effective_max_t(o.scheduler());
+    if (max_t > 0 && flag_value(o.train_args(), "epochs").empty()) {
+      out += " --epochs " + std::to_string(max_t);
+    }
+    for (const auto& [name, v] : best.config) {
+      out += " --" + name + " " + shell_word(tune::to_string(v));
+    }
+    return out;
+  }
+  for (const auto& [name, v] : best.config) {
+    out += name + "=" + shell_word(tune::to_string(v)) + " ";
+  }
+  for (std::string w : o.command()) {
+    for (const auto& [name, v] : best.config) {
+      const std::string key = "{" + name + "}";
+      for (size_t at = w.find(key); at != std::string::npos; at = w.find(key, at + 1)) {
+        w.replace(at, key.size(), tune::to_string(v));
+      }
+    }
+    out += shell_word(w) + " ";
+  }
+  return out.substr(0, out.size() - 1);
+}
+
+tune::TunerOptions options_from(const Args& args) {
+  for (const char* required : {"study", "metric", "mode"}) {
+    if (!args.has(required)) {
+      throw UsageError(std::string("--") + required + " is required");
+    }
+  }
+  tune::TunerOptions o;
+  o.storage(args.get("storage", "sqlite:///paratrain-tune.db"))
+      .study(args.get("study"))
+      .metric(args.get("metric"))
+      .mode(args.get("mode"))
+      .scope(args.get("scope", "last"))
+      .num_samples(args.get_int("num-samples", 1))
+      .max_concurrent(args.get_int("max-concurrent", 0))
+      .max_failures(args.get_int("max-failures", 3))
+      .cpus(args.get_int("cpus", 0))
+      .trial_dir(args.get("trial-dir", ""))
+      .kill_grace(std::chrono::milliseconds(
+          static_cast<int64_t>(std::llround(args.get_double("kill-grace", 5) * 1000))));
+  if (o.mode() != "min" && o.mode() != "max") {
+    throw UsageError("--mode must be min or max, got '" + o.mode() + "'");
+  }
+  const std::string searcher = args.get("searcher", "random");
+  const int seed = args.get_int("seed", 0);
+  if (seed < 0) {
+    throw UsageError("--seed must be >= 0, got " + std::to_string(seed));
+  }
+  o.searcher(tune::SearcherOptions().kind(searcher).seed(static_cast<uint64_t>(seed)));
+  o.scheduler(tune::SchedulerOptions()
+                  .kind(args.get("scheduler", searcher == "bohb" ? "hyperband" : "fifo"))
+                  .max_t(args.get_int("max-t", 0))
+                  .grace_period(args.get_int("grace-period", 1))
+                  .reduction_factor(args.get_double("reduction-factor", 0)));
+  const std::vector<std::string>& rest = args.rest();
+  if (rest.empty() || rest[0] == "train") {
+    o.train(true).paratrain_cli(self_path());
+    if (!rest.empty()) {
+      o.train_args(std::vector<std::string>(rest.begin() + 1, rest.end()));
+    }
+  } else {
+    o.command(rest);
+  }
+  const std::string nproc = o.train() ? flag_value(o.train_args(), "nproc") : "";
+  const int ranks =
+      args.get_int("ranks", nproc.empty() ? 1 : std::max(1, std::atoi(nproc.c_str())));
+  int gpus = args.get_int("gpus", 0);
+  o.resources(tune::Resources().ranks(ranks).threads(args.get_int("threads", 1)).gpus(gpus));
+  o.gpus(static_cast<int>(torch::cuda::device_count()));
+  o.output(args.has("json") ? "json" : args.has("table") || ::isatty(1) ? "table" : "plain");
+  return o;
+}
+
+}  // namespace
+
+int run_tune(const std::vector<std::string>& argv) {
+  Args args(json_config_words(argv), tune_spec());
+  if (args.has("help")) {
+    std::cout << args.help();
+    return 0;
+  }
+  tune::SearchSpace space;
+  for (const std::string& s : args.get_all("space")) {
+    space.add(s);
+  }
+  if (space.empty()) {
+    throw UsageError("no --space given; e.g. --space 'lr=loguniform(1e-3, 0.3)'");
+  }
+  const tune::TunerOptions o = options_from(args);
+  const tune::TuneResult result = tune::tune(space, o);
+  if (result.interrupted_by != 0) {
+    std::cerr << "paratrain tune: interrupted by signal " << result.interrupted_by
+              << "; running trials are retried when the study is started again" << std::endl;
+    return 128 + result.interrupted_by;
+  }
+  int64_t failed = 0;
+  for (const auto& t : result.trials) {
+    failed += t.state == tune::TrialState::kFailed ? 1 : 0;
+  }
+  if (!result.best) {
+    std::cerr << "paratrain tune: no trial reported " << o.metric() << " (" << failed
+              << " failed; see their logs under "
+              << (o.trial_dir().empty() ? "paratrain-tune/" + o.study() : o.trial_dir()) << ")"
+              << std::endl;
+    return 1;
+  }
+  const tune::TrialSummary& best = *result.best;
+  if (o.output() == "json") {
+    nlohmann::ordered_json row{{"event", "best"},
+                               {"trial", best.number},
+                               {o.metric(), best.value},
+                               {"iterations", best.iterations}};
+    nlohmann::ordered_json config = nlohmann::ordered_json::object();
+    for (const auto& [name, v] : best.config) {
+      std::visit([&, n = name](const auto& x) { config[n] = x; }, v);
+    }
+    row["config"] = config;
+    row["trials"] = result.trials.size();
+    row["failed"] = failed;
+    row["command"] = reproduce(o, best);
+    std::cout << row.dump() << std::endl;
+  } else {
+    std::cout << "Best trial " << best.number << ": " << o.metric() << " " << best.value << " ("
+              << o.scope() << ", " << best.iterations << " iterations), config "
+              << tune::to_string(best.config) << "\n"
+              << result.trials.size() << " trials, " << failed << " failed\n"
+              << "Reproduce it with:\n  " << reproduce(o, best) << std::endl;
+  }
+  return 0;
+}
+#endif
+
+}  // namespace cli
+}  // namespace paratrain

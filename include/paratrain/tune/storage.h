@@ -1,0 +1,73 @@
+#pragma once
+
+// Where a study lives: its definition, its trials, their parameters, states, intermediate and
+// final values, timestamps and log paths. Every change is one transaction, so a tuner killed at
+// any moment leaves a consistent study that the next tuner on the same storage continues.
+//
+//   sqlite:///study.db   (or a plain path) an SQLite file, created on first use: relative after
+//                        "sqlite:///", absolute with a fourth slash, as SQLAlchemy and Optuna read
+//                        them
+
+#include "paratrain/tune/space.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace tune {
+
+/// What defines a study; a second tuner on the same study must bring the same definition.
+struct StudySpec {
+  std::string name;
+  std::string space;  ///< SearchSpace::canonical()
+  std::string metric;
+  std::string mode;  ///< "min" or "max"
+};
+
+enum class TrialState { kPending, kRunning, kPaused, kComplete, kStopped, kFailed };
+
+const char* to_string(TrialState state);
+/// Complete, stopped or failed.
+bool finished(TrialState state);
+
+struct TrialRecord {
+  int64_t number = 0;
+  TrialState state = TrialState::kPending;
+  Config config;
+  int attempts = 0;     ///< times it was started after failing (retries)
+  int exit_status = 0;  ///< the last run's exit code, or 128 + signal
+  std::string error;    ///< why it failed, one line
+  std::string log_path;
+  double started = 0;  ///< Unix time of the first start, 0 before
+  double ended = 0;    ///< Unix time it finished, 0 before
+  /// (iteration, metric value) in report order; the metric as reported (not negated).
+  std::vector<std::pair<int64_t, double>> results;
+};
+
+class Storage {
+ public:
+  virtual ~Storage() = default;
+  /// Opens the study, creating it when new. Throws c10::Error when a study of that name exists
+  /// with a different space, metric or mode (its trials are left as they are).
+  virtual void open_study(const StudySpec& spec) = 0;
+  virtual std::vector<TrialRecord> load_trials() = 0;
+  /// Adds trial `record.number`; throws if that number exists.
+  virtual void add_trial(const TrialRecord& record) = 0;
+  /// Writes state, attempts, exit status, error, log path and times (not the results).
+  virtual void update_trial(const TrialRecord& record) = 0;
+  /// One reported row; `row_json` is the trial's whole JSON line.
+  virtual void add_result(int64_t number,
+                          int64_t iteration,
+                          double value,
+                          const std::string& row_json) = 0;
+  /// The URL it was opened with.
+  virtual std::string url() const = 0;
+};
+
+/// Opens storage from a URL. Throws c10::Error with one line for a malformed URL, an unknown
+/// scheme and a database that cannot be opened (naming the path and the reason).
+std::unique_ptr<Storage> open_storage(const std::string& url);
+
+}  // namespace tune
+}  // namespace paratrain

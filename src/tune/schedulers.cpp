@@ -1,0 +1,322 @@
+// The schedulers of scheduler.h. ASHA and the median rule follow Ray Tune's documented rules,
+// Hyperband's brackets HpBandSter's; the code is ours.
+
+#include "paratrain/tune/scheduler.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+
+namespace paratrain {
+namespace tune {
+
+void Scheduler::on_trial_add(int64_t) {}
+void Scheduler::on_trial_end(int64_t, double) {}
+void Scheduler::on_no_more_trials() {}
+std::vector<int64_t> Scheduler::take_promoted() {
+  return {};
+}
+std::vector<int64_t> Scheduler::take_dropped() {
+  return {};
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// numpy.percentile's default (linear) interpolation, q in [0, 100].
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  const double pos = q / 100.0 * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (pos - static_cast<double>(lo)) * (v[hi] - v[lo]);
+}
+
+class Fifo : public Scheduler {
+ public:
+  explicit Fifo(int64_t max_t) : max_t_(max_t) {}
+  Decision on_result(int64_t, int64_t iteration, double) override {
+    return max_t_ > 0 && iteration >= max_t_ ? Decision::kComplete : Decision::kContinue;
+  }
+
+ private:
+  int64_t max_t_;
+};
+
+class Asha : public Scheduler {
+ public:
+  Asha(int64_t max_t, int64_t grace, double rf) : max_t_(max_t), rf_(rf) {
+    // Ray: max_rungs = int(log(max_t / grace_period) / log(rf) + 1), milestones grace * rf^k
+    const int rungs =
+        static_cast<int>(std::log(static_cast<double>(max_t) / grace) / std::log(rf) + 1 + 1e-9);
+    for (int k = rungs - 1; k >= 0; --k) {
+      rungs_.push_back({static_cast<double>(grace) * std::pow(rf, k), {}});
+    }
+  }
+  Decision on_result(int64_t number, int64_t iteration, double loss) override {
+    if (iteration >= max_t_) {
+      return Decision::kComplete;
+    }
+    const double reward = -loss;  // Ray compares metric * mode_sign, higher is better
+    for (auto& [milestone, recorded] : rungs_) {
+      if (static_cast<double>(iteration) < milestone || recorded.count(number)) {
+        continue;
+      }
+      Decision d = Decision::kContinue;
+      if (!recorded.empty()) {
+        std::vector<double> values;
+        for (const auto& kv : recorded) {
+          values.push_back(kv.second);
+        }
+        const double cutoff = percentile(values, (1 - 1 / rf_) * 100);
+        if (reward < cutoff) {
+          d = Decision::kStop;
+        }
+      }
+      recorded[number] = std::isfinite(reward) ? reward : -kInf;
+      return d;
+    }
+    return Decision::kContinue;
+  }
+
+ private:
+  int64_t max_t_;
+  double rf_;
+  std::vector<std::pair<double, std::map<int64_t, double>>> rungs_;
+};
+
+class Median : public Scheduler {
+ public:
+  Median(int64_t max_t, int64_t grace, int64_t min_samples)
+      : max_t_(max_t), grace_(grace), min_samples_(min_samples) {}
+  Decision on_result(int64_t number, int64_t iteration, double loss) override {
+    results_[number].emplace_back(iteration, -loss);
+    if (max_t_ > 0 && iteration >= max_t_) {
+      return Decision::kComplete;
+    }
+    if (iteration <= grace_) {
+      return Decision::kContinue;
+    }
+    std::vector<double> means;
+    for (const auto& [other, rows] : results_) {
+      if (other == number || rows.back().first < iteration) {
+        continue;
+      }
+      double sum = 0;
+      int count = 0;
+      for (const auto& [t, r] : rows) {
+        if (t <= iteration) {
+          sum += r;
+          ++count;
+        }
+      }
+      if (count > 0) {
+        means.push_back(sum / count);
+      }
+    }
+    if (static_cast<int64_t>(means.size()) < min_samples_) {
+      return Decision::kContinue;
+    }
+    double best = -kInf;
+    for (const auto& row : results_[number]) {
+      best = std::max(best, row.second);
+    }
+    return best < percentile(means, 50) ? Decision::kStop : Decision::kContinue;
+  }
+
+ private:
+  int64_t max_t_, grace_, min_samples_;
+  std::map<int64_t, std::vector<std::pair<int64_t, double>>> results_;
+};
+
+class Hyperband : public Scheduler {
+ public:
+  Hyperband(int64_t max_t, int64_t grace, double eta) : max_t_(max_t), eta_(eta) {
+    s_max_ = static_cast<int>(std::floor(
+        std::log(static_cast<double>(max_t) / static_cast<double>(grace)) / std::log(eta) + 1e-9));
+  }
+
+  void on_trial_add(int64_t number) override {
+    if (brackets_.empty() || brackets_.back().closed) {
+      open_bracket();
+    }
+    Bracket& b = brackets_.back();
+    b.rungs[0].members.insert(number);
+    where_[number] = brackets_.size() - 1;
+    if (static_cast<int64_t>(b.rungs[0].members.size()) >= b.rungs[0].size) {
+      b.closed = true;
+    }
+  }
+
+  Decision on_result(int64_t number, int64_t iteration, double loss) override {
+    Bracket& b = brackets_[where_.at(number)];
+    const size_t r = rung_of(b, number);
+    Rung& rung = b.rungs[r];
+    if (iteration < rung.budget && iteration < max_t_) {
+      return Decision::kContinue;
+    }
+    rung.results[number] = std::isfinite(loss) ? loss : kInf;
+    const bool last = r + 1 == b.rungs.size() || iteration >= max_t_;
+    if (!last) {
+      rung.paused.insert(number);
+    }
+    settle(b, r);
+    return last ? Decision::kComplete : Decision::kPause;
+  }
+
+  void on_trial_end(int64_t number, double loss) override {
+    auto it = where_.find(number);
+    if (it == where_.end()) {
+      return;
+    }
+    Bracket& b = brackets_[it->second];
+    const size_t r = rung_of(b, number);
+    Rung& rung = b.rungs[r];
+    if (!rung.results.count(number)) {
+      rung.results[number] = std::isfinite(loss) ? loss : kInf;  // ended before its milestone
+    }
+    rung.paused.erase(number);
+    settle(b, r);
+  }
+
+  void on_no_more_trials() override {
+    for (auto& b : brackets_) {
+      if (!b.closed) {
+        b.closed = true;
+        const int64_t have = static_cast<int64_t>(b.rungs[0].members.size());
+        for (size_t i = 0; i < b.rungs.size(); ++i) {  // shrink the rungs in proportion
+          b.rungs[i].size = std::max<int64_t>(
+              1, static_cast<int64_t>(static_cast<double>(have) / std::pow(eta_, i)));
+        }
+        b.rungs[0].size = have;
+        settle(b, 0);
+      }
+    }
+  }
+
+  std::vector<int64_t> take_promoted() override { return std::exchange(promoted_, {}); }
+  std::vector<int64_t> take_dropped() override { return std::exchange(dropped_, {}); }
+
+ private:
+  struct Rung {
+    int64_t budget = 0;
+    int64_t size = 0;  // trials this rung takes
+    std::set<int64_t> members;
+    std::map<int64_t, double> results;
+    std::set<int64_t> paused;
+    bool done = false;
+  };
+  struct Bracket {
+    std::vector<Rung> rungs;
+    bool closed = false;
+  };
+
+  // HpBandSter's iteration i: s = s_max - i mod (s_max + 1), n0 = floor((s_max + 1) / (s + 1))
+  // * eta^s, rung k has max(floor(n0 eta^-k), 1) trials at budget max_t eta^(k - s).
+  void open_bracket() {
+    const int s = s_max_ - static_cast<int>(brackets_.size() % (s_max_ + 1));
+    const double n0 = std::floor(static_cast<double>(s_max_ + 1) / (s + 1)) * std::pow(eta_, s);
+    Bracket b;
+    for (int k = 0; k <= s; ++k) {
+      Rung rung;
+      rung.size = std::max<int64_t>(1, static_cast<int64_t>(n0 * std::pow(eta_, -k)));
+      rung.budget = std::max<int64_t>(
+          1, static_cast<int64_t>(std::round(static_cast<double>(max_t_) * std::pow(eta_, k - s))));
+      b.rungs.push_back(rung);
+    }
+    brackets_.push_back(b);
+  }
+
+  static size_t rung_of(const Bracket& b, int64_t number) {
+    for (size_t r = b.rungs.size(); r-- > 0;) {
+      if (b.rungs[r].members.count(number)) {
+        return r;
+      }
+    }
+    TORCH_CHECK(false, "hyperband: trial ", number, " is in no rung");
+  }
+
+  // When every member of a full rung has a result, the best go up and the other paused ones stop.
+  void settle(Bracket& b, size_t r) {
+    Rung& rung = b.rungs[r];
+    if (rung.done || !b.closed || static_cast<int64_t>(rung.members.size()) < rung.size ||
+        rung.results.size() < rung.members.size()) {
+      return;
+    }
+    rung.done = true;
+    if (r + 1 == b.rungs.size()) {
+      return;
+    }
+    std::vector<std::pair<double, int64_t>> ranked;
+    for (const auto& [number, loss] : rung.results) {
+      ranked.emplace_back(loss, number);
+    }
+    std::sort(ranked.begin(), ranked.end());
+    Rung& next = b.rungs[r + 1];
+    for (const auto& [loss, number] : ranked) {
+      const bool waiting = rung.paused.count(number) > 0;
+      if (waiting && static_cast<int64_t>(next.members.size()) < next.size) {
+        next.members.insert(number);
+        promoted_.push_back(number);
+      } else if (waiting) {
+        dropped_.push_back(number);
+      }
+    }
+    rung.paused.clear();
+    next.size = static_cast<int64_t>(next.members.size());  // ended trials leave their places
+    if (next.members.empty()) {
+      for (size_t k = r + 1; k < b.rungs.size(); ++k) {
+        b.rungs[k].done = true;
+      }
+    }
+  }
+
+  int64_t max_t_;
+  double eta_;
+  int s_max_ = 0;
+  std::vector<Bracket> brackets_;
+  std::map<int64_t, size_t> where_;
+  std::vector<int64_t> promoted_, dropped_;
+};
+
+}  // namespace
+
+int64_t effective_max_t(const SchedulerOptions& o) {
+  if (o.max_t() > 0) {
+    return o.max_t();
+  }
+  return o.kind() == "asha" ? 100 : o.kind() == "hyperband" ? 81 : 0;
+}
+
+std::unique_ptr<Scheduler> make_scheduler(const SchedulerOptions& o) {
+  const std::string& kind = o.kind();
+  TORCH_CHECK(kind == "fifo" || kind == "asha" || kind == "hyperband" || kind == "median",
+              "tune: unknown scheduler '", kind, "'; use fifo, asha, hyperband or median");
+  TORCH_CHECK(o.max_t() >= 0, "tune: max_t must be >= 0, got ", o.max_t());
+  TORCH_CHECK(o.grace_period() >= 1, "tune: grace_period must be >= 1, got ", o.grace_period());
+  const int64_t max_t = effective_max_t(o);
+  if (kind == "fifo") {
+    return std::make_unique<Fifo>(max_t);
+  }
+  if (kind == "median") {
+    TORCH_CHECK(o.min_samples_required() >= 1, "tune: min_samples_required must be >= 1, got ",
+                o.min_samples_required());
+    return std::make_unique<Median>(max_t, o.grace_period(), o.min_samples_required());
+  }
+  const double rf = o.reduction_factor() > 0 ? o.reduction_factor() : kind == "asha" ? 4 : 3;
+  TORCH_CHECK(rf > 1, "tune: reduction_factor must be > 1, got ", rf);
+  TORCH_CHECK(max_t >= o.grace_period(), "tune: max_t (", max_t, ") must be >= grace_period (",
+              o.grace_period(), ")");
+  if (kind == "asha") {
+    return std::make_unique<Asha>(max_t, o.grace_period(), rf);
+  }
+  return std::make_unique<Hyperband>(max_t, o.grace_period(), rf);
+}
+
+}  // namespace tune
+}  // namespace paratrain
