@@ -133,13 +133,18 @@ std::string to_string(const Value& value) {
     return *s;
   }
   const double d = std::get<double>(value);
-  char buf[32];
-  for (int precision = 1; precision <= 17; ++precision) {  // the shortest text that reads back
+  char buf[40];
+  int precision = 1;
+  for (; precision < 17; ++precision) {  // the shortest text that reads back
     std::snprintf(buf, sizeof(buf), "%.*g", precision, d);
     if (std::strtod(buf, nullptr) == d) {
       break;
     }
   }
+  // ... with every integer digit written out (100, not 1e+02), up to 1e17
+  const double digits = std::abs(d) >= 1 ? std::floor(std::log10(std::abs(d))) + 1 : 0;
+  std::snprintf(buf, sizeof(buf), "%.*g",
+                std::max(precision, static_cast<int>(std::min(digits, 17.0))), d);
   return buf;
 }
 

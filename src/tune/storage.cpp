@@ -55,7 +55,8 @@ std::string config_json(const Config& c) {
 
 Config config_from(const std::string& text) {
   Config c;
-  for (const auto& [name, v] : nlohmann::json::parse(text).items()) {
+  const nlohmann::json j = nlohmann::json::parse(text);
+  for (const auto& [name, v] : j.items()) {
     if (v.is_number_integer()) {
       c[name] = v.get<int64_t>();
     } else if (v.is_number()) {

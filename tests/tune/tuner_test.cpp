@@ -1,0 +1,401 @@
+// The tuner end to end: function trials, command trials (real processes), paratrain train
+// trials, crashes, a SIGKILLed tuner resumed on the same SQLite study, and bad input through
+// the CLI.
+
+#include "paratrain/tune/tuner.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+
+namespace paratrain {
+namespace tune {
+namespace {
+
+using testing::error_of;
+using testing::run_process;
+
+struct TempDir {
+  std::string path;
+  explicit TempDir(const std::string& name)
+      : path(::testing::TempDir() + testing::unique_token(name)) {
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+void write_script(const std::string& path, const std::string& text) {
+  std::ofstream(path) << "#!/bin/sh\n" << text;
+  std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+}
+
+TunerOptions function_options(const TempDir& dir, const std::string& scheduler) {
+  return TunerOptions()
+      .storage(dir.path + "/study.db")
+      .study("f")
+      .metric("loss")
+      .mode("min")
+      .num_samples(16)
+      .max_concurrent(2)
+      .cpus(2)
+      .trial_dir(dir.path + "/trials")
+      .output("none")
+      .searcher(SearcherOptions().kind("random").seed(3))
+      .scheduler(SchedulerOptions().kind(scheduler).max_t(8).reduction_factor(2));
+}
+
+// loss(lr, t) = (log10 lr + 2)^2 + 1/t: trials differ by lr and improve with iterations.
+void quadratic(TrialContext& t) {
+  const double lr = to_double(t.config().at("lr"));
+  for (int it = 1; it <= 8; ++it) {
+    t.report({{"training_iteration", it}, {"loss", std::pow(std::log10(lr) + 2, 2) + 1.0 / it}});
+  }
+}
+
+SearchSpace lr_space() {
+  SearchSpace s;
+  s.add("lr=loguniform(1e-4, 1)");
+  return s;
+}
+
+TEST(Tuner, AshaOnFunctionTrialsStopsTheWorstAndKeepsTheBest) {
+  TempDir dir("tune-asha");
+  const TuneResult asha = tune(lr_space(), function_options(dir, "asha"), quadratic);
+  ASSERT_EQ(asha.trials.size(), 16u);
+  int stopped = 0, complete = 0;
+  double best_possible = 1e9;
+  int64_t iterations = 0;
+  for (const auto& t : asha.trials) {
+    stopped += t.state == TrialState::kStopped;
+    complete += t.state == TrialState::kComplete;
+    iterations += t.iterations;
+    if (t.state == TrialState::kComplete) {
+      EXPECT_EQ(t.iterations, 8);
+    }
+    best_possible =
+        std::min(best_possible, std::pow(std::log10(to_double(t.config.at("lr"))) + 2, 2));
+  }
+  EXPECT_EQ(stopped + complete, 16);
+  EXPECT_GE(stopped, 6) << "ASHA with rf 2 stops about half at each rung";
+  EXPECT_LT(iterations, 16 * 8 * 3 / 4);
+  ASSERT_TRUE(asha.best);
+  EXPECT_EQ(asha.best->state, TrialState::kComplete);
+  // The best complete trial is within the best lr's reach: ASHA never stops the leader.
+  EXPECT_NEAR(asha.best->value, best_possible + 1.0 / 8, 0.5);
+
+  // The same study again: everything is finished, nothing runs, the result is the same.
+  const TuneResult again = tune(lr_space(), function_options(dir, "asha"), quadratic);
+  EXPECT_EQ(again.started, 0);
+  ASSERT_TRUE(again.best);
+  EXPECT_EQ(again.best->number, asha.best->number);
+}
+
+TEST(Tuner, HyperbandPausesAndResumesFunctionTrials) {
+  TempDir dir("tune-hb");
+  std::mutex mu;
+  std::map<int64_t, int> starts, resumed;
+  auto fn = [&](TrialContext& t) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      starts[t.number()]++;
+      resumed[t.number()] += t.resumed();
+    }
+    // A checkpoint: the last iteration done, in the trial's checkpoint directory.
+    const std::string ck = t.checkpoint_dir() + "/it";
+    int it = 0;
+    std::ifstream(ck) >> it;
+    const double lr = to_double(t.config().at("lr"));
+    while (++it <= 8) {
+      std::ofstream(ck) << it;
+      t.report({{"training_iteration", it}, {"loss", std::pow(std::log10(lr) + 2, 2) + 1.0 / it}});
+    }
+  };
+  auto o = function_options(dir, "hyperband")
+               .num_samples(8)
+               .scheduler(SchedulerOptions().kind("hyperband").max_t(8).reduction_factor(2));
+  const TuneResult r = tune(lr_space(), o, fn);
+  int complete = 0, total_resumes = 0;
+  for (const auto& t : r.trials) {
+    complete += t.state == TrialState::kComplete;
+    EXPECT_TRUE(t.state == TrialState::kComplete || t.state == TrialState::kStopped)
+        << to_string(t.state);
+    total_resumes += resumed[t.number];
+    EXPECT_EQ(starts[t.number], 1 + resumed[t.number]);
+  }
+  // max_t 8, eta 2: the first bracket takes all 8 trials at 1 iteration, 4 go on to 2, 2 to 4,
+  // 1 to 8: 4 + 2 + 1 resumes, one trial complete.
+  EXPECT_EQ(total_resumes, 7);
+  EXPECT_EQ(complete, 1);
+  ASSERT_TRUE(r.best);
+  EXPECT_EQ(r.best->iterations, 8);
+}
+
+TEST(Tuner, CommandTrialsGetTheirValuesAndCrashesAreRecorded) {
+  TempDir dir("tune-cmd");
+  const std::string script = dir.path + "/trial.sh";
+  // Trial 2 crashes on every attempt; the others echo their values back as metrics.
+  write_script(script,
+               "echo \"not json\"\n"
+               "if [ \"$PARATRAIN_TRIAL_NUMBER\" = 2 ]; then echo boom >&2; exit 3; fi\n"
+               "echo \"{\\\"training_iteration\\\": 1, \\\"w\\\": $width, \\\"arg\\\": $1, "
+               "\\\"resume\\\": $PARATRAIN_TRIAL_RESUME}\"\n");
+  SearchSpace s;
+  s.add("width=grid_search(10, 20, 30, 40)");
+  const TuneResult r = tune(s, TunerOptions()
+                                   .storage("sqlite:///" + dir.path + "/s.db")
+                                   .study("c")
+                                   .metric("w")
+                                   .mode("max")
+                                   .searcher(SearcherOptions().kind("grid"))
+                                   .max_failures(1)
+                                   .cpus(2)
+                                   .trial_dir(dir.path + "/trials")
+                                   .output("none")
+                                   .command({script, "{width}"}));
+  ASSERT_EQ(r.trials.size(), 4u);
+  for (const auto& t : r.trials) {
+    if (t.number == 2) {
+      EXPECT_EQ(t.state, TrialState::kFailed);
+      EXPECT_EQ(t.exit_status, 3);
+      EXPECT_EQ(t.error, "exit status 3");
+      std::ifstream log(t.log_path);
+      const std::string text((std::istreambuf_iterator<char>(log)), {});
+      EXPECT_NE(text.find("boom"), std::string::npos) << text;
+      EXPECT_NE(text.find("failures so far 1"), std::string::npos) << "retried once: " << text;
+    } else {
+      EXPECT_EQ(t.state, TrialState::kComplete);
+      EXPECT_EQ(t.value, to_double(t.config.at("width")));
+    }
+  }
+  ASSERT_TRUE(r.best);
+  EXPECT_EQ(r.best->value, 40);
+  // The {width} argument and the environment agree: the logged rows say so.
+  std::ifstream log(r.best->log_path);
+  const std::string rows((std::istreambuf_iterator<char>(log)), {});
+  EXPECT_NE(rows.find("\"w\": 40, \"arg\": 40, \"resume\": 0"), std::string::npos) << rows;
+}
+
+TEST(Tuner, BadInputIsRefusedBeforeAnythingRuns) {
+  TempDir dir("tune-bad");
+  auto o = TunerOptions()
+               .storage(dir.path + "/s.db")
+               .study("b")
+               .metric("loss")
+               .cpus(2)
+               .trial_dir(dir.path + "/t")
+               .output("none");
+  EXPECT_NE(error_of([&] {
+              tune(lr_space(), TunerOptions(o).command({"no-such-program-x"}));
+            }).find("trial command 'no-such-program-x' not found"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              tune(lr_space(), TunerOptions(o).resources(Resources().ranks(2).threads(2)),
+                   quadratic);
+            }).find("needs 4 cores (2 ranks x 2 threads) but this machine has 2"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              tune(lr_space(), TunerOptions(o).gpus(0).resources(Resources().gpus(1)), quadratic);
+            }).find("needs 1 GPUs but this machine has 0"),
+            std::string::npos);
+  // A metric the trials never report: named after the first report.
+  const std::string e =
+      error_of([&] { tune(lr_space(), TunerOptions(o).metric("acc").num_samples(3), quadratic); });
+  EXPECT_NE(e.find("reported a row without the metric 'acc' (its keys: loss, training_iteration)"),
+            std::string::npos)
+      << e;
+  // The study exists with metric acc now; another space is refused and the trials are kept.
+  SearchSpace other;
+  other.add("lr=uniform(0, 1)");
+  EXPECT_NE(error_of([&] {
+              tune(other, TunerOptions(o).metric("acc"), quadratic);
+            }).find("exists with a different search space"),
+            std::string::npos);
+  auto st = open_storage(dir.path + "/s.db");
+  st->open_study({"b", lr_space().canonical(), "acc", "min"});
+  EXPECT_GE(st->load_trials().size(), 1u);
+}
+
+// A slow command trial, SIGKILLed tuner, second tuner on the same study: finished trials kept,
+// interrupted ones retried with PARATRAIN_TRIAL_RESUME=1 from their checkpoints, none twice.
+TEST(Tuner, SigkilledTunerResumesTheStudy) {
+  TempDir dir("tune-kill");
+  const std::string script = dir.path + "/trial.sh";
+  write_script(script,
+               "ck=$PARATRAIN_CHECKPOINT_DIR/it; it=0\n"
+               "[ -f $ck ] && it=$(cat $ck)\n"
+               "echo \"$PARATRAIN_TRIAL_NUMBER $PARATRAIN_TRIAL_RESUME $it\" >> " +
+                   dir.path +
+                   "/starts\n"
+                   "while [ $it -lt 6 ]; do it=$((it+1)); sleep 0.1; echo $it > $ck\n"
+                   "  echo \"{\\\"training_iteration\\\": $it, \\\"loss\\\": $x}\"; done\n");
+  const std::vector<std::string> argv{testing::cli_path(),
+                                      "tune",
+                                      "--storage",
+                                      dir.path + "/s.db",
+                                      "--study",
+                                      "k",
+                                      "--metric",
+                                      "loss",
+                                      "--mode",
+                                      "min",
+                                      "--space",
+                                      "x=uniform(0, 1)",
+                                      "--num-samples",
+                                      "6",
+                                      "--max-concurrent",
+                                      "2",
+                                      "--cpus",
+                                      "2",
+                                      "--trial-dir",
+                                      dir.path + "/trials",
+                                      "--",
+                                      script};
+  auto first = testing::start_process(argv);
+  ASSERT_TRUE(first.wait_for_output("trial 2 iteration 2:", 60)) << first.output;
+  ::kill(first.pid, SIGKILL);
+  first.finish(30);
+  // PR_SET_PDEATHSIG took the trials down with the tuner.
+  for (int i = 0; i < 50 && !testing::processes_with(script).empty(); ++i) {
+    ::usleep(100000);
+  }
+  EXPECT_TRUE(testing::processes_with(script).empty());
+  const auto second = run_process(argv, {}, 120);
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from"), std::string::npos) << second.output;
+  auto st = open_storage(dir.path + "/s.db");
+  st->open_study({"k",
+                  [] {
+                    SearchSpace s;
+                    s.add("x=uniform(0, 1)");
+                    return s.canonical();
+                  }(),
+                  "loss", "min"});
+  const auto trials = st->load_trials();
+  ASSERT_EQ(trials.size(), 6u);
+  std::set<int64_t> resumed_from_checkpoint;
+  std::ifstream starts(dir.path + "/starts");
+  int64_t number = 0;
+  int resume = 0, it = 0;
+  while (starts >> number >> resume >> it) {
+    if (resume == 1 && it > 0) {
+      resumed_from_checkpoint.insert(number);
+    }
+  }
+  for (const auto& t : trials) {
+    EXPECT_EQ(t.state, TrialState::kComplete) << t.number;
+    // Each iteration at most once, in order, up to the last. A row can be lost (not repeated):
+    // the trial saved its checkpoint, then died with the tuner before printing the row.
+    ASSERT_GE(t.results.size(), 5u) << t.number;
+    EXPECT_EQ(t.results.back().first, 6) << t.number;
+    for (size_t i = 1; i < t.results.size(); ++i) {
+      EXPECT_LT(t.results[i - 1].first, t.results[i].first) << t.number;
+    }
+  }
+  EXPECT_FALSE(resumed_from_checkpoint.empty()) << "no trial continued from its checkpoint";
+}
+
+TEST(Tuner, CliBadInputGetsOneLine) {
+  TempDir dir("tune-cli");
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv{testing::cli_path(),
+                                  "tune",
+                                  "--storage",
+                                  dir.path + "/s.db",
+                                  "--study",
+                                  "x",
+                                  "--metric",
+                                  "m",
+                                  "--mode",
+                                  "min",
+                                  "--trial-dir",
+                                  dir.path + "/t"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return run_process(argv, {}, 60);
+  };
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  const std::vector<Case> cases{
+      {{"--space", "lr=gauss(0, 1)", "--", "true"}, "unknown distribution 'gauss'"},
+      {{"--space", "lr=uniform(1, 0)", "--", "true"}, "needs low < high"},
+      {{"--space", "lr=loguniform(0, 1)", "--", "true"}, "needs low > 0"},
+      {{"--space", "c=choice()", "--", "true"}, "at least one value"},
+      {{"--space", "lr=uniform(0, 1)", "--storage", "mysql://h/x", "--", "true"},
+       "unknown storage scheme"},
+      {{"--space", "lr=uniform(0, 1)", "--", "no-such-program-y"}, "not found"},
+      {{"--space", "lr=uniform(0, 1)", "--ranks", "64", "--", "true"}, "needs 64 cores"},
+      {{"--", "true"}, "no --space given"},
+      {{"--space", "lr=uniform(0, 1)", "--mode", "up", "--", "true"}, "--mode must be min or max"},
+      {{"--space", "lr=uniform(0, 1)", "--searcher", "cma", "--", "true"}, "unknown searcher"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.expected;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+}
+
+// paratrain train trials under Hyperband: a promoted trial continues from its epoch checkpoint,
+// and the end names the command that reproduces the best trial.
+TEST(Tuner, TrainTrialsResumeFromTheirCheckpoints) {
+  TempDir dir("tune-train");
+  const auto r = run_process({testing::cli_path(),
+                              "tune",
+                              "--storage",
+                              dir.path + "/s.db",
+                              "--study",
+                              "t",
+                              "--metric",
+                              "test_accuracy",
+                              "--mode",
+                              "max",
+                              "--scheduler",
+                              "hyperband",
+                              "--max-t",
+                              "3",
+                              "--num-samples",
+                              "3",
+                              "--space",
+                              "lr=loguniform(1e-3, 0.3)",
+                              "--trial-dir",
+                              dir.path + "/t",
+                              "--json",
+                              "--",
+                              "train",
+                              "--model",
+                              "linear",
+                              "--steps",
+                              "5",
+                              "--batch-size",
+                              "32"},
+                             testing::world_of_one_env(), 240);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\"event\":\"resumed\""), std::string::npos) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, std::regex("\"command\":\"([^\"]*)\""))) << r.output;
+  EXPECT_NE(m[1].str().find("paratrain train --model linear --steps 5 --batch-size 32 --epochs 3 "
+                            "--lr "),
+            std::string::npos)
+      << m[1];
+  bool resumed = false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path + "/t")) {
+    std::ifstream log(entry.path().string() + "/trial.log");
+    const std::string text((std::istreambuf_iterator<char>(log)), {});
+    resumed = resumed || text.find("paratrain: resumed from") != std::string::npos;
+  }
+  EXPECT_TRUE(resumed) << "no promoted trial continued from its checkpoint";
+}
+
+}  // namespace
+}  // namespace tune
+}  // namespace paratrain
