@@ -16,7 +16,8 @@ cp -r /usr/include/CLI "$out/include/"        # header only: the CLI's command l
 cp -rL /usr/include/turbojpeg.h /usr/include/png.h /usr/include/pngconf.h \
   /usr/include/pnglibconf.h /usr/include/webp "$out/include/"
 mkdir -p "$out/lib"
-for lib in libturbojpeg.so libpng16.so libwebp.so libsharpyuv.so; do
+cp /usr/include/sqlite3.h "$out/include/"  # paratrain tune's SQLite studies
+for lib in libturbojpeg.so libpng16.so libwebp.so libsharpyuv.so libsqlite3.so; do
   for f in /usr/lib/x86_64-linux-gnu/$lib*; do
     [ -e "$f" ] && cp -a "$f" "$out/lib/"
   done

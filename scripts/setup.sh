@@ -16,6 +16,8 @@ packages=(
   libcli11-dev          # the CLI's command lines and --config TOML files
   libprotobuf-dev protobuf-compiler  # TensorBoard's Event protobufs (--tensorboard)
   python3-protobuf python3-crc32c    # the tests' independent reader of those event files
+  libsqlite3-dev libpq-dev  # paratrain tune's studies: SQLite files, PostgreSQL databases
+  postgresql            # the server the tune tests start (initdb in a temporary directory)
   libturbojpeg0-dev libpng-dev libwebp-dev  # ImageFolder decoding: TurboJPEG, libpng, libwebp
   dataset-fashion-mnist
   libgtest-dev googletest

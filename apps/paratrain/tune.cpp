@@ -39,7 +39,9 @@ const CommandSpec& tune_spec() {
       "in --storage; a tuner started again on it continues (finished trials kept, running ones\n"
       "retried from their checkpoints).",
       {
-          {"storage", "URL", "sqlite:///FILE or a file path (default sqlite:///paratrain-tune.db)"},
+          {"storage", "URL",
+           "sqlite:///FILE or a path (default sqlite:///paratrain-tune.db), or "
+           "postgresql://USER@HOST/DB for tuners on several machines sharing the study"},
           {"study", "NAME", "the study's name (required)"},
           {"space", "NAME=DIST",
            "a parameter: uniform(a,b), quniform(a,b,q), loguniform(a,b), qloguniform(a,b,q), "
@@ -64,6 +66,8 @@ const CommandSpec& tune_spec() {
           {"cpus", "N", "the cores to pack trials onto (default: those this process may use)"},
           {"trial-dir", "DIR", "trials' logs and checkpoints (default paratrain-tune/STUDY)"},
           {"kill-grace", "SECONDS", "SIGTERM, then SIGKILL this long after (default 5)"},
+          {"heartbeat-timeout", "SECONDS",
+           "retry a trial whose tuner sent no heartbeat this long (default 60)"},
           {"json", "", "print JSON rows instead of lines"},
           {"table", "", "a live status table (the default on a terminal)"},
       },
@@ -205,6 +209,7 @@ tune::TunerOptions options_from(const Args& args) {
       .max_failures(args.get_int("max-failures", 3))
       .cpus(args.get_int("cpus", 0))
       .trial_dir(args.get("trial-dir", ""))
+      .heartbeat_timeout(std::chrono::seconds(args.get_int("heartbeat-timeout", 60)))
       .kill_grace(std::chrono::milliseconds(
           static_cast<int64_t>(std::llround(args.get_double("kill-grace", 5) * 1000))));
   if (o.mode() != "min" && o.mode() != "max") {

@@ -1,12 +1,20 @@
 #include "paratrain/tune/storage.h"
 
 #include <c10/util/Exception.h>
+#ifdef PARATRAIN_WITH_POSTGRESQL
+#include <libpq-fe.h>
+#endif
 #include <sqlite3.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <optional>
+#include <variant>
 
 namespace paratrain {
 namespace tune {
@@ -68,183 +76,374 @@ Config config_from(const std::string& text) {
   return c;
 }
 
-const char* kSchema = R"sql(
-CREATE TABLE IF NOT EXISTS studies (
-  name TEXT PRIMARY KEY, space TEXT NOT NULL, metric TEXT NOT NULL, mode TEXT NOT NULL,
-  created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS trials (
-  study TEXT NOT NULL REFERENCES studies(name), number INTEGER NOT NULL, state TEXT NOT NULL,
-  params TEXT NOT NULL, attempts INTEGER NOT NULL, exit_status INTEGER NOT NULL,
-  error TEXT NOT NULL, log_path TEXT NOT NULL, started REAL NOT NULL, ended REAL NOT NULL,
-  PRIMARY KEY (study, number));
-CREATE TABLE IF NOT EXISTS results (
-  study TEXT NOT NULL, number INTEGER NOT NULL, seq INTEGER NOT NULL, iteration INTEGER NOT NULL,
-  value REAL, row TEXT NOT NULL, time REAL NOT NULL, PRIMARY KEY (study, number, seq));
-)sql";
-
 double now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// A prepared statement that finalizes itself.
-class Stmt {
- public:
-  Stmt(sqlite3* db, const char* sql) : db_(db) {
-    const int rc = sqlite3_prepare_v2(db, sql, -1, &s_, nullptr);
-    TORCH_CHECK(rc == SQLITE_OK, "tune storage: ", sqlite3_errmsg(db), " in: ", sql);
-  }
-  ~Stmt() { sqlite3_finalize(s_); }
-  Stmt(const Stmt&) = delete;
-  Stmt& operator=(const Stmt&) = delete;
-  Stmt& bind(int i, const std::string& v) {
-    sqlite3_bind_text(s_, i, v.c_str(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
-    return *this;
-  }
-  Stmt& bind(int i, int64_t v) {
-    sqlite3_bind_int64(s_, i, v);
-    return *this;
-  }
-  Stmt& bind(int i, double v) {
-    if (std::isnan(v)) {
-      sqlite3_bind_null(s_, i);  // SQLite stores NaN as NULL anyway; say so
-    } else {
-      sqlite3_bind_double(s_, i, v);
-    }
-    return *this;
-  }
-  /// True while there is a row.
-  bool step() {
-    const int rc = sqlite3_step(s_);
-    TORCH_CHECK(rc == SQLITE_ROW || rc == SQLITE_DONE, "tune storage: ", sqlite3_errmsg(db_));
-    return rc == SQLITE_ROW;
-  }
-  std::string text(int i) const {
-    const auto* p = sqlite3_column_text(s_, i);
-    return p ? reinterpret_cast<const char*>(p) : "";
-  }
-  int64_t integer(int i) const { return sqlite3_column_int64(s_, i); }
-  double real(int i) const {
-    return sqlite3_column_type(s_, i) == SQLITE_NULL ? std::nan("") : sqlite3_column_double(s_, i);
-  }
+// One SQL parameter or column: NULL, an integer, a float or text.
+using Param = std::variant<std::monostate, int64_t, double, std::string>;
+using Row = std::vector<std::optional<std::string>>;
 
- private:
-  sqlite3* db_;
-  sqlite3_stmt* s_ = nullptr;
+// The little the storage needs from a database: statements with '?' parameters, each returning
+// its rows as text, and a transaction that holds the study's lock.
+class Db {
+ public:
+  virtual ~Db() = default;
+  virtual std::vector<Row> query(const std::string& sql, const std::vector<Param>& params = {}) = 0;
+  /// BEGIN, holding a lock that serializes the tuners of one database.
+  virtual void begin_locked() = 0;
+  /// The tables, created when missing.
+  virtual void create_schema() = 0;
 };
 
-class SqliteStorage : public Storage {
+// ---- SQLite (Debian's libsqlite3) ----
+class SqliteDb : public Db {
  public:
-  SqliteStorage(std::string url, const std::string& path) : url_(std::move(url)) {
+  SqliteDb(const std::string& path, const std::string& url) : url_(url) {
     const int rc =
         sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
     if (rc != SQLITE_OK) {
       const std::string why = db_ ? sqlite3_errmsg(db_) : sqlite3_errstr(rc);
       sqlite3_close(db_);
-      db_ = nullptr;
       TORCH_CHECK(false, "tune storage: cannot open SQLite database ", path, ": ", why);
     }
-    sqlite3_busy_timeout(db_, 30000);  // another tuner on the same file holds the lock briefly
+    sqlite3_busy_timeout(db_, 60000);  // another tuner on the same file holds the lock briefly
+  }
+  ~SqliteDb() override { sqlite3_close(db_); }
+
+  std::vector<Row> query(const std::string& sql, const std::vector<Param>& params) override {
+    sqlite3_stmt* st = nullptr;
+    TORCH_CHECK(sqlite3_prepare_v2(db_, sql.c_str(), -1, &st, nullptr) == SQLITE_OK,
+                "tune storage: ", sqlite3_errmsg(db_), " (", url_, ")");
+    std::unique_ptr<sqlite3_stmt, int (*)(sqlite3_stmt*)> guard(st, sqlite3_finalize);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int k = static_cast<int>(i + 1);
+      const Param& p = params[i];
+      if (const auto* v = std::get_if<int64_t>(&p)) {
+        sqlite3_bind_int64(st, k, *v);
+      } else if (const auto* d = std::get_if<double>(&p)) {
+        sqlite3_bind_double(st, k, *d);
+      } else if (const auto* t = std::get_if<std::string>(&p)) {
+        sqlite3_bind_text(st, k, t->c_str(), static_cast<int>(t->size()), SQLITE_TRANSIENT);
+      } else {
+        sqlite3_bind_null(st, k);
+      }
+    }
+    std::vector<Row> rows;
+    while (true) {
+      const int rc = sqlite3_step(st);
+      if (rc == SQLITE_DONE) {
+        return rows;
+      }
+      TORCH_CHECK(rc == SQLITE_ROW, "tune storage: ", sqlite3_errmsg(db_), " (", url_, ")");
+      Row row;
+      for (int c = 0; c < sqlite3_column_count(st); ++c) {
+        const int type = sqlite3_column_type(st, c);
+        if (type == SQLITE_NULL) {
+          row.emplace_back();
+        } else if (type == SQLITE_FLOAT) {  // all 17 digits: SQLite's own text keeps 15
+          char buf[32];
+          std::snprintf(buf, sizeof(buf), "%.17g", sqlite3_column_double(st, c));
+          row.emplace_back(buf);
+        } else {
+          row.emplace_back(reinterpret_cast<const char*>(sqlite3_column_text(st, c)));
+        }
+      }
+      rows.push_back(std::move(row));
+    }
+  }
+
+  void begin_locked() override { query("BEGIN IMMEDIATE", {}); }
+
+  void create_schema() override {
+    for (const char* sql :
+         {"CREATE TABLE IF NOT EXISTS studies (name TEXT PRIMARY KEY, space TEXT NOT NULL, "
+          "metric TEXT NOT NULL, mode TEXT NOT NULL, created REAL NOT NULL)",
+          "CREATE TABLE IF NOT EXISTS trials (study TEXT NOT NULL, number INTEGER NOT NULL, "
+          "state TEXT NOT NULL, params TEXT NOT NULL, attempts INTEGER NOT NULL, "
+          "exit_status INTEGER NOT NULL, error TEXT NOT NULL, log_path TEXT NOT NULL, "
+          "started REAL NOT NULL, ended REAL NOT NULL, worker TEXT NOT NULL, "
+          "heartbeat REAL NOT NULL, PRIMARY KEY (study, number))",
+          "CREATE TABLE IF NOT EXISTS results (study TEXT NOT NULL, number INTEGER NOT NULL, "
+          "seq INTEGER NOT NULL, iteration INTEGER NOT NULL, value REAL, row TEXT NOT NULL, "
+          "time REAL NOT NULL, PRIMARY KEY (study, number, seq))"}) {
+      query(sql, {});
+    }
+  }
+
+ private:
+  std::string url_;
+  sqlite3* db_ = nullptr;
+};
+
+#ifdef PARATRAIN_WITH_POSTGRESQL
+// ---- PostgreSQL (Debian's libpq) ----
+class PgDb : public Db {
+ public:
+  PgDb(const std::string& url, const std::string& shown) : shown_(shown) {
+    conn_ = PQconnectdb(url.c_str());
+    if (PQstatus(conn_) != CONNECTION_OK) {
+      std::string why = PQerrorMessage(conn_);
+      PQfinish(conn_);
+      while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) {
+        why.pop_back();
+      }
+      for (size_t nl = why.find('\n'); nl != std::string::npos; nl = why.find('\n')) {
+        why[nl] = ' ';  // one line
+      }
+      TORCH_CHECK(false, "tune storage: cannot connect to PostgreSQL at ", shown_, ": ", why);
+    }
+    // The server's NOTICEs ("relation ... already exists, skipping") are not the user's concern.
+    PQsetNoticeProcessor(
+        conn_, [](void*, const char*) {}, nullptr);
+  }
+  ~PgDb() override { PQfinish(conn_); }
+
+  std::vector<Row> query(const std::string& sql, const std::vector<Param>& params) override {
+    std::string text;  // '?' -> $1, $2, ...
+    int k = 0;
+    for (char c : sql) {
+      text += c == '?' ? "$" + std::to_string(++k) : std::string(1, c);
+    }
+    std::vector<std::string> values(params.size());
+    std::vector<const char*> ptrs(params.size(), nullptr);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i];
+      if (const auto* v = std::get_if<int64_t>(&p)) {
+        values[i] = std::to_string(*v);
+      } else if (const auto* d = std::get_if<double>(&p)) {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%.17g", *d);
+        values[i] = std::isfinite(*d) ? buf : *d > 0 ? "Infinity" : "-Infinity";
+      } else if (const auto* t = std::get_if<std::string>(&p)) {
+        values[i] = *t;
+      } else {
+        continue;  // NULL
+      }
+      ptrs[i] = values[i].c_str();
+    }
+    PGresult* res = PQexecParams(conn_, text.c_str(), static_cast<int>(params.size()), nullptr,
+                                 ptrs.data(), nullptr, nullptr, 0);
+    std::unique_ptr<PGresult, void (*)(PGresult*)> guard(res, PQclear);
+    const auto status = PQresultStatus(res);
+    if (status != PGRES_TUPLES_OK && status != PGRES_COMMAND_OK) {
+      std::string why = PQresultErrorMessage(res);
+      while (!why.empty() && why.back() == '\n') {
+        why.pop_back();
+      }
+      TORCH_CHECK(false, "tune storage: PostgreSQL at ", shown_, ": ", why);
+    }
+    std::vector<Row> rows;
+    for (int r = 0; r < PQntuples(res); ++r) {
+      Row row;
+      for (int c = 0; c < PQnfields(res); ++c) {
+        if (PQgetisnull(res, r, c)) {
+          row.emplace_back();
+        } else {
+          row.emplace_back(PQgetvalue(res, r, c));
+        }
+      }
+      rows.push_back(std::move(row));
+    }
+    return rows;
+  }
+
+  void begin_locked() override {
+    query("BEGIN", {});
+    query("SELECT pg_advisory_xact_lock(7418322)", {});  // paratrain's lock: one at a time
+  }
+
+  void create_schema() override {
+    begin_locked();  // two workers creating the tables at once would collide in the catalog
     try {
-      exec(kSchema);
+      for (const char* sql :
+           {"CREATE TABLE IF NOT EXISTS studies (name TEXT PRIMARY KEY, space TEXT NOT NULL, "
+            "metric TEXT NOT NULL, mode TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS trials (study TEXT NOT NULL, number BIGINT NOT NULL, "
+            "state TEXT NOT NULL, params TEXT NOT NULL, attempts BIGINT NOT NULL, "
+            "exit_status BIGINT NOT NULL, error TEXT NOT NULL, log_path TEXT NOT NULL, "
+            "started DOUBLE PRECISION NOT NULL, ended DOUBLE PRECISION NOT NULL, "
+            "worker TEXT NOT NULL, heartbeat DOUBLE PRECISION NOT NULL, "
+            "PRIMARY KEY (study, number))",
+            "CREATE TABLE IF NOT EXISTS results (study TEXT NOT NULL, number BIGINT NOT NULL, "
+            "seq BIGINT NOT NULL, iteration BIGINT NOT NULL, value DOUBLE PRECISION, "
+            "row TEXT NOT NULL, time DOUBLE PRECISION NOT NULL, "
+            "PRIMARY KEY (study, number, seq))"}) {
+        query(sql, {});
+      }
+      query("COMMIT", {});
     } catch (...) {
-      sqlite3_close(db_);
+      query("ROLLBACK", {});
       throw;
     }
   }
-  ~SqliteStorage() override { sqlite3_close(db_); }
+
+ private:
+  std::string shown_;
+  PGconn* conn_ = nullptr;
+};
+
+#endif
+
+std::string text_of(const Row& row, size_t i) {
+  return row.at(i).value_or("");
+}
+int64_t int_of(const Row& row, size_t i) {
+  return row.at(i) ? std::stoll(*row[i]) : 0;
+}
+double real_of(const Row& row, size_t i) {
+  if (!row.at(i)) {
+    return std::nan("");
+  }
+  const std::string& t = *row[i];
+  return t == "Infinity"    ? HUGE_VAL
+         : t == "-Infinity" ? -HUGE_VAL
+                            : std::strtod(t.c_str(), nullptr);
+}
+
+class SqlStorage : public Storage {
+ public:
+  SqlStorage(std::unique_ptr<Db> db, std::string url) : db_(std::move(db)), url_(std::move(url)) {
+    db_->create_schema();
+  }
 
   void open_study(const StudySpec& spec) override {
-    exec("BEGIN IMMEDIATE");
-    try {
-      Stmt q(db_, "SELECT space, metric, mode FROM studies WHERE name = ?");
-      q.bind(1, spec.name);
-      if (q.step()) {
-        check_same(spec, q.text(0), q.text(1), q.text(2));
+    locked([&] {
+      const auto rows =
+          db_->query("SELECT space, metric, mode FROM studies WHERE name = ?", {spec.name});
+      if (!rows.empty()) {
+        check_same(spec, text_of(rows[0], 0), text_of(rows[0], 1), text_of(rows[0], 2));
       } else {
-        Stmt ins(db_, "INSERT INTO studies VALUES (?, ?, ?, ?, ?)");
-        ins.bind(1, spec.name).bind(2, spec.space).bind(3, spec.metric).bind(4, spec.mode);
-        ins.bind(5, now()).step();
+        db_->query("INSERT INTO studies VALUES (?, ?, ?, ?, ?)",
+                   {spec.name, spec.space, spec.metric, spec.mode, now()});
       }
-      exec("COMMIT");
-    } catch (...) {
-      exec("ROLLBACK");
-      throw;
-    }
+    });
     study_ = spec.name;
   }
 
   std::vector<TrialRecord> load_trials() override {
     std::vector<TrialRecord> out;
-    Stmt q(db_,
-           "SELECT number, state, params, attempts, exit_status, error, log_path, started, ended "
-           "FROM trials WHERE study = ? ORDER BY number");
-    q.bind(1, study_);
-    while (q.step()) {
+    for (const Row& q : db_->query(
+             "SELECT number, state, params, attempts, exit_status, error, log_path, started, "
+             "ended, worker, heartbeat FROM trials WHERE study = ? ORDER BY number",
+             {study_})) {
       TrialRecord r;
-      r.number = q.integer(0);
-      r.state = state_from(q.text(1));
-      r.config = config_from(q.text(2));
-      r.attempts = static_cast<int>(q.integer(3));
-      r.exit_status = static_cast<int>(q.integer(4));
-      r.error = q.text(5);
-      r.log_path = q.text(6);
-      r.started = q.real(7);
-      r.ended = q.real(8);
+      r.number = int_of(q, 0);
+      r.state = state_from(text_of(q, 1));
+      r.config = config_from(text_of(q, 2));
+      r.attempts = static_cast<int>(int_of(q, 3));
+      r.exit_status = static_cast<int>(int_of(q, 4));
+      r.error = text_of(q, 5);
+      r.log_path = text_of(q, 6);
+      r.started = real_of(q, 7);
+      r.ended = real_of(q, 8);
+      r.worker = text_of(q, 9);
+      r.heartbeat = real_of(q, 10);
       out.push_back(std::move(r));
     }
-    Stmt res(db_,
-             "SELECT number, iteration, value FROM results WHERE study = ? ORDER BY number, seq");
-    res.bind(1, study_);
     size_t k = 0;
-    while (res.step()) {
-      const int64_t number = res.integer(0);
+    for (const Row& q : db_->query("SELECT number, iteration, value FROM results WHERE study = ? "
+                                   "ORDER BY number, seq",
+                                   {study_})) {
+      const int64_t number = int_of(q, 0);
       while (k < out.size() && out[k].number < number) {
         ++k;
       }
       if (k < out.size() && out[k].number == number) {
-        out[k].results.emplace_back(res.integer(1), res.real(2));
+        out[k].results.emplace_back(int_of(q, 1), real_of(q, 2));
       }
     }
     return out;
   }
 
   void add_trial(const TrialRecord& r) override {
-    Stmt ins(db_, "INSERT INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
-    ins.bind(1, study_).bind(2, r.number).bind(3, std::string(to_string(r.state)));
-    ins.bind(4, config_json(r.config)).bind(5, static_cast<int64_t>(r.attempts));
-    ins.bind(6, static_cast<int64_t>(r.exit_status)).bind(7, r.error).bind(8, r.log_path);
-    ins.bind(9, r.started).bind(10, r.ended).step();
+    db_->query("INSERT INTO trials VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               {study_, r.number, std::string(to_string(r.state)), config_json(r.config),
+                int64_t{r.attempts}, int64_t{r.exit_status}, r.error, r.log_path, r.started,
+                r.ended, r.worker, now()});
+  }
+
+  int64_t reserve_trial(int64_t limit, const std::string& worker) override {
+    int64_t number = -1;
+    locked([&] {
+      const auto rows = db_->query(
+          "SELECT COALESCE(MAX(number) + 1, 0), COUNT(*) FROM trials WHERE study = ?", {study_});
+      if (int_of(rows.at(0), 1) >= limit) {
+        return;
+      }
+      number = int_of(rows[0], 0);
+      TrialRecord r;
+      r.number = number;
+      r.state = TrialState::kRunning;
+      r.worker = worker;
+      add_trial(r);
+    });
+    return number;
+  }
+
+  void set_config(int64_t number, const Config& config) override {
+    db_->query("UPDATE trials SET params = ? WHERE study = ? AND number = ?",
+               {config_json(config), study_, number});
+  }
+
+  bool claim_trial(int64_t number, const std::string& worker) override {
+    return !db_->query(
+                   "UPDATE trials SET state = 'RUNNING', worker = ?, heartbeat = ? "
+                   "WHERE study = ? AND number = ? AND state = 'PENDING' RETURNING number",
+                   {worker, now(), study_, number})
+                .empty();
+  }
+
+  bool release_trial(int64_t number, const std::string& worker) override {
+    return !db_->query(
+                   "UPDATE trials SET state = 'PENDING', worker = '', attempts = attempts + 1 "
+                   "WHERE study = ? AND number = ? AND state = 'RUNNING' AND worker = ? "
+                   "RETURNING number",
+                   {study_, number, worker})
+                .empty();
+  }
+
+  void heartbeat(const std::string& worker) override {
+    db_->query(
+        "UPDATE trials SET heartbeat = ? WHERE study = ? AND worker = ? AND "
+        "state = 'RUNNING'",
+        {now(), study_, worker});
   }
 
   void update_trial(const TrialRecord& r) override {
-    Stmt up(db_,
-            "UPDATE trials SET state = ?, attempts = ?, exit_status = ?, error = ?, "
-            "log_path = ?, started = ?, ended = ? WHERE study = ? AND number = ?");
-    up.bind(1, std::string(to_string(r.state))).bind(2, static_cast<int64_t>(r.attempts));
-    up.bind(3, static_cast<int64_t>(r.exit_status)).bind(4, r.error).bind(5, r.log_path);
-    up.bind(6, r.started).bind(7, r.ended).bind(8, study_).bind(9, r.number).step();
+    db_->query(
+        "UPDATE trials SET state = ?, attempts = ?, exit_status = ?, error = ?, "
+        "log_path = ?, started = ?, ended = ?, worker = ?, heartbeat = ? "
+        "WHERE study = ? AND number = ?",
+        {std::string(to_string(r.state)), int64_t{r.attempts}, int64_t{r.exit_status}, r.error,
+         r.log_path, r.started, r.ended, r.worker, now(), study_, r.number});
   }
 
   void add_result(int64_t number,
                   int64_t iteration,
                   double value,
                   const std::string& row) override {
-    Stmt ins(db_,
-             "INSERT INTO results SELECT ?, ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ? "
-             "FROM results WHERE study = ? AND number = ?");
-    ins.bind(1, study_).bind(2, number).bind(3, iteration).bind(4, value).bind(5, row);
-    ins.bind(6, now()).bind(7, study_).bind(8, number).step();
+    db_->query(
+        "INSERT INTO results SELECT ?, ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ? "
+        "FROM results WHERE study = ? AND number = ?",
+        {study_, number, iteration, std::isnan(value) ? Param{} : Param{value}, row, now(), study_,
+         number});
   }
 
   std::string url() const override { return url_; }
 
  private:
-  void exec(const char* sql) {
-    char* err = nullptr;
-    if (sqlite3_exec(db_, sql, nullptr, nullptr, &err) != SQLITE_OK) {
-      const std::string why = err ? err : "unknown error";
-      sqlite3_free(err);
-      TORCH_CHECK(false, "tune storage: ", why, " (", url_, ")");
+  void locked(const std::function<void()>& body) {
+    db_->begin_locked();
+    try {
+      body();
+      db_->query("COMMIT", {});
+    } catch (...) {
+      try {
+        db_->query("ROLLBACK", {});
+      } catch (...) {
+      }
+      throw;
     }
   }
 
@@ -260,10 +459,24 @@ class SqliteStorage : public Storage {
                 spec.metric, " --mode ", spec.mode, "; use another --study name");
   }
 
+  std::unique_ptr<Db> db_;
   std::string url_;
-  sqlite3* db_ = nullptr;
   std::string study_;
 };
+
+// The URL with its password hidden, for messages.
+std::string shown_url(const std::string& url) {
+  const size_t scheme = url.find("://");
+  const size_t at = url.find('@');
+  if (scheme == std::string::npos || at == std::string::npos) {
+    return url;
+  }
+  const size_t colon = url.find(':', scheme + 3);
+  if (colon == std::string::npos || colon > at) {
+    return url;
+  }
+  return url.substr(0, colon + 1) + "***" + url.substr(at);
+}
 
 }  // namespace
 
@@ -271,19 +484,26 @@ std::unique_ptr<Storage> open_storage(const std::string& url) {
   TORCH_CHECK(!url.empty(), "tune: --storage is empty; give sqlite:///study.db or a file path");
   const size_t scheme_end = url.find("://");
   if (scheme_end == std::string::npos) {
-    return std::make_unique<SqliteStorage>(url, url);  // a plain path
+    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url, url), url);
   }
   const std::string scheme = url.substr(0, scheme_end);
   if (scheme == "sqlite") {
     TORCH_CHECK(url.compare(0, 10, "sqlite:///") == 0 && url.size() > 10,
                 "tune: malformed storage URL '", url,
                 "'; write sqlite:///relative/path.db or sqlite:////absolute/path.db");
-    return std::make_unique<SqliteStorage>(url, url.substr(10));
+    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url.substr(10), url), url);
   }
-  TORCH_CHECK(scheme != "postgresql" && scheme != "postgres", "tune: storage '", url,
-              "': PostgreSQL storage is not built into this paratrain yet; use sqlite:///FILE");
-  TORCH_CHECK(false, "tune: unknown storage scheme '", scheme, "' in '", url,
-              "'; use sqlite:///FILE (or a plain file path)");
+  if (scheme == "postgresql" || scheme == "postgres") {
+    const std::string shown = shown_url(url);
+#ifdef PARATRAIN_WITH_POSTGRESQL
+    return std::make_unique<SqlStorage>(std::make_unique<PgDb>(url, shown), shown);
+#else
+    TORCH_CHECK(false, "tune: storage ", shown,
+                ": this paratrain was built without libpq (install libpq-dev and rebuild)");
+#endif
+  }
+  TORCH_CHECK(false, "tune: unknown storage scheme '", scheme, "' in '", shown_url(url),
+              "'; use sqlite:///FILE (or a file path) or postgresql://USER@HOST/DB");
 }
 
 }  // namespace tune

@@ -186,7 +186,11 @@ class Tuner {
 
  private:
   void check_options();
-  void replay(std::vector<TrialRecord> stored);
+  void sync(bool first);
+  bool worker_dead(const TrialRecord& t, double now) const;
+  void enqueue(int64_t number);
+  bool others_active() const;
+  Config suggest(int64_t number);
   void start_possible();
   bool start(int64_t number, bool resume);
   void start_process(Running& r, TrialRecord& t, bool resume);
@@ -229,6 +233,8 @@ class Tuner {
   std::string program_;
   Clock::time_point last_table_;
   int wake_read_ = -1;
+  std::string host_, worker_id_;
+  std::set<int64_t> notified_;              // trials whose end the searcher and scheduler were told
   std::map<int64_t, TrialState> verdicts_;  // promotions (kPending) and drops of stopping trials
 };
 
@@ -286,7 +292,11 @@ TuneResult Tuner::run() {
   std::error_code ec;
   std::filesystem::create_directories(o_.trial_dir(), ec);
   TORCH_CHECK(!ec, "tune: cannot create the trial directory ", o_.trial_dir(), ": ", ec.message());
-  replay(storage_->load_trials());
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  host_ = host;
+  worker_id_ = host_ + ":" + std::to_string(::getpid());
+  sync(true);
 
   int wake_fds[2];
   TORCH_CHECK(::pipe2(wake_fds, O_CLOEXEC | O_NONBLOCK) == 0, "tune: pipe failed");
@@ -308,18 +318,26 @@ TuneResult Tuner::run() {
   wake_read_ = wake_fds[0];
   TuneResult result;
   try {
+    auto last_sync = Clock::now(), last_beat = Clock::now();
     while (true) {
       if (g_signal.load() != 0) {
         stop_all();
         break;
       }
+      if (Clock::now() - last_sync >= std::chrono::seconds(1)) {
+        sync(false);  // other tuners' trials and results
+        last_sync = Clock::now();
+      }
+      if (!running_.empty() && Clock::now() - last_beat >= std::chrono::seconds(2)) {
+        storage_->heartbeat(worker_id_);
+        last_beat = Clock::now();
+      }
       start_possible();
       if (running_.empty() && queue_.empty() && no_more_) {
         handle_promotions();
-        if (running_.empty() && queue_.empty()) {
+        if (running_.empty() && queue_.empty() && !others_active()) {
           break;
         }
-        continue;
       }
       poll_once();
       reap();
@@ -338,49 +356,101 @@ TuneResult Tuner::run() {
   return result;
 }
 
-void Tuner::replay(std::vector<TrialRecord> stored) {
-  for (auto& s : stored) {
+// Brings this tuner's view of the study up to date with storage: trials and results of other
+// tuners (fed to the searcher and the scheduler), trials waiting to be run (retries,
+// promotions), and trials whose tuner died (released and retried from their checkpoints).
+void Tuner::sync(bool first) {
+  const double now = unix_now();
+  size_t seen = 0;
+  for (auto& s : storage_->load_trials()) {
+    ++seen;
     const int64_t n = s.number;
-    next_number_ = std::max(next_number_, n + 1);
-    scheduler_->on_trial_add(n);
-    Decision last = Decision::kContinue;
-    for (const auto& [it, v] : s.results) {
-      metric_seen_ = true;
-      searcher_->on_result(n, s.config, it, loss_of(v));
-      last = scheduler_->on_result(n, it, loss_of(v));
+    if (running_.count(n)) {
+      continue;  // this tuner runs it: its own copy is the current one
     }
-    TrialRecord& t = trials_[n] = std::move(s);
+    auto it = trials_.find(n);
+    if (it == trials_.end()) {
+      scheduler_->on_trial_add(n);
+      TrialRecord fresh = s;
+      fresh.results.clear();
+      it = trials_.emplace(n, std::move(fresh)).first;
+    }
+    TrialRecord& t = it->second;
+    if (t.config.empty()) {
+      t.config = s.config;
+    }
+    for (size_t i = t.results.size(); i < s.results.size(); ++i) {
+      const auto [iteration, value] = s.results[i];
+      t.results.push_back(s.results[i]);
+      metric_seen_ = true;
+      if (!t.config.empty()) {
+        searcher_->on_result(n, t.config, iteration, loss_of(value));
+      }
+      scheduler_->on_result(n, iteration, loss_of(value));  // its owner acts on the decision
+    }
+    t.state = s.state;
+    t.attempts = s.attempts;
+    t.exit_status = s.exit_status;
+    t.error = s.error;
+    t.log_path = s.log_path;
+    t.started = s.started;
+    t.ended = s.ended;
+    t.worker = s.worker;
+    t.heartbeat = s.heartbeat;
     if (finished(t.state)) {
       notify_end(t);
-      continue;
-    }
-    if (last == Decision::kStop || last == Decision::kComplete) {
-      finish(t, last == Decision::kStop ? TrialState::kStopped : TrialState::kComplete);
-    } else if (last == Decision::kPause) {
-      t.state = TrialState::kPaused;  // waits for its rung, as before
-      storage_->update_trial(t);
-    } else {
-      // It was running when the last tuner died: from its checkpoint, as a retry.
-      if (t.state == TrialState::kRunning) {
-        ++t.attempts;
-      }
-      if (t.attempts > o_.max_failures()) {
-        t.error =
-            "interrupted more than max_failures (" + std::to_string(o_.max_failures()) + ") times";
-        finish(t, TrialState::kFailed);
-      } else {
-        t.state = TrialState::kPending;
-        storage_->update_trial(t);
-        queue_.push_back(n);
-      }
+    } else if (t.state == TrialState::kPending) {
+      enqueue(n);
+    } else if (t.state == TrialState::kRunning && worker_dead(t, now) &&
+               storage_->release_trial(n, t.worker)) {
+      say("trial " + std::to_string(n) + ": its tuner " + t.worker +
+              " is gone; it is retried from its checkpoint",
+          {{"event", "released"}, {"trial", n}, {"worker", t.worker}});
+      t.state = TrialState::kPending;
+      t.worker.clear();
+      ++t.attempts;
+      enqueue(n);
     }
   }
-  if (!stored.empty() && !trials_.empty()) {
-    say("tune: study " + o_.study() + " resumed from " + storage_->url() + " with " +
-            std::to_string(trials_.size()) + " trials (" + std::to_string(queue_.size()) +
-            " to continue)",
-        {{"event", "resumed"}, {"trials", trials_.size()}, {"to_continue", queue_.size()}});
+  if (first && seen > 0) {
+    say("tune: study " + o_.study() + " in " + storage_->url() + " has " + std::to_string(seen) +
+            " trials; continuing it (" + std::to_string(queue_.size()) + " to run again)",
+        {{"event", "resumed_study"}, {"trials", seen}, {"to_run_again", queue_.size()}});
   }
+}
+
+// Whether the tuner that holds a RUNNING trial is gone: a process of this host that no longer
+// exists, or no heartbeat for heartbeat_timeout.
+bool Tuner::worker_dead(const TrialRecord& t, double now) const {
+  if (t.worker == worker_id_) {
+    return true;  // this process runs no such trial (it is not in running_)
+  }
+  const size_t colon = t.worker.rfind(':');
+  if (colon != std::string::npos && t.worker.substr(0, colon) == host_) {
+    const pid_t pid = static_cast<pid_t>(std::atol(t.worker.c_str() + colon + 1));
+    if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      return true;
+    }
+  }
+  return now - t.heartbeat > o_.heartbeat_timeout().count();
+}
+
+void Tuner::enqueue(int64_t number) {
+  if (std::find(queue_.begin(), queue_.end(), number) == queue_.end()) {
+    queue_.push_back(number);
+  }
+}
+
+// Trials of other tuners that may still need this one: running (their tuner may die) or
+// waiting to be claimed.
+bool Tuner::others_active() const {
+  for (const auto& [n, t] : trials_) {
+    if (!running_.count(n) &&
+        (t.state == TrialState::kRunning || t.state == TrialState::kPending)) {
+      return true;
+    }
+  }
+  return false;
 }
 
 void Tuner::start_possible() {
@@ -396,29 +466,50 @@ void Tuner::start_possible() {
     if (!queue_.empty()) {
       const int64_t n = queue_.front();
       queue_.pop_front();
+      if (!storage_->claim_trial(n, worker_id_)) {
+        continue;  // another tuner took it
+      }
+      TrialRecord& t = trials_.at(n);
+      t.worker = worker_id_;
+      if (t.attempts > o_.max_failures()) {
+        t.error = "its tuner died while running it " + std::to_string(t.attempts) +
+                  " times (max_failures " + std::to_string(o_.max_failures()) + ")";
+        finish(t, TrialState::kFailed);
+        continue;
+      }
+      if (t.config.empty()) {  // reserved by a tuner that died before choosing its config
+        t.config = suggest(n);
+      }
       start(n, true);
       continue;
     }
     if (no_more_) {
       return;
     }
-    std::optional<Config> config;
-    if (next_number_ < total_) {
-      config = searcher_->suggest(next_number_);
-    }
-    if (!config) {
+    const int64_t n = storage_->reserve_trial(total_, worker_id_);
+    if (n < 0) {
       no_more_ = true;
+      sync(false);  // every trial that will ever exist is in storage now
       scheduler_->on_no_more_trials();
       return;
     }
     TrialRecord t;
-    t.number = next_number_++;
-    t.config = *config;
-    storage_->add_trial(t);
-    trials_[t.number] = t;
-    scheduler_->on_trial_add(t.number);
-    start(t.number, false);
+    t.number = n;
+    t.state = TrialState::kRunning;
+    t.worker = worker_id_;
+    trials_[n] = t;
+    scheduler_->on_trial_add(n);
+    trials_[n].config = suggest(n);
+    start(n, false);
   }
+}
+
+Config Tuner::suggest(int64_t number) {
+  std::optional<Config> config = searcher_->suggest(number);
+  TORCH_CHECK(config, "tune: the searcher has no config for trial ", number,
+              " (a grid smaller than the study's trials)");
+  storage_->set_config(number, *config);
+  return *config;
 }
 
 bool Tuner::start(int64_t number, bool resume) {
@@ -441,6 +532,7 @@ bool Tuner::start(int64_t number, bool resume) {
     t.started = unix_now();
   }
   t.state = TrialState::kRunning;
+  t.worker = worker_id_;
   storage_->update_trial(t);
   Running& ref = *r;
   running_[number] = std::move(r);
@@ -714,7 +806,7 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
         } else {
           t.state = TrialState::kPending;
           storage_->update_trial(t);
-          queue_.push_back(t.number);
+          enqueue(t.number);
         }
       }
     } else {
@@ -735,7 +827,7 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
     ++t.attempts;
     t.state = TrialState::kPending;
     storage_->update_trial(t);
-    queue_.push_back(t.number);
+    enqueue(t.number);
     say(id + " failed (" + t.error + "; log " + t.log_path + "); retrying from its checkpoint (" +
             std::to_string(t.attempts) + " of " + std::to_string(o_.max_failures()) + ")",
         {{"event", "retry"}, {"trial", t.number}, {"error", t.error}, {"log", t.log_path}});
@@ -761,6 +853,9 @@ double Tuner::scoped_value(const TrialRecord& t) const {
 }
 
 void Tuner::notify_end(const TrialRecord& t) {
+  if (!notified_.insert(t.number).second) {
+    return;
+  }
   const Outcome outcome = t.state == TrialState::kComplete  ? Outcome::kComplete
                           : t.state == TrialState::kStopped ? Outcome::kPruned
                                                             : Outcome::kFailed;
@@ -806,12 +901,12 @@ void Tuner::handle_promotions() {
     if (t.state == TrialState::kPaused) {
       t.state = TrialState::kPending;
       storage_->update_trial(t);
-      queue_.push_back(n);
+      enqueue(n);
     } else if (running_.count(n)) {
       verdicts_[n] = TrialState::kPending;
     }
   }
-  if (no_more_ && running_.empty() && queue_.empty()) {
+  if (no_more_ && running_.empty() && queue_.empty() && !others_active()) {
     for (auto& [n, t] : trials_) {  // nothing can promote them any more
       if (t.state == TrialState::kPaused) {
         finish(t, TrialState::kStopped);
@@ -858,7 +953,8 @@ void Tuner::print_table(bool force) {
   for (const auto& t : s.trials) {
     out << std::setw(8) << t.number << std::setw(10) << to_string(t.state);
     for (const auto& p : space_.params()) {
-      out << std::setw(14) << to_string(t.config.at(p.first)).substr(0, 13);
+      const auto v = t.config.find(p.first);
+      out << std::setw(14) << (v == t.config.end() ? "" : to_string(v->second).substr(0, 13));
     }
     out << std::setw(6) << t.iterations << (std::isnan(t.value) ? "" : format_value(t.value))
         << "\n";

@@ -7,6 +7,8 @@
 //   sqlite:///study.db   (or a plain path) an SQLite file, created on first use: relative after
 //                        "sqlite:///", absolute with a fourth slash, as SQLAlchemy and Optuna read
 //                        them
+//   postgresql://USER@HOST:PORT/DB   a PostgreSQL database (libpq's URLs, ?host=/socket/dir for a
+//                        Unix socket), for tuners on several machines sharing one study
 
 #include "paratrain/tune/space.h"
 
@@ -43,6 +45,9 @@ struct TrialRecord {
   double ended = 0;    ///< Unix time it finished, 0 before
   /// (iteration, metric value) in report order; the metric as reported (not negated).
   std::vector<std::pair<int64_t, double>> results;
+  /// The tuner running it ("host:pid"), and when it last said so (Unix time).
+  std::string worker;
+  double heartbeat = 0;
 };
 
 class Storage {
@@ -54,7 +59,20 @@ class Storage {
   virtual std::vector<TrialRecord> load_trials() = 0;
   /// Adds trial `record.number`; throws if that number exists.
   virtual void add_trial(const TrialRecord& record) = 0;
-  /// Writes state, attempts, exit status, error, log path and times (not the results).
+  /// In one transaction: the study's next trial number, added as RUNNING for `worker` with an
+  /// empty config; -1 when the study already has `limit` trials. Tuners sharing a study never
+  /// get the same number.
+  virtual int64_t reserve_trial(int64_t limit, const std::string& worker) = 0;
+  virtual void set_config(int64_t number, const Config& config) = 0;
+  /// PENDING -> RUNNING for `worker`; false when another tuner claimed it first.
+  virtual bool claim_trial(int64_t number, const std::string& worker) = 0;
+  /// RUNNING for `worker` -> PENDING with one more attempt (its worker died); false when that
+  /// worker no longer holds it.
+  virtual bool release_trial(int64_t number, const std::string& worker) = 0;
+  /// Marks every trial `worker` runs as alive now.
+  virtual void heartbeat(const std::string& worker) = 0;
+  /// Writes state, attempts, exit status, error, log path, times and worker (not the results
+  /// nor the config).
   virtual void update_trial(const TrialRecord& record) = 0;
   /// One reported row; `row_json` is the trial's whole JSON line.
   virtual void add_result(int64_t number,

@@ -72,7 +72,8 @@ class TrialContext {
 using TrialFunction = std::function<void(TrialContext&)>;
 
 struct TunerOptions {
-  /// sqlite:///FILE or a path (storage.h).
+  /// sqlite:///FILE, a path, or postgresql://... (storage.h). Several tuners may share a study:
+  /// each claims trials in transactions, and none runs twice.
   TORCH_ARG(std::string, storage) = "";
   TORCH_ARG(std::string, study) = "";
   TORCH_ARG(std::string, metric) = "";
@@ -101,6 +102,9 @@ struct TunerOptions {
   TORCH_ARG(bool, train) = false;
   TORCH_ARG(std::vector<std::string>, train_args) = {};
   TORCH_ARG(std::string, paratrain_cli) = "";
+  /// A running trial whose tuner sent no heartbeat for this long (or, on the same host, whose
+  /// tuner process is gone) is released and retried by another tuner on the study.
+  TORCH_ARG(std::chrono::seconds, heartbeat_timeout) = std::chrono::seconds(60);
   /// SIGTERM, then SIGKILL after this long, for a trial that is stopped or paused.
   TORCH_ARG(std::chrono::milliseconds, kill_grace) = std::chrono::milliseconds(5000);
   /// Progress: "plain" lines, "json" rows, "table" (a live table), or "none".
