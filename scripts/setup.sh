@@ -18,6 +18,8 @@ packages=(
   python3-protobuf python3-crc32c    # the tests' independent reader of those event files
   libsqlite3-dev libpq-dev  # paratrain tune's studies: SQLite files, PostgreSQL databases
   postgresql            # the server the tune tests start (initdb in a temporary directory)
+  chromium              # headless: the tune report test renders the HTML report
+  python3-optuna        # paratrain bench tune's comparison (bench/tune_optuna.py)
   libturbojpeg0-dev libpng-dev libwebp-dev  # ImageFolder decoding: TurboJPEG, libpng, libwebp
   dataset-fashion-mnist
   libgtest-dev googletest

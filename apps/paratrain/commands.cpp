@@ -21,7 +21,7 @@ const std::vector<Command>& commands() {
        run_train},
       {"data", "make-imagefolder [opts]", "write Fashion-MNIST as an ImageFolder of JPEG/PNG/WebP",
        run_data},
-      {"tune", "[opts] [-- COMMAND]",
+      {"tune", "[opts] [-- COMMAND] | report [opts]",
        "hyperparameter search (grid, random, TPE, BOHB; ASHA, Hyperband, median) over train "
        "jobs or any command",
        run_tune},

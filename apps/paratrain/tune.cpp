@@ -5,6 +5,7 @@
 #include "commands.h"
 
 #ifdef PARATRAIN_WITH_TUNE
+#include "paratrain/tune/report.h"
 #include "paratrain/tune/tuner.h"
 
 #include <torch/cuda.h>
@@ -245,9 +246,43 @@ tune::TunerOptions options_from(const Args& args) {
   return o;
 }
 
+const CommandSpec& report_spec() {
+  static const CommandSpec spec{
+      "paratrain tune report",
+      "Writes one self-contained HTML file (inline SVG, nothing fetched) about a stored study:\n"
+      "the optimization history, each trial's intermediate values, each parameter against the\n"
+      "metric, and the table of trials.",
+      {
+          {"storage", "URL", "the study's storage (default sqlite:///paratrain-tune.db)"},
+          {"study", "NAME", "the study (required)"},
+          {"out", "FILE", "the HTML file to write (required)"},
+      }};
+  return spec;
+}
+
+int run_report(const std::vector<std::string>& argv) {
+  Args args(argv, report_spec());
+  if (args.has("help")) {
+    std::cout << args.help();
+    return 0;
+  }
+  for (const char* required : {"study", "out"}) {
+    if (!args.has(required)) {
+      throw UsageError(std::string("--") + required + " is required");
+    }
+  }
+  tune::write_html_report(args.get("storage", "sqlite:///paratrain-tune.db"), args.get("study"),
+                          args.get("out"));
+  std::cout << "paratrain tune report: wrote " << args.get("out") << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int run_tune(const std::vector<std::string>& argv) {
+  if (!argv.empty() && argv[0] == "report") {
+    return run_report(std::vector<std::string>(argv.begin() + 1, argv.end()));
+  }
   Args args(json_config_words(argv), tune_spec());
   if (args.has("help")) {
     std::cout << args.help();

@@ -321,6 +321,20 @@ class SqlStorage : public Storage {
     study_ = spec.name;
   }
 
+  StudySpec load_study(const std::string& name) override {
+    const auto rows = db_->query("SELECT space, metric, mode FROM studies WHERE name = ?", {name});
+    if (rows.empty()) {
+      std::string names;
+      for (const Row& r : db_->query("SELECT name FROM studies ORDER BY name", {})) {
+        names += (names.empty() ? "" : ", ") + text_of(r, 0);
+      }
+      TORCH_CHECK(false, "tune: no study '", name, "' in ", url_, " (it has ",
+                  names.empty() ? std::string("none") : names, ")");
+    }
+    study_ = name;
+    return {name, text_of(rows[0], 0), text_of(rows[0], 1), text_of(rows[0], 2)};
+  }
+
   std::vector<TrialRecord> load_trials() override {
     std::vector<TrialRecord> out;
     for (const Row& q : db_->query(

@@ -141,8 +141,8 @@ struct Running {
   int64_t rows = 0;  // rows this run reported (numbers rows without an iteration)
   bool stopping = false;
   Decision why = Decision::kContinue;
-  Clock::time_point kill_at;
-  bool killed = false;
+  Clock::time_point term_at, kill_at;
+  bool term_sent = false, killed = false;
   std::vector<int> cores, gpus;
 };
 
@@ -737,9 +737,15 @@ void Tuner::apply(Running& r, Decision d) {
   }
   r.stopping = true;
   r.why = d;
-  r.kill_at = Clock::now() + o_.kill_grace();
-  if (r.proc.pid > 0) {
+  // A trial at max_t usually ends by itself (a train trial runs max_t epochs): a second before
+  // it is told to, so that its exit status stays its own.
+  const auto term_delay =
+      d == Decision::kComplete ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(0);
+  r.term_at = Clock::now() + term_delay;
+  r.kill_at = r.term_at + o_.kill_grace();
+  if (r.proc.pid > 0 && term_delay.count() == 0) {
     ::kill(-r.proc.pid, SIGTERM);  // its whole process group: a train trial's ranks too
+    r.term_sent = true;
   }
   if (r.fn) {
     r.fn->answer(true);
@@ -773,6 +779,9 @@ void Tuner::reap() {
       ::close(r->proc.log_fd);
       on_exit(*r, status, "");
       ended.push_back(n);
+    } else if (r->stopping && !r->term_sent && Clock::now() >= r->term_at) {
+      ::kill(-r->proc.pid, SIGTERM);
+      r->term_sent = true;
     } else if (r->stopping && !r->killed && Clock::now() >= r->kill_at) {
       ::kill(-r->proc.pid, SIGKILL);
       r->killed = true;

@@ -269,8 +269,7 @@ TEST(Tuner, SigkilledTunerResumesTheStudy) {
   EXPECT_TRUE(testing::processes_with(script).empty());
   const auto second = run_process(argv, {}, 120);
   ASSERT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_NE(second.output.find("trials; continuing it ("), std::string::npos)
-      << second.output;
+  EXPECT_NE(second.output.find("trials; continuing it ("), std::string::npos) << second.output;
   auto st = open_storage(dir.path + "/s.db");
   st->open_study({"k",
                   [] {

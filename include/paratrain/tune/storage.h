@@ -56,6 +56,9 @@ class Storage {
   /// Opens the study, creating it when new. Throws c10::Error when a study of that name exists
   /// with a different space, metric or mode (its trials are left as they are).
   virtual void open_study(const StudySpec& spec) = 0;
+  /// Opens an existing study as it is stored; throws c10::Error naming the studies there when
+  /// there is none of that name.
+  virtual StudySpec load_study(const std::string& name) = 0;
   virtual std::vector<TrialRecord> load_trials() = 0;
   /// Adds trial `record.number`; throws if that number exists.
   virtual void add_trial(const TrialRecord& record) = 0;
