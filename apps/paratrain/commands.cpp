@@ -40,6 +40,8 @@ const std::vector<Command>& bench_commands() {
       {"amp", "", "DDP step time at opt levels O0-O3 (bf16), accuracy O0 vs O1", run_bench_amp},
       {"faults", "", "random kills under --max-restarts: lost steps, overhead, exact resume",
        run_bench_faults},
+      {"tune", "", "paratrain tune (BOHB, ASHA, random) vs Optuna (TPE+Hyperband, random)",
+       run_bench_tune},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

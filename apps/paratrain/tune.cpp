@@ -213,6 +213,10 @@ tune::TunerOptions options_from(const Args& args) {
       .heartbeat_timeout(std::chrono::seconds(args.get_int("heartbeat-timeout", 60)))
       .kill_grace(std::chrono::milliseconds(
           static_cast<int64_t>(std::llround(args.get_double("kill-grace", 5) * 1000))));
+  if (args.get_double("kill-grace", 5) <= 0 || args.get_int("heartbeat-timeout", 60) < 1 ||
+      o.cpus() < 0) {
+    throw UsageError("--kill-grace must be > 0, --heartbeat-timeout >= 1 and --cpus >= 0");
+  }
   if (o.mode() != "min" && o.mode() != "max") {
     throw UsageError("--mode must be min or max, got '" + o.mode() + "'");
   }

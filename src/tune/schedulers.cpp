@@ -28,8 +28,13 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// numpy.percentile's default (linear) interpolation, q in [0, 100].
+// numpy.nanpercentile's default (linear) interpolation, q in [0, 100], over the finite values
+// (an infinity would make the interpolation NaN); NaN when there are none.
 double percentile(std::vector<double> v, double q) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return !std::isfinite(x); }), v.end());
+  if (v.empty()) {
+    return std::nan("");
+  }
   std::sort(v.begin(), v.end());
   const double pos = q / 100.0 * static_cast<double>(v.size() - 1);
   const size_t lo = static_cast<size_t>(std::floor(pos));
@@ -74,11 +79,11 @@ class Asha : public Scheduler {
           values.push_back(kv.second);
         }
         const double cutoff = percentile(values, (1 - 1 / rf_) * 100);
-        if (reward < cutoff) {
+        if (!std::isnan(cutoff) && !(reward >= cutoff)) {  // a NaN reward is below any cutoff
           d = Decision::kStop;
         }
       }
-      recorded[number] = std::isfinite(reward) ? reward : -kInf;
+      recorded[number] = std::isfinite(reward) ? reward : std::numeric_limits<double>::lowest();
       return d;
     }
     return Decision::kContinue;
@@ -115,7 +120,7 @@ class Median : public Scheduler {
           ++count;
         }
       }
-      if (count > 0) {
+      if (count > 0 && std::isfinite(sum)) {
         means.push_back(sum / count);
       }
     }
@@ -124,9 +129,10 @@ class Median : public Scheduler {
     }
     double best = -kInf;
     for (const auto& row : results_[number]) {
-      best = std::max(best, row.second);
+      best = std::isnan(row.second) ? best : std::max(best, row.second);
     }
-    return best < percentile(means, 50) ? Decision::kStop : Decision::kContinue;
+    const double median = percentile(means, 50);
+    return !std::isnan(median) && best < median ? Decision::kStop : Decision::kContinue;
   }
 
  private:
@@ -141,24 +147,45 @@ class Hyperband : public Scheduler {
         std::log(static_cast<double>(max_t) / static_cast<double>(grace)) / std::log(eta) + 1e-9));
   }
 
+  // Brackets take consecutive trial numbers, so that every tuner sharing a study (each learning
+  // of the others' trials in its own order) puts each trial in the same bracket.
   void on_trial_add(int64_t number) override {
-    if (brackets_.empty() || brackets_.back().closed) {
-      open_bracket();
+    size_t k = 0;
+    int64_t start = 0;
+    while (true) {
+      if (k == brackets_.size()) {
+        open_bracket(start);
+      }
+      const Bracket& b = brackets_[k];
+      if (number < b.start + b.capacity) {
+        break;
+      }
+      start = b.start + b.capacity;
+      ++k;
     }
-    Bracket& b = brackets_.back();
+    Bracket& b = brackets_[k];
     b.rungs[0].members.insert(number);
-    where_[number] = brackets_.size() - 1;
-    if (static_cast<int64_t>(b.rungs[0].members.size()) >= b.rungs[0].size) {
+    where_[number] = k;
+    if (static_cast<int64_t>(b.rungs[0].members.size()) >= b.capacity) {
       b.closed = true;
+      settle(b, 0);
     }
   }
 
   Decision on_result(int64_t number, int64_t iteration, double loss) override {
     Bracket& b = brackets_[where_.at(number)];
-    const size_t r = rung_of(b, number);
+    size_t r = rung_of(b, number);
+    // A trial reporting beyond a rung it has a result in was promoted (by another tuner, or
+    // before this tuner resumed the study): it belongs to the next rung.
+    while (b.rungs[r].results.count(number) && iteration > b.rungs[r].budget &&
+           r + 1 < b.rungs.size()) {
+      b.rungs[r].paused.erase(number);
+      b.rungs[r + 1].members.insert(number);
+      ++r;
+    }
     Rung& rung = b.rungs[r];
-    if (iteration < rung.budget && iteration < max_t_) {
-      return Decision::kContinue;
+    if (rung.results.count(number) || (iteration < rung.budget && iteration < max_t_)) {
+      return Decision::kContinue;  // a rung keeps the first result at or past its budget
     }
     rung.results[number] = std::isfinite(loss) ? loss : kInf;
     const bool last = r + 1 == b.rungs.size() || iteration >= max_t_;
@@ -213,15 +240,18 @@ class Hyperband : public Scheduler {
   };
   struct Bracket {
     std::vector<Rung> rungs;
+    int64_t start = 0, capacity = 0;  // its trial numbers: [start, start + capacity)
     bool closed = false;
   };
 
   // HpBandSter's iteration i: s = s_max - i mod (s_max + 1), n0 = floor((s_max + 1) / (s + 1))
   // * eta^s, rung k has max(floor(n0 eta^-k), 1) trials at budget max_t eta^(k - s).
-  void open_bracket() {
+  void open_bracket(int64_t start) {
     const int s = s_max_ - static_cast<int>(brackets_.size() % (s_max_ + 1));
     const double n0 = std::floor(static_cast<double>(s_max_ + 1) / (s + 1)) * std::pow(eta_, s);
     Bracket b;
+    b.start = start;
+    b.capacity = std::max<int64_t>(1, static_cast<int64_t>(n0));
     for (int k = 0; k <= s; ++k) {
       Rung rung;
       rung.size = std::max<int64_t>(1, static_cast<int64_t>(n0 * std::pow(eta_, -k)));
@@ -259,7 +289,7 @@ class Hyperband : public Scheduler {
     std::sort(ranked.begin(), ranked.end());
     Rung& next = b.rungs[r + 1];
     for (const auto& [loss, number] : ranked) {
-      const bool waiting = rung.paused.count(number) > 0;
+      const bool waiting = rung.paused.count(number) > 0 && !next.members.count(number);
       if (waiting && static_cast<int64_t>(next.members.size()) < next.size) {
         next.members.insert(number);
         promoted_.push_back(number);

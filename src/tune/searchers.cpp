@@ -16,6 +16,7 @@ namespace tune {
 
 void Searcher::on_result(int64_t, const Config&, int64_t, double) {}
 void Searcher::on_complete(int64_t, const Config&, Outcome, double) {}
+void Searcher::on_rung(int64_t, const Config&, int64_t, double) {}
 
 namespace {
 
@@ -366,7 +367,7 @@ class BohbSearcher : public Searcher {
     }
   }
 
-  void on_result(int64_t, const Config& config, int64_t budget, double loss) override {
+  void on_rung(int64_t, const Config& config, int64_t budget, double loss) override {
     if (!models_.empty() && models_.rbegin()->first > budget) {
       return;  // HpBandSter: no point refining a model below the largest one
     }

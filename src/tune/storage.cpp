@@ -408,29 +408,42 @@ class SqlStorage : public Storage {
                 .empty();
   }
 
-  bool release_trial(int64_t number, const std::string& worker) override {
+  bool release_trial(int64_t number,
+                     const std::string& worker,
+                     double seen_heartbeat,
+                     bool count_attempt) override {
+    // The heartbeat must still be the one the caller judged stale: a renewed one means the
+    // worker is alive after all.
     return !db_->query(
-                   "UPDATE trials SET state = 'PENDING', worker = '', attempts = attempts + 1 "
-                   "WHERE study = ? AND number = ? AND state = 'RUNNING' AND worker = ? "
-                   "RETURNING number",
-                   {study_, number, worker})
+                   "UPDATE trials SET state = 'PENDING', worker = '', "
+                   "attempts = attempts + ? WHERE study = ? AND number = ? AND "
+                   "state = 'RUNNING' AND worker = ? AND heartbeat <= ? RETURNING number",
+                   {int64_t{count_attempt ? 1 : 0}, study_, number, worker, seen_heartbeat})
                 .empty();
   }
 
-  void heartbeat(const std::string& worker) override {
-    db_->query(
-        "UPDATE trials SET heartbeat = ? WHERE study = ? AND worker = ? AND "
-        "state = 'RUNNING'",
-        {now(), study_, worker});
+  std::vector<int64_t> heartbeat(const std::string& worker) override {
+    std::vector<int64_t> held;
+    for (const Row& r : db_->query("UPDATE trials SET heartbeat = ? WHERE study = ? AND "
+                                   "worker = ? AND state = 'RUNNING' RETURNING number",
+                                   {now(), study_, worker})) {
+      held.push_back(int_of(r, 0));
+    }
+    return held;
   }
 
-  void update_trial(const TrialRecord& r) override {
-    db_->query(
-        "UPDATE trials SET state = ?, attempts = ?, exit_status = ?, error = ?, "
-        "log_path = ?, started = ?, ended = ?, worker = ?, heartbeat = ? "
-        "WHERE study = ? AND number = ?",
-        {std::string(to_string(r.state)), int64_t{r.attempts}, int64_t{r.exit_status}, r.error,
-         r.log_path, r.started, r.ended, r.worker, now(), study_, r.number});
+  bool update_trial(const TrialRecord& r,
+                    TrialState from,
+                    const std::string& from_worker) override {
+    return !db_->query(
+                   "UPDATE trials SET state = ?, attempts = ?, exit_status = ?, error = ?, "
+                   "log_path = ?, started = ?, ended = ?, worker = ?, heartbeat = ? "
+                   "WHERE study = ? AND number = ? AND state = ? AND (? = '' OR worker = ?) "
+                   "RETURNING number",
+                   {std::string(to_string(r.state)), int64_t{r.attempts}, int64_t{r.exit_status},
+                    r.error, r.log_path, r.started, r.ended, r.worker, now(), study_, r.number,
+                    std::string(to_string(from)), from_worker, from_worker})
+                .empty();
   }
 
   void add_result(int64_t number,
@@ -465,9 +478,26 @@ class SqlStorage : public Storage {
                   const std::string& space,
                   const std::string& metric,
                   const std::string& mode) {
+    auto one_line = [](std::string text) {
+      while (!text.empty() && text.back() == '\n') {
+        text.pop_back();
+      }
+      for (auto& c : text) {
+        c = c == '\n' ? ';' : c;
+      }
+      return text;
+    };
     TORCH_CHECK(space == spec.space, "tune: study '", spec.name, "' in ", url_,
-                " exists with a different search space; its trials are kept. Stored:\n", space,
-                "given:\n", spec.space, "Use another --study name, or the stored space");
+                " exists with a different search space (stored: ", one_line(space),
+                "; given: ", one_line(spec.space),
+                "); its trials are kept; use another --study name, or the stored space");
+    if ((metric != spec.metric || mode != spec.mode) &&
+        db_->query("SELECT 1 FROM results WHERE study = ? LIMIT 1", {spec.name}).empty()) {
+      // Nothing was measured yet: a mistyped --metric may still be corrected.
+      db_->query("UPDATE studies SET metric = ?, mode = ? WHERE name = ?",
+                 {spec.metric, spec.mode, spec.name});
+      return;
+    }
     TORCH_CHECK(metric == spec.metric && mode == spec.mode, "tune: study '", spec.name, "' in ",
                 url_, " exists with --metric ", metric, " --mode ", mode, ", not --metric ",
                 spec.metric, " --mode ", spec.mode, "; use another --study name");

@@ -66,6 +66,7 @@ Process start_process(const ProcessSpec& spec) {
   sigaddset(&block, SIGINT);
   sigaddset(&block, SIGTERM);
   ::pthread_sigmask(SIG_BLOCK, &block, &old);
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::signal(SIGINT, SIG_DFL);
@@ -73,6 +74,9 @@ Process start_process(const ProcessSpec& spec) {
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) {
+      ::_exit(127);  // the tuner died before prctl: nobody would stop this trial
+    }
     ::dup2(fds[1], 1);
     ::dup2(p.log_fd, 2);
     if (!spec.cores.empty()) {

@@ -8,6 +8,7 @@
 #include "trial_process.h"
 
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -45,22 +46,26 @@ double unix_now() {
 }
 
 // The wake-up pipe: signal handlers and function-trial threads write a byte to end poll().
-int g_wake_write = -1;
+std::atomic<int> g_wake_write{-1};
 std::atomic<int> g_signal{0};
 
 extern "C" void on_tuner_signal(int sig) {
   g_signal.store(sig);
-  if (g_wake_write >= 0) {
+  const int fd = g_wake_write.load();
+  if (fd >= 0) {
     const char c = 's';
-    ssize_t ignored = ::write(g_wake_write, &c, 1);
+    ssize_t ignored = ::write(fd, &c, 1);
     (void)ignored;
   }
 }
 
 void wake() {
-  const char c = 'w';
-  ssize_t ignored = ::write(g_wake_write, &c, 1);
-  (void)ignored;
+  const int fd = g_wake_write.load();
+  if (fd >= 0) {
+    const char c = 'w';
+    ssize_t ignored = ::write(fd, &c, 1);
+    (void)ignored;
+  }
 }
 
 // A function trial's context: report() hands the row to the tuner's thread and waits for its
@@ -100,7 +105,7 @@ class FunctionContext : public TrialContext {
   }
   void answer(bool stop) {
     std::lock_guard<std::mutex> lock(mu_);
-    answered_ = true;
+    answered_ = answered_ || rows_.empty();  // a row that came after take_rows waits its turn
     stop_ = stop_ || stop;
     cv_.notify_all();
   }
@@ -143,6 +148,7 @@ struct Running {
   Decision why = Decision::kContinue;
   Clock::time_point term_at, kill_at;
   bool term_sent = false, killed = false;
+  bool lost = false;  // another tuner took it over: its end is not recorded here
   std::vector<int> cores, gpus;
 };
 
@@ -201,7 +207,8 @@ class Tuner {
   void apply(Running& r, Decision d);
   void reap();
   void on_exit(Running& r, int status, const std::string& error);
-  void finish(TrialRecord& t, TrialState state);
+  void finish(TrialRecord& t, TrialState state, TrialState from);
+  bool write(TrialRecord& t, TrialState from);
   void notify_end(const TrialRecord& t);
   void handle_promotions();
   double loss_of(double value) const {
@@ -212,6 +219,13 @@ class Tuner {
   void say(const std::string& plain, const nlohmann::ordered_json& row);
   void print_table(bool force);
   void stop_all();
+  void beat();
+  std::chrono::milliseconds heartbeat_interval() const {
+    // several beats per timeout, so that one late beat does not look like a death
+    return std::min(
+        std::chrono::milliseconds(2000),
+        std::chrono::duration_cast<std::chrono::milliseconds>(o_.heartbeat_timeout()) / 3);
+  }
   TuneResult summary() const;
 
   SearchSpace space_;
@@ -233,6 +247,7 @@ class Tuner {
   std::string program_;
   Clock::time_point last_table_;
   int wake_read_ = -1;
+  bool detached_ = false;
   std::string host_, worker_id_;
   std::set<int64_t> notified_;              // trials whose end the searcher and scheduler were told
   std::map<int64_t, TrialState> verdicts_;  // promotions (kPending) and drops of stopping trials
@@ -254,7 +269,8 @@ void Tuner::check_options() {
               "tune: a trial's ranks and threads must be >= 1 and its GPUs >= 0; got ranks ",
               res.ranks(), ", threads ", res.threads(), ", gpus ", res.gpus());
   free_cores_ = machine_cores(o_.cpus());
-  const int machine_gpus = o_.gpus() >= 0 ? o_.gpus() : 0;
+  const int machine_gpus =
+      o_.gpus() >= 0 ? o_.gpus() : static_cast<int>(torch::cuda::device_count());
   for (int g = 0; g < machine_gpus; ++g) {
     free_gpus_.push_back(g);
   }
@@ -312,8 +328,10 @@ TuneResult Tuner::run() {
     ::sigaction(SIGINT, &old_int, nullptr);
     ::sigaction(SIGTERM, &old_term, nullptr);
     g_wake_write = -1;
-    ::close(wake_fds[0]);
-    ::close(wake_fds[1]);
+    if (!detached_) {  // a detached trial thread may still write to it: leave it open
+      ::close(wake_fds[0]);
+      ::close(wake_fds[1]);
+    }
   };
   wake_read_ = wake_fds[0];
   TuneResult result;
@@ -328,8 +346,8 @@ TuneResult Tuner::run() {
         sync(false);  // other tuners' trials and results
         last_sync = Clock::now();
       }
-      if (!running_.empty() && Clock::now() - last_beat >= std::chrono::seconds(2)) {
-        storage_->heartbeat(worker_id_);
+      if (!running_.empty() && Clock::now() - last_beat >= heartbeat_interval()) {
+        beat();
         last_beat = Clock::now();
       }
       start_possible();
@@ -386,7 +404,10 @@ void Tuner::sync(bool first) {
       if (!t.config.empty()) {
         searcher_->on_result(n, t.config, iteration, loss_of(value));
       }
-      scheduler_->on_result(n, iteration, loss_of(value));  // its owner acts on the decision
+      const Decision d = scheduler_->on_result(n, iteration, loss_of(value));
+      if (!t.config.empty() && (d == Decision::kPause || d == Decision::kComplete)) {
+        searcher_->on_rung(n, t.config, iteration, loss_of(value));  // its owner acts on d
+      }
     }
     t.state = s.state;
     t.attempts = s.attempts;
@@ -402,7 +423,7 @@ void Tuner::sync(bool first) {
     } else if (t.state == TrialState::kPending) {
       enqueue(n);
     } else if (t.state == TrialState::kRunning && worker_dead(t, now) &&
-               storage_->release_trial(n, t.worker)) {
+               storage_->release_trial(n, t.worker, t.heartbeat)) {
       say("trial " + std::to_string(n) + ": its tuner " + t.worker +
               " is gone; it is retried from its checkpoint",
           {{"event", "released"}, {"trial", n}, {"worker", t.worker}});
@@ -474,7 +495,7 @@ void Tuner::start_possible() {
       if (t.attempts > o_.max_failures()) {
         t.error = "its tuner died while running it " + std::to_string(t.attempts) +
                   " times (max_failures " + std::to_string(o_.max_failures()) + ")";
-        finish(t, TrialState::kFailed);
+        finish(t, TrialState::kFailed, TrialState::kRunning);
         continue;
       }
       if (t.config.empty()) {  // reserved by a tuner that died before choosing its config
@@ -533,7 +554,7 @@ bool Tuner::start(int64_t number, bool resume) {
   }
   t.state = TrialState::kRunning;
   t.worker = worker_id_;
-  storage_->update_trial(t);
+  write(t, TrialState::kRunning);  // claimed or reserved by this tuner just now
   Running& ref = *r;
   running_[number] = std::move(r);
   ++started_;
@@ -565,7 +586,10 @@ void Tuner::start_process(Running& r, TrialRecord& t, bool resume) {
                                        "--checkpoint-every-epoch", "--resume", "auto"});
     const int64_t max_t = effective_max_t(o_.scheduler());
     const auto& ta = o_.train_args();
-    if (max_t > 0 && std::find(ta.begin(), ta.end(), "--epochs") == ta.end()) {
+    const bool has_epochs = std::any_of(ta.begin(), ta.end(), [](const std::string& w) {
+      return w == "--epochs" || w.rfind("--epochs=", 0) == 0;
+    });
+    if (max_t > 0 && !has_epochs) {
       spec.argv.insert(spec.argv.end(), {"--epochs", std::to_string(max_t)});
     }
     for (const auto& [name, v] : t.config) {
@@ -592,8 +616,21 @@ void Tuner::start_process(Running& r, TrialRecord& t, bool resume) {
   spec.env["PARATRAIN_CHECKPOINT_DIR"] = dir + "/checkpoints";
   spec.env["PARATRAIN_TRIAL_RESUME"] = resume ? "1" : "0";
   spec.env["OMP_NUM_THREADS"] = std::to_string(o_.resources().threads());
-  if (o_.gpus() > 0 || o_.resources().gpus() > 0) {
-    spec.env["CUDA_VISIBLE_DEVICES"] = dist::format_device_list(r.gpus);
+  if (!free_gpus_.empty() || !r.gpus.empty()) {
+    // The tuner's GPU i is the i-th of its own CUDA_VISIBLE_DEVICES, when it has one (Slurm).
+    std::vector<std::string> visible;
+    if (const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES")) {
+      std::stringstream list(cvd);
+      for (std::string g; std::getline(list, g, ',');) {
+        visible.push_back(g);
+      }
+    }
+    std::string value;
+    for (int g : r.gpus) {
+      value += (value.empty() ? "" : ",") +
+               (g < static_cast<int>(visible.size()) ? visible[g] : std::to_string(g));
+    }
+    spec.env["CUDA_VISIBLE_DEVICES"] = value;
   }
   {
     std::ofstream log(t.log_path, std::ios::app);
@@ -622,6 +659,8 @@ void Tuner::start_function(Running& r, TrialRecord& t, bool resume) {
       ctx->finish(1, e.what_without_backtrace());
     } catch (const std::exception& e) {
       ctx->finish(1, e.what());
+    } catch (...) {
+      ctx->finish(1, "an exception that is not a std::exception");
     }
   });
 }
@@ -656,9 +695,11 @@ void Tuner::poll_once() {
   }
 }
 
-void Tuner::drain(Running& r, bool /*all*/) {
+// Reads what the trial printed: one read while it runs (a trial that prints without pause must
+// not keep the loop from its other duties), everything once it has exited.
+void Tuner::drain(Running& r, bool all) {
   char buf[65536];
-  while (r.proc.out_fd >= 0) {
+  for (bool more = true; more && r.proc.out_fd >= 0; more = all) {
     const ssize_t got = ::read(r.proc.out_fd, buf, sizeof(buf));
     if (got < 0 && errno == EINTR) {
       continue;
@@ -694,7 +735,7 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   TrialRecord& t = trials_.at(r.number);
   ++r.rows;
   const auto metric = row.find(o_.metric());
-  if (metric == row.end() || !metric->is_number()) {
+  if (metric == row.end() || !(metric->is_number() || metric->is_null())) {
     if (!metric_seen_) {
       std::string keys;
       for (const auto& item : row.items()) {
@@ -717,12 +758,17 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     return;  // a resumed trial repeating what it reported before its checkpoint
   }
   metric_seen_ = true;
-  const double value = metric->get<double>();
+  // JSON has no NaN: a diverged trial's NaN reaches us as null (nlohmann, Python's json with
+  // allow_nan=False). It is recorded, and ranks last.
+  const double value = metric->is_null() ? std::nan("") : metric->get<double>();
   t.results.emplace_back(iteration, value);
   storage_->add_result(t.number, iteration, value, row.dump());
   const double loss = loss_of(value);
   searcher_->on_result(t.number, t.config, iteration, loss);
   const Decision d = scheduler_->on_result(t.number, iteration, loss);
+  if (d == Decision::kPause || d == Decision::kComplete) {
+    searcher_->on_rung(t.number, t.config, iteration, loss);
+  }
   nlohmann::ordered_json j{
       {"event", "result"}, {"trial", t.number}, {"iteration", iteration}, {o_.metric(), value}};
   say("trial " + std::to_string(t.number) + " iteration " + std::to_string(iteration) + ": " +
@@ -775,8 +821,11 @@ void Tuner::reap() {
       ::kill(-r->proc.pid, SIGKILL);  // anything it left behind in its group
       if (r->proc.out_fd >= 0) {
         ::close(r->proc.out_fd);
+        r->proc.out_fd = -1;
       }
       ::close(r->proc.log_fd);
+      r->proc.log_fd = -1;
+      r->proc.pid = -1;
       on_exit(*r, status, "");
       ended.push_back(n);
     } else if (r->stopping && !r->term_sent && Clock::now() >= r->term_at) {
@@ -798,12 +847,15 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
   std::sort(free_cores_.begin(), free_cores_.end());
   free_gpus_.insert(free_gpus_.end(), r.gpus.begin(), r.gpus.end());
   std::sort(free_gpus_.begin(), free_gpus_.end());
+  if (r.lost) {
+    return;
+  }
   t.exit_status = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
   const std::string id = "trial " + std::to_string(t.number);
   if (r.stopping) {
     if (r.why == Decision::kPause) {
       t.state = TrialState::kPaused;
-      storage_->update_trial(t);
+      write(t, TrialState::kRunning);
       say(id + " paused at iteration " + std::to_string(t.results.back().first),
           {{"event", "paused"}, {"trial", t.number}});
       const auto verdict = verdicts_.find(t.number);
@@ -811,20 +863,22 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
         const TrialState next = verdict->second;
         verdicts_.erase(verdict);
         if (next == TrialState::kStopped) {
-          finish(t, TrialState::kStopped);
+          finish(t, TrialState::kStopped, TrialState::kPaused);
         } else {
           t.state = TrialState::kPending;
-          storage_->update_trial(t);
-          enqueue(t.number);
+          if (write(t, TrialState::kPaused)) {
+            enqueue(t.number);
+          }
         }
       }
     } else {
-      finish(t, r.why == Decision::kStop ? TrialState::kStopped : TrialState::kComplete);
+      finish(t, r.why == Decision::kStop ? TrialState::kStopped : TrialState::kComplete,
+             TrialState::kRunning);
     }
     return;
   }
   if (t.exit_status == 0 && !t.results.empty()) {
-    finish(t, TrialState::kComplete);  // it ended by itself
+    finish(t, TrialState::kComplete, TrialState::kRunning);  // it ended by itself
     return;
   }
   t.error = !error.empty()         ? error
@@ -835,14 +889,14 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
   if (t.exit_status != 0 && t.attempts < o_.max_failures()) {
     ++t.attempts;
     t.state = TrialState::kPending;
-    storage_->update_trial(t);
+    write(t, TrialState::kRunning);
     enqueue(t.number);
     say(id + " failed (" + t.error + "; log " + t.log_path + "); retrying from its checkpoint (" +
             std::to_string(t.attempts) + " of " + std::to_string(o_.max_failures()) + ")",
         {{"event", "retry"}, {"trial", t.number}, {"error", t.error}, {"log", t.log_path}});
     return;
   }
-  finish(t, TrialState::kFailed);
+  finish(t, TrialState::kFailed, TrialState::kRunning);
 }
 
 double Tuner::scoped_value(const TrialRecord& t) const {
@@ -873,10 +927,25 @@ void Tuner::notify_end(const TrialRecord& t) {
   scheduler_->on_trial_end(t.number, last);
 }
 
-void Tuner::finish(TrialRecord& t, TrialState state) {
+// Stores the trial if storage still has it in state `from` (and, when RUNNING, held by this
+// tuner); otherwise another tuner moved it first, and this one's view is dropped.
+bool Tuner::write(TrialRecord& t, TrialState from) {
+  if (storage_->update_trial(t, from, from == TrialState::kRunning ? worker_id_ : "")) {
+    return true;
+  }
+  say("trial " + std::to_string(t.number) + " was taken over by another tuner",
+      {{"event", "lost"}, {"trial", t.number}});
+  t.state = TrialState::kRunning;  // as far as this tuner knows; sync() brings the truth
+  t.worker = "?";
+  return false;
+}
+
+void Tuner::finish(TrialRecord& t, TrialState state, TrialState from) {
   t.state = state;
   t.ended = unix_now();
-  storage_->update_trial(t);
+  if (!write(t, from)) {
+    return;
+  }
   notify_end(t);
   const double v = scoped_value(t);
   std::string plain = "trial " + std::to_string(t.number) + " " + to_string(state);
@@ -900,7 +969,7 @@ void Tuner::handle_promotions() {
   for (int64_t n : scheduler_->take_dropped()) {
     TrialRecord& t = trials_.at(n);
     if (t.state == TrialState::kPaused) {
-      finish(t, TrialState::kStopped);
+      finish(t, TrialState::kStopped, TrialState::kPaused);
     } else if (running_.count(n)) {
       verdicts_[n] = TrialState::kStopped;
     }
@@ -909,8 +978,9 @@ void Tuner::handle_promotions() {
     TrialRecord& t = trials_.at(n);
     if (t.state == TrialState::kPaused) {
       t.state = TrialState::kPending;
-      storage_->update_trial(t);
-      enqueue(n);
+      if (write(t, TrialState::kPaused)) {
+        enqueue(n);
+      }
     } else if (running_.count(n)) {
       verdicts_[n] = TrialState::kPending;
     }
@@ -918,7 +988,7 @@ void Tuner::handle_promotions() {
   if (no_more_ && running_.empty() && queue_.empty() && !others_active()) {
     for (auto& [n, t] : trials_) {  // nothing can promote them any more
       if (t.state == TrialState::kPaused) {
-        finish(t, TrialState::kStopped);
+        finish(t, TrialState::kStopped, TrialState::kPaused);
       }
     }
   }
@@ -971,6 +1041,25 @@ void Tuner::print_table(bool force) {
   std::cout << out.str() << std::flush;
 }
 
+// Heartbeats for this tuner's trials; a trial storage no longer lists as this tuner's was
+// released by another tuner (which thought this one dead): stop running it here.
+void Tuner::beat() {
+  const std::vector<int64_t> held = storage_->heartbeat(worker_id_);
+  for (auto& [n, r] : running_) {
+    if (std::find(held.begin(), held.end(), n) == held.end() && !r->lost) {
+      r->lost = true;
+      say("trial " + std::to_string(n) + " was taken over by another tuner; stopping it here",
+          {{"event", "lost"}, {"trial", n}});
+      if (r->proc.pid > 0) {
+        ::kill(-r->proc.pid, SIGKILL);
+      }
+      if (r->fn) {
+        r->fn->answer(true);
+      }
+    }
+  }
+}
+
 void Tuner::stop_all() {
   for (auto& [n, r] : running_) {
     if (r->proc.pid > 0) {
@@ -996,7 +1085,9 @@ void Tuner::stop_all() {
       if (r->proc.out_fd >= 0) {
         ::close(r->proc.out_fd);
       }
-      ::close(r->proc.log_fd);
+      if (r->proc.log_fd >= 0) {
+        ::close(r->proc.log_fd);
+      }
     }
     if (r->fn) {
       std::string error;
@@ -1009,10 +1100,20 @@ void Tuner::stop_all() {
         r->thread.join();
       } else {
         r->thread.detach();  // it never reports again; its context stays alive with it
+        detached_ = true;
       }
     }
   }
-  running_.clear();  // their trials stay RUNNING in storage: the next tuner retries them
+  for (auto& [n, r] : running_) {
+    // Interrupted, not failed: PENDING again without an attempt, for the next tuner to resume.
+    TrialRecord& t = trials_.at(n);
+    if (!r->lost) {
+      t.state = TrialState::kPending;
+      t.worker.clear();
+      storage_->update_trial(t, TrialState::kRunning, worker_id_);
+    }
+  }
+  running_.clear();
 }
 
 TuneResult Tuner::summary() const {

@@ -141,6 +141,7 @@ double later_mean_loss(const char* kind, uint64_t seed) {
                         (std::get<int64_t>(c.at("width")) == 32 ? 0 : 1);
     for (int64_t budget : {1, 3}) {
       s->on_result(n, c, budget, loss);
+      s->on_rung(n, c, budget, loss);
     }
     s->on_complete(n, c, Outcome::kComplete, loss);
     later += n >= 30 ? loss / 30 : 0;
@@ -265,13 +266,28 @@ TEST(TuneStorage, KeepsTrialsAndRefusesAnotherSpace) {
     r.state = TrialState::kComplete;
     r.exit_status = 3;
     r.log_path = "x.log";
-    st->update_trial(r);
+    EXPECT_FALSE(st->update_trial(r, TrialState::kRunning, ""));  // it is PENDING
+    EXPECT_TRUE(st->update_trial(r, TrialState::kPending, ""));
+    EXPECT_FALSE(st->update_trial(r, TrialState::kPending, ""));  // moved on: refused
+    // Reserving, claiming and releasing: each succeeds once.
+    EXPECT_EQ(st->reserve_trial(3, "w:1"), 1);
+    EXPECT_EQ(st->reserve_trial(3, "w:2"), 2);
+    EXPECT_EQ(st->reserve_trial(3, "w:1"), -1);  // the study has its 3 trials
+    EXPECT_EQ(st->heartbeat("w:1"), (std::vector<int64_t>{1}));
+    EXPECT_FALSE(st->release_trial(1, "w:2", 1e300));  // not w:2's
+    EXPECT_FALSE(st->release_trial(1, "w:1", 0));      // its heartbeat is newer than that
+    EXPECT_TRUE(st->release_trial(1, "w:1", 1e300));
+    EXPECT_TRUE(st->heartbeat("w:1").empty());
+    EXPECT_TRUE(st->claim_trial(1, "w:2"));
+    EXPECT_FALSE(st->claim_trial(1, "w:1"));
     EXPECT_NE(error_of([&] { st->add_trial(r); }).find("UNIQUE"), std::string::npos);
   }
   auto st = open_storage(dir + "/s.db");  // a plain path is the same file
   st->open_study(spec);
   const auto trials = st->load_trials();
-  ASSERT_EQ(trials.size(), 1u);
+  ASSERT_EQ(trials.size(), 3u);
+  EXPECT_EQ(trials[1].attempts, 1);
+  EXPECT_EQ(trials[1].worker, "w:2");
   EXPECT_EQ(trials[0].state, TrialState::kComplete);
   EXPECT_EQ(trials[0].exit_status, 3);
   EXPECT_EQ(trials[0].log_path, "x.log");
@@ -281,10 +297,11 @@ TEST(TuneStorage, KeepsTrialsAndRefusesAnotherSpace) {
   EXPECT_EQ(trials[0].results, (std::vector<std::pair<int64_t, double>>{{1, 0.5}, {2, 0.25}}));
   StudySpec other = spec;
   other.space = "lr=uniform(0, 1)\n";
-  EXPECT_NE(error_of([&] {
-              open_storage(url)->open_study(other);
-            }).find("exists with a different search space; its trials are kept"),
-            std::string::npos);
+  const std::string e = error_of([&] { open_storage(url)->open_study(other); });
+  EXPECT_NE(e.find("exists with a different search space (stored: lr=loguniform(0.0001, 1);"
+                   "width=choice(16, 32, 64); given: lr=uniform(0, 1)); its trials are kept"),
+            std::string::npos)
+      << e;
   EXPECT_EQ(open_storage(url)->load_trials().size(), 0u);  // no study opened: nothing loaded
   other = spec;
   other.mode = "max";

@@ -41,6 +41,9 @@ class Searcher {
   virtual std::optional<Config> suggest(int64_t number) = 0;
   /// A result of trial `number` (whose config was `config`) at `budget` (its iteration).
   virtual void on_result(int64_t number, const Config& config, int64_t budget, double loss);
+  /// Trial `number` reached a budget of the scheduler's (a Hyperband rung, or max_t) with this
+  /// loss. BOHB models these only, as HpBandSter records one result per job and budget.
+  virtual void on_rung(int64_t number, const Config& config, int64_t budget, double loss);
   /// Trial `number` ended.
   virtual void on_complete(int64_t number, const Config& config, Outcome outcome, double loss);
 };

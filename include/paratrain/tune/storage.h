@@ -69,14 +69,21 @@ class Storage {
   virtual void set_config(int64_t number, const Config& config) = 0;
   /// PENDING -> RUNNING for `worker`; false when another tuner claimed it first.
   virtual bool claim_trial(int64_t number, const std::string& worker) = 0;
-  /// RUNNING for `worker` -> PENDING with one more attempt (its worker died); false when that
-  /// worker no longer holds it.
-  virtual bool release_trial(int64_t number, const std::string& worker) = 0;
-  /// Marks every trial `worker` runs as alive now.
-  virtual void heartbeat(const std::string& worker) = 0;
+  /// RUNNING for `worker` with heartbeat `seen_heartbeat` -> PENDING with one more attempt (its
+  /// worker died); false when that worker no longer holds it or sent a heartbeat since.
+  virtual bool release_trial(int64_t number,
+                             const std::string& worker,
+                             double seen_heartbeat,
+                             bool count_attempt = true) = 0;
+  /// Marks every trial `worker` runs as alive now; returns their numbers (a trial missing from
+  /// them was taken over by another tuner).
+  virtual std::vector<int64_t> heartbeat(const std::string& worker) = 0;
   /// Writes state, attempts, exit status, error, log path, times and worker (not the results
-  /// nor the config).
-  virtual void update_trial(const TrialRecord& record) = 0;
+  /// nor the config), only if the stored trial is in state `from` and, when `from_worker` is
+  /// not empty, held by that worker. False when it was not (another tuner moved it first).
+  virtual bool update_trial(const TrialRecord& record,
+                            TrialState from,
+                            const std::string& from_worker) = 0;
   /// One reported row; `row_json` is the trial's whole JSON line.
   virtual void add_result(int64_t number,
                           int64_t iteration,
