@@ -5,8 +5,10 @@
 #include "paratrain/tune/tuner.h"
 
 #include "paratrain/dist/launch.h"
+#include "paratrain/parallel/threads.h"
 #include "trial_process.h"
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <nlohmann/json.hpp>
@@ -290,6 +292,11 @@ void Tuner::check_options() {
                 "' not found (not a path, nor on PATH)");
   } else {
     TORCH_CHECK(static_cast<bool>(fn_), "tune: give a trial: a command, a train job or a function");
+    // Function trials share this process: each computes on its own thread with `threads`
+    // intra-op threads, and OpenBLAS's own pool (which set_num_threads does not reach) is capped
+    // too, or concurrent trials contend for its spinning threads.
+    at::set_num_threads(res.threads());
+    set_blas_threads(res.threads());
   }
 }
 
@@ -729,7 +736,7 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     return;  // not a metric row: only logged
   }
   const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
-  if (row.is_discarded() || !row.is_object() || r.stopping) {
+  if (row.is_discarded() || !row.is_object() || r.stopping || r.lost) {
     return;
   }
   TrialRecord& t = trials_.at(r.number);

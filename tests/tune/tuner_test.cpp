@@ -15,6 +15,7 @@
 #include <fstream>
 #include <regex>
 #include <set>
+#include <thread>
 
 namespace paratrain {
 namespace tune {
@@ -394,6 +395,111 @@ TEST(Tuner, TrainTrialsResumeFromTheirCheckpoints) {
     resumed = resumed || text.find("paratrain: resumed from") != std::string::npos;
   }
   EXPECT_TRUE(resumed) << "no promoted trial continued from its checkpoint";
+}
+
+// A study from a config file, TOML (a list of spaces) or JSON (an object of spaces); the command
+// line overrides it.
+TEST(Tuner, ConfigFilesGiveTheStudy) {
+  TempDir dir("tune-config");
+  std::ofstream(dir.path + "/s.toml")
+      << "storage = \"" << dir.path << "/s.db\"\nstudy = \"toml\"\nmetric = \"m\"\n"
+      << "mode = \"max\"\nsearcher = \"grid\"\n"
+      << "space = [\"x=grid_search(1, 2, 3)\", \"y=uniform(0, 1)\"]\n";
+  std::ofstream(dir.path + "/s.json")
+      << "{\"storage\": \"" << dir.path << "/s.db\", \"study\": \"json\", \"metric\": \"m\", "
+      << "\"mode\": \"min\", \"space\": {\"x\": \"grid_search(4, 5)\"}}";
+  const std::vector<std::string> trial{"--trial-dir", dir.path + "/t",      "--", "/bin/sh",
+                                       "-c",          "echo '{\"m\": {x}}'"};
+  auto run = [&](std::vector<std::string> argv) {
+    argv.insert(argv.begin(), {testing::cli_path(), "tune"});
+    argv.insert(argv.end(), trial.begin(), trial.end());
+    return run_process(argv, {}, 60);
+  };
+  const auto toml = run({"--config", dir.path + "/s.toml", "--json"});
+  ASSERT_EQ(toml.exit_code, 0) << toml.output;
+  EXPECT_NE(toml.output.find("\"event\":\"best\",\"trial\":2,\"m\":3.0"), std::string::npos)
+      << toml.output;
+  const auto json = run({"--config", dir.path + "/s.json", "--mode", "max", "--json"});
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  EXPECT_NE(json.output.find("\"trials\":2"), std::string::npos) << json.output;
+  EXPECT_NE(json.output.find("\"command\":\"x=5 /bin/sh -c "), std::string::npos) << json.output;
+}
+
+// Trials are packed onto the cores and GPUs without oversubscribing: on 2 cores, trials of 2
+// threads run one at a time; trials of 1 GPU on a 2-GPU machine get one each, as their own
+// CUDA_VISIBLE_DEVICES, mapped through the tuner's own list.
+TEST(Tuner, PacksTrialsOntoCoresAndGpus) {
+  TempDir dir("tune-pack");
+  std::mutex mu;
+  int now = 0, peak = 0;
+  auto fn = [&](TrialContext& t) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      peak = std::max(peak, ++now);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      --now;
+    }
+    t.report({{"loss", 1.0}});
+  };
+  auto o = TunerOptions()
+               .storage(dir.path + "/s.db")
+               .metric("loss")
+               .num_samples(4)
+               .cpus(2)
+               .gpus(0)
+               .trial_dir(dir.path + "/t")
+               .output("none");
+  tune(lr_space(), TunerOptions(o).study("two-threads").resources(Resources().threads(2)), fn);
+  EXPECT_EQ(peak, 1);
+  peak = 0;
+  tune(lr_space(), TunerOptions(o).study("one-thread").resources(Resources().threads(1)), fn);
+  EXPECT_EQ(peak, 2);
+
+  const std::string script = dir.path + "/gpu.sh";
+  write_script(script,
+               "sleep 0.3; echo \"{\\\"loss\\\": 1, \\\"gpu\\\": $CUDA_VISIBLE_DEVICES}\"\n");
+  ::setenv("CUDA_VISIBLE_DEVICES", "5,7", 1);
+  const TuneResult r =
+      tune(lr_space(),
+           TunerOptions(o).study("gpus").gpus(2).resources(Resources().gpus(1)).command({script}));
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  std::set<std::string> seen;
+  for (const auto& t : r.trials) {
+    std::ifstream log(t.log_path);
+    const std::string text((std::istreambuf_iterator<char>(log)), {});
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(text, m, std::regex("\"gpu\": (\\d+)"))) << text;
+    seen.insert(m[1]);
+  }
+  EXPECT_EQ(seen, (std::set<std::string>{"5", "7"}));
+}
+
+// examples/tune_fashion_mnist.cpp, small: 4 trials of the tutorial's CNN, 2 epochs on 2,000
+// images, ASHA; it names the best config, and the study in its directory is complete.
+TEST(Tuner, TheTutorialExampleFindsABestTrial) {
+  TempDir dir("tune-example");
+  const auto r = run_process(
+      {"/bin/sh", "-c", "cd '" + dir.path + "' && exec '" PARATRAIN_TEST_TUNE_EXAMPLE "' 4 2 2000"},
+      testing::world_of_one_env(), 240);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      r.output, m,
+      std::regex("Best trial config: batch_size=\\d+ l1=\\d+ l2=\\d+ lr=[0-9.e-]+\\n"
+                 "Best trial final validation loss: ([0-9.]+)")))
+      << r.output;
+  EXPECT_LT(std::stod(m[1]), 2.3) << "better than chance (ln 10)";
+  auto st = open_storage(dir.path + "/tune_fashion_mnist.db");
+  st->load_study("fashion_mnist_cnn");
+  const auto trials = st->load_trials();
+  ASSERT_EQ(trials.size(), 4u);
+  for (const auto& t : trials) {
+    EXPECT_TRUE(t.state == TrialState::kComplete || t.state == TrialState::kStopped)
+        << to_string(t.state);
+  }
 }
 
 }  // namespace

@@ -42,7 +42,8 @@ namespace tune {
 struct Resources {
   /// Processes (a `paratrain train --nproc R` trial has R).
   TORCH_ARG(int, ranks) = 1;
-  /// Threads per rank (OMP_NUM_THREADS); the trial takes ranks * threads cores.
+  /// Threads per rank (OMP_NUM_THREADS); the trial takes ranks * threads cores. Function trials
+  /// share the tuner's process: it sets at::set_num_threads and OpenBLAS's pool to this.
   TORCH_ARG(int, threads) = 1;
   /// GPUs, given to the trial as its own CUDA_VISIBLE_DEVICES.
   TORCH_ARG(int, gpus) = 0;
