@@ -83,7 +83,7 @@ class Asha : public Scheduler {
           d = Decision::kStop;
         }
       }
-      recorded[number] = std::isfinite(reward) ? reward : std::numeric_limits<double>::lowest();
+      recorded[number] = reward;  // NaN or -inf: left out of later cutoffs, as nanpercentile
       return d;
     }
     return Decision::kContinue;
@@ -168,7 +168,9 @@ class Hyperband : public Scheduler {
     where_[number] = k;
     if (static_cast<int64_t>(b.rungs[0].members.size()) >= b.capacity) {
       b.closed = true;
-      settle(b, 0);
+      for (size_t r = 0; r < b.rungs.size(); ++r) {
+        settle(b, r);
+      }
     }
   }
 
@@ -221,7 +223,9 @@ class Hyperband : public Scheduler {
               1, static_cast<int64_t>(static_cast<double>(have) / std::pow(eta_, i)));
         }
         b.rungs[0].size = have;
-        settle(b, 0);
+        for (size_t r = 0; r < b.rungs.size(); ++r) {
+          settle(b, r);
+        }
       }
     }
   }
@@ -282,6 +286,12 @@ class Hyperband : public Scheduler {
     if (r + 1 == b.rungs.size()) {
       return;
     }
+    struct SettleNext {  // the next rung may have all its results already (a replayed study)
+      Hyperband* self;
+      Bracket& b;
+      size_t r;
+      ~SettleNext() { self->settle(b, r + 1); }
+    } settle_next{this, b, r};
     std::vector<std::pair<double, int64_t>> ranked;
     for (const auto& [number, loss] : rung.results) {
       ranked.emplace_back(loss, number);

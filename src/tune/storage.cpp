@@ -446,15 +446,19 @@ class SqlStorage : public Storage {
                 .empty();
   }
 
-  void add_result(int64_t number,
+  bool add_result(int64_t number,
                   int64_t iteration,
                   double value,
-                  const std::string& row) override {
-    db_->query(
-        "INSERT INTO results SELECT ?, ?, COALESCE(MAX(seq), -1) + 1, ?, ?, ?, ? "
-        "FROM results WHERE study = ? AND number = ?",
-        {study_, number, iteration, std::isnan(value) ? Param{} : Param{value}, row, now(), study_,
-         number});
+                  const std::string& row,
+                  const std::string& worker) override {
+    return !db_->query(
+                   "INSERT INTO results SELECT ?, ?, (SELECT COALESCE(MAX(seq), -1) + 1 "
+                   "FROM results WHERE study = ? AND number = ?), ?, ?, ?, ? WHERE EXISTS "
+                   "(SELECT 1 FROM trials WHERE study = ? AND number = ? AND "
+                   "state = 'RUNNING' AND worker = ?) RETURNING number",
+                   {study_, number, study_, number, iteration,
+                    std::isnan(value) ? Param{} : Param{value}, row, now(), study_, number, worker})
+                .empty();
   }
 
   std::string url() const override { return url_; }

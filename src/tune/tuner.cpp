@@ -32,6 +32,7 @@
 #include <iomanip>
 #include <iostream>
 #include <mutex>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -318,7 +319,10 @@ TuneResult Tuner::run() {
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
   host_ = host;
-  worker_id_ = host_ + ":" + std::to_string(::getpid());
+  // host:pid:nonce. The nonce tells apart tuners whose host names and PIDs coincide
+  // (containers sharing a host name, each with its own PID namespace).
+  worker_id_ = host_ + ":" + std::to_string(::getpid()) + ":" +
+               std::to_string(std::random_device{}() & 0xffffff);
   sync(true);
 
   int wake_fds[2];
@@ -370,7 +374,10 @@ TuneResult Tuner::run() {
       print_table(false);
     }
   } catch (...) {
-    stop_all();
+    try {
+      stop_all();
+    } catch (...) {  // the first error is the one to report; the handlers must go back
+    }
     restore();
     throw;
   }
@@ -453,7 +460,7 @@ bool Tuner::worker_dead(const TrialRecord& t, double now) const {
   if (t.worker == worker_id_) {
     return true;  // this process runs no such trial (it is not in running_)
   }
-  const size_t colon = t.worker.rfind(':');
+  const size_t colon = t.worker.find(':');
   if (colon != std::string::npos && t.worker.substr(0, colon) == host_) {
     const pid_t pid = static_cast<pid_t>(std::atol(t.worker.c_str() + colon + 1));
     if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {
@@ -768,8 +775,13 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   // JSON has no NaN: a diverged trial's NaN reaches us as null (nlohmann, Python's json with
   // allow_nan=False). It is recorded, and ranks last.
   const double value = metric->is_null() ? std::nan("") : metric->get<double>();
+  if (!storage_->add_result(t.number, iteration, value, row.dump(), worker_id_)) {
+    r.lost = true;  // another tuner holds it now: its rows are that tuner's to write
+    say("trial " + std::to_string(t.number) + " was taken over by another tuner",
+        {{"event", "lost"}, {"trial", t.number}});
+    return;
+  }
   t.results.emplace_back(iteration, value);
-  storage_->add_result(t.number, iteration, value, row.dump());
   const double loss = loss_of(value);
   searcher_->on_result(t.number, t.config, iteration, loss);
   const Decision d = scheduler_->on_result(t.number, iteration, loss);
@@ -821,11 +833,12 @@ void Tuner::reap() {
     }
     const pid_t got = ::waitpid(r->proc.pid, &status, WNOHANG);
     if (got == r->proc.pid) {
+      ::kill(-r->proc.pid, SIGKILL);  // anything it left behind in its group
+      r->proc.pid = -1;               // reaped: never signal its group again
       drain(*r, true);
       if (!r->partial.empty()) {
-        handle_row(*r, r->partial);
+        handle_row(*r, std::exchange(r->partial, {}));
       }
-      ::kill(-r->proc.pid, SIGKILL);  // anything it left behind in its group
       if (r->proc.out_fd >= 0) {
         ::close(r->proc.out_fd);
         r->proc.out_fd = -1;
@@ -1103,7 +1116,9 @@ void Tuner::stop_all() {
         r->fn->answer(true);
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      if (r->fn->done(&status, &error)) {
+      if (!r->thread.joinable()) {
+        // reap() joined it already
+      } else if (r->fn->done(&status, &error)) {
         r->thread.join();
       } else {
         r->thread.detach();  // it never reports again; its context stays alive with it
@@ -1112,12 +1127,26 @@ void Tuner::stop_all() {
     }
   }
   for (auto& [n, r] : running_) {
-    // Interrupted, not failed: PENDING again without an attempt, for the next tuner to resume.
+    if (r->lost) {
+      continue;
+    }
+    // Interrupted, not failed: PENDING again without an attempt, for the next tuner to resume;
+    // a trial the scheduler had already decided keeps that decision.
     TrialRecord& t = trials_.at(n);
-    if (!r->lost) {
-      t.state = TrialState::kPending;
-      t.worker.clear();
+    t.state = TrialState::kPending;
+    if (r->stopping) {
+      const auto verdict = verdicts_.find(n);
+      t.state = r->why == Decision::kStop       ? TrialState::kStopped
+                : r->why == Decision::kComplete ? TrialState::kComplete
+                : verdict != verdicts_.end()    ? verdict->second
+                                                : TrialState::kPaused;
+    }
+    t.worker.clear();
+    try {
       storage_->update_trial(t, TrialState::kRunning, worker_id_);
+    } catch (const std::exception& e) {
+      std::cerr << "tune: could not store trial " << n << " on the way out: " << e.what()
+                << std::endl;
     }
   }
   running_.clear();

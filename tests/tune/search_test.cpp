@@ -260,15 +260,19 @@ TEST(TuneStorage, KeepsTrialsAndRefusesAnotherSpace) {
     TrialRecord r;
     r.number = 0;
     r.config = {{"lr", 0.01}, {"width", int64_t{32}}, {"opt", std::string("sgd")}};
+    r.state = TrialState::kRunning;
+    r.worker = "w:0";
     st->add_trial(r);
-    st->add_result(0, 1, 0.5, "{\"loss\": 0.5}");
-    st->add_result(0, 2, 0.25, "{\"loss\": 0.25}");
+    EXPECT_TRUE(st->add_result(0, 1, 0.5, "{\"loss\": 0.5}", "w:0"));
+    EXPECT_TRUE(st->add_result(0, 2, 0.25, "{\"loss\": 0.25}", "w:0"));
+    EXPECT_FALSE(st->add_result(0, 3, 0.1, "{\"loss\": 0.1}", "w:9"));  // not its holder
     r.state = TrialState::kComplete;
     r.exit_status = 3;
     r.log_path = "x.log";
-    EXPECT_FALSE(st->update_trial(r, TrialState::kRunning, ""));  // it is PENDING
-    EXPECT_TRUE(st->update_trial(r, TrialState::kPending, ""));
-    EXPECT_FALSE(st->update_trial(r, TrialState::kPending, ""));  // moved on: refused
+    EXPECT_FALSE(st->update_trial(r, TrialState::kPending, ""));     // it is RUNNING
+    EXPECT_FALSE(st->update_trial(r, TrialState::kRunning, "w:9"));  // not w:9's
+    EXPECT_TRUE(st->update_trial(r, TrialState::kRunning, "w:0"));
+    EXPECT_FALSE(st->update_trial(r, TrialState::kRunning, ""));  // moved on: refused
     // Reserving, claiming and releasing: each succeeds once.
     EXPECT_EQ(st->reserve_trial(3, "w:1"), 1);
     EXPECT_EQ(st->reserve_trial(3, "w:2"), 2);

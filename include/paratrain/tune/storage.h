@@ -84,11 +84,13 @@ class Storage {
   virtual bool update_trial(const TrialRecord& record,
                             TrialState from,
                             const std::string& from_worker) = 0;
-  /// One reported row; `row_json` is the trial's whole JSON line.
-  virtual void add_result(int64_t number,
+  /// One reported row; `row_json` is the trial's whole JSON line. Stored only while `worker`
+  /// holds the trial (RUNNING); false when it does not any more.
+  virtual bool add_result(int64_t number,
                           int64_t iteration,
                           double value,
-                          const std::string& row_json) = 0;
+                          const std::string& row_json,
+                          const std::string& worker) = 0;
   /// The URL it was opened with.
   virtual std::string url() const = 0;
 };

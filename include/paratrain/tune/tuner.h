@@ -129,8 +129,8 @@ struct TuneResult {
   std::optional<TrialSummary> best;
   /// Trials that ran in this call (not those a previous tuner finished).
   int64_t started = 0;
-  /// The tuner was stopped by SIGINT or SIGTERM; running trials stay RUNNING and are retried
-  /// by the next tuner on the same study.
+  /// The tuner was stopped by SIGINT or SIGTERM; its running trials went back to PENDING (no
+  /// failure counted) for the next tuner on the same study to resume.
   int interrupted_by = 0;
 };
 
