@@ -94,6 +94,8 @@ const CommandSpec& train_spec() {
           {"check-replicas", "N",
            "every N steps, compare the ranks' parameters and name a diverged one"},
           {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
+          {"sync-bn", "", "ddp: BatchNorm over the whole batch of all ranks (SyncBatchNorm)"},
+          {"zero", "", "ddp: shard the optimizer state over the ranks (ZeroRedundancyOptimizer)"},
           {"save-weights", "FILE", "write the trained weights as safetensors"},
           {"load-weights", "FILE", "start from these weights (safetensors or torch.save files)"},
           {"json", "", "print each epoch as a JSON object"},
@@ -245,7 +247,9 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       .tensorboard(args.get("tensorboard", ""))
       .log_every(args.get_int("log-every", args.has("metrics") || args.has("tensorboard") ? 10 : 0))
       .check_replicas(args.get_int("check-replicas", 0))
-      .trace(args.get("trace", ""));
+      .trace(args.get("trace", ""))
+      .sync_batchnorm(args.has("sync-bn"))
+      .zero(args.has("zero"));
   if (o.check_replicas() < 0) {
     throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
   }
@@ -384,6 +388,12 @@ int run_train(const std::vector<std::string>& argv) {
   }
   if (strategy != "single" && strategy != "ddp" && strategy != "dp" && strategy != "pipeline") {
     throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp, dp or pipeline");
+  }
+  for (const char* flag : {"sync-bn", "zero"}) {
+    if (args.has(flag) && strategy != "ddp") {
+      throw UsageError(std::string("--") + flag + " works across DDP's ranks: add --strategy ddp " +
+                       "(got --strategy " + strategy + ")");
+    }
   }
   std::vector<torch::Device> dp_devices;
   if (strategy == "dp" && !args.has("devices")) {
@@ -588,6 +598,7 @@ int run_train(const std::vector<std::string>& argv) {
       {"stages", piped ? stages : 0},
       {"schedule", piped ? pipeline::to_string(schedule) : ""},
       {"freeze_backbone", args.has("freeze-backbone")},
+      {"sync_bn", args.has("sync-bn")},
       {"schedule_per_step", o.schedule_per_step()},
       {"lr_step_size", o.lr_schedule().step_size()},
       {"lr_gamma", o.lr_schedule().gamma()},

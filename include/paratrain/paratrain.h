@@ -28,9 +28,12 @@
 #include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/data_parallel.h"              // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
+#include "paratrain/parallel/join.h"                       // Join (uneven inputs)
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
-#include "paratrain/parallel/threads.h"   // set_blas_threads
-#include "paratrain/train/checkpoint.h"   // Checkpoint, optimizer_state, rng_state
+#include "paratrain/parallel/sync_batchnorm.h"             // SyncBatchNorm, convert_sync_batchnorm
+#include "paratrain/parallel/threads.h"                    // set_blas_threads
+#include "paratrain/parallel/zero_redundancy_optimizer.h"  // ZeroRedundancyOptimizer
+#include "paratrain/train/checkpoint.h"                    // Checkpoint, optimizer_state, rng_state
 #include "paratrain/train/lr_schedule.h"  // LRSchedule: step, multistep, cosine, warm-up
 #include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state
 #include "paratrain/train/tensorboard.h"  // tensorboard::SummaryWriter (event files)

@@ -1,5 +1,7 @@
 #include "paratrain/models/registry.h"
 
+#include "paratrain/parallel/sync_batchnorm.h"
+
 #include <torch/torch.h>
 
 namespace paratrain {
@@ -24,16 +26,17 @@ nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
 }
 
 // torchvision's BasicBlock: conv-bn-relu-conv-bn, plus the input (downsampled when the shape
-// changes), then relu. Cloneable, so DataParallel and pipelines can replicate it.
-struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl> {
+// changes), then relu. Cloneable, so DataParallel and pipelines can replicate it. The norms are
+// AnyModule slots (NormSlots), so convert_sync_batchnorm can swap in SyncBatchNorm.
+struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl>, NormSlots {
   BasicBlockImpl(int64_t in, int64_t out, int64_t stride) : in_(in), out_(out), stride_(stride) {
     reset();
   }
   void reset() override {
     conv1 = register_module("conv1", conv(in_, out_, 3, stride_));
-    bn1 = register_module("bn1", nn::BatchNorm2d(out_));
+    bn1 = nn::AnyModule(register_module("bn1", nn::BatchNorm2d(out_)));
     conv2 = register_module("conv2", conv(out_, out_, 3, 1));
-    bn2 = register_module("bn2", nn::BatchNorm2d(out_));
+    bn2 = nn::AnyModule(register_module("bn2", nn::BatchNorm2d(out_)));
     downsample = nullptr;
     if (stride_ != 1 || in_ != out_) {
       downsample = register_module(
@@ -42,20 +45,23 @@ struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl> {
   }
   torch::Tensor forward(torch::Tensor x) {
     torch::Tensor identity = downsample ? downsample->forward(x) : x;
-    x = torch::relu(bn1(conv1(x)));
-    x = bn2(conv2(x));
+    x = torch::relu(bn1.forward(conv1(x)));
+    x = bn2.forward(conv2(x));
     return torch::relu(x + identity);
+  }
+  std::vector<std::pair<std::string, nn::AnyModule*>> norm_slots() override {
+    return {{"bn1", &bn1}, {"bn2", &bn2}};
   }
   int64_t in_, out_, stride_;
   nn::Conv2d conv1{nullptr}, conv2{nullptr};
-  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  nn::AnyModule bn1, bn2;
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(BasicBlock);
 
 // torchvision's Bottleneck (v1.5: the stride on the 3x3 conv): 1x1 reduce, 3x3, 1x1 expand (4x),
 // plus the input (downsampled when the shape changes), then relu.
-struct BottleneckImpl : nn::Cloneable<BottleneckImpl> {
+struct BottleneckImpl : nn::Cloneable<BottleneckImpl>, NormSlots {
   static constexpr int64_t kExpansion = 4;
   BottleneckImpl(int64_t in, int64_t width, int64_t stride)
       : in_(in), width_(width), stride_(stride) {
@@ -64,11 +70,11 @@ struct BottleneckImpl : nn::Cloneable<BottleneckImpl> {
   void reset() override {
     const int64_t out = width_ * kExpansion;
     conv1 = register_module("conv1", conv(in_, width_, 1, 1));
-    bn1 = register_module("bn1", nn::BatchNorm2d(width_));
+    bn1 = nn::AnyModule(register_module("bn1", nn::BatchNorm2d(width_)));
     conv2 = register_module("conv2", conv(width_, width_, 3, stride_));
-    bn2 = register_module("bn2", nn::BatchNorm2d(width_));
+    bn2 = nn::AnyModule(register_module("bn2", nn::BatchNorm2d(width_)));
     conv3 = register_module("conv3", conv(width_, out, 1, 1));
-    bn3 = register_module("bn3", nn::BatchNorm2d(out));
+    bn3 = nn::AnyModule(register_module("bn3", nn::BatchNorm2d(out)));
     downsample = nullptr;
     if (stride_ != 1 || in_ != out) {
       downsample = register_module(
@@ -77,14 +83,17 @@ struct BottleneckImpl : nn::Cloneable<BottleneckImpl> {
   }
   torch::Tensor forward(torch::Tensor x) {
     torch::Tensor identity = downsample ? downsample->forward(x) : x;
-    x = torch::relu(bn1(conv1(x)));
-    x = torch::relu(bn2(conv2(x)));
-    x = bn3(conv3(x));
+    x = torch::relu(bn1.forward(conv1(x)));
+    x = torch::relu(bn2.forward(conv2(x)));
+    x = bn3.forward(conv3(x));
     return torch::relu(x + identity);
+  }
+  std::vector<std::pair<std::string, nn::AnyModule*>> norm_slots() override {
+    return {{"bn1", &bn1}, {"bn2", &bn2}, {"bn3", &bn3}};
   }
   int64_t in_, width_, stride_;
   nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
-  nn::BatchNorm2d bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
+  nn::AnyModule bn1, bn2, bn3;
   nn::Sequential downsample{nullptr};
 };
 TORCH_MODULE(Bottleneck);

@@ -514,16 +514,22 @@ void save_adam(const AdamState& st, const std::string& key, TensorMap& out) {
   }
 }
 
+// A copy on the parameter's device and dtype: the optimizer updates its state in place, so it
+// must never alias the caller's tensors (two optimizers loaded from one map would share them).
+torch::Tensor own_copy(const torch::Tensor& t, const torch::Tensor& p) {
+  return t.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
+}
+
 template <typename AdamState>
 std::unique_ptr<AdamState> load_adam(const TensorMap& in,
                                      const std::string& key,
                                      const torch::Tensor& p) {
   auto st = std::make_unique<AdamState>();
   st->step(in.at(key + "step").template item<int64_t>());
-  st->exp_avg(in.at(key + "exp_avg").to(p.options()));
-  st->exp_avg_sq(in.at(key + "exp_avg_sq").to(p.options()));
+  st->exp_avg(own_copy(in.at(key + "exp_avg"), p));
+  st->exp_avg_sq(own_copy(in.at(key + "exp_avg_sq"), p));
   if (in.count(key + "max_exp_avg_sq")) {
-    st->max_exp_avg_sq(in.at(key + "max_exp_avg_sq").to(p.options()));
+    st->max_exp_avg_sq(own_copy(in.at(key + "max_exp_avg_sq"), p));
   }
   return st;
 }
@@ -580,7 +586,7 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& i
       TORCH_CHECK(it->second.sizes() == p.sizes(), "optimizer state ", key,
                   "momentum_buffer has shape ", it->second.sizes(), ", its parameter ", p.sizes());
       auto st = std::make_unique<torch::optim::SGDParamState>();
-      st->momentum_buffer(it->second.to(p.options()));
+      st->momentum_buffer(own_copy(it->second, p));
       state[state_key(state, p)] = std::move(st);
       ++used;
     } else if (in.count(key + "step")) {

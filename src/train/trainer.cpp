@@ -6,6 +6,8 @@
 #include "paratrain/data/sampler.h"
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/parallel/sync_batchnorm.h"
+#include "paratrain/parallel/zero_redundancy_optimizer.h"
 #include "paratrain/train/safetensors.h"
 #include "paratrain/train/tensorboard.h"
 #include "paratrain/train/trace.h"
@@ -187,6 +189,9 @@ void Trainer::Impl::check_options() const {
   TORCH_CHECK((o.strategy() == Strategy::kDDP) == (o.process_group() != nullptr),
               o.strategy() == Strategy::kDDP ? "the ddp strategy needs a process_group"
                                              : "a process_group goes with the ddp strategy");
+  TORCH_CHECK(o.strategy() == Strategy::kDDP || (!o.sync_batchnorm() && !o.zero()),
+              "sync_batchnorm (--sync-bn) and zero (--zero) shard or synchronize over DDP's "
+              "ranks: use them with the ddp strategy");
   TORCH_CHECK(o.strategy() != Strategy::kDataParallel || !o.devices().empty(),
               "the dp strategy needs devices (e.g. cpu,cpu)");
   TORCH_CHECK(o.strategy() != Strategy::kPipeline || !o.devices().empty(),
@@ -215,6 +220,9 @@ void Trainer::Impl::build_strategy() {
       o.strategy() == Strategy::kDataParallel || o.strategy() == Strategy::kPipeline;
   device = listed ? o.devices().front() : o.device();
   model->to(device);
+  if (o.sync_batchnorm()) {
+    convert_sync_batchnorm(model.ptr(), o.process_group());
+  }
   // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
   mp = std::make_unique<amp::MixedPrecision>(model, device, o.amp());
   if (o.strategy() == Strategy::kDDP) {
@@ -231,7 +239,17 @@ void Trainer::Impl::build_strategy() {
         },
         pipeline::PipelineOptions().chunks(o.chunks()).schedule(o.pipeline_schedule()));
   }
-  opt = make_optimizer(mp->optimizer_parameters(), o.optimizer());
+  if (o.zero()) {
+    const OptimizerOptions options = o.optimizer();
+    opt = std::make_unique<ZeroRedundancyOptimizer>(
+        mp->optimizer_parameters(),
+        [options](std::vector<torch::optim::OptimizerParamGroup> groups) {
+          return make_optimizer(groups.at(0).params(), options);
+        },
+        o.process_group());
+  } else {
+    opt = make_optimizer(mp->optimizer_parameters(), o.optimizer());
+  }
   schedule = std::make_unique<LRSchedule>(*opt, o.lr_schedule());
 }
 
@@ -584,7 +602,11 @@ CheckpointState Trainer::Impl::capture() {
                 {"config", Json::parse(o.config())}}
                .dump();
   s.shared = with_prefix(module_state(*model), "model.");
-  for (const auto& kv : with_prefix(optimizer_state(*opt), "optim.")) {
+  // ZeRO: every rank sends its shard to rank 0, which saves the state as the unsharded
+  // optimizer's, so any world size (or no ZeRO) can resume it.
+  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
+  for (const auto& kv :
+       with_prefix(zero ? zero->consolidate_state(0) : optimizer_state(*opt), "optim.")) {
     s.shared[kv.first] = kv.second;
   }
   if (mp->opt_level() == amp::OptLevel::kO2) {
@@ -662,7 +684,11 @@ void Trainer::Impl::restore(const CheckpointState& s) {
         mp->masters()[i].copy_(it->second);
       }
     }
-    load_optimizer_state(*opt, with_prefix(s.shared, "optim.", true));
+    if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get())) {
+      zero->load_state(with_prefix(s.shared, "optim.", true));
+    } else {
+      load_optimizer_state(*opt, with_prefix(s.shared, "optim.", true));
+    }
     schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
     std::map<std::string, double> scaler;
     for (const auto& kv : meta.at("scaler").items()) {

@@ -123,6 +123,12 @@ struct TrainerOptions {
   /// ddp: every N optimizer steps the ranks compare checksums of their parameters;
   /// a rank whose weights differ is named (ReplicaDivergence). 0: never.
   TORCH_ARG(int64_t, check_replicas) = 0;
+  /// ddp: every BatchNorm becomes a SyncBatchNorm over the process group
+  /// (convert_sync_batchnorm), so batches are normalized across the ranks.
+  TORCH_ARG(bool, sync_batchnorm) = false;
+  /// ddp: the optimizer's state is sharded over the ranks (ZeroRedundancyOptimizer); checkpoints
+  /// hold it consolidated, as the unsharded optimizer's.
+  TORCH_ARG(bool, zero) = false;
   /// A Chrome trace (Perfetto, chrome://tracing) of fit(): forward, backward, optimizer steps,
   /// data waits, checkpoints, and under ddp each bucket's allreduce from launch to wait; every
   /// rank in one file. "": none.
