@@ -204,6 +204,35 @@ TEST(Train, TraceHoldsEveryRanksSpans) {
   std::system(("rm -rf '" + base + "'*").c_str());
 }
 
+// ZeRO's checkpoints hold the consolidated state, SyncBatchNorm's layers keep BatchNorm's names.
+TEST(Resume, DdpWithZeroAndSyncBatchNorm) {
+  expect_exact_resume({"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--zero",
+                       "--sync-bn", "--optimizer", "adam", "--lr", "0.001"},
+                      2);
+}
+
+// ZeroRedundancyOptimizer steps each parameter as the unsharded optimizer does: the weights are
+// the same bytes. SyncBatchNorm normalizes over both ranks' batches: the weights change.
+TEST(Train, ZeroEqualsUnshardedAndSyncBatchNormChangesTraining) {
+  const std::string base = "/tmp/" + unique_token("zero");
+  const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
+  const std::vector<std::string> ddp{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo",
+                                     "--epochs",   "1"};
+  std::map<std::string, std::vector<std::string>> runs{
+      {"plain", {}}, {"zero", {"--zero"}}, {"syncbn", {"--sync-bn"}}};
+  std::map<std::string, std::string> weights;
+  for (const auto& [name, flags] : runs) {
+    const std::string file = base + "-" + name + ".safetensors";
+    auto r = run_process(job(plus(plus(ddp, flags), {"--save-weights", file})), env, 300);
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    weights[name] = read_bytes(file);
+    ASSERT_GT(weights[name].size(), 1000u) << name;
+  }
+  EXPECT_TRUE(weights["plain"] == weights["zero"]);
+  EXPECT_FALSE(weights["plain"] == weights["syncbn"]);
+  std::system(("rm -rf '" + base + "'*").c_str());
+}
+
 TEST(Resume, BadInput) {
   const std::string base = "/tmp/" + unique_token("badresume");
   const std::string dir = base + "-ckpt";
@@ -231,6 +260,9 @@ TEST(Resume, BadInput) {
       {{"--checkpoint-dir", dir, "--keep", "0"}, "--keep must be >= 1, got 0"},
       {{"--keep", "2"}, "need --checkpoint-dir"},
       {{"--check-replicas", "-1"}, "--check-replicas must be >= 0, got -1"},
+      {{"--zero"}, "--zero works across DDP's ranks: add --strategy ddp (got --strategy single)"},
+      {{"--sync-bn", "--strategy", "dp", "--devices", "cpu,cpu"},
+       "--sync-bn works across DDP's ranks: add --strategy ddp (got --strategy dp)"},
       {{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--checkpoint-dir", dir,
         "--resume", "auto"},
        "was made by 1 ranks and this job has 2: resume with as many ranks"},
