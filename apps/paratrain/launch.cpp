@@ -32,6 +32,9 @@ const CommandSpec& launch_spec() {
           {"backend", "B",
            "gloo, mpi, nccl, or routes by tensor device such as cpu:gloo,cuda:nccl; mpi runs the "
            "job through mpirun"},
+          {"hostfile", "FILE",
+           "with --backend mpi: Open MPI's host file; mpirun starts --nproc-per-node ranks on "
+           "each host (default: its slots) with its own remote start"},
           {"env", "NAME=VALUE", "set a variable in every worker (repeatable)", true},
           {"no-prefix", "", "relay output without the [rank R]: prefix"},
           {"max-restarts,max_restarts", "N",
@@ -74,6 +77,7 @@ int run_launch(const std::vector<std::string>& argv) {
   }
   o.log_dir(args.get("log-dir", ""));
   o.backend(args.get("backend", ""));
+  o.hostfile(args.get("hostfile", ""));
   o.prefix_output(!args.has("no-prefix"));
   {
     const int restarts = args.get_int("max-restarts", 0);

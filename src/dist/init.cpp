@@ -14,6 +14,12 @@
 #include <glog/logging.h>
 #endif
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -74,6 +80,42 @@ std::string join(const std::vector<std::string>& names) {
 
 bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+// The local address this host uses to reach `host` (the kernel's route and source choice, found by
+// connecting a UDP socket, which sends nothing); "" when it cannot tell. Gloo binds there: its own
+// default resolves the hostname, which on many machines (and in network namespaces) names a
+// loopback address that other hosts cannot reach.
+std::string local_address_toward(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+    return "";
+  }
+  std::string out;
+  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* raw =
+          local.ss_family == AF_INET
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) {
+        out = text;
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return out;
 }
 
 struct Endpoint {
@@ -410,7 +452,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
         return open_tcp_store(e, -1, 0, std::min(timeout, std::chrono::milliseconds(10000)), false);
       };
     }
-    hostname = is_loopback(e.host) ? "127.0.0.1" : "";
+    hostname = is_loopback(e.host) ? "127.0.0.1" : local_address_toward(e.host, e.port);
   } else {
     TORCH_CHECK(false, "unknown init_method '", method,
                 "': use env://, tcp://host:port or file:///path");

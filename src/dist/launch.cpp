@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -21,6 +22,7 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -49,6 +51,39 @@ std::vector<int> parse_device_list(const std::string& text) {
   }
   TORCH_CHECK(text.back() != ',', "--devices '", text, "' ends with a comma");
   return devices;
+}
+
+std::vector<HostfileEntry> read_hostfile(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in.good(), "cannot read --hostfile ", path, ": ", strerror(errno));
+  std::vector<HostfileEntry> out;
+  std::set<std::string> seen;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    line = line.substr(0, line.find('#'));
+    std::istringstream words(line);
+    HostfileEntry e;
+    e.line = number;
+    if (!(words >> e.host)) {
+      continue;
+    }
+    std::string word;
+    while (words >> word) {
+      if (word.rfind("slots=", 0) == 0) {
+        const std::string n = word.substr(6);
+        TORCH_CHECK(!n.empty() && n.size() < 6 &&
+                        n.find_first_not_of("0123456789") == std::string::npos && std::stoi(n) > 0,
+                    "--hostfile ", path, " line ", number, ": '", word,
+                    "' is not a slot count; write slots=N with N >= 1");
+        e.slots = std::stoi(n);
+      }
+    }
+    TORCH_CHECK(seen.insert(e.host).second, "--hostfile ", path, " line ", number, ": host '",
+                e.host, "' is listed twice; give it one line with its slots");
+    out.push_back(e);
+  }
+  TORCH_CHECK(!out.empty(), "--hostfile ", path, " lists no host");
+  return out;
 }
 
 std::string format_device_list(const std::vector<int>& devices) {
@@ -249,6 +284,11 @@ void validate(const LaunchOptions& o) {
               " needs --master-addr: the address of node 0, which every node can reach");
   TORCH_CHECK(!(o.standalone() && o.nnodes() > 1), "--standalone is for one node; with --nnodes ",
               o.nnodes(), " give --master-addr and --master-port");
+  TORCH_CHECK(
+      o.hostfile().empty() || detail::runs_on_mpi(o.backend()),
+      "--hostfile goes with --backend mpi: Open MPI starts the ranks on the hosts it lists");
+  TORCH_CHECK(o.hostfile().empty() || o.nnodes() == 1, "--hostfile and --nnodes ", o.nnodes(),
+              " both place ranks on nodes: give one of them");
   TORCH_CHECK(o.master_port() > 0 && o.master_port() < 65536, "--master-port ", o.master_port(),
               " is not a TCP port: it must be in [1, 65535]");
   // The names only: the program launched may be another one (a Python script) whose build has
@@ -767,12 +807,65 @@ std::vector<std::string> mpirun_shim(const LaunchOptions& o) {
   return {cli, "launch", "--from-mpirun"};
 }
 
+// Refuses a host that cannot be reached before mpirun tries (ssh to such a host can wait minutes):
+// the name must resolve, and this host must have a route to it (the kernel picks a source
+// address for a connected UDP socket, which sends nothing).
+void check_reachable(const std::string& path, const HostfileEntry& e) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int rc = getaddrinfo(e.host.c_str(), "9", &hints, &found);
+  TORCH_CHECK(rc == 0, "--hostfile ", path, " line ", e.line, ": host '", e.host,
+              "' does not resolve (", gai_strerror(rc), "); fix the name or its DNS entry");
+  std::string why;
+  bool routed = false;
+  for (addrinfo* a = found; a != nullptr && !routed; a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = strerror(errno);
+      continue;
+    }
+    routed = connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+    if (!routed) {
+      why = strerror(errno);
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  TORCH_CHECK(routed, "--hostfile ", path, " line ", e.line, ": host '", e.host,
+              "' is unreachable from this host (", why,
+              "); check its address and this host's routes");
+}
+
+// mpirun's placement: -np and, with a host file, where the ranks go.
+std::vector<std::string> mpirun_placement(const LaunchOptions& o, int nproc) {
+  if (o.hostfile().empty()) {
+    return {"-np", std::to_string(nproc)};
+  }
+  const std::vector<HostfileEntry> hosts = read_hostfile(o.hostfile());
+  for (const auto& e : hosts) {
+    check_reachable(o.hostfile(), e);
+  }
+  if (o.nproc_per_node() > 0) {
+    return {"-np",        std::to_string(o.nproc_per_node() * static_cast<int>(hosts.size())),
+            "--hostfile", o.hostfile(),
+            "--map-by",   "ppr:" + std::to_string(o.nproc_per_node()) + ":node"};
+  }
+  int slots = 0;
+  for (const auto& e : hosts) {
+    slots += e.slots;
+  }
+  return {"-np", std::to_string(slots), "--hostfile", o.hostfile()};
+}
+
 // mpirun's command line: one shim per rank, each running `command`.
 std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   std::string mpirun = find_program("mpirun");
   TORCH_CHECK(!mpirun.empty(),
               "--backend mpi: mpirun not found on PATH; install Open MPI (openmpi-bin)");
-  std::vector<std::string> cmd{mpirun, "-np", std::to_string(nproc)};
+  std::vector<std::string> cmd{mpirun};
+  const std::vector<std::string> placement = mpirun_placement(o, nproc);
+  cmd.insert(cmd.end(), placement.begin(), placement.end());
   // Several ranks on a 2-core machine would otherwise be refused, and Open MPI's default
   // binding pins each rank to one core, starving libtorch's intra-op threads.
   cmd.insert(cmd.end(), {"--oversubscribe", "--bind-to", "none"});
@@ -792,8 +885,12 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   }
   // Routes with mpi ("cpu:mpi,cuda:nccl") also meet over the store: --standalone's free port.
   const int port = o.standalone() ? pick_free_port() : o.master_port();
-  cmd.insert(cmd.end(), {"--master-addr", o.master_addr().empty() ? "127.0.0.1" : o.master_addr(),
-                         "--master-port", std::to_string(port)});
+  // With a host file, rank 0 runs on its first host, which serves the store.
+  std::string master = o.master_addr();
+  if (master.empty()) {
+    master = o.hostfile().empty() ? "127.0.0.1" : read_hostfile(o.hostfile()).front().host;
+  }
+  cmd.insert(cmd.end(), {"--master-addr", master, "--master-port", std::to_string(port)});
   for (const auto& kv : o.env()) {
     cmd.insert(cmd.end(), {"--env", kv.first + "=" + kv.second});
   }
@@ -814,10 +911,10 @@ Environment mpirun_environment(const LaunchOptions& o, int nproc) {
   if (std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism") == nullptr) {
     env["OMPI_MCA_btl_vader_single_copy_mechanism"] = "none";
   }
-  // One node (launch_mpirun refuses more): TCP between the ranks only over loopback. Open MPI 5
+  // One node (without a host file): TCP between the ranks only over loopback. Open MPI 5
   // otherwise pairs every interface and prints "Unable to find reachable pairing between local
   // and remote interfaces" on hosts whose interfaces it cannot match (seen in Debian 13).
-  if (std::getenv("OMPI_MCA_btl_tcp_if_include") == nullptr &&
+  if (o.hostfile().empty() && std::getenv("OMPI_MCA_btl_tcp_if_include") == nullptr &&
       std::getenv("OMPI_MCA_btl_tcp_if_exclude") == nullptr) {
     env["OMPI_MCA_btl_tcp_if_include"] = "lo";
   }
@@ -840,6 +937,7 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
               " is not supported: on several nodes run mpirun (or srun) with a host file yourself");
   LaunchOptions outer = o;
   outer.backend("")
+      .hostfile("")       // mpirun's own
       .standalone(false)  // mpirun_command chose the ranks' port
       .command(mpirun_command(o, nproc))
       .nproc_per_node(1)

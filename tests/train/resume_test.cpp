@@ -216,8 +216,8 @@ TEST(Resume, DdpWithZeroAndSyncBatchNorm) {
 TEST(Train, ZeroEqualsUnshardedAndSyncBatchNormChangesTraining) {
   const std::string base = "/tmp/" + unique_token("zero");
   const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
-  const std::vector<std::string> ddp{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo",
-                                     "--epochs",   "1"};
+  const std::vector<std::string> ddp{"--strategy", "ddp",  "--nproc",  "2",
+                                     "--backend",  "gloo", "--epochs", "1"};
   std::map<std::string, std::vector<std::string>> runs{
       {"plain", {}}, {"zero", {"--zero"}}, {"syncbn", {"--sync-bn"}}};
   std::map<std::string, std::string> weights;

@@ -58,7 +58,24 @@ struct LaunchOptions {
   /// --from-mpirun` with the CLI of this build ($PARATRAIN_CLI, else bin/paratrain beside the
   /// installed library).
   TORCH_ARG(std::vector<std::string>, mpi_shim) = {};
+  /// With backend "mpi" (or routes with mpi): an Open MPI host file ("host [slots=N]" per line).
+  /// mpirun starts nproc_per_node ranks on each host listed (each host's slots when
+  /// nproc_per_node is 0) through its own remote start (ssh, or OMPI_MCA_plm_rsh_agent), and
+  /// the first host serves the store. Every host is checked first: one that does not resolve or
+  /// has no route from here is refused, naming its line.
+  TORCH_ARG(std::string, hostfile) = "";
 };
+
+/// One host of an Open MPI host file.
+struct HostfileEntry {
+  std::string host;
+  int slots = 1;
+  int line = 0;
+};
+
+/// Reads an Open MPI host file ("host [slots=N] ..." per line, # comments). Throws c10::Error
+/// naming the file and line for an unreadable or empty file, a bad slot count or a repeated host.
+std::vector<HostfileEntry> read_hostfile(const std::string& path);
 
 struct WorkerFailure {
   int rank = -1;
