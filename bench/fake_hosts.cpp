@@ -2,12 +2,14 @@
 
 #include "paratrain/dist/launch.h"  // find_program
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <stdexcept>
 
 namespace paratrain {
@@ -85,7 +87,44 @@ FakeHosts::~FakeHosts() {
   remove();
 }
 
+std::string FakeHosts::write_hostfile(int slots) const {
+  const std::string path = "/tmp/ptfh" + tag_ + ".hosts";
+  std::ofstream out(path);
+  for (int k = 0; k < n_; ++k) {
+    out << address(k) << " slots=" << slots << "\n";
+  }
+  if (!out) {
+    throw std::runtime_error("fake hosts: cannot write " + path);
+  }
+  return path;
+}
+
+std::string FakeHosts::write_rsh_agent() const {
+  const std::string path = "/tmp/ptfh" + tag_ + "-rsh.sh";
+  {
+    std::ofstream out(path);
+    out << "#!/bin/sh\n# Open MPI's rsh agent for fake hosts: enter the host's namespace.\n"
+        << "host=\"$1\"; shift\ncase \"$host\" in\n";
+    for (int k = 0; k < n_; ++k) {
+      out << "  " << address(k) << ") ns=" << netns(k) << " ;;\n";
+    }
+    out << "  *) echo \"rsh agent: no host $host\" >&2; exit 255 ;;\nesac\n"
+        << "exec " << exec(0, {})[0] << " netns exec \"$ns\" sh -c \"$*\"\n";
+    if (!out) {
+      throw std::runtime_error("fake hosts: cannot write " + path);
+    }
+  }
+  chmod(path.c_str(), 0755);
+  return path;
+}
+
+std::map<std::string, std::string> FakeHosts::mpirun_env() const {
+  return {{"OMPI_MCA_plm_rsh_agent", write_rsh_agent()}, {"OMPI_MCA_btl", "self,tcp"}};
+}
+
 void FakeHosts::remove() {
+  std::remove(("/tmp/ptfh" + tag_ + ".hosts").c_str());
+  std::remove(("/tmp/ptfh" + tag_ + "-rsh.sh").c_str());
   for (int k = 0; k < n_; ++k) {
     shell("ip netns del " + netns(k), nullptr);
   }

@@ -5,6 +5,7 @@
 // the machine's own network. Host k has eth0 = 10.77.0.(k+1)/24 and its own loopback. Shared by
 // `paratrain bench cluster` and the tests (compiled into both).
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,15 @@ class FakeHosts {
   std::string netns(int k) const;
   /// `argv` run inside host k: {"ip", "netns", "exec", netns(k), argv...}.
   std::vector<std::string> exec(int k, const std::vector<std::string>& argv) const;
+  /// An Open MPI host file listing every host with `slots` slots (removed with the hosts).
+  std::string write_hostfile(int slots) const;
+  /// An rsh agent for Open MPI (OMPI_MCA_plm_rsh_agent): `agent HOST COMMAND...` runs COMMAND in
+  /// HOST's namespace, where ssh would log in (removed with the hosts).
+  std::string write_rsh_agent() const;
+  /// The environment mpirun needs on these hosts: the agent, and TCP between ranks (the
+  /// namespaces share one hostname and /dev/shm, so Open MPI would pair ranks of different hosts
+  /// over shared memory, which crashed in btl_vader; real hosts have names of their own).
+  std::map<std::string, std::string> mpirun_env() const;
   /// Adds `delay_ms` of latency (netem) to every packet host k sends; for benchmarks that model
   /// a slower link. Throws like the constructor.
   void set_delay(int k, double delay_ms);

@@ -42,6 +42,9 @@ const std::vector<Command>& bench_commands() {
        run_bench_faults},
       {"tune", "", "paratrain tune (BOHB, ASHA, random) vs Optuna (TPE+Hyperband, random)",
        run_bench_tune},
+      {"cluster", "",
+       "DDP on two (namespace) hosts vs one, SyncBatchNorm's overhead, ZeRO's state per rank",
+       run_bench_cluster},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

@@ -24,6 +24,7 @@ int run_bench_pipeline(const std::vector<std::string>& args);
 int run_bench_amp(const std::vector<std::string>& args);
 int run_bench_faults(const std::vector<std::string>& args);
 int run_bench_tune(const std::vector<std::string>& args);
+int run_bench_cluster(const std::vector<std::string>& args);
 
 /// One subcommand: how it is called, what it does (one line), and its entry point. The help
 /// texts and the dispatch are generated from the tables below, so a new command is listed once.

@@ -89,44 +89,15 @@ TEST(MultiHost, DdpOnGlooAcrossTwoHostsEqualsOneProcess) {
 #ifdef PARATRAIN_WITH_MPI
 // Open MPI's own remote start: mpirun on host 0 starts its daemon on host 1 through the rsh agent,
 // here a script that enters host 1's namespace (where ssh would log in).
-struct MpiHosts {
-  explicit MpiHosts(const FakeHosts& hosts) {
-    const std::string base = "/tmp/" + unique_token("paratrain-mpihosts");
-    hostfile = base + ".hosts";
-    agent = base + "-rsh.sh";
-    std::ofstream h(hostfile);
-    std::ofstream a(agent);
-    a << "#!/bin/sh\nhost=\"$1\"; shift\ncase \"$host\" in\n";
-    for (int k = 0; k < hosts.size(); ++k) {
-      h << hosts.address(k) << " slots=2\n";
-      a << "  " << hosts.address(k) << ") ns=" << hosts.netns(k) << " ;;\n";
-    }
-    a << "  *) echo \"rsh agent: no host $host\" >&2; exit 255 ;;\nesac\n"
-      << "exec " << hosts.exec(0, {})[0] << " netns exec \"$ns\" sh -c \"$*\"\n";
-    a.close();
-    chmod(agent.c_str(), 0755);
-  }
-  ~MpiHosts() {
-    std::remove(hostfile.c_str());
-    std::remove(agent.c_str());
-  }
-  std::string hostfile, agent;
-};
-
 TEST(MultiHost, DdpOnMpiAcrossTwoHostsThroughAHostfile) {
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(2);
-  MpiHosts mpi(hosts);
-  auto r = run_process(
-      hosts.exec(0, {cli_path(), "launch", "--backend", "mpi", "--hostfile", mpi.hostfile,
-                     "--nproc-per-node", "2", "--", PARATRAIN_TEST_DDP_WORKER}),
-      {{"PARATRAIN_TIMEOUT", "60"},
-       {"OMPI_MCA_plm_rsh_agent", mpi.agent},
-       // The namespaces share one hostname and /dev/shm, so Open MPI would take
-       // ranks of both hosts for neighbours and pair them over shared memory
-       // (it crashed in btl_vader); real hosts have names of their own.
-       {"OMPI_MCA_btl", "self,tcp"}},
-      180);
+  auto env = hosts.mpirun_env();
+  env["PARATRAIN_TIMEOUT"] = "60";
+  auto r = run_process(hosts.exec(0, {cli_path(), "launch", "--backend", "mpi", "--hostfile",
+                                      hosts.write_hostfile(2), "--nproc-per-node", "2", "--",
+                                      PARATRAIN_TEST_DDP_WORKER}),
+                       env, 180);
   expect_ranks_ok({r}, 4);
 }
 #endif
