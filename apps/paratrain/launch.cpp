@@ -5,7 +5,9 @@
 
 #include "paratrain/dist/launch.h"
 
+#include <chrono>
 #include <iostream>
+#include <sstream>
 
 namespace paratrain {
 namespace cli {
@@ -21,7 +23,8 @@ const CommandSpec& launch_spec() {
       {
           {"nproc-per-node,nproc_per_node", "N",
            "workers on this node (default: number of --devices, else 1)"},
-          {"nnodes", "M", "nodes in the job (default 1)"},
+          {"nnodes", "M|MIN:MAX",
+           "nodes in the job (default 1); MIN:MAX is elastic, with --rdzv-endpoint (torchrun's)"},
           {"node-rank,node_rank", "R", "this node's index (default 0)"},
           {"master-addr,master_addr", "A",
            "address of node 0 (required with --nnodes > 1; default 127.0.0.1)"},
@@ -35,6 +38,15 @@ const CommandSpec& launch_spec() {
           {"hostfile", "FILE",
            "with --backend mpi: Open MPI's host file; mpirun starts --nproc-per-node ranks on "
            "each host (default: its slots) with its own remote start"},
+          {"rdzv-endpoint,rdzv_endpoint", "HOST:PORT",
+           "dynamic rendezvous (torchrun's c10d): the launchers meet there, served by the one on "
+           "HOST; node ranks follow the order nodes join"},
+          {"rdzv-id,rdzv_id", "JOB", "the job's name at the endpoint (default none)"},
+          {"rdzv-backend,rdzv_backend", "c10d",
+           "c10d (the dynamic rendezvous) or static (--node-rank and --master-addr)"},
+          {"rdzv-conf,rdzv_conf", "K=V,...",
+           "join_timeout (s, default 600), last_call_timeout (s, default 30), "
+           "keep_alive_interval (s, default 5) and keep_alive_max_attempt (default 3)"},
           {"env", "NAME=VALUE", "set a variable in every worker (repeatable)", true},
           {"no-prefix", "", "relay output without the [rank R]: prefix"},
           {"max-restarts,max_restarts", "N",
@@ -48,6 +60,73 @@ const CommandSpec& launch_spec() {
 }
 
 }  // namespace
+
+// --nnodes N or MIN:MAX.
+void parse_nnodes(const std::string& text, dist::LaunchOptions& o) {
+  auto number = [&](const std::string& part) {
+    if (part.empty() || part.size() > 6 ||
+        part.find_first_not_of("0123456789") != std::string::npos) {
+      throw UsageError("--nnodes '" + text + "' is not N or MIN:MAX (e.g. 2, or 1:3)");
+    }
+    return std::stoi(part);
+  };
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) {
+    o.nnodes(number(text));
+    return;
+  }
+  const int lo = number(text.substr(0, colon));
+  const int hi = number(text.substr(colon + 1));
+  if (lo < 1 || lo > hi) {
+    throw UsageError("--nnodes " + text + ": MIN must be at least 1 and at most MAX");
+  }
+  o.min_nodes(lo).nnodes(hi);
+}
+
+// --rdzv-endpoint, --rdzv-id, --rdzv-backend and --rdzv-conf, with torchrun's names and defaults.
+void parse_rendezvous(const Args& args, dist::LaunchOptions& o) {
+  const std::string backend =
+      args.get("rdzv-backend", args.has("rdzv-endpoint") ? "c10d" : "static");
+  if (backend != "c10d" && backend != "static") {
+    throw UsageError("--rdzv-backend '" + backend + "': choose c10d or static");
+  }
+  if (backend == "c10d" && !args.has("rdzv-endpoint")) {
+    throw UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT");
+  }
+  if (backend == "static" && args.has("rdzv-endpoint")) {
+    throw UsageError("--rdzv-endpoint goes with --rdzv-backend c10d, not static");
+  }
+  o.rdzv_endpoint(args.get("rdzv-endpoint", "")).rdzv_id(args.get("rdzv-id", "none"));
+  double interval = 5, attempts = 3;
+  std::stringstream conf(args.get("rdzv-conf", ""));
+  for (std::string item; std::getline(conf, item, ',');) {
+    const size_t eq = item.find('=');
+    const std::string k = item.substr(0, eq);
+    double v = -1;
+    try {
+      v = eq == std::string::npos ? -1 : std::stod(item.substr(eq + 1));
+    } catch (const std::exception&) {
+    }
+    if (v <= 0) {
+      throw UsageError("--rdzv-conf '" + item + "' is not KEY=POSITIVE_NUMBER");
+    }
+    const auto ms = std::chrono::milliseconds(static_cast<int64_t>(v * 1000));
+    if (k == "join_timeout") {
+      o.rdzv_join_timeout(ms);
+    } else if (k == "last_call_timeout") {
+      o.rdzv_last_call(ms);
+    } else if (k == "keep_alive_interval") {
+      interval = v;
+    } else if (k == "keep_alive_max_attempt") {
+      attempts = v;
+    } else {
+      throw UsageError("--rdzv-conf: unknown key '" + k +
+                       "'; known: join_timeout, last_call_timeout, keep_alive_interval, "
+                       "keep_alive_max_attempt");
+    }
+  }
+  o.rdzv_keep_alive(std::chrono::milliseconds(static_cast<int64_t>(interval * attempts * 1000)));
+}
 
 int run_launch(const std::vector<std::string>& argv) {
   Args args(argv, launch_spec());
@@ -67,7 +146,8 @@ int run_launch(const std::vector<std::string>& argv) {
     }
     o.nproc_per_node(n);
   }
-  o.nnodes(args.get_int("nnodes", 1));
+  parse_nnodes(args.get("nnodes", "1"), o);
+  parse_rendezvous(args, o);
   o.node_rank(args.get_int("node-rank", 0));
   o.master_addr(args.get("master-addr", ""));
   o.master_port(args.get_int("master-port", 29500));

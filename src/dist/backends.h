@@ -23,6 +23,17 @@ using paratrain::detail::error_message;
 /// Empty for stores that cannot be reopened (file://, in-process).
 using StoreClientFactory = std::function<c10::intrusive_ptr<c10d::Store>()>;
 
+/// A c10d TCPStore on host:port: the server (on every address of this host, as c10d binds) or a
+/// client, which retries connecting until `timeout`. c10d's exceptions pass through.
+c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
+                                          int port,
+                                          bool server,
+                                          std::chrono::milliseconds timeout);
+
+/// The local address this host uses to reach `host` ("" when there is no route or it does not
+/// resolve).
+std::string route_source_address(const std::string& host, int port);
+
 ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
                                 StoreClientFactory monitor_client,
                                 int rank,

@@ -510,5 +510,25 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   return detail::make_routed_group(std::move(routes), backend);
 }
 
+namespace detail {
+
+c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
+                                          int port,
+                                          bool server,
+                                          std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(port);
+  o.isServer = server;
+  o.timeout = timeout;
+  o.waitWorkers = false;
+  QuietC10dLogs quiet;
+  return make_tcp_store(host, o);
+}
+
+std::string route_source_address(const std::string& host, int port) {
+  return local_address_toward(host, port);
+}
+
+}  // namespace detail
 }  // namespace dist
 }  // namespace paratrain

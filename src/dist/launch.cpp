@@ -2,6 +2,8 @@
 
 #include "paratrain/dist/init.h"
 
+#include "rendezvous.h"
+
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <set>
 #include <sstream>
@@ -277,13 +280,25 @@ void validate(const LaunchOptions& o) {
   TORCH_CHECK(o.nproc_per_node() >= 0, "--nproc-per-node must be at least 1, got ",
               o.nproc_per_node());
   TORCH_CHECK(o.nnodes() >= 1, "--nnodes must be at least 1, got ", o.nnodes());
+  const int min_nodes = o.min_nodes() > 0 ? o.min_nodes() : o.nnodes();
+  TORCH_CHECK(min_nodes <= o.nnodes(), "--nnodes ", o.min_nodes(), ":", o.nnodes(),
+              ": the minimum is larger than the maximum; write MIN:MAX with MIN <= MAX");
+  TORCH_CHECK(min_nodes == o.nnodes() || !o.rdzv_endpoint().empty(), "--nnodes ", min_nodes, ":",
+              o.nnodes(),
+              " is elastic: it needs a dynamic rendezvous, --rdzv-endpoint host:port (and "
+              "--rdzv-id)");
   TORCH_CHECK(o.node_rank() >= 0 && o.node_rank() < o.nnodes(), "--node-rank ", o.node_rank(),
               " is out of range for --nnodes ", o.nnodes(), ": it must be in [0, ", o.nnodes() - 1,
               "]");
-  TORCH_CHECK(o.nnodes() == 1 || !o.master_addr().empty(), "--nnodes ", o.nnodes(),
+  TORCH_CHECK(o.nnodes() == 1 || !o.master_addr().empty() || !o.rdzv_endpoint().empty(),
+              "--nnodes ", o.nnodes(),
               " needs --master-addr: the address of node 0, which every node can reach");
   TORCH_CHECK(!(o.standalone() && o.nnodes() > 1), "--standalone is for one node; with --nnodes ",
               o.nnodes(), " give --master-addr and --master-port");
+  TORCH_CHECK(o.rdzv_endpoint().empty() || !detail::runs_on_mpi(o.backend()),
+              "--rdzv-endpoint with --backend mpi: mpirun places the ranks; use --hostfile");
+  TORCH_CHECK(o.rdzv_endpoint().empty() || !o.standalone(),
+              "--standalone is one node on loopback; it does not go with --rdzv-endpoint");
   TORCH_CHECK(
       o.hostfile().empty() || detail::runs_on_mpi(o.backend()),
       "--hostfile goes with --backend mpi: Open MPI starts the ranks on the hosts it lists");
@@ -589,12 +604,28 @@ void start_workers(const LaunchOptions& o,
 // SIGINT/SIGTERM (SIGKILL after kill_grace), and drains the pipes at the end.
 class Supervisor {
  public:
-  Supervisor(const LaunchOptions& o, std::vector<Worker>& workers)
-      : o_(o), workers_(workers), running_(static_cast<int>(workers.size())) {}
+  /// `must_stop` (optional) is asked twice a second while the workers run; when it says so
+  /// (with its reason), the workers are stopped as for a signal, and the result says why in
+  /// stopped_for (the elastic launcher's new rendezvous round).
+  Supervisor(const LaunchOptions& o,
+             std::vector<Worker>& workers,
+             std::function<bool(std::string*)> must_stop = nullptr)
+      : o_(o),
+        workers_(workers),
+        running_(static_cast<int>(workers.size())),
+        must_stop_(std::move(must_stop)) {}
 
   LaunchResult run() {
     for (;;) {
       reap();
+      if (must_stop_ && !stopping_ && running_ > 0 && Clock::now() >= next_stop_check_) {
+        next_stop_check_ = Clock::now() + std::chrono::milliseconds(500);
+        std::string why;
+        if (must_stop_(&why)) {
+          result_.stopped_for = why;
+          begin_stop(SIGTERM);
+        }
+      }
       if (running_ == 0 && drain_deadline_ == Clock::time_point{}) {
         // Whatever the workers left behind goes now, and their pipes get a moment to drain.
         signal_groups(workers_, SIGKILL);
@@ -739,10 +770,14 @@ class Supervisor {
   size_t failed_index_ = 0;
   Clock::time_point kill_deadline_{};
   Clock::time_point drain_deadline_{};
+  std::function<bool(std::string*)> must_stop_;
+  Clock::time_point next_stop_check_{};
 };
 
 // Checks the options, then starts the workers (or mpirun) and supervises them.
-LaunchResult run_job(const LaunchOptions& o, const Placement& where);
+LaunchResult run_job(const LaunchOptions& o,
+                     const Placement& where,
+                     std::function<bool(std::string*)> must_stop = nullptr);
 
 // The paratrain CLI of this build: $PARATRAIN_CLI, else bin/paratrain beside the directory that
 // holds this library (an install prefix's lib/ and bin/, or the build tree's libparatrain and
@@ -960,7 +995,9 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
   return r;
 }
 
-LaunchResult run_job(const LaunchOptions& o, const Placement& where) {
+LaunchResult run_job(const LaunchOptions& o,
+                     const Placement& where,
+                     std::function<bool(std::string*)> must_stop) {
   validate(o);
   const int nproc = resolved_nproc(o);
   TORCH_CHECK(o.devices().empty() || static_cast<int>(o.devices().size()) >= nproc,
@@ -978,7 +1015,7 @@ LaunchResult run_job(const LaunchOptions& o, const Placement& where) {
   JobGuard job;
   install_signal_handlers(job);
   start_workers(o, plan, where, job);
-  return Supervisor(o, job.workers).run();
+  return Supervisor(o, job.workers, std::move(must_stop)).run();
 }
 
 }  // namespace
@@ -995,9 +1032,112 @@ std::string describe_failure(const WorkerFailure& f) {
 
 }  // namespace
 
+namespace {
+
+std::pair<std::string, int> parse_endpoint(const std::string& endpoint) {
+  const size_t colon = endpoint.rfind(':');
+  TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < endpoint.size() &&
+                  endpoint.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
+                  endpoint.size() - colon <= 6,
+              "--rdzv-endpoint '", endpoint, "' is not host:port");
+  const int port = std::stoi(endpoint.substr(colon + 1));
+  TORCH_CHECK(port > 0 && port < 65536, "--rdzv-endpoint '", endpoint, "': port ", port,
+              " is not a TCP port");
+  return {endpoint.substr(0, colon), port};
+}
+
+// torchrun's elastic agent: rendezvous, run this node's workers, and form a new round when a
+// worker fails (counted against max_restarts), when a node stops its heartbeat, or when nodes wait
+// to join (neither counted). See rendezvous.h.
+LaunchResult launch_elastic(const LaunchOptions& options) {
+  validate(options);
+  const auto [host, port] = parse_endpoint(options.rdzv_endpoint());
+  detail::RendezvousOptions ro;
+  ro.host = host;
+  ro.port = port;
+  ro.id = options.rdzv_id();
+  ro.max_nodes = options.nnodes();
+  ro.min_nodes = options.min_nodes() > 0 ? options.min_nodes() : options.nnodes();
+  ro.join_timeout = options.rdzv_join_timeout();
+  ro.last_call = options.rdzv_last_call();
+  ro.keep_alive = options.rdzv_keep_alive();
+  std::string command;
+  for (const auto& a : options.command()) {
+    command += (command.empty() ? "" : " ") + a;
+  }
+  ro.signature = "--nnodes " + std::to_string(ro.min_nodes) + ":" + std::to_string(ro.max_nodes) +
+                 " --nproc-per-node " + std::to_string(resolved_nproc(options)) + " -- " + command;
+  detail::Rendezvous rdzv(ro);
+  std::vector<WorkerFailure> failures;
+  int failures_used = 0;
+  for (int attempt = 0;; ++attempt) {
+    const detail::Assignment a = rdzv.next();
+    const int nproc = resolved_nproc(options);
+    std::cerr << options.name() << ": rendezvous " << ro.id << " round " << a.round << ": node "
+              << a.node_rank << " of " << a.nnodes << ", world size " << a.nnodes * nproc
+              << ", master " << a.master_addr << ":" << a.master_port << std::endl;
+    LaunchOptions o = options;
+    Environment env = o.env();
+    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
+    env["TORCHELASTIC_RUN_ID"] = ro.id;
+    o.rdzv_endpoint("")
+        .min_nodes(0)
+        .nnodes(a.nnodes)
+        .node_rank(a.node_rank)
+        .master_addr(a.master_addr)
+        .master_port(a.master_port)
+        .env(env);
+    LaunchResult r = run_job(o, Placement{},
+                             [&rdzv, &a](std::string* why) { return rdzv.must_restart(a, why); });
+    r.rounds = attempt + 1;
+    if (!r.stopped_for.empty() && r.interrupted_by == 0 && r.signal_received == 0) {
+      std::cerr << options.name() << ": " << r.stopped_for
+                << "; stopped this node's workers to join the next round" << std::endl;
+      continue;
+    }
+    if (r.exit_code == 0 && r.stopped_for.empty()) {
+      rdzv.finish(a, std::chrono::seconds(30));
+      return r;
+    }
+    std::string why;
+    if (r.first_failure && r.interrupted_by == 0 && r.signal_received == 0 &&
+        rdzv.membership_changed(a, ro.keep_alive + std::chrono::seconds(1), &why)) {
+      std::cerr << options.name() << ": " << describe_failure(*r.first_failure) << ", as " << why
+                << "; joining the next round (a change of membership, not a restart)" << std::endl;
+      continue;
+    }
+    if (r.first_failure) {
+      failures.push_back(*r.first_failure);
+    }
+    const bool retry = r.interrupted_by == 0 && r.signal_received == 0 && r.first_failure &&
+                       failures_used < options.max_restarts();
+    try {
+      rdzv.open_next_round(a);  // the other nodes stop at once instead of at a timeout
+    } catch (const std::exception&) {
+      // The store's node is gone: the others learn from their own failures.
+    }
+    if (!retry) {
+      r.failures = failures;
+      r.restarts = failures_used;
+      return r;
+    }
+    ++failures_used;
+    std::cerr << options.name() << ": " << describe_failure(*r.first_failure)
+              << "; stopped this node's workers, joining the next round (restart " << failures_used
+              << " of " << options.max_restarts() << ")" << std::endl;
+  }
+}
+
+}  // namespace
+
 LaunchResult launch(const LaunchOptions& options) {
   TORCH_CHECK(options.max_restarts() >= 0, "--max-restarts must be >= 0, got ",
               options.max_restarts());
+  if (!options.rdzv_endpoint().empty()) {
+    return launch_elastic(options);
+  }
+
   std::vector<WorkerFailure> failures;
   for (int attempt = 0;; ++attempt) {
     LaunchOptions o = options;

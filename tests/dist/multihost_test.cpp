@@ -8,10 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include <signal.h>
 #include <sys/stat.h>
 
 #include <cstdio>
 #include <fstream>
+#include <set>
+#include <thread>
 
 namespace paratrain {
 namespace testing {
@@ -102,6 +105,131 @@ TEST(MultiHost, DdpOnMpiAcrossTwoHostsThroughAHostfile) {
 }
 #endif
 
+// `paratrain launch` for the dynamic rendezvous on host 0's port 29400.
+std::vector<std::string> rdzv_launch(const FakeHosts& hosts,
+                                     const std::string& id,
+                                     const std::string& nnodes,
+                                     const std::vector<std::string>& extra,
+                                     const std::vector<std::string>& worker) {
+  std::vector<std::string> argv{
+      cli_path(),         "launch", "--nnodes",        nnodes,
+      "--nproc-per-node", "1",      "--rdzv-endpoint", hosts.address(0) + ":29400",
+      "--rdzv-id",        id};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.push_back("--");
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
+// Two jobs share one endpoint (host 0 runs a node of each): node ranks come from the order of
+// joining, and the jobs' ids keep them apart.
+TEST(MultiHost, DynamicRendezvousKeepsJobsApart) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(3);
+  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER};
+  const std::vector<std::string> fast{"--rdzv-conf", "last_call_timeout=1"};
+  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
+  std::vector<std::pair<int, std::string>> nodes{{0, "a"}, {1, "a"}, {0, "b"}, {2, "b"}};
+  std::vector<RunningProcess> running;
+  for (const auto& [host, id] : nodes) {
+    running.push_back(
+        start_process(hosts.exec(host, rdzv_launch(hosts, id, "2", fast, worker)), env));
+  }
+  std::map<std::string, std::string> by_job;
+  std::set<std::string> node_ranks;
+  for (size_t i = 0; i < running.size(); ++i) {
+    auto r = running[i].finish(120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    by_job[nodes[i].second] += r.output;
+    for (const char* place : {"node 0 of 2", "node 1 of 2"}) {
+      if (r.output.find(place) != std::string::npos) {
+        node_ranks.insert(nodes[i].second + place);
+      }
+    }
+  }
+  EXPECT_EQ(node_ranks.size(), 4u) << "each job has a node 0 and a node 1";
+  for (const auto& [id, output] : by_job) {
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NE(output.find("rank " + std::to_string(rank) + ": ok"), std::string::npos)
+          << id << "\n"
+          << output;
+    }
+    EXPECT_NE(output.find("rendezvous " + id + " round 0"), std::string::npos) << output;
+  }
+}
+
+// --nnodes 2:3 with three hosts; host 2 dies (SIGKILL of its launcher, whose workers follow): the
+// others see its heartbeat stop, form round 1 without it, and finish with world size 2.
+TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(3);
+  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
+  const std::vector<std::string> conf{
+      "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"};
+  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
+  std::vector<RunningProcess> running;
+  for (int k = 0; k < 3; ++k) {
+    running.push_back(
+        start_process(hosts.exec(k, rdzv_launch(hosts, "el", "2:3", conf, worker)), env));
+  }
+  for (auto& p : running) {
+    ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  ::kill(-running[2].pid, SIGKILL);
+  ::kill(running[2].pid, SIGKILL);
+  running[2].finish(30);
+  std::string both;
+  for (int k = 0; k < 2; ++k) {
+    auto r = running[static_cast<size_t>(k)].finish(120);
+    both += r.output;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("round 1: node"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("of 2, world size 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("a change of membership, not a restart"), std::string::npos)
+        << r.output;
+  }
+  // One of them saw the heartbeat stop (the other may learn it from the round it opened).
+  EXPECT_NE(both.find("(10.77.0.3) stopped its heartbeat"), std::string::npos) << both;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(both.find("rank " + std::to_string(rank) + ": ok, max diff"), std::string::npos)
+        << both;
+  }
+}
+
+// A host that comes while the job runs (--nnodes 2:3) waits as a standby; the running nodes form a
+// new round that takes it in, and all three finish together.
+TEST(MultiHost, ElasticJobTakesInALateHost) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(3);
+  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
+  const std::vector<std::string> conf{"--rdzv-conf", "last_call_timeout=1"};
+  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
+  std::vector<RunningProcess> running;
+  for (int k = 0; k < 2; ++k) {
+    running.push_back(
+        start_process(hosts.exec(k, rdzv_launch(hosts, "late", "2:3", conf, worker)), env));
+  }
+  for (auto& p : running) {
+    ASSERT_TRUE(p.wait_for_output("world size 2", 60)) << p.output;
+  }
+  running.push_back(
+      start_process(hosts.exec(2, rdzv_launch(hosts, "late", "2:3", conf, worker)), env));
+  for (auto& p : running) {
+    auto r = p.finish(120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("round 1: node"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("of 3, world size 3"), std::string::npos) << r.output;
+  }
+  std::string all;
+  for (auto& p : running) {
+    all += p.output;
+  }
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(all.find("rank " + std::to_string(rank) + ": ok"), std::string::npos) << all;
+  }
+}
+
 // Inside a host, only its own subnet has a route.
 TEST(MultiHost, UnreachableHostfileEntryIsNamed) {
   SKIP_WITHOUT_NAMESPACES();
@@ -118,6 +246,53 @@ TEST(MultiHost, UnreachableHostfileEntryIsNamed) {
             std::string::npos)
       << r.output;
   std::remove(file.c_str());
+}
+
+// The rendezvous' bad input, on loopback.
+TEST(Rendezvous, BadInput) {
+  const std::string port = std::to_string(free_port());
+  const std::string ep = "127.0.0.1:" + port;
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases{
+      {{"--nnodes", "3:2"}, "--nnodes 3:2: MIN must be at least 1 and at most MAX"},
+      {{"--nnodes", "1:3"}, "--nnodes 1:3 is elastic: it needs a dynamic rendezvous"},
+      {{"--nnodes", "2", "--rdzv-endpoint", ep, "--rdzv-conf", "join_timout=3"},
+       "--rdzv-conf: unknown key 'join_timout'"},
+      {{"--nnodes", "2", "--rdzv-endpoint", "nohostport"},
+       "--rdzv-endpoint 'nohostport' is not host:port"},
+      {{"--nnodes", "2", "--rdzv-endpoint", ep, "--rdzv-id", "lonely", "--rdzv-conf",
+        "join_timeout=2"},
+       "rendezvous 'lonely' at " + ep + ": 1 of the 2 nodes needed (--nnodes 2:2) joined within 2"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{cli_path(), "launch"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    argv.insert(argv.end(), {"--", "/bin/true"});
+    auto r = run_process(argv, {}, 60);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.message << "\n" << r.output;
+  }
+}
+
+// A second job that reuses a running job's id (another command) is refused at once.
+TEST(Rendezvous, IdInUseByAnotherJob) {
+  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+  auto first = start_process({cli_path(), "launch", "--nnodes", "2", "--rdzv-endpoint", ep,
+                              "--rdzv-id", "taken", "--", "/bin/true"});
+  ASSERT_TRUE(first.wait_for_output("", 1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // it serves and waits
+  auto second = run_process({cli_path(), "launch", "--nnodes", "2", "--rdzv-endpoint", ep,
+                             "--rdzv-id", "taken", "--", "/bin/echo", "another"},
+                            {}, 60);
+  EXPECT_NE(second.exit_code, 0);
+  EXPECT_NE(second.output.find("rendezvous 'taken' at " + ep + ": the id is in use by another job"),
+            std::string::npos)
+      << second.output;
+  ::kill(-first.pid, SIGKILL);
+  first.finish(10);
 }
 
 TEST(MultiHost, BadHostfiles) {

@@ -58,6 +58,23 @@ struct LaunchOptions {
   /// --from-mpirun` with the CLI of this build ($PARATRAIN_CLI, else bin/paratrain beside the
   /// installed library).
   TORCH_ARG(std::vector<std::string>, mpi_shim) = {};
+  /// Dynamic rendezvous, torchrun's c10d kind: "host:port" where the launchers meet (the
+  /// launcher on that host serves it). Node ranks are then given in the order nodes join, and
+  /// node_rank and master_addr are not used. With min_nodes < nnodes the job is elastic (see
+  /// launch()).
+  TORCH_ARG(std::string, rdzv_endpoint) = "";
+  /// The job's name at the endpoint: nodes with other ids never mix.
+  TORCH_ARG(std::string, rdzv_id) = "none";
+  /// torchrun's --nnodes MIN:MAX; 0: nnodes (a fixed number of nodes).
+  TORCH_ARG(int, min_nodes) = 0;
+  /// How long the rendezvous waits for min_nodes (torchrun's join_timeout, 600 s).
+  TORCH_ARG(std::chrono::milliseconds, rdzv_join_timeout) = std::chrono::milliseconds(600000);
+  /// Once min_nodes have joined, how long it still waits for more, up to nnodes (torchrun's
+  /// last_call_timeout, 30 s).
+  TORCH_ARG(std::chrono::milliseconds, rdzv_last_call) = std::chrono::milliseconds(30000);
+  /// A node whose heartbeat has not moved for this long is taken for dead, and the others form
+  /// a new round without it.
+  TORCH_ARG(std::chrono::milliseconds, rdzv_keep_alive) = std::chrono::milliseconds(10000);
   /// With backend "mpi" (or routes with mpi): an Open MPI host file ("host [slots=N]" per line).
   /// mpirun starts nproc_per_node ranks on each host listed (each host's slots when
   /// nproc_per_node is 0) through its own remote start (ssh, or OMPI_MCA_plm_rsh_agent), and
@@ -101,6 +118,11 @@ struct LaunchResult {
   /// Restarts made (max_restarts), and the first failure of each attempt that failed.
   int restarts = 0;
   std::vector<WorkerFailure> failures;
+  /// Elastic jobs: why the workers of the last attempt were stopped for a new rendezvous round
+  /// ("" when they were not).
+  std::string stopped_for;
+  /// Elastic jobs: rendezvous rounds this node took part in.
+  int rounds = 0;
 };
 
 /// Checks the options (throws c10::Error with one line for bad input: nproc_per_node < 1, a

@@ -1,0 +1,262 @@
+#include "rendezvous.h"
+
+#include "backends.h"
+#include "paratrain/dist/launch.h"  // pick_free_port
+
+#include <c10/util/Exception.h>
+
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kPoll{100};
+
+std::vector<uint8_t> bytes(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+std::string text(const std::vector<uint8_t>& b) {
+  return {b.begin(), b.end()};
+}
+
+// Whether `host` names an address of this machine: binding to it succeeds only then.
+bool is_local_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "0", &hints, &found) != 0) {
+    return false;
+  }
+  bool local = false;
+  for (addrinfo* a = found; a != nullptr && !local; a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+      local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+      close(fd);
+    }
+  }
+  freeaddrinfo(found);
+  return local;
+}
+
+}  // namespace
+
+Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
+  TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
+  if (is_local_address(o_.host)) {
+    try {
+      store_ = tcp_store(o_.host, o_.port, /*server=*/true, o_.join_timeout);
+      serving_ = true;
+    } catch (const std::exception&) {
+      // Another launcher on this host serves it already: join as a client below.
+    }
+  }
+  if (!store_) {
+    try {
+      store_ = tcp_store(o_.host, o_.port, /*server=*/false, o_.join_timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
+                  o_.join_timeout.count() / 1000.0, " s (", error_message(e),
+                  "); start the node on ", o_.host,
+                  " (it serves the rendezvous) or fix "
+                  "--rdzv-endpoint");
+    }
+  }
+  my_address_ = route_source_address(o_.host, o_.port);
+  if (my_address_.empty()) {
+    my_address_ = o_.host;
+  }
+  const std::string theirs = text(store_->compareSet(key("signature"), {}, bytes(o_.signature)));
+  TORCH_CHECK(theirs == o_.signature, "rendezvous ", describe(),
+              ": the id is in use by another job (", theirs, "; this node: ", o_.signature,
+              "); give this job its own --rdzv-id");
+}
+
+Rendezvous::~Rendezvous() = default;
+
+std::string Rendezvous::key(const std::string& name) const {
+  return "paratrain/rdzv/" + o_.id + "/" + name;
+}
+
+std::string Rendezvous::key(int64_t round, const std::string& name) const {
+  return key("round" + std::to_string(round) + "/" + name);
+}
+
+int64_t Rendezvous::read_int(const std::string& k) {
+  return store_->add(k, 0);
+}
+
+std::string Rendezvous::describe() const {
+  return "'" + o_.id + "' at " + o_.host + ":" + std::to_string(o_.port);
+}
+
+Assignment Rendezvous::next() {
+  for (;;) {
+    const int64_t round = read_int(key("round"));
+    const int64_t ticket = store_->add(key(round, "count"), 1);
+    const bool closed = store_->check({key(round, "closed")});
+    if (ticket > o_.max_nodes ||
+        (closed && ticket > std::stoll(text(store_->get(key(round, "closed")))))) {
+      wait_standby(round);
+      continue;
+    }
+    store_->set(key(round, "addr" + std::to_string(ticket - 1)), bytes(my_address_));
+    if (ticket == 1) {
+      close_round(round, ticket);
+    }
+    const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
+    while (!store_->check({key(round, "closed")})) {
+      if (store_->check({key(round, "failed")})) {
+        TORCH_CHECK(false, text(store_->get(key(round, "failed"))));
+      }
+      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
+                  " was never closed: its first node (", text(store_->get(key(round, "addr0"))),
+                  ") stopped before enough nodes joined");
+      std::this_thread::sleep_for(kPoll);
+    }
+    const int64_t nnodes = std::stoll(text(store_->get(key(round, "closed"))));
+    if (ticket > nnodes) {
+      wait_standby(round);
+      continue;
+    }
+    Assignment a;
+    a.round = round;
+    a.node_rank = static_cast<int>(ticket - 1);
+    a.nnodes = static_cast<int>(nnodes);
+    const std::string master = text(store_->get(key(round, "master")));
+    a.master_addr = master.substr(0, master.rfind(':'));
+    a.master_port = std::stoi(master.substr(master.rfind(':') + 1));
+    last_beats_.assign(static_cast<size_t>(nnodes), -1);
+    last_moved_.assign(static_cast<size_t>(nnodes), Clock::now());
+    return a;
+  }
+}
+
+void Rendezvous::close_round(int64_t round, int64_t ticket) {
+  (void)ticket;
+  const auto start = Clock::now();
+  std::optional<Clock::time_point> enough_since;
+  int64_t count = 0;
+  for (;;) {
+    count = read_int(key(round, "count"));
+    if (count >= o_.max_nodes) {
+      break;
+    }
+    if (count >= o_.min_nodes) {
+      enough_since = enough_since.value_or(Clock::now());
+      if (Clock::now() - *enough_since >= o_.last_call) {
+        break;
+      }
+    } else if (Clock::now() - start >= o_.join_timeout) {
+      const std::string message = "rendezvous " + describe() + ": " + std::to_string(count) +
+                                  " of the " + std::to_string(o_.min_nodes) +
+                                  " nodes needed (--nnodes " + std::to_string(o_.min_nodes) + ":" +
+                                  std::to_string(o_.max_nodes) + ") joined within " +
+                                  std::to_string(o_.join_timeout.count() / 1000.0) +
+                                  " s; the others never joined: start them with --rdzv-endpoint " +
+                                  o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
+      store_->set(key(round, "failed"), bytes(message));
+      TORCH_CHECK(false, message);
+    }
+    std::this_thread::sleep_for(kPoll);
+  }
+  const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
+  store_->set(key(round, "master"), bytes(my_address_ + ":" + std::to_string(pick_free_port())));
+  store_->set(key(round, "closed"), bytes(std::to_string(nnodes)));
+}
+
+void Rendezvous::wait_standby(int64_t round) {
+  store_->add(key(round, "waiting"), 1);
+  const auto deadline = Clock::now() + o_.join_timeout;
+  while (read_int(key("round")) <= round) {
+    TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
+                " runs without this node, and no new round opened within ",
+                o_.join_timeout.count() / 1000.0, " s (the job is at --nnodes max, ", o_.max_nodes,
+                ", or stalled)");
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+void Rendezvous::open_next_round(const Assignment& a) {
+  store_->compareSet(key("round"), bytes(std::to_string(a.round)),
+                     bytes(std::to_string(a.round + 1)));
+}
+
+bool Rendezvous::must_restart(const Assignment& a, std::string* why) {
+  try {
+    store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
+    if (read_int(key("round")) > a.round) {
+      *why = "another node opened rendezvous round " + std::to_string(a.round + 1);
+      return true;
+    }
+    const int64_t waiting = read_int(key(a.round, "waiting"));
+    if (waiting > 0 && a.nnodes < o_.max_nodes) {
+      *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
+             " waiting to join; the job can grow to " + std::to_string(o_.max_nodes);
+      open_next_round(a);
+      return true;
+    }
+    for (int n = 0; n < a.nnodes; ++n) {
+      if (n == a.node_rank) {
+        continue;
+      }
+      const int64_t beat = read_int(key(a.round, "beat" + std::to_string(n)));
+      if (beat != last_beats_[static_cast<size_t>(n)]) {
+        last_beats_[static_cast<size_t>(n)] = beat;
+        last_moved_[static_cast<size_t>(n)] = Clock::now();
+      } else if (Clock::now() - last_moved_[static_cast<size_t>(n)] > o_.keep_alive &&
+                 !store_->check({key(a.round, "done" + std::to_string(n))})) {
+        *why = "node " + std::to_string(n) + " (" +
+               text(store_->get(key(a.round, "addr" + std::to_string(n)))) +
+               ") stopped its heartbeat " + std::to_string(o_.keep_alive.count() / 1000.0) +
+               " s ago";
+        open_next_round(a);
+        return true;
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is gone (its node ended): the workers carry on; a failure will say more.
+  }
+  return false;
+}
+
+bool Rendezvous::membership_changed(const Assignment& a,
+                                    std::chrono::milliseconds wait,
+                                    std::string* why) {
+  const auto deadline = Clock::now() + wait;
+  while (Clock::now() < deadline) {
+    if (must_restart(a, why)) {
+      return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+  return false;
+}
+
+void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
+  try {
+    store_->set(key(a.round, "done" + std::to_string(a.node_rank)), bytes("1"));
+    const int64_t done = store_->add(key(a.round, "done"), 1);
+    if (!serving_ || done >= a.nnodes) {
+      return;
+    }
+    const auto deadline = Clock::now() + linger;
+    while (read_int(key(a.round, "done")) < a.nnodes && Clock::now() < deadline) {
+      std::this_thread::sleep_for(kPoll);
+    }
+  } catch (const std::exception&) {
+  }
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain

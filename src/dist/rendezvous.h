@@ -1,0 +1,98 @@
+#pragma once
+
+// Internal: the dynamic rendezvous of `paratrain launch --rdzv-endpoint host:port --rdzv-id JOB`
+// (torchrun's c10d rendezvous). The launchers of a job meet in a c10d TCPStore on the endpoint,
+// served by the launcher that runs on the endpoint's host.
+//
+// Note [Rendezvous rounds]
+// Membership is decided in rounds. Joining round r takes a ticket (an atomic add); ticket k makes
+// the node node rank k-1. The first ticket holder closes the round: at once when max nodes have
+// joined, or `last_call` after min nodes have (so late arrivals still make it), and fails it if
+// min nodes have not joined by `join_timeout`. A node whose ticket comes after the close (or
+// past max) waits as a standby and is counted, which makes the running nodes open round r+1 when
+// the world can grow: it is taken in at that restart. A node whose workers fail, or that sees
+// another node's heartbeat stop, opens round r+1 too; every node's monitor then sees the new
+// round, stops its workers, and joins it. Node 0 of a round picks the workers' MASTER_ADDR (its
+// address toward the endpoint) and MASTER_PORT. Keys live under the job's id, so jobs with other
+// ids on one endpoint never mix, and a job with the same id but another command or node shape is
+// refused.
+
+#include "paratrain/dist/process_group.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+
+struct RendezvousOptions {
+  std::string host;  // the endpoint
+  int port = 29400;
+  std::string id;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  std::chrono::milliseconds join_timeout{600000};
+  std::chrono::milliseconds last_call{30000};
+  /// A node whose heartbeat has not moved for this long is taken for dead.
+  std::chrono::milliseconds keep_alive{10000};
+  /// What every node of the job must agree on (command, processes per node, min:max).
+  std::string signature;
+};
+
+struct Assignment {
+  int64_t round = 0;
+  int node_rank = 0;
+  int nnodes = 1;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+class Rendezvous {
+ public:
+  /// Opens the store (serving it when the endpoint is this host's address and nobody here serves
+  /// it yet) and checks the job's signature. Throws c10::Error with one line.
+  explicit Rendezvous(RendezvousOptions options);
+  ~Rendezvous();
+
+  /// Joins the open round and returns this node's place once the round closes; waits as a
+  /// standby when it comes too late. Throws c10::Error naming the endpoint, the id and how many
+  /// nodes joined when min nodes do not join within the join timeout.
+  Assignment next();
+  /// Called about twice a second while the workers run: beats this node's heartbeat, and says
+  /// whether the workers must stop for a new round (one opened; a standby waits and the world
+  /// can grow; a node's heartbeat stopped). The reason goes to `why`.
+  bool must_restart(const Assignment& a, std::string* why);
+  /// After this node's workers failed: whether the membership changed (a new round opened, or a
+  /// node's heartbeat stops within `wait`), which explains the failure (peers that die take the
+  /// survivors' collectives with them). The reason goes to `why`.
+  bool membership_changed(const Assignment& a, std::chrono::milliseconds wait, std::string* why);
+  /// Opens round a.round + 1 unless someone already did.
+  void open_next_round(const Assignment& a);
+  /// This node's workers finished: the node serving the store keeps it up until every node of
+  /// the round says so (or `linger` passes), so that the others' last calls reach it.
+  void finish(const Assignment& a, std::chrono::milliseconds linger);
+
+  const RendezvousOptions& options() const { return o_; }
+
+ private:
+  std::string key(const std::string& name) const;
+  std::string key(int64_t round, const std::string& name) const;
+  int64_t read_int(const std::string& k);
+  std::string describe() const;
+  void close_round(int64_t round, int64_t ticket);
+  void wait_standby(int64_t round);
+
+  RendezvousOptions o_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  bool serving_ = false;
+  std::string my_address_;
+  std::vector<int64_t> last_beats_;
+  std::vector<std::chrono::steady_clock::time_point> last_moved_;
+};
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain
