@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -258,10 +259,28 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(
 
 // Every rank counts itself in through the store and waits for the others, so that a missing or
 // duplicated rank is reported here, in words, instead of as a Gloo rendezvous timeout.
-void join(c10d::Store& store, int rank, int world_size, std::chrono::milliseconds timeout) {
+// `node` is this process's address (toward the master) and `per_node` its LOCAL_WORLD_SIZE: a
+// duplicate or a missing rank is then said in nodes, which is what a user starts by hand.
+void join(c10d::Store& store,
+          int rank,
+          int world_size,
+          std::chrono::milliseconds timeout,
+          const std::string& node,
+          int per_node) {
   const std::string rank_key = "paratrain/join/rank/" + std::to_string(rank);
-  TORCH_CHECK(store.add(rank_key, 1) == 1, "rank ", rank,
-              " joined twice: two processes were started with the same rank; check RANK");
+  if (store.add(rank_key, 1) != 1) {
+    const std::string from_key = "paratrain/join/from/" + std::to_string(rank);
+    const auto first = store.check({from_key}) ? store.get(from_key) : std::vector<uint8_t>{};
+    const char* group_rank = std::getenv("GROUP_RANK");
+    TORCH_CHECK(false, "rank ", rank, " joined twice (from ",
+                first.empty() ? std::string("?") : std::string(first.begin(), first.end()),
+                " and from ", node, "): two processes were started with the same rank",
+                group_rank ? std::string("; two nodes claim node rank ") + group_rank +
+                                 ": give each node its own --node-rank"
+                           : std::string("; check RANK"));
+  }
+  store.set("paratrain/join/from/" + std::to_string(rank),
+            std::vector<uint8_t>(node.begin(), node.end()));
   const int64_t joined = store.add("paratrain/join/count", 1);
   TORCH_CHECK(joined <= world_size, "more than WORLD_SIZE=", world_size,
               " processes joined this job; check that every rank has the same WORLD_SIZE");
@@ -273,17 +292,27 @@ void join(c10d::Store& store, int rank, int world_size, std::chrono::millisecond
     store.wait({"paratrain/join/all"}, timeout);
   } catch (const std::exception&) {
     std::string missing;
+    std::set<int> nodes;
     int n_missing = 0;
     for (int r = 0; r < world_size; ++r) {
       if (!store.check({"paratrain/join/rank/" + std::to_string(r)})) {
         missing += (n_missing++ ? ", " : "") + std::to_string(r);
+        nodes.insert(r / std::max(1, per_node));
       }
     }
-    TORCH_CHECK(false, "rank ", rank, " waited ", timeout.count(), " ms for all ", world_size,
-                " ranks to join, but ", n_missing, " did not: rank", n_missing == 1 ? " " : "s ",
-                missing,
-                "; check that they were started with the same MASTER_ADDR/MASTER_PORT and "
-                "WORLD_SIZE");
+    std::string node_list;
+    for (int n : nodes) {
+      node_list += (node_list.empty() ? "" : ", ") + std::to_string(n);
+    }
+    const bool several_nodes = per_node > 0 && per_node < world_size;
+    TORCH_CHECK(
+        false, "rank ", rank, " waited ", timeout.count(), " ms for all ", world_size,
+        " ranks to join, but ", n_missing, " did not: rank", n_missing == 1 ? " " : "s ", missing,
+        several_nodes ? " (node rank" + std::string(nodes.size() == 1 ? " " : "s ") + node_list +
+                            ", " + std::to_string(per_node) + " ranks per node, never joined)"
+                      : std::string(),
+        "; check that they were started with the same MASTER_ADDR/MASTER_PORT and "
+        "WORLD_SIZE");
   }
 }
 
@@ -459,7 +488,9 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   }
 
   if (world_size > 1) {
-    join(*store, rank, world_size, timeout);
+    const std::string node_address =
+        hostname == "127.0.0.1" || hostname.empty() ? std::string("127.0.0.1") : hostname;
+    join(*store, rank, world_size, timeout, node_address, info.local_world_size);
   }
   // The CUDA device of this rank for nccl: local_device()'s, cuda:LOCAL_RANK; -1 (none bound)
   // when this node's ranks outnumber its GPUs (local_device() refuses that job; a program that

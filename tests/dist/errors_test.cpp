@@ -156,8 +156,8 @@ TEST(BadInput, DuplicateRank) {
   ProcessResult b = r1.finish(60);
   ProcessResult c = r2.finish(60);
   const std::string all = a.output + b.output + c.output;
-  EXPECT_NE(all.find("error: rank 1 joined twice: two processes were started with the same "
-                     "rank; check RANK"),
+  EXPECT_NE(all.find("error: rank 1 joined twice (from 127.0.0.1 and from 127.0.0.1): two "
+                     "processes were started with the same rank; check RANK"),
             std::string::npos)
       << all;
   EXPECT_EQ(c.exit_code, 1) << all;

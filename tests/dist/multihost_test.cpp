@@ -277,6 +277,50 @@ TEST(Rendezvous, BadInput) {
   }
 }
 
+// Static rendezvous (--node-rank): node 1 never comes; node 0's ranks name it after the timeout.
+TEST(Rendezvous, StaticNodeThatNeverJoinsIsNamed) {
+  const std::string port = std::to_string(free_port());
+  auto r = run_process(
+      {cli_path(), "launch", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0",
+       "--master-addr", "127.0.0.1", "--master-port", port, "--", PARATRAIN_TEST_DDP_WORKER},
+      {{"PARATRAIN_TIMEOUT", "3"}}, 60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("did not: ranks 2, 3 (node rank 1, 2 ranks per node, never joined)"),
+            std::string::npos)
+      << r.output;
+}
+
+// Two launchers claim node rank 1: the second copy of each rank says so.
+TEST(Rendezvous, TwoNodesClaimingOneNodeRankAreNamed) {
+  const std::string port = std::to_string(free_port());
+  auto node = [&](int k) {
+    return std::vector<std::string>{cli_path(),
+                                    "launch",
+                                    "--nnodes",
+                                    "3",
+                                    "--nproc-per-node",
+                                    "1",
+                                    "--node-rank",
+                                    std::to_string(k),
+                                    "--master-addr",
+                                    "127.0.0.1",
+                                    "--master-port",
+                                    port,
+                                    "--",
+                                    PARATRAIN_TEST_DDP_WORKER};
+  };
+  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "5"}};
+  auto zero = start_process(node(0), env);
+  auto one = start_process(node(1), env);
+  auto again = start_process(node(1), env);
+  std::string all = zero.finish(60).output + one.finish(60).output + again.finish(60).output;
+  EXPECT_NE(all.find("rank 1 joined twice (from 127.0.0.1 and from 127.0.0.1): two processes "
+                     "were started with the same rank; two nodes claim node rank 1: give each "
+                     "node its own --node-rank"),
+            std::string::npos)
+      << all;
+}
+
 // A second job that reuses a running job's id (another command) is refused at once.
 TEST(Rendezvous, IdInUseByAnotherJob) {
   const std::string ep = "127.0.0.1:" + std::to_string(free_port());
