@@ -572,11 +572,15 @@ int run_train(const std::vector<std::string>& argv) {
       piped ? pipeline::balance_by_parameters(model, stages) : std::vector<int64_t>{};
 
   // What a checkpoint must agree on to resume this run (not --epochs: a run may be extended).
+  const char* elastic_env = std::getenv("PARATRAIN_ELASTIC");
+  const bool elastic = elastic_env != nullptr && std::string(elastic_env) == "1";
+  o.elastic(elastic);
   const nlohmann::json config{
       {"model", model_name},
       {"dataset", dataset},
       {"strategy", strategy},
-      {"world_size", world},
+      // An elastic job's world changes between attempts (PARATRAIN_ELASTIC, set by the launcher).
+      {"world_size", elastic ? -1 : world},
       {"batch_size", batch_size},
       {"steps", steps},
       {"optimizer", o.optimizer().kind()},

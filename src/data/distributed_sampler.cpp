@@ -33,7 +33,21 @@ std::vector<size_t> DistributedSampler::epoch_indices(uint64_t epoch) {
 }
 
 void DistributedSampler::build() {
-  const size_t n = size_;
+  std::vector<size_t> all;
+  all.reserve(size_);
+  if (shuffle_) {
+    auto gen = at::detail::createCPUGenerator(seed_ + epoch_);
+    at::Tensor perm = torch::randperm(static_cast<int64_t>(size_), gen, torch::kLong);
+    const int64_t* p = perm.data_ptr<int64_t>();
+    all.assign(p, p + size_);
+  } else {
+    for (size_t i = 0; i < size_; ++i) {
+      all.push_back(i);
+    }
+  }
+  // ElasticDistributedSampler: what an earlier world already took is not shared out again.
+  all.erase(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(std::min(start_, all.size())));
+  const size_t n = all.size();
   const size_t replicas = static_cast<size_t>(num_replicas_);
   // PyTorch: with drop_last and an uneven split, ceil((n - replicas) / replicas) samples each
   // (the tail is dropped); else ceil(n / replicas) (the tail is padded).
@@ -43,19 +57,6 @@ void DistributedSampler::build() {
     num_samples_ = (n + replicas - 1) / replicas;
   }
   const size_t total = num_samples_ * replicas;
-
-  std::vector<size_t> all;
-  all.reserve(std::max(n, total));
-  if (shuffle_) {
-    auto gen = at::detail::createCPUGenerator(seed_ + epoch_);
-    at::Tensor perm = torch::randperm(static_cast<int64_t>(n), gen, torch::kLong);
-    const int64_t* p = perm.data_ptr<int64_t>();
-    all.assign(p, p + n);
-  } else {
-    for (size_t i = 0; i < n; ++i) {
-      all.push_back(i);
-    }
-  }
   if (!drop_last_) {
     // Repeat from the start (several times over when the dataset is smaller than the padding).
     for (size_t i = 0; all.size() < total && n > 0; i = (i + 1) % n) {
@@ -69,6 +70,11 @@ void DistributedSampler::build() {
     indices_.push_back(all[i]);
   }
   position_ = 0;
+}
+
+void DistributedSampler::set_start_index(size_t start) {
+  start_ = start;
+  build();
 }
 
 void DistributedSampler::reset(c10::optional<size_t> new_size) {

@@ -1081,6 +1081,9 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
     env["TORCHELASTIC_RUN_ID"] = ro.id;
+    if (ro.min_nodes < ro.max_nodes) {
+      env["PARATRAIN_ELASTIC"] = "1";  // the world may change: programs resume across sizes
+    }
     o.rdzv_endpoint("")
         .min_nodes(0)
         .nnodes(a.nnodes)

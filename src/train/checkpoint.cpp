@@ -378,6 +378,16 @@ std::vector<int64_t> Checkpoint::own_steps() const {
   return out;
 }
 
+CheckpointState Checkpoint::load_shared(const std::string& path, int rank) {
+  const Json manifest = read_json(path);
+  const int saved_world = manifest.is_object() ? manifest.value("world_size", 1) : 1;
+  CheckpointState s = load(path, rank < saved_world ? rank : 0);
+  if (rank >= saved_world) {
+    s.own.clear();
+  }
+  return s;
+}
+
 CheckpointState Checkpoint::load(const std::string& path, int rank) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
@@ -429,10 +439,10 @@ std::optional<CheckpointState> Checkpoint::load_latest(
     std::optional<CheckpointState> s;
     const std::string path = options_.dir() + "/" + stem(step) + ".json";
     try {
-      s = load(path, rank_);
+      s = options_.any_world_size() ? load_shared(path, rank_) : load(path, rank_);
       const int saved_world = s->world_size;
-      TORCH_CHECK(saved_world == world, "checkpoint ", path, " was made by ", saved_world,
-                  " ranks and this job has ", world,
+      TORCH_CHECK(saved_world == world || options_.any_world_size(), "checkpoint ", path,
+                  " was made by ", saved_world, " ranks and this job has ", world,
                   ": resume with as many ranks, or use another --checkpoint-dir");
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();

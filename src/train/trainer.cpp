@@ -146,6 +146,9 @@ struct Trainer::Impl {
   std::vector<std::function<void(const EpochResult&)>> epoch_callbacks;
   int64_t epoch = 0;
   int64_t batch = 0;  // batches of `epoch` done
+  // Samples of this epoch's order that an earlier world trained (elastic resume); 0 otherwise.
+  int64_t epoch_start = 0;
+  void refresh_batches();
   int64_t global_step = 0;
   int64_t batches_per_epoch = 0;
   std::string resumed_from;
@@ -253,6 +256,14 @@ void Trainer::Impl::build_strategy() {
   schedule = std::make_unique<LRSchedule>(*opt, o.lr_schedule());
 }
 
+void Trainer::Impl::refresh_batches() {
+  int64_t batches = static_cast<int64_t>(loader->num_batches(sampler->num_samples()));
+  if (o.steps_per_epoch() > 0) {
+    batches = std::min(batches, o.steps_per_epoch() * o.accumulate());
+  }
+  batches_per_epoch = batches;
+}
+
 void Trainer::Impl::build_loaders() {
   sampler = std::make_shared<data::DistributedSampler>(train->size(), world, rank,
                                                        /*shuffle=*/true, o.seed());
@@ -264,11 +275,7 @@ void Trainer::Impl::build_loaders() {
                                              .seed(o.seed())
                                              .persistent_workers(true),
                                          sampler);
-  int64_t batches = static_cast<int64_t>(loader->num_batches(sampler->num_samples()));
-  if (o.steps_per_epoch() > 0) {
-    batches = std::min(batches, o.steps_per_epoch() * o.accumulate());
-  }
-  batches_per_epoch = batches;
+  refresh_batches();
   if (val) {
     // Each rank evaluates a contiguous share of the validation set.
     const size_t n = val->size();
@@ -595,6 +602,9 @@ CheckpointState Trainer::Impl::capture() {
   }
   s.meta = Json{{"epoch", epoch},
                 {"batch", batch},
+                {"epoch_start", epoch_start},
+                {"world_size", world},
+                {"batch_size", o.batch_size()},
                 {"global_step", global_step},
                 {"schedule_steps", schedule->steps()},
                 {"scaler", scaler},
@@ -697,10 +707,24 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     if (!scaler.empty()) {
       mp->scaler().load_state_dict(scaler);
     }
-    set_rng_state(s.own);
     epoch = meta.at("epoch").get<int64_t>();
     batch = meta.at("batch").get<int64_t>();
     global_step = meta.at("global_step").get<int64_t>();
+    epoch_start = meta.value("epoch_start", int64_t{0});
+    if (s.world_size == world) {
+      set_rng_state(s.own);
+    } else {
+      // Another world (elastic): the saved ranks took, between them, the first
+      // world * batch_size * batch samples of the epoch's order after its start (the sampler
+      // interleaves them); the rest is shared out over this world from its first batch. The RNG
+      // streams belonged to ranks that no longer exist.
+      const int64_t saved_batch = meta.value("batch_size", o.batch_size());
+      epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
+                                      epoch_start + s.world_size * saved_batch * batch);
+      batch = 0;
+    }
+    sampler->set_start_index(static_cast<size_t>(epoch_start));
+    refresh_batches();
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "checkpoint ", s.path, " lacks a field (", e.what(),
                 "): it is damaged or from another program");
@@ -748,7 +772,8 @@ Trainer::Trainer(torch::nn::Sequential model,
   if (!m.o.checkpoint_dir().empty()) {
     m.ckpt = std::make_unique<Checkpoint>(CheckpointOptions(m.o.checkpoint_dir())
                                               .keep(m.o.keep())
-                                              .collective_device(m.ddp ? m.device : torch::kCPU),
+                                              .collective_device(m.ddp ? m.device : torch::kCPU)
+                                              .any_world_size(m.o.elastic()),
                                           m.o.process_group());
     // A fresh run would mix its checkpoints with another run's (and prune its own first).
     TORCH_CHECK(!m.o.resume().empty() || m.ckpt->steps().empty(), "the checkpoint directory ",
@@ -826,6 +851,11 @@ std::vector<EpochResult> Trainer::fit() {
     }
     ++m.epoch;
     m.batch = 0;
+    if (m.epoch_start != 0) {  // the resharded epoch is over
+      m.epoch_start = 0;
+      m.sampler->set_start_index(0);
+      m.refresh_batches();
+    }
     r.global_step = m.global_step;
     if (totals[1].item<double>() > 0) {
       m.write_metrics(Json{{"epoch", r.epoch + 1},

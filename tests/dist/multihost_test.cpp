@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <thread>
 
 namespace paratrain {
@@ -195,6 +196,94 @@ TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
     EXPECT_NE(both.find("rank " + std::to_string(rank) + ": ok, max diff"), std::string::npos)
         << both;
   }
+}
+
+// The Trainer across a membership change: three hosts train one epoch with checkpoints, host 2
+// dies mid-epoch, and the other two resume the newest checkpoint (made by three ranks) with two.
+// The rest of the epoch is shared out anew, so across the trained steps (for each step, the
+// attempt that last trained it) every sample of the epoch is trained once; only the sampler's
+// padding to an even split (at most world - 1 samples) may repeat one.
+TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(3);
+  const std::string dir = "/tmp/" + unique_token("paratrain-elastic");
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  const std::string ckpt = dir + "/ckpt";
+  const int samples = 960;
+  const std::vector<std::string> worker{PARATRAIN_TEST_ELASTIC_WORKER, dir, ckpt,
+                                        std::to_string(samples), "100"};
+  const std::vector<std::string> conf{
+      "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"};
+  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
+  std::vector<RunningProcess> running;
+  for (int k = 0; k < 3; ++k) {
+    running.push_back(
+        start_process(hosts.exec(k, rdzv_launch(hosts, "train", "2:3", conf, worker)), env));
+  }
+  for (auto& p : running) {
+    ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
+  }
+  // Kill once a checkpoint of the three is on disk, mid-epoch.
+  auto listing = [&] {
+    return run_process(
+               {"/bin/sh", "-c", "ls '" + ckpt + "' 2>/dev/null | grep -c '^ckpt-[0-9]*.json$'"},
+               {}, 10)
+        .output;
+  };
+  for (int i = 0; i < 600 && std::atoi(listing().c_str()) < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_GE(std::atoi(listing().c_str()), 2) << running[0].output;
+  ::kill(-running[2].pid, SIGKILL);
+  ::kill(running[2].pid, SIGKILL);
+  running[2].finish(30);
+  for (int k = 0; k < 2; ++k) {
+    auto r = running[static_cast<size_t>(k)].finish(180);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("of 2, world size 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("ok world 2"), std::string::npos) << r.output;
+  }
+  EXPECT_NE(running[0].output.find("resumed from "), std::string::npos) << running[0].output;
+  // step -> (attempt, samples trained at that step by every rank of that attempt)
+  std::map<int64_t, std::pair<int, std::vector<int64_t>>> trained;
+  int attempts_seen = 0;
+  for (int rank = 0; rank < 3; ++rank) {
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      std::ifstream in(dir + "/rank-" + std::to_string(rank) + ".attempt-" +
+                       std::to_string(attempt));
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream words(line);
+        int64_t epoch = 0, step = 0;
+        words >> epoch >> step;
+        ASSERT_EQ(epoch, 0) << line;
+        auto& slot = trained[step];
+        if (attempt > slot.first || slot.second.empty()) {
+          slot = {attempt, {}};
+        }
+        if (attempt == slot.first) {
+          for (int64_t i; words >> i;) {
+            slot.second.push_back(i);
+          }
+        }
+        attempts_seen = std::max(attempts_seen, attempt + 1);
+      }
+    }
+  }
+  EXPECT_GE(attempts_seen, 2) << "no step was trained after the membership change";
+  std::vector<int> count(samples, 0);
+  int64_t total = 0;
+  for (const auto& [step, slot] : trained) {
+    for (int64_t i : slot.second) {
+      ASSERT_TRUE(i >= 0 && i < samples) << i;
+      ++count[static_cast<size_t>(i)];
+      ++total;
+    }
+  }
+  for (int i = 0; i < samples; ++i) {
+    EXPECT_GE(count[static_cast<size_t>(i)], 1) << "sample " << i << " was never trained";
+  }
+  EXPECT_LE(total - samples, 1) << "samples trained twice beyond the sampler's padding";
+  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // A host that comes while the job runs (--nnodes 2:3) waits as a standby; the running nodes form a

@@ -39,6 +39,12 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
                      uint64_t seed = 0,
                      bool drop_last = false);
 
+  /// torchelastic's ElasticDistributedSampler start_index: the first `start` indices of the
+  /// epoch's order are taken as done (by an earlier world), and the rest is padded and shared out
+  /// over this world as usual. Applies to the epochs built after it until set back to 0.
+  void set_start_index(size_t start);
+  size_t start_index() const { return start_; }
+
   /// Picks the epoch's order (seed + epoch) and rewinds.
   void set_epoch(uint64_t epoch);
   uint64_t epoch() const { return epoch_; }
@@ -69,6 +75,7 @@ class DistributedSampler : public torch::data::samplers::Sampler<std::vector<siz
   uint64_t seed_;
   bool drop_last_;
   uint64_t epoch_ = 0;
+  size_t start_ = 0;
   size_t num_samples_ = 0;
   std::vector<size_t> indices_;
   size_t position_ = 0;

@@ -53,6 +53,9 @@ struct CheckpointOptions {
   TORCH_ARG(bool, background) = true;
   /// Where load_latest's collectives run: the CPU, or the rank's GPU for an nccl-only group.
   TORCH_ARG(torch::Device, collective_device) = torch::kCPU;
+  /// Elastic jobs: load_latest also takes a checkpoint made by another number of ranks (rank r
+  /// gets rank r's own tensors when that rank existed, else none).
+  TORCH_ARG(bool, any_world_size) = false;
 };
 
 struct CheckpointState {
@@ -98,6 +101,9 @@ class Checkpoint {
   /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files.
   /// Throws c10::Error naming the file and what is wrong.
   static CheckpointState load(const std::string& path, int rank = 0);
+  /// The same, where this rank's own files may be absent (a checkpoint of fewer ranks): `own` is
+  /// then empty.
+  static CheckpointState load_shared(const std::string& path, int rank);
 
   const CheckpointOptions& options() const { return options_; }
 

@@ -129,6 +129,11 @@ struct TrainerOptions {
   /// ddp: the optimizer's state is sharded over the ranks (ZeroRedundancyOptimizer); checkpoints
   /// hold it consolidated, as the unsharded optimizer's.
   TORCH_ARG(bool, zero) = false;
+  /// An elastic job (`paratrain launch --nnodes MIN:MAX`): resume may take a checkpoint made by
+  /// another number of ranks. The rest of the interrupted epoch is then shared out over the new
+  /// world (torchelastic's ElasticDistributedSampler start_index), so no sample of it is lost or
+  /// trained twice; the learning rate stays the user's choice, as in PyTorch.
+  TORCH_ARG(bool, elastic) = false;
   /// A Chrome trace (Perfetto, chrome://tracing) of fit(): forward, backward, optimizer steps,
   /// data waits, checkpoints, and under ddp each bucket's allreduce from launch to wait; every
   /// rank in one file. "": none.
