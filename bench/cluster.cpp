@@ -308,6 +308,15 @@ int run_bench_cluster(const std::vector<std::string>& argv) {
           worker.insert(worker.end(), {"--workload", w, "--system", "ddp"});
           measure(w + " " + b + " " + std::to_string(hosts) + "host", worker, b, hosts);
         }
+        if (b == "mpi") {
+          // Open MPI pairs ranks on one host over shared memory and ranks on two hosts over TCP:
+          // the same transport on one host tells the network path's cost from the transport's.
+          ::setenv("OMPI_MCA_btl", "self,tcp", 1);
+          auto worker = self;
+          worker.insert(worker.end(), {"--workload", w, "--system", "ddp"});
+          measure(w + " mpi 1host tcp", worker, b, 1);
+          ::unsetenv("OMPI_MCA_btl");
+        }
       }
     }
     for (const std::string system : {"ddp", "syncbn"}) {
@@ -340,6 +349,11 @@ int run_bench_cluster(const std::vector<std::string>& argv) {
              {"ranks", json_field(row, "ranks")},
              {"sync_bn", system == "syncbn" ? "true" : "false"},
              {"step_seconds", std::to_string(median(m.step[k]))}};
+        if (json_field(row, "backend") == "mpi") {
+          // Between the ranks: shared memory on one host unless told otherwise, TCP across hosts.
+          const bool tcp = k.find(" tcp") != std::string::npos || json_field(row, "hosts") == "2";
+          o["transport"] = quoted(tcp ? "tcp" : "shared memory");
+        }
       }
       std::cout << row_json(o) << std::endl;
     }
@@ -351,7 +365,12 @@ int run_bench_cluster(const std::vector<std::string>& argv) {
     for (const auto& b : backends) {
       const std::string one = w + " " + b + " 1host", two = w + " " + b + " 2host";
       std::cout << w << " " << b << ": two hosts / one host = " << std::setprecision(2)
-                << median(m.step[two]) / median(m.step[one]) << " (target <= 1.1)\n";
+                << median(m.step[two]) / median(m.step[one]) << " (target <= 1.1)";
+      if (b == "mpi") {
+        std::cout << "; against one host over TCP as well = "
+                  << median(m.step[two]) / median(m.step[w + " mpi 1host tcp"]);
+      }
+      std::cout << "\n";
     }
   }
   std::cout << "SyncBatchNorm / BatchNorm step time = "

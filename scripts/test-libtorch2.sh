@@ -17,7 +17,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # Everything the suite needs inside the root: the same list as scripts/setup.sh, in trixie's names.
 packages=(libtorch-dev g++ cmake ninja-build ccache pkg-config libgloo-dev zlib1g-dev nlohmann-json3-dev
   libcli11-dev libprotobuf-dev protobuf-compiler python3-protobuf python3-crc32c
-  libsqlite3-dev libpq-dev postgresql chromium
+  libsqlite3-dev libpq-dev postgresql chromium iproute2 slurmctld slurmd slurm-client munge
   libturbojpeg0-dev libpng-dev libwebp-dev
   libgtest-dev googletest libopenmpi-dev openmpi-bin libopenblas0-pthread dataset-fashion-mnist
   python3-torch python3-torchvision ca-certificates)

@@ -618,10 +618,11 @@ class Supervisor {
   LaunchResult run() {
     for (;;) {
       reap();
-      if (must_stop_ && !stopping_ && running_ > 0 && Clock::now() >= next_stop_check_) {
+      // Asked also while stopping: for the elastic launcher it is this node's heartbeat too.
+      if (must_stop_ && running_ > 0 && Clock::now() >= next_stop_check_) {
         next_stop_check_ = Clock::now() + std::chrono::milliseconds(500);
         std::string why;
-        if (must_stop_(&why)) {
+        if (must_stop_(&why) && !stopping_) {
           result_.stopped_for = why;
           begin_stop(SIGTERM);
         }
@@ -901,6 +902,14 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   std::vector<std::string> cmd{mpirun};
   const std::vector<std::string> placement = mpirun_placement(o, nproc);
   cmd.insert(cmd.end(), placement.begin(), placement.end());
+  if (!o.hostfile().empty()) {
+    // Daemons that Open MPI starts on other hosts get only the variables named with -x.
+    for (const char* name : {"PARATRAIN_BACKEND", "OMP_NUM_THREADS", "PARATRAIN_TIMEOUT"}) {
+      if (std::getenv(name) != nullptr || std::string(name) != "PARATRAIN_TIMEOUT") {
+        cmd.insert(cmd.end(), {"-x", name});
+      }
+    }
+  }
   // Several ranks on a 2-core machine would otherwise be refused, and Open MPI's default
   // binding pins each rank to one core, starving libtorch's intra-op threads.
   cmd.insert(cmd.end(), {"--oversubscribe", "--bind-to", "none"});
@@ -1068,6 +1077,8 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
   ro.signature = "--nnodes " + std::to_string(ro.min_nodes) + ":" + std::to_string(ro.max_nodes) +
                  " --nproc-per-node " + std::to_string(resolved_nproc(options)) + " -- " + command;
   detail::Rendezvous rdzv(ro);
+  std::cerr << options.name() << ": rendezvous '" << ro.id << "' at " << host << ":" << port
+            << ": joining" << std::endl;
   std::vector<WorkerFailure> failures;
   int failures_used = 0;
   for (int attempt = 0;; ++attempt) {
@@ -1115,15 +1126,19 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
     }
     const bool retry = r.interrupted_by == 0 && r.signal_received == 0 && r.first_failure &&
                        failures_used < options.max_restarts();
-    try {
-      rdzv.open_next_round(a);  // the other nodes stop at once instead of at a timeout
-    } catch (const std::exception&) {
-      // The store's node is gone: the others learn from their own failures.
-    }
     if (!retry) {
+      // The other nodes stop now with this reason, instead of waiting for a round that cannot
+      // form (or re-forming without a node that did not die).
+      rdzv.shut_down(r.summary.empty() ? "node " + std::to_string(a.node_rank) + " stopped"
+                                       : r.summary);
       r.failures = failures;
       r.restarts = failures_used;
       return r;
+    }
+    try {
+      rdzv.open_next_round(a, /*membership=*/false);  // the others stop at once
+    } catch (const std::exception&) {
+      // The store's node is gone: the others learn from their own failures.
     }
     ++failures_used;
     std::cerr << options.name() << ": " << describe_failure(*r.first_failure)

@@ -19,6 +19,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPoll{100};
+// The deadline of each store call once connected: long enough for a loaded server, short enough
+// that a launcher whose endpoint vanished without a reset notices within seconds.
+constexpr std::chrono::milliseconds kStoreCallTimeout{5000};
 
 std::vector<uint8_t> bytes(const std::string& s) {
   return {s.begin(), s.end()};
@@ -67,10 +70,11 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
       TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
                   o_.join_timeout.count() / 1000.0, " s (", error_message(e),
                   "); start the node on ", o_.host,
-                  " (it serves the rendezvous) or fix "
-                  "--rdzv-endpoint");
+                  " (it serves the rendezvous) or fix --rdzv-endpoint");
     }
   }
+  store_->setTimeout(kStoreCallTimeout);
+  generation_ = store_->add(id_key("generation"), 0);
   my_address_ = route_source_address(o_.host, o_.port);
   if (my_address_.empty()) {
     my_address_ = o_.host;
@@ -83,8 +87,12 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
 
 Rendezvous::~Rendezvous() = default;
 
-std::string Rendezvous::key(const std::string& name) const {
+std::string Rendezvous::id_key(const std::string& name) const {
   return "paratrain/rdzv/" + o_.id + "/" + name;
+}
+
+std::string Rendezvous::key(const std::string& name) const {
+  return id_key("g" + std::to_string(generation_) + "/" + name);
 }
 
 std::string Rendezvous::key(int64_t round, const std::string& name) const {
@@ -99,31 +107,42 @@ std::string Rendezvous::describe() const {
   return "'" + o_.id + "' at " + o_.host + ":" + std::to_string(o_.port);
 }
 
+std::string Rendezvous::get_or(const std::string& k, const std::string& fallback) {
+  return store_->check({k}) ? text(store_->get(k)) : fallback;
+}
+
+void Rendezvous::check_shutdown() {
+  if (store_->check({key("shutdown")})) {
+    TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", get_or(key("shutdown"), ""));
+  }
+}
+
+void Rendezvous::shut_down(const std::string& why) {
+  try {
+    store_->set(key("shutdown"), bytes(why));
+    store_->add(id_key("generation"), 1);  // a later run with this id starts clean
+  } catch (const std::exception&) {
+    // The store is gone: the other nodes find out from it too.
+  }
+}
+
 Assignment Rendezvous::next() {
   for (;;) {
+    check_shutdown();
     const int64_t round = read_int(key("round"));
     const int64_t ticket = store_->add(key(round, "count"), 1);
     const bool closed = store_->check({key(round, "closed")});
     if (ticket > o_.max_nodes ||
-        (closed && ticket > std::stoll(text(store_->get(key(round, "closed")))))) {
+        (closed && ticket > std::stoll(get_or(key(round, "closed"), "0")))) {
       wait_standby(round);
       continue;
     }
     store_->set(key(round, "addr" + std::to_string(ticket - 1)), bytes(my_address_));
     if (ticket == 1) {
-      close_round(round, ticket);
+      close_round(round);
     }
-    const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
-    while (!store_->check({key(round, "closed")})) {
-      if (store_->check({key(round, "failed")})) {
-        TORCH_CHECK(false, text(store_->get(key(round, "failed"))));
-      }
-      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
-                  " was never closed: its first node (", text(store_->get(key(round, "addr0"))),
-                  ") stopped before enough nodes joined");
-      std::this_thread::sleep_for(kPoll);
-    }
-    const int64_t nnodes = std::stoll(text(store_->get(key(round, "closed"))));
+    wait_closed(round);
+    const int64_t nnodes = std::stoll(get_or(key(round, "closed"), "0"));
     if (ticket > nnodes) {
       wait_standby(round);
       continue;
@@ -132,7 +151,7 @@ Assignment Rendezvous::next() {
     a.round = round;
     a.node_rank = static_cast<int>(ticket - 1);
     a.nnodes = static_cast<int>(nnodes);
-    const std::string master = text(store_->get(key(round, "master")));
+    const std::string master = get_or(key(round, "master"), "");
     a.master_addr = master.substr(0, master.rfind(':'));
     a.master_port = std::stoi(master.substr(master.rfind(':') + 1));
     last_beats_.assign(static_cast<size_t>(nnodes), -1);
@@ -141,8 +160,21 @@ Assignment Rendezvous::next() {
   }
 }
 
-void Rendezvous::close_round(int64_t round, int64_t ticket) {
-  (void)ticket;
+void Rendezvous::wait_closed(int64_t round) {
+  const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
+  while (!store_->check({key(round, "closed")})) {
+    if (store_->check({key(round, "failed")})) {
+      TORCH_CHECK(false, get_or(key(round, "failed"), ""));
+    }
+    check_shutdown();
+    TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
+                " was never closed: its first node (", get_or(key(round, "addr0"), "unknown"),
+                ") stopped before enough nodes joined");
+    std::this_thread::sleep_for(kPoll);
+  }
+}
+
+void Rendezvous::close_round(int64_t round) {
   const auto start = Clock::now();
   std::optional<Clock::time_point> enough_since;
   int64_t count = 0;
@@ -165,8 +197,10 @@ void Rendezvous::close_round(int64_t round, int64_t ticket) {
                                   " s; the others never joined: start them with --rdzv-endpoint " +
                                   o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
       store_->set(key(round, "failed"), bytes(message));
+      shut_down(message);
       TORCH_CHECK(false, message);
     }
+    check_shutdown();
     std::this_thread::sleep_for(kPoll);
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
@@ -175,51 +209,73 @@ void Rendezvous::close_round(int64_t round, int64_t ticket) {
 }
 
 void Rendezvous::wait_standby(int64_t round) {
-  store_->add(key(round, "waiting"), 1);
   const auto deadline = Clock::now() + o_.join_timeout;
-  while (read_int(key("round")) <= round) {
-    TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
-                " runs without this node, and no new round opened within ",
-                o_.join_timeout.count() / 1000.0, " s (the job is at --nnodes max, ", o_.max_nodes,
-                ", or stalled)");
-    std::this_thread::sleep_for(kPoll);
+  try {
+    store_->add(key(round, "waiting"), 1);
+    while (read_int(key("round")) <= round) {
+      check_shutdown();
+      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
+                  " runs without this node, and no new round opened within ",
+                  o_.join_timeout.count() / 1000.0, " s (the job is at --nnodes max, ",
+                  o_.max_nodes, ", or stalled)");
+      std::this_thread::sleep_for(kPoll);
+    }
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "rendezvous ", describe(), ": this node waited to join round ", round + 1,
+                " and the rendezvous went away (", error_message(e),
+                "): the job ended without taking it in");
   }
 }
 
-void Rendezvous::open_next_round(const Assignment& a) {
+void Rendezvous::open_next_round(const Assignment& a, bool membership) {
+  // The first opener's reason stands (compareSet on an absent key).
+  store_->compareSet(key(a.round, "next_reason"), {}, bytes(membership ? "membership" : "failure"));
   store_->compareSet(key("round"), bytes(std::to_string(a.round)),
                      bytes(std::to_string(a.round + 1)));
 }
 
-bool Rendezvous::must_restart(const Assignment& a, std::string* why) {
+bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membership) {
+  bool ignored = false;
+  bool& changed = membership != nullptr ? *membership : ignored;
+  changed = false;
   try {
     store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
+    if (store_->check({key("shutdown")})) {
+      *why = "a node gave up: " + get_or(key("shutdown"), "");
+      return true;
+    }
     if (read_int(key("round")) > a.round) {
-      *why = "another node opened rendezvous round " + std::to_string(a.round + 1);
+      changed = get_or(key(a.round, "next_reason"), "") == "membership";
+      *why = "another node opened rendezvous round " + std::to_string(a.round + 1) +
+             (changed ? " for a change of membership" : " after a failure");
       return true;
     }
     const int64_t waiting = read_int(key(a.round, "waiting"));
     if (waiting > 0 && a.nnodes < o_.max_nodes) {
       *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
              " waiting to join; the job can grow to " + std::to_string(o_.max_nodes);
-      open_next_round(a);
+      changed = true;
+      open_next_round(a, true);
       return true;
     }
     for (int n = 0; n < a.nnodes; ++n) {
       if (n == a.node_rank) {
         continue;
       }
+      const auto i = static_cast<size_t>(n);
       const int64_t beat = read_int(key(a.round, "beat" + std::to_string(n)));
-      if (beat != last_beats_[static_cast<size_t>(n)]) {
-        last_beats_[static_cast<size_t>(n)] = beat;
-        last_moved_[static_cast<size_t>(n)] = Clock::now();
-      } else if (Clock::now() - last_moved_[static_cast<size_t>(n)] > o_.keep_alive &&
+      if (beat != last_beats_[i]) {
+        last_beats_[i] = beat;
+        last_moved_[i] = Clock::now();
+      } else if (Clock::now() - last_moved_[i] > o_.keep_alive &&
                  !store_->check({key(a.round, "done" + std::to_string(n))})) {
         *why = "node " + std::to_string(n) + " (" +
-               text(store_->get(key(a.round, "addr" + std::to_string(n)))) +
-               ") stopped its heartbeat " + std::to_string(o_.keep_alive.count() / 1000.0) +
-               " s ago";
-        open_next_round(a);
+               get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
+               std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
+        changed = true;
+        open_next_round(a, true);
         return true;
       }
     }
@@ -234,8 +290,10 @@ bool Rendezvous::membership_changed(const Assignment& a,
                                     std::string* why) {
   const auto deadline = Clock::now() + wait;
   while (Clock::now() < deadline) {
-    if (must_restart(a, why)) {
-      return true;
+    bool membership = false;
+    if (must_restart(a, why, &membership)) {
+      // A round another node opened for its own failure does not excuse this node's.
+      return membership;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
   }
@@ -246,6 +304,9 @@ void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
   try {
     store_->set(key(a.round, "done" + std::to_string(a.node_rank)), bytes("1"));
     const int64_t done = store_->add(key(a.round, "done"), 1);
+    if (done == a.nnodes) {
+      store_->add(id_key("generation"), 1);  // the job is over: a later run starts clean
+    }
     if (!serving_ || done >= a.nnodes) {
       return;
     }

@@ -15,7 +15,12 @@
 // round, stops its workers, and joins it. Node 0 of a round picks the workers' MASTER_ADDR (its
 // address toward the endpoint) and MASTER_PORT. Keys live under the job's id, so jobs with other
 // ids on one endpoint never mix, and a job with the same id but another command or node shape is
-// refused.
+// refused. A job's keys live under a generation of its id: a job that ends (all its nodes done,
+// or one node giving up) moves the id to the next generation, so a later run with the same id
+// starts clean. A node that gives up (out of restarts, interrupted) writes why under "shutdown",
+// and every other node of the job stops with that reason instead of waiting for a round that
+// cannot form. Store calls after the connection have a short deadline (kStoreCallTimeout), so an
+// unreachable endpoint stalls the launcher's loop for seconds, not for the join timeout.
 
 #include "paratrain/dist/process_group.h"
 
@@ -64,13 +69,17 @@ class Rendezvous {
   /// Called about twice a second while the workers run: beats this node's heartbeat, and says
   /// whether the workers must stop for a new round (one opened; a standby waits and the world
   /// can grow; a node's heartbeat stopped). The reason goes to `why`.
-  bool must_restart(const Assignment& a, std::string* why);
+  bool must_restart(const Assignment& a, std::string* why, bool* membership = nullptr);
   /// After this node's workers failed: whether the membership changed (a new round opened, or a
   /// node's heartbeat stops within `wait`), which explains the failure (peers that die take the
   /// survivors' collectives with them). The reason goes to `why`.
   bool membership_changed(const Assignment& a, std::chrono::milliseconds wait, std::string* why);
-  /// Opens round a.round + 1 unless someone already did.
-  void open_next_round(const Assignment& a);
+  /// Opens round a.round + 1 unless someone already did. `membership`: for a change of members
+  /// (a dead node, a standby), which does not count against other nodes' restarts; else for this
+  /// node's failure.
+  void open_next_round(const Assignment& a, bool membership);
+  /// This node gives up (`why`): the other nodes stop too, and the id moves to a new generation.
+  void shut_down(const std::string& why);
   /// This node's workers finished: the node serving the store keeps it up until every node of
   /// the round says so (or `linger` passes), so that the others' last calls reach it.
   void finish(const Assignment& a, std::chrono::milliseconds linger);
@@ -78,16 +87,21 @@ class Rendezvous {
   const RendezvousOptions& options() const { return o_; }
 
  private:
-  std::string key(const std::string& name) const;
+  std::string key(const std::string& name) const;     // under this run's generation
+  std::string id_key(const std::string& name) const;  // under the id alone
+  void check_shutdown();
   std::string key(int64_t round, const std::string& name) const;
   int64_t read_int(const std::string& k);
   std::string describe() const;
-  void close_round(int64_t round, int64_t ticket);
+  void close_round(int64_t round);
+  void wait_closed(int64_t round);
+  std::string get_or(const std::string& k, const std::string& fallback);
   void wait_standby(int64_t round);
 
   RendezvousOptions o_;
   c10::intrusive_ptr<c10d::Store> store_;
   bool serving_ = false;
+  int64_t generation_ = 0;
   std::string my_address_;
   std::vector<int64_t> last_beats_;
   std::vector<std::chrono::steady_clock::time_point> last_moved_;

@@ -25,6 +25,23 @@ nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride) {
       nn::Conv2dOptions(in, out, kernel).stride(stride).padding(kernel / 2).bias(false));
 }
 
+// A block's normalization slot: BatchNorm2d, or, when the slot already holds a SyncBatchNorm
+// (reset() inside clone() of a converted model), a SyncBatchNorm like it, so that clone() can copy
+// the converted layers into their own kind.
+nn::AnyModule norm2d(nn::Module& block,
+                     const std::string& name,
+                     const nn::AnyModule& current,
+                     int64_t channels) {
+  if (!current.is_empty()) {
+    if (const auto* sync = current.ptr()->as<SyncBatchNorm>()) {
+      SyncBatchNormOptions options = sync->options;
+      options.num_features(channels);
+      return nn::AnyModule(block.register_module(name, SyncBatchNorm(options)));
+    }
+  }
+  return nn::AnyModule(block.register_module(name, nn::BatchNorm2d(channels)));
+}
+
 // torchvision's BasicBlock: conv-bn-relu-conv-bn, plus the input (downsampled when the shape
 // changes), then relu. Cloneable, so DataParallel and pipelines can replicate it. The norms are
 // AnyModule slots (NormSlots), so convert_sync_batchnorm can swap in SyncBatchNorm.
@@ -34,9 +51,9 @@ struct BasicBlockImpl : nn::Cloneable<BasicBlockImpl>, NormSlots {
   }
   void reset() override {
     conv1 = register_module("conv1", conv(in_, out_, 3, stride_));
-    bn1 = nn::AnyModule(register_module("bn1", nn::BatchNorm2d(out_)));
+    bn1 = norm2d(*this, "bn1", bn1, out_);
     conv2 = register_module("conv2", conv(out_, out_, 3, 1));
-    bn2 = nn::AnyModule(register_module("bn2", nn::BatchNorm2d(out_)));
+    bn2 = norm2d(*this, "bn2", bn2, out_);
     downsample = nullptr;
     if (stride_ != 1 || in_ != out_) {
       downsample = register_module(
@@ -70,11 +87,11 @@ struct BottleneckImpl : nn::Cloneable<BottleneckImpl>, NormSlots {
   void reset() override {
     const int64_t out = width_ * kExpansion;
     conv1 = register_module("conv1", conv(in_, width_, 1, 1));
-    bn1 = nn::AnyModule(register_module("bn1", nn::BatchNorm2d(width_)));
+    bn1 = norm2d(*this, "bn1", bn1, width_);
     conv2 = register_module("conv2", conv(width_, width_, 3, stride_));
-    bn2 = nn::AnyModule(register_module("bn2", nn::BatchNorm2d(width_)));
+    bn2 = norm2d(*this, "bn2", bn2, width_);
     conv3 = register_module("conv3", conv(width_, out, 1, 1));
-    bn3 = nn::AnyModule(register_module("bn3", nn::BatchNorm2d(out)));
+    bn3 = norm2d(*this, "bn3", bn3, out);
     downsample = nullptr;
     if (stride_ != 1 || in_ != out) {
       downsample = register_module(

@@ -220,8 +220,13 @@ void SyncBatchNormImpl::reset() {
     return adopted_.empty() ? std::move(fresh) : adopted_[i];
   };
   if (options.affine()) {
-    weight = register_parameter("weight", take(0, torch::ones({c})));
-    bias = register_parameter("bias", take(1, torch::zeros({c})));
+    // An adopted parameter keeps its requires_grad (a frozen BatchNorm stays frozen).
+    torch::Tensor w = take(0, torch::ones({c}));
+    torch::Tensor b = take(1, torch::zeros({c}));
+    const bool w_grad = adopted_.empty() || w.requires_grad();
+    const bool b_grad = adopted_.empty() || b.requires_grad();
+    weight = register_parameter("weight", w, w_grad);
+    bias = register_parameter("bias", b, b_grad);
   } else {
     weight = bias = torch::Tensor();
   }

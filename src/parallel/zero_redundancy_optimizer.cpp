@@ -137,6 +137,10 @@ int ZeroRedundancyOptimizer::owner(size_t group_index, size_t index) const {
 }
 
 torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(param_groups().size() == owner_.size(),
+              "ZeroRedundancyOptimizer: ", param_groups().size() - owner_.size(),
+              " parameter group(s) were added after construction (add_param_group), which are not "
+              "sharded; pass every group to the constructor");
   // Schedules and scalers change the options of param_groups(); the local optimizer steps with
   // them.
   for (size_t g = 0; g < param_groups().size(); ++g) {

@@ -148,6 +148,8 @@ struct Trainer::Impl {
   int64_t batch = 0;  // batches of `epoch` done
   // Samples of this epoch's order that an earlier world trained (elastic resume); 0 otherwise.
   int64_t epoch_start = 0;
+  // Batches left in this epoch's steps_per_epoch budget after an elastic reshard; 0: no cap.
+  int64_t epoch_cap = 0;
   void refresh_batches();
   int64_t global_step = 0;
   int64_t batches_per_epoch = 0;
@@ -260,6 +262,9 @@ void Trainer::Impl::refresh_batches() {
   int64_t batches = static_cast<int64_t>(loader->num_batches(sampler->num_samples()));
   if (o.steps_per_epoch() > 0) {
     batches = std::min(batches, o.steps_per_epoch() * o.accumulate());
+  }
+  if (epoch_cap > 0) {
+    batches = std::min(batches, epoch_cap);
   }
   batches_per_epoch = batches;
 }
@@ -603,6 +608,8 @@ CheckpointState Trainer::Impl::capture() {
   s.meta = Json{{"epoch", epoch},
                 {"batch", batch},
                 {"epoch_start", epoch_start},
+                {"epoch_cap", epoch_cap},
+                {"batches_per_epoch", batches_per_epoch},
                 {"world_size", world},
                 {"batch_size", o.batch_size()},
                 {"global_step", global_step},
@@ -711,6 +718,7 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     batch = meta.at("batch").get<int64_t>();
     global_step = meta.at("global_step").get<int64_t>();
     epoch_start = meta.value("epoch_start", int64_t{0});
+    epoch_cap = meta.value("epoch_cap", int64_t{0});
     if (s.world_size == world) {
       set_rng_state(s.own);
     } else {
@@ -719,8 +727,14 @@ void Trainer::Impl::restore(const CheckpointState& s) {
       // interleaves them); the rest is shared out over this world from its first batch. The RNG
       // streams belonged to ranks that no longer exist.
       const int64_t saved_batch = meta.value("batch_size", o.batch_size());
+      const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
       epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
                                       epoch_start + s.world_size * saved_batch * batch);
+      if (saved_batches > 0 && batch >= saved_batches) {
+        epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
+      } else if (o.steps_per_epoch() > 0 && saved_batches > 0) {
+        epoch_cap = saved_batches - batch;  // what is left of the epoch's step budget
+      }
       batch = 0;
     }
     sampler->set_start_index(static_cast<size_t>(epoch_start));
@@ -745,7 +759,10 @@ void Trainer::Impl::resume() {
     }
     restore(*s);
   } else {
-    restore(Checkpoint::load(o.resume(), rank));
+    // An elastic job may resume a checkpoint of another world size: ranks it did not have get
+    // no own files.
+    restore(o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
+                        : Checkpoint::load(o.resume(), rank));
   }
   // In the metrics, where this attempt starts: the steps logged after it repeat lost work.
   write_metrics(Json{{"resumed_from", resumed_from}, {"step", global_step}});
@@ -851,8 +868,9 @@ std::vector<EpochResult> Trainer::fit() {
     }
     ++m.epoch;
     m.batch = 0;
-    if (m.epoch_start != 0) {  // the resharded epoch is over
+    if (m.epoch_start != 0 || m.epoch_cap != 0) {  // the resharded epoch is over
       m.epoch_start = 0;
+      m.epoch_cap = 0;
       m.sampler->set_start_index(0);
       m.refresh_batches();
     }

@@ -152,8 +152,9 @@ class SlurmCluster {
     }                                                           \
   } while (0)
 
-// The README's sbatch examples, as they are there.
-TEST(Slurm, SrunStartsTheRanksOfPtTrain) {
+// The README's sbatch examples, as they are there. One test, one Slurm: the tests run two at a
+// time, and two test Slurms would share (and stop) one munged.
+TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {
   SKIP_WITHOUT_SLURM();
   SlurmCluster slurm;
   ASSERT_TRUE(slurm.ready()) << slurm.logs();
@@ -173,14 +174,9 @@ TEST(Slurm, SrunStartsTheRanksOfPtTrain) {
   EXPECT_NE(r.output.find("strategy ddp, 2 ranks (gloo)"), std::string::npos) << r.output;
   struct stat st;
   EXPECT_EQ(::stat(weights.c_str(), &st), 0) << r.output;
-}
 
-TEST(Slurm, LaunchUnderAnAllocation) {
-  SKIP_WITHOUT_SLURM();
-  SlurmCluster slurm;
-  ASSERT_TRUE(slurm.ready()) << slurm.logs();
-  auto r =
-      slurm.batch("#!/bin/sh\n#SBATCH --ntasks 2\n#SBATCH --time 10\n" + cli_path() +
+  // paratrain launch inside the allocation.
+  r = slurm.batch("#!/bin/sh\n#SBATCH --ntasks 2\n#SBATCH --time 10\n" + cli_path() +
                   " launch --standalone --nproc-per-node 2 -- " + PARATRAIN_TEST_DDP_WORKER + "\n");
   EXPECT_EQ(r.exit_code, 0) << r.output << slurm.logs();
   for (int rank = 0; rank < 2; ++rank) {

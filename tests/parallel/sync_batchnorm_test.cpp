@@ -89,6 +89,7 @@ TEST(SyncBatchNorm, BadInputIsNamed) {
 
 TEST(ConvertSyncBatchNorm, ResNetKeepsItsTensorsAndNames) {
   auto model = models::make("resnet18_cifar", 10);
+  model->named_parameters()["layer1.0.bn1.weight"].set_requires_grad(false);  // frozen stays so
   auto before = model->named_parameters();
   auto buffers_before = model->named_buffers();
   EXPECT_EQ(convert_sync_batchnorm(model.ptr(), nullptr), 20);  // stem, 16 in blocks, 3 shortcuts
@@ -96,7 +97,16 @@ TEST(ConvertSyncBatchNorm, ResNetKeepsItsTensorsAndNames) {
   ASSERT_EQ(before.keys(), after.keys());
   for (const auto& p : before) {
     EXPECT_TRUE(p.value().is_same(after[p.key()])) << p.key();
+    EXPECT_EQ(after[p.key()].requires_grad(), p.key() != "layer1.0.bn1.weight") << p.key();
   }
+  // A converted model clones (DataParallel replicas): the blocks rebuild SyncBatchNorm slots.
+  // (Sequential's clone numbers its children: count the copies instead of naming them.)
+  auto copy = model->clone();
+  int64_t copied = 0;
+  for (const auto& m : copy->modules()) {
+    copied += m->as<SyncBatchNorm>() != nullptr;
+  }
+  EXPECT_EQ(copied, 20);
   ASSERT_EQ(buffers_before.keys(), model->named_buffers().keys());
   int64_t syncs = 0;
   for (const auto& m : model->modules()) {

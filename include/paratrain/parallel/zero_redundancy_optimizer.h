@@ -46,6 +46,8 @@ namespace paratrain {
 class ZeroRedundancyOptimizer : public torch::optim::Optimizer {
  public:
   /// Makes the local optimizer from the groups this rank owns (same order and options as given).
+  /// Any libtorch optimizer steps; the state functions (sharded_state, consolidate_state,
+  /// load_state, state_bytes) know SGD, Adam and AdamW, as optimizer_state() does.
   using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
       std::vector<torch::optim::OptimizerParamGroup>)>;
 
