@@ -904,8 +904,11 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   cmd.insert(cmd.end(), placement.begin(), placement.end());
   if (!o.hostfile().empty()) {
     // Daemons that Open MPI starts on other hosts get only the variables named with -x.
-    for (const char* name : {"PARATRAIN_BACKEND", "OMP_NUM_THREADS", "PARATRAIN_TIMEOUT"}) {
-      if (std::getenv(name) != nullptr || std::string(name) != "PARATRAIN_TIMEOUT") {
+    // OMP_NUM_THREADS only when the user chose it: otherwise each host's shim splits its own
+    // cores between its own ranks.
+    cmd.insert(cmd.end(), {"-x", "PARATRAIN_BACKEND"});
+    for (const char* name : {"OMP_NUM_THREADS", "PARATRAIN_TIMEOUT"}) {
+      if (std::getenv(name) != nullptr || o.env().count(name) > 0) {
         cmd.insert(cmd.end(), {"-x", name});
       }
     }
@@ -964,7 +967,8 @@ Environment mpirun_environment(const LaunchOptions& o, int nproc) {
   }
   // The outer launch starts a single process (mpirun), so it would give each rank all the cores;
   // split them between the ranks here instead, unless the user chose.
-  if (std::getenv("OMP_NUM_THREADS") == nullptr && o.env().count("OMP_NUM_THREADS") == 0) {
+  if (o.hostfile().empty() && std::getenv("OMP_NUM_THREADS") == nullptr &&
+      o.env().count("OMP_NUM_THREADS") == 0) {
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(nproc)));
   }
@@ -1129,14 +1133,15 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
     if (!retry) {
       // The other nodes stop now with this reason, instead of waiting for a round that cannot
       // form (or re-forming without a node that did not die).
-      rdzv.shut_down(r.summary.empty() ? "node " + std::to_string(a.node_rank) + " stopped"
-                                       : r.summary);
+      rdzv.shut_down(
+          r.summary.empty() ? "node " + std::to_string(a.node_rank) + " stopped" : r.summary,
+          a.nnodes - 1);
       r.failures = failures;
       r.restarts = failures_used;
       return r;
     }
     try {
-      rdzv.open_next_round(a, /*membership=*/false);  // the others stop at once
+      rdzv.open_next_round(a, "failure");  // the others stop at once
     } catch (const std::exception&) {
       // The store's node is gone: the others learn from their own failures.
     }

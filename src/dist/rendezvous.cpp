@@ -112,14 +112,33 @@ std::string Rendezvous::get_or(const std::string& k, const std::string& fallback
 }
 
 void Rendezvous::check_shutdown() {
-  if (store_->check({key("shutdown")})) {
-    TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", get_or(key("shutdown"), ""));
+  if (!store_->check({key("shutdown")})) {
+    return;
   }
+  if (!admitted_) {
+    // The job of this generation ended before this node took part: a run that starts now with
+    // the same id is a new job, in the generation the ending one moved to.
+    const int64_t now = store_->add(id_key("generation"), 0);
+    if (now != generation_) {
+      generation_ = now;
+      return;
+    }
+  }
+  store_->add(key("shutdown_seen"), 1);
+  TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", get_or(key("shutdown"), ""));
 }
 
-void Rendezvous::shut_down(const std::string& why) {
+void Rendezvous::shut_down(const std::string& why, int others) {
   try {
-    store_->set(key("shutdown"), bytes(why));
+    // The first reason stands: later ones are usually its consequences.
+    store_->compareSet(key("shutdown"), {}, bytes(why));
+    if (serving_) {
+      // The store dies with this process: wait (boundedly) until the others have read why.
+      const auto deadline = Clock::now() + o_.keep_alive + std::chrono::seconds(3);
+      while (read_int(key("shutdown_seen")) < others && Clock::now() < deadline) {
+        std::this_thread::sleep_for(kPoll);
+      }
+    }
     store_->add(id_key("generation"), 1);  // a later run with this id starts clean
   } catch (const std::exception&) {
     // The store is gone: the other nodes find out from it too.
@@ -127,6 +146,9 @@ void Rendezvous::shut_down(const std::string& why) {
 }
 
 Assignment Rendezvous::next() {
+  TORCH_CHECK(broken_.empty(), "rendezvous ", describe(),
+              ": the connection to the endpoint failed (", broken_,
+              "); the node serving it has probably ended");
   for (;;) {
     check_shutdown();
     const int64_t round = read_int(key("round"));
@@ -156,6 +178,7 @@ Assignment Rendezvous::next() {
     a.master_port = std::stoi(master.substr(master.rfind(':') + 1));
     last_beats_.assign(static_cast<size_t>(nnodes), -1);
     last_moved_.assign(static_cast<size_t>(nnodes), Clock::now());
+    admitted_ = true;
     return a;
   }
 }
@@ -197,7 +220,7 @@ void Rendezvous::close_round(int64_t round) {
                                   " s; the others never joined: start them with --rdzv-endpoint " +
                                   o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
       store_->set(key(round, "failed"), bytes(message));
-      shut_down(message);
+      shut_down(message, static_cast<int>(count) - 1);
       TORCH_CHECK(false, message);
     }
     check_shutdown();
@@ -210,54 +233,68 @@ void Rendezvous::close_round(int64_t round) {
 
 void Rendezvous::wait_standby(int64_t round) {
   const auto deadline = Clock::now() + o_.join_timeout;
-  try {
-    store_->add(key(round, "waiting"), 1);
-    while (read_int(key("round")) <= round) {
-      check_shutdown();
-      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
-                  " runs without this node, and no new round opened within ",
-                  o_.join_timeout.count() / 1000.0, " s (the job is at --nnodes max, ",
-                  o_.max_nodes, ", or stalled)");
-      std::this_thread::sleep_for(kPoll);
+  // The store's own failures become one line; this file's messages pass as they are.
+  auto ask = [&](const std::function<bool()>& call) {
+    try {
+      return call();
+    } catch (const std::exception& e) {
+      const std::string what = error_message(e);
+      TORCH_CHECK(what.rfind("rendezvous ", 0) != 0, what);
+      TORCH_CHECK(false, "rendezvous ", describe(), ": this node waited to join round ", round + 1,
+                  " and the rendezvous went away (", what, "): the job ended without taking it in");
     }
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "rendezvous ", describe(), ": this node waited to join round ", round + 1,
-                " and the rendezvous went away (", error_message(e),
-                "): the job ended without taking it in");
+  };
+  ask([&] { return store_->add(key(round, "waiting"), 1) > 0; });
+  while (ask([&] { return read_int(key("round")) <= round; })) {
+    TORCH_CHECK(!ask([&] { return store_->check({key("finished")}); }), "rendezvous ", describe(),
+                ": the job finished before it could take this node in");
+    ask([&] {
+      check_shutdown();
+      return true;
+    });
+    TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
+                " runs without this node, and no new round opened within ",
+                o_.join_timeout.count() / 1000.0, " s (the job is at --nnodes max, ", o_.max_nodes,
+                ", or stalled)");
+    std::this_thread::sleep_for(kPoll);
   }
 }
 
-void Rendezvous::open_next_round(const Assignment& a, bool membership) {
+void Rendezvous::open_next_round(const Assignment& a, const std::string& reason) {
   // The first opener's reason stands (compareSet on an absent key).
-  store_->compareSet(key(a.round, "next_reason"), {}, bytes(membership ? "membership" : "failure"));
+  store_->compareSet(key(a.round, "next_reason"), {}, bytes(reason));
   store_->compareSet(key("round"), bytes(std::to_string(a.round)),
                      bytes(std::to_string(a.round + 1)));
 }
 
 bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membership) {
   bool ignored = false;
-  bool& changed = membership != nullptr ? *membership : ignored;
-  changed = false;
+  bool& dead_peer = membership != nullptr ? *membership : ignored;
+  dead_peer = false;  // only a dead peer explains this node's own failure
+  if (!broken_.empty()) {
+    return false;  // no more calls on a connection that failed: a late reply could be misread
+  }
   try {
     store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
     if (store_->check({key("shutdown")})) {
+      store_->add(key("shutdown_seen"), 1);
       *why = "a node gave up: " + get_or(key("shutdown"), "");
       return true;
     }
     if (read_int(key("round")) > a.round) {
-      changed = get_or(key(a.round, "next_reason"), "") == "membership";
+      const std::string reason = get_or(key(a.round, "next_reason"), "");
+      dead_peer = reason == "dead";
       *why = "another node opened rendezvous round " + std::to_string(a.round + 1) +
-             (changed ? " for a change of membership" : " after a failure");
+             (reason == "dead"   ? " without a node that stopped"
+              : reason == "grow" ? " to take in waiting nodes"
+                                 : " after a failure");
       return true;
     }
     const int64_t waiting = read_int(key(a.round, "waiting"));
     if (waiting > 0 && a.nnodes < o_.max_nodes) {
       *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
              " waiting to join; the job can grow to " + std::to_string(o_.max_nodes);
-      changed = true;
-      open_next_round(a, true);
+      open_next_round(a, "grow");
       return true;
     }
     for (int n = 0; n < a.nnodes; ++n) {
@@ -274,13 +311,16 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
         *why = "node " + std::to_string(n) + " (" +
                get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
                std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
-        changed = true;
-        open_next_round(a, true);
+        dead_peer = true;
+        open_next_round(a, "dead");
         return true;
       }
     }
-  } catch (const std::exception&) {
-    // The store is gone (its node ended): the workers carry on; a failure will say more.
+  } catch (const std::exception& e) {
+    // The store is gone or late (its node ended, or the network): the workers carry on, and
+    // next() reports it. A timed-out call may still be answered later, so the connection is not
+    // used again.
+    broken_ = error_message(e);
   }
   return false;
 }
@@ -305,7 +345,8 @@ void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
     store_->set(key(a.round, "done" + std::to_string(a.node_rank)), bytes("1"));
     const int64_t done = store_->add(key(a.round, "done"), 1);
     if (done == a.nnodes) {
-      store_->add(id_key("generation"), 1);  // the job is over: a later run starts clean
+      store_->set(key("finished"), bytes("1"));  // standbys of this generation learn it
+      store_->add(id_key("generation"), 1);      // a later run with this id starts clean
     }
     if (!serving_ || done >= a.nnodes) {
       return;

@@ -19,14 +19,15 @@
 // or one node giving up) moves the id to the next generation, so a later run with the same id
 // starts clean. A node that gives up (out of restarts, interrupted) writes why under "shutdown",
 // and every other node of the job stops with that reason instead of waiting for a round that
-// cannot form. Store calls after the connection have a short deadline (kStoreCallTimeout), so an
-// unreachable endpoint stalls the launcher's loop for seconds, not for the join timeout.
+// cannot form. After a store call fails once (the endpoint ended, or a
+// deadline passed), the connection is not used again: next() reports it.
 
 #include "paratrain/dist/process_group.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 namespace paratrain {
@@ -77,9 +78,10 @@ class Rendezvous {
   /// Opens round a.round + 1 unless someone already did. `membership`: for a change of members
   /// (a dead node, a standby), which does not count against other nodes' restarts; else for this
   /// node's failure.
-  void open_next_round(const Assignment& a, bool membership);
+  void open_next_round(const Assignment& a, const std::string& reason);
   /// This node gives up (`why`): the other nodes stop too, and the id moves to a new generation.
-  void shut_down(const std::string& why);
+  /// `others`: how many other nodes should read it before the node serving the store leaves.
+  void shut_down(const std::string& why, int others);
   /// This node's workers finished: the node serving the store keeps it up until every node of
   /// the round says so (or `linger` passes), so that the others' last calls reach it.
   void finish(const Assignment& a, std::chrono::milliseconds linger);
@@ -101,6 +103,8 @@ class Rendezvous {
   RendezvousOptions o_;
   c10::intrusive_ptr<c10d::Store> store_;
   bool serving_ = false;
+  bool admitted_ = false;  // this node has taken part in a round of its generation
+  std::string broken_;     // why the connection to the store failed ("" while it works)
   int64_t generation_ = 0;
   std::string my_address_;
   std::vector<int64_t> last_beats_;

@@ -141,6 +141,12 @@ torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
               "ZeroRedundancyOptimizer: ", param_groups().size() - owner_.size(),
               " parameter group(s) were added after construction (add_param_group), which are not "
               "sharded; pass every group to the constructor");
+  for (size_t g = 0; g < owner_.size(); ++g) {
+    TORCH_CHECK(param_groups()[g].params().size() == owner_[g].size(),
+                "ZeroRedundancyOptimizer: group ", g, " has ", param_groups()[g].params().size(),
+                " parameters but ", owner_[g].size(),
+                " were sharded at construction; parameters added later are not optimized");
+  }
   // Schedules and scalers change the options of param_groups(); the local optimizer steps with
   // them.
   for (size_t g = 0; g < param_groups().size(); ++g) {

@@ -732,8 +732,11 @@ void Trainer::Impl::restore(const CheckpointState& s) {
                                       epoch_start + s.world_size * saved_batch * batch);
       if (saved_batches > 0 && batch >= saved_batches) {
         epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
-      } else if (o.steps_per_epoch() > 0 && saved_batches > 0) {
-        epoch_cap = saved_batches - batch;  // what is left of the epoch's step budget
+      } else if (o.steps_per_epoch() > 0) {
+        // What is left of the epoch's step budget (the data may end first: refresh_batches
+        // takes the smaller).
+        const int64_t budget = epoch_cap > 0 ? epoch_cap : o.steps_per_epoch() * o.accumulate();
+        epoch_cap = std::max<int64_t>(1, budget - batch);
       }
       batch = 0;
     }

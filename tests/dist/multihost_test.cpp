@@ -418,27 +418,32 @@ TEST(Rendezvous, TwoNodesClaimingOneNodeRankAreNamed) {
 // A node out of restarts ends the job for every node at once, with its reason, instead of leaving
 // the others to wait for a round that cannot form.
 TEST(Rendezvous, ANodeThatGivesUpEndsTheJob) {
-  const std::string ep = "127.0.0.1:" + std::to_string(free_port());
-  auto node = [&] {
-    return start_process({cli_path(), "launch", "--nnodes", "2", "--rdzv-endpoint", ep, "--rdzv-id",
-                          "quits", "--rdzv-conf",
-                          "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
-                          "--", "/bin/sh", "-c", "test \"$GROUP_RANK\" = 0 || exit 3; sleep 60"});
-  };
-  auto a = node();
-  auto b = node();
-  const auto start = std::chrono::steady_clock::now();
-  auto ra = a.finish(120);
-  auto rb = b.finish(120);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_NE(ra.exit_code, 0) << ra.output;
-  EXPECT_NE(rb.exit_code, 0) << rb.output;
-  EXPECT_LT(seconds, 40) << ra.output << rb.output;
-  const std::string both = ra.output + rb.output;
-  EXPECT_NE(both.find("exited with code 3"), std::string::npos) << both;
-  EXPECT_NE(both.find("the job ended: paratrain launch: job failed: rank"), std::string::npos)
-      << both;
+  // Node 1 quits, then node 0 (the first to join, which serves the rendezvous) quits.
+  for (const std::string quitter : {"1", "0"}) {
+    SCOPED_TRACE("node " + quitter + " quits");
+    const std::string ep = "127.0.0.1:" + std::to_string(free_port());
+    auto node = [&] {
+      return start_process(
+          {cli_path(), "launch", "--nnodes", "2", "--rdzv-endpoint", ep, "--rdzv-id", "quits",
+           "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+           "--", "/bin/sh", "-c", "test \"$GROUP_RANK\" != " + quitter + " || exit 3; sleep 60"});
+    };
+    auto a = node();
+    ASSERT_TRUE(a.wait_for_output("joining", 30)) << a.output;  // a serves and is node 0
+    auto b = node();
+    const auto start = std::chrono::steady_clock::now();
+    auto ra = a.finish(120);
+    auto rb = b.finish(120);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(ra.exit_code, 0) << ra.output;
+    EXPECT_NE(rb.exit_code, 0) << rb.output;
+    EXPECT_LT(seconds, 40) << ra.output << rb.output;
+    const std::string both = ra.output + rb.output;
+    EXPECT_NE(both.find("exited with code 3"), std::string::npos) << both;
+    EXPECT_NE(both.find("the job ended: paratrain launch: job failed: rank"), std::string::npos)
+        << both;
+  }
 }
 
 // A second job that reuses a running job's id (another command) is refused at once.
