@@ -66,6 +66,8 @@ if [ "${1:-}" = "--root-only" ]; then exit 0; fi
 mounts=()
 cleanup() {
   local i
+  # `ip netns add` (the multi-host tests) leaves its bind mount of /run/netns behind.
+  $SUDO umount -l "$root/run/netns" 2>/dev/null || true
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
     $SUDO umount -l "${mounts[$i]}" 2>/dev/null || true
   done
@@ -78,6 +80,9 @@ mount_in() { # mount_in TARGET ARGS...
   $SUDO mount "$@" "$target"
   mounts+=("$target")
 }
+# The root on itself: `ip netns exec` (the multi-host tests) remounts "/", which must then be a
+# mount point inside the chroot.
+mount_in / --bind "$root"
 mount_in /proc -t proc proc
 # /sys: oneDNN reads the CPU's cache sizes there (without them it divides by zero), and Open MPI's
 # hwloc its topology and network interfaces.

@@ -58,6 +58,14 @@ class SlurmCluster {
     std::string host = name;
     host = host.substr(0, host.find('.'));
     conf_ = dir_ + "/slurm.conf";
+    // Slurm 23.11 and later (Debian 13's 24.11) start the cgroup plugin even with
+    // proctrack/linuxproc, and fail where no cgroup filesystem is mounted (a chroot);
+    // "CgroupPlugin=disabled" turns it off. 22.05 (Debian 12's) knows no such value.
+    const std::string version = run_process({"/usr/sbin/slurmd", "-V"}, {}, 10).output;
+    const size_t digits = version.find_first_of("0123456789");
+    if (digits != std::string::npos && std::atoi(version.c_str() + digits) >= 23) {
+      std::ofstream(dir_ + "/cgroup.conf") << "CgroupPlugin=disabled\n";
+    }
     const unsigned cpus = std::max(2u, std::thread::hardware_concurrency());
     std::ofstream(conf_) << "ClusterName=paratrain\n"
                          << "SlurmctldHost=" << host << "(127.0.0.1)\n"
