@@ -119,7 +119,12 @@ std::string FakeHosts::write_rsh_agent() const {
 }
 
 std::map<std::string, std::string> FakeHosts::mpirun_env() const {
-  return {{"OMPI_MCA_plm_rsh_agent", write_rsh_agent()}, {"OMPI_MCA_btl", "self,tcp"}};
+  const std::string agent = write_rsh_agent();
+  // Open MPI 4 (Debian 12) reads the agent as plm_rsh_agent; Open MPI 5 (Debian 13) starts its
+  // daemons through PRRTE, whose component is plm_ssh.
+  return {{"OMPI_MCA_plm_rsh_agent", agent},
+          {"PRTE_MCA_plm_ssh_agent", agent},
+          {"OMPI_MCA_btl", "self,tcp"}};
 }
 
 void FakeHosts::remove() {

@@ -36,7 +36,8 @@ class FakeHosts {
   /// An rsh agent for Open MPI (OMPI_MCA_plm_rsh_agent): `agent HOST COMMAND...` runs COMMAND in
   /// HOST's namespace, where ssh would log in (removed with the hosts).
   std::string write_rsh_agent() const;
-  /// The environment mpirun needs on these hosts: the agent, and TCP between ranks (the
+  /// The environment mpirun needs on these hosts: the agent (for Open MPI 4 and 5), and TCP
+  /// between ranks (the
   /// namespaces share one hostname and /dev/shm, so Open MPI would pair ranks of different hosts
   /// over shared memory, which crashed in btl_vader; real hosts have names of their own).
   std::map<std::string, std::string> mpirun_env() const;
