@@ -124,7 +124,10 @@ std::map<std::string, std::string> FakeHosts::mpirun_env() const {
   // daemons through PRRTE, whose component is plm_ssh.
   return {{"OMPI_MCA_plm_rsh_agent", agent},
           {"PRTE_MCA_plm_ssh_agent", agent},
-          {"OMPI_MCA_btl", "self,tcp"}};
+          {"OMPI_MCA_btl", "self,tcp"},
+          // Every host has a loopback of its own: a rank must not take a peer's 127.0.0.1 for a
+          // route to it (Open MPI 5 pairs every interface it finds).
+          {"OMPI_MCA_btl_tcp_if_include", "eth0"}};
 }
 
 void FakeHosts::remove() {
