@@ -124,6 +124,9 @@ std::map<std::string, std::string> FakeHosts::mpirun_env() const {
   // daemons through PRRTE, whose component is plm_ssh.
   return {{"OMPI_MCA_plm_rsh_agent", agent},
           {"PRTE_MCA_plm_ssh_agent", agent},
+          // Open MPI 5 may pick UCX's pml, which ignores the btl list and, seeing one host name
+          // and one /dev/shm on every "host", may pair ranks of different hosts as if local.
+          {"OMPI_MCA_pml", "ob1"},
           {"OMPI_MCA_btl", "self,tcp"},
           // Every host has a loopback of its own: a rank must not take a peer's 127.0.0.1 for a
           // route to it (Open MPI 5 pairs every interface it finds).

@@ -23,8 +23,9 @@ using paratrain::detail::error_message;
 /// Empty for stores that cannot be reopened (file://, in-process).
 using StoreClientFactory = std::function<c10::intrusive_ptr<c10d::Store>()>;
 
-/// A c10d TCPStore on host:port: the server (on every address of this host, as c10d binds) or a
-/// client, which retries connecting until `timeout`. c10d's exceptions pass through.
+/// paratrain's store (socket_store.h) on host:port: the server, bound to the addresses `host`
+/// resolves to and nowhere else, or a client, which retries connecting until `timeout`. Every
+/// call then waits at most `timeout` (setTimeout changes it).
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
                                           int port,
                                           bool server,

@@ -1,18 +1,14 @@
 #include "paratrain/dist/init.h"
 
 #include "backends.h"
+#include "socket_store.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <c10/macros/Macros.h>
-#include <c10/util/Logging.h>
 #include <torch/cuda.h>
-#ifdef C10_USE_GLOG
-#include <glog/logging.h>
-#endif
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -21,13 +17,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
 #include <mutex>
 #include <set>
 #include <sstream>
-#include <type_traits>
 #include <utility>
 
 namespace paratrain {
@@ -140,119 +135,42 @@ Endpoint parse_tcp(const std::string& url) {
   return e;
 }
 
-// c10d logs every failed connect and bind attempt to stderr before it throws; the exception says
-// the same, and we turn it into one line. Quiet those logs while the store opens.
-// The log level is process-wide and the heartbeat thread opens stores too: nested or concurrent
-// users share one saved level.
-class QuietC10dLogs {
- public:
-  QuietC10dLogs() {
-    std::lock_guard<std::mutex> lock(mutex());
-    if (depth()++ > 0) {
-      return;
-    }
-#ifdef C10_USE_GLOG
-    saved() = FLAGS_minloglevel;
-    FLAGS_minloglevel = 3;  // FATAL only
-#else
-    saved() = FLAGS_caffe2_log_level;
-    FLAGS_caffe2_log_level = 3;
-#endif
-  }
-  ~QuietC10dLogs() {
-    std::lock_guard<std::mutex> lock(mutex());
-    if (--depth() > 0) {
-      return;
-    }
-#ifdef C10_USE_GLOG
-    FLAGS_minloglevel = saved();
-#else
-    FLAGS_caffe2_log_level = saved();
-#endif
-  }
-
- private:
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static int& depth() {
-    static int d = 0;
-    return d;
-  }
-  static int& saved() {
-    static int v = 0;
-    return v;
-  }
-};
-
-// libtorch 2.x's TCPStore serves through libuv by default (the useLibUV option, absent in 1.13),
-// and a libtorch built without libuv (Debian's) refuses with "use_libuv was requested but PyTorch
-// was build without libuv support". The library file, not its headers, knows: so ask for libuv,
-// and fall back to the classic server once that refusal is seen.
-template <typename Options, typename = void>
-struct HasLibUV : std::false_type {};
-template <typename Options>
-struct HasLibUV<Options, decltype(void(std::declval<Options&>().useLibUV))> : std::true_type {};
-
-template <typename Options>
-bool set_libuv(Options& o, bool on) {
-  if constexpr (HasLibUV<Options>::value) {
-    o.useLibUV = on;
-    return true;
-  } else {
-    (void)o;
-    (void)on;
-    return false;
-  }
-}
-
-std::atomic<bool> g_libuv_refused{false};
-
-c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, c10d::TCPStoreOptions o) {
-  if (!set_libuv(o, !g_libuv_refused.load())) {
-    return c10::make_intrusive<c10d::TCPStore>(host, o);
+// Opens the job's store: rank 0 serves it on the addresses MASTER_ADDR names (loopback only for a
+// one-node job), the others connect. Users get one line saying what to check.
+c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
+                                               int rank,
+                                               std::chrono::milliseconds timeout,
+                                               bool server,
+                                               bool several_nodes) {
+  const std::string where = e.host + ":" + std::to_string(e.port);
+  // Debian names its own host 127.0.1.1 in /etc/hosts: served there, ranks on other hosts could
+  // not connect and would wait out their timeout. Only a warning: several launchers on one host
+  // may rightly meet at a loopback name.
+  in6_addr literal{};
+  if (server && several_nodes && inet_pton(AF_INET, e.host.c_str(), &literal) != 1 &&
+      inet_pton(AF_INET6, e.host.c_str(), &literal) != 1 &&
+      detail::resolves_to_loopback_only(e.host)) {
+    std::cerr << "paratrain: warning: MASTER_ADDR=" << e.host
+              << " resolves only to loopback addresses on rank 0's host, where the store is "
+                 "served; ranks on other hosts cannot reach it: give an address they reach"
+              << std::endl;
   }
   try {
-    return c10::make_intrusive<c10d::TCPStore>(host, o);
-  } catch (const std::exception& e) {
-    if (g_libuv_refused.load() ||
-        std::string(e.what()).find("without libuv support") == std::string::npos) {
-      throw;
-    }
-    g_libuv_refused.store(true);
-    set_libuv(o, false);
-    return c10::make_intrusive<c10d::TCPStore>(host, o);
-  }
-}
-
-// Opens the job's TCPStore: rank 0 serves, the others connect. c10d's errors are long and
-// generic; users get one line saying what to check.
-c10::intrusive_ptr<c10d::Store> open_tcp_store(
-    const Endpoint& e, int rank, int world_size, std::chrono::milliseconds timeout, bool server) {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<std::uint16_t>(e.port);
-  o.isServer = server;
-  o.timeout = timeout;
-  // c10d's own wait for workers (numWorkers/waitWorkers) stops at its timeout without an error in
-  // 1.13; join() below counts the ranks itself and says who is missing.
-  o.waitWorkers = false;
-  try {
-    QuietC10dLogs quiet;
-    return make_tcp_store(e.host, o);
+    return c10::make_intrusive<detail::SocketStore>(e.host, e.port, server, timeout);
   } catch (const std::exception& ex) {
-    std::string why = detail::error_message(ex);
-    std::string where = e.host + ":" + std::to_string(e.port);
-    // 1.13: "Address already in use"; 2.x: "... EADDRINUSE, message: address already in use".
-    if (why.find("ddress already in use") != std::string::npos ||
-        why.find("EADDRINUSE") != std::string::npos ||
-        why.find("failed to bind") != std::string::npos) {
-      TORCH_CHECK(false, "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
-                  ": address already in use; choose another MASTER_PORT (or launch with "
-                  "--standalone, which picks a free port)");
-    }
+    const std::string why = detail::error_message(ex);
+    TORCH_CHECK(why.find("ddress already in use") == std::string::npos,
+                "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
+                ": address already in use; choose another MASTER_PORT (or launch with "
+                "--standalone, which picks a free port)");
+    TORCH_CHECK(!server || why.find("failed to bind") == std::string::npos,
+                "rank 0 cannot serve the store at ", where, " (", why,
+                "); MASTER_ADDR must be an address of rank 0's own host");
+    // The store says "cannot connect to HOST:PORT within T ms: REASON"; the line names both.
+    const auto reason = why.find(" ms: ");
     TORCH_CHECK(false, "rank ", rank, " could not reach the master at ", where, " within ",
-                timeout.count(), " ms (", why,
+                timeout.count(), " ms (",
+                reason == std::string::npos ? why : why.substr(reason + 5),
                 "); check MASTER_ADDR/MASTER_PORT and that rank 0 is running");
   }
 }
@@ -288,7 +206,6 @@ void join(c10d::Store& store,
     store.set("paratrain/join/all", std::vector<uint8_t>{1});
   }
   try {
-    QuietC10dLogs quiet;  // 2.x logs each timed-out poll before it throws
     store.wait({"paratrain/join/all"}, timeout);
   } catch (const std::exception&) {
     std::string missing;
@@ -476,9 +393,11 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
     if (world_size == 1 && method == "env://" && info.master_addr.empty()) {
       store = c10::make_intrusive<c10d::HashStore>();  // a world of one needs no network
     } else {
-      store = open_tcp_store(e, rank, world_size, timeout, rank == 0);
+      store = open_tcp_store(e, rank, timeout, rank == 0,
+                             info.source != "default" && !info.single_node());
       monitor_client = [e, timeout]() {
-        return open_tcp_store(e, -1, 0, std::min(timeout, std::chrono::milliseconds(10000)), false);
+        return open_tcp_store(e, -1, std::min(timeout, std::chrono::milliseconds(10000)), false,
+                              false);
       };
     }
     hostname = is_loopback(e.host) ? "127.0.0.1" : local_address_toward(e.host, e.port);
@@ -547,13 +466,7 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
                                           int port,
                                           bool server,
                                           std::chrono::milliseconds timeout) {
-  c10d::TCPStoreOptions o;
-  o.port = static_cast<std::uint16_t>(port);
-  o.isServer = server;
-  o.timeout = timeout;
-  o.waitWorkers = false;
-  QuietC10dLogs quiet;
-  return make_tcp_store(host, o);
+  return c10::make_intrusive<SocketStore>(host, port, server, timeout);
 }
 
 std::string route_source_address(const std::string& host, int port) {

@@ -116,6 +116,40 @@ TEST(BadInput, PortAlreadyInUse) {
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
 }
 
+// Rank 0 serves the store only where MASTER_ADDR says, so that must be its own host's address.
+TEST(BadInput, MasterAddrThatIsNotRankZerosHost) {
+  auto r = run_worker({{"RANK", "0"},
+                       {"WORLD_SIZE", "2"},
+                       {"MASTER_ADDR", "203.0.113.9"},  // TEST-NET-3: no host has it
+                       {"MASTER_PORT", std::to_string(free_port())},
+                       {"PARATRAIN_TIMEOUT", "5"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("error: rank 0 cannot serve the store at 203.0.113.9:"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("MASTER_ADDR must be an address of rank 0's own host"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+}
+
+// A job over several nodes whose MASTER_ADDR is a name for loopback on rank 0's host (Debian's
+// 127.0.1.1 for its own host name): rank 0 warns that other hosts cannot reach its store.
+TEST(BadInput, LoopbackMasterNameForSeveralNodesIsWarned) {
+  auto r = run_worker({{"RANK", "0"},
+                       {"WORLD_SIZE", "4"},
+                       {"LOCAL_WORLD_SIZE", "2"},
+                       {"LOCAL_RANK", "0"},
+                       {"MASTER_ADDR", "localhost"},
+                       {"MASTER_PORT", std::to_string(free_port())},
+                       {"PARATRAIN_TIMEOUT", "2"}});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("paratrain: warning: MASTER_ADDR=localhost resolves only to loopback "
+                          "addresses on rank 0's host"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("did not: ranks 1, 2, 3"), std::string::npos) << r.output;
+}
+
 TEST(BadInput, RankThatNeverJoins) {
   // Rank 0 of 2 alone: after the timeout it names the missing rank.
   int port = free_port();

@@ -116,6 +116,54 @@ TEST(MultiHost, DdpOnMpiAcrossTwoHostsThroughAHostfile) {
 }
 #endif
 
+// Where a job serves, seen from inside it: host 0's ranks try its loopback and its 10.77.0.1, at
+// MASTER_PORT and at 29400; host 0's output (each host has its own loopback).
+std::string probe_store(const std::vector<std::string>& launch_args, int hosts_n) {
+  FakeHosts hosts(hosts_n);
+  auto results = run_on_hosts(
+      hosts,
+      [&](int k) {
+        std::vector<std::string> argv{cli_path(), "launch"};
+        for (const auto& a : launch_args) {
+          argv.push_back(a == "NODE" ? std::to_string(k) : a);
+        }
+        argv.insert(argv.end(), {"--", PARATRAIN_TEST_STORE_PROBE, "127.0.0.1", hosts.address(0),
+                                 "127.0.0.1:29400", hosts.address(0) + ":29400"});
+        return argv;
+      },
+      {{"PARATRAIN_TIMEOUT", "60"}});
+  for (const auto& r : results) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+  return results[0].output;
+}
+
+TEST(Addresses, OneNodeJobServesItsStoreOnLoopbackOnly) {
+  SKIP_WITHOUT_NAMESPACES();
+  const std::string out = probe_store({"--nproc-per-node", "2", "--master-port", "29500"}, 1);
+  EXPECT_NE(out.find("127.0.0.1:29500 accepts"), std::string::npos) << out;
+  EXPECT_NE(out.find("10.77.0.1:29500 refuses"), std::string::npos) << out;
+}
+
+TEST(Addresses, SeveralNodesServeTheStoreOnlyAtMasterAddr) {
+  SKIP_WITHOUT_NAMESPACES();
+  const std::string out =
+      probe_store({"--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "NODE", "--master-addr",
+                   "10.77.0.1", "--master-port", "29500"},
+                  2);
+  EXPECT_NE(out.find("10.77.0.1:29500 accepts"), std::string::npos) << out;
+  EXPECT_NE(out.find("127.0.0.1:29500 refuses"), std::string::npos) << out;
+}
+
+TEST(Addresses, TheRendezvousListensOnlyAtItsEndpoint) {
+  SKIP_WITHOUT_NAMESPACES();
+  const std::string out = probe_store({"--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                                       "10.77.0.1:29400", "--rdzv-id", "addr"},
+                                      2);
+  EXPECT_NE(out.find("10.77.0.1:29400 accepts"), std::string::npos) << out;
+  EXPECT_NE(out.find("127.0.0.1:29400 refuses"), std::string::npos) << out;
+}
+
 // `paratrain launch` for the dynamic rendezvous on host 0's port 29400.
 std::vector<std::string> rdzv_launch(const FakeHosts& hosts,
                                      const std::string& id,

@@ -1,0 +1,734 @@
+#include "socket_store.h"
+
+#include <c10/util/Exception.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <thread>
+#include <unordered_map>
+
+namespace paratrain {
+namespace dist {
+namespace detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+// The wire format, ours at both ends. A frame is a 4-byte big-endian length and its body.
+// Request body: op (1 byte), how long a get/wait may be held in ms (8 bytes, -1: no limit), the
+// number of fields (4 bytes), then each field as a length (4 bytes) and its bytes.
+// Reply body: a status (1 byte) and the payload.
+enum Op : uint8_t { kSet = 1, kGet, kAdd, kCompareSet, kCheck, kDelete, kNumKeys, kWait };
+enum Status : uint8_t { kOk = 0, kTimedOut = 1, kFailed = 2 };
+
+// Frames beyond this are a foreign or broken peer, not a store value.
+constexpr uint32_t kMaxFrame = 1u << 30;
+// How long past a held get/wait's own limit a client waits for the server's answer, before it
+// takes the server for gone.
+constexpr milliseconds kReplyGrace{5000};
+
+void put_u32(std::string& out, uint32_t v) {
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    out.push_back(static_cast<char>((v >> shift) & 0xff));
+  }
+}
+
+void put_i64(std::string& out, int64_t v) {
+  const auto u = static_cast<uint64_t>(v);
+  for (int shift = 56; shift >= 0; shift -= 8) {
+    out.push_back(static_cast<char>((u >> shift) & 0xff));
+  }
+}
+
+uint64_t get_be(const std::string& in, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) {
+    v = (v << 8) | static_cast<unsigned char>(in[at + i]);
+  }
+  return v;
+}
+
+std::string frame(const std::string& body) {
+  std::string out;
+  put_u32(out, static_cast<uint32_t>(body.size()));
+  return out + body;
+}
+
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
+
+bool parse_int64(const std::string& text, int64_t& out) {
+  if (text.empty()) {
+    return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || end != text.c_str() + text.size()) {
+    return false;
+  }
+  out = v;
+  return true;
+}
+
+// Milliseconds left until `deadline`, for poll(); -1 when there is none.
+int poll_ms(bool has_deadline, Clock::time_point deadline) {
+  if (!has_deadline) {
+    return -1;
+  }
+  auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count() + 1;
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
+}
+
+// Waits until `fd` is ready for `events`; false at the deadline.
+bool await(int fd, short events, bool has_deadline, Clock::time_point deadline) {
+  for (;;) {
+    pollfd p{fd, events, 0};
+    int rc = ::poll(&p, 1, poll_ms(has_deadline, deadline));
+    if (rc > 0) {
+      return true;
+    }
+    if (rc == 0 || (rc < 0 && errno != EINTR)) {
+      return false;
+    }
+  }
+}
+
+void set_nonblocking(int fd) {
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+}  // namespace
+
+// The server: one thread polls the listening sockets and the clients. A get or wait on a missing
+// key parks its client (which sends nothing more until answered) until a set, add or compareSet
+// brings the keys, or its limit passes; the answer then says which.
+class StoreServer {
+ public:
+  StoreServer(const std::string& host, int port);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+  int port() const { return port_; }
+
+ private:
+  struct Client {
+    std::string in;
+    std::string out;
+    bool bad = false;
+    bool waiting = false;
+    uint8_t op = 0;
+    std::vector<std::string> keys;
+    bool has_deadline = false;
+    Clock::time_point deadline;
+  };
+
+  void bind_all(const std::string& host, int port);
+  void run();
+  void handle_io(const std::vector<pollfd>& polled);
+  bool step(Client& c);
+  void execute(Client& c, uint8_t op, int64_t hold_ms, const std::vector<std::string>& f);
+  bool present(const std::vector<std::string>& keys) const;
+  void expire_waits();
+  int next_deadline_ms() const;
+  static void reply(Client& c, uint8_t status, const std::string& payload);
+  static bool flush(int fd, Client& c);
+
+  std::vector<int> listeners_;
+  int wake_[2] = {-1, -1};
+  int port_ = 0;
+  std::map<int, Client> clients_;
+  std::unordered_map<std::string, std::string> data_;
+  std::thread thread_;
+};
+
+StoreServer::StoreServer(const std::string& host, int port) : port_(port) {
+  bind_all(host, port);
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) {
+    const int err = errno;
+    for (int fd : listeners_) {
+      ::close(fd);
+    }
+    TORCH_CHECK(false, "cannot start the store's server: pipe: ", errno_text(err));
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+StoreServer::~StoreServer() {
+  const char stop = 1;
+  while (::write(wake_[1], &stop, 1) < 0 && errno == EINTR) {
+  }
+  thread_.join();
+  for (auto& kv : clients_) {
+    ::close(kv.first);
+  }
+  for (int fd : listeners_) {
+    ::close(fd);
+  }
+  ::close(wake_[0]);
+  ::close(wake_[1]);
+}
+
+// Binds every address `host` resolves to. One that is in use fails the whole server (as c10d
+// says it: "Address already in use"); one this host does not have (an IPv6 name without IPv6)
+// is skipped while another binds.
+void StoreServer::bind_all(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  TORCH_CHECK(rc == 0, "cannot resolve '", host, "' to serve the store on it: ", gai_strerror(rc));
+  std::string in_use;
+  std::string other;
+  for (addrinfo* a = found; a != nullptr && in_use.empty(); a = a->ai_next) {
+    sockaddr_storage addr{};
+    std::memcpy(&addr, a->ai_addr, a->ai_addrlen);
+    if (port_ != 0) {  // port 0: later addresses take the port the first one got
+      if (addr.ss_family == AF_INET) {
+        reinterpret_cast<sockaddr_in*>(&addr)->sin_port = htons(static_cast<uint16_t>(port_));
+      } else if (addr.ss_family == AF_INET6) {
+        reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = htons(static_cast<uint16_t>(port_));
+      }
+    }
+    int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      other = "socket: " + errno_text(errno);
+      continue;
+    }
+    const int on = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (a->ai_family == AF_INET6) {
+      ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &on, sizeof(on));
+    }
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), a->ai_addrlen) != 0 ||
+        ::listen(fd, SOMAXCONN) != 0) {
+      (errno == EADDRINUSE ? in_use : other) = errno_text(errno);
+      ::close(fd);
+      continue;
+    }
+    if (port_ == 0) {
+      socklen_t len = sizeof(addr);
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+      port_ = ntohs(addr.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&addr)->sin_port
+                                              : reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+    }
+    listeners_.push_back(fd);
+  }
+  ::freeaddrinfo(found);
+  if (!in_use.empty() || listeners_.empty()) {
+    for (int fd : listeners_) {
+      ::close(fd);
+    }
+    listeners_.clear();
+    TORCH_CHECK(false, "failed to bind ", host, ":", port, ": ",
+                in_use.empty() ? other : "Address already in use");
+  }
+}
+
+void StoreServer::run() {
+  for (;;) {
+    std::vector<pollfd> polled{{wake_[0], POLLIN, 0}};
+    for (int fd : listeners_) {
+      polled.push_back({fd, POLLIN, 0});
+    }
+    for (auto& kv : clients_) {
+      polled.push_back(
+          {kv.first, static_cast<short>(POLLIN | (kv.second.out.empty() ? 0 : POLLOUT)), 0});
+    }
+    const int rc = ::poll(polled.data(), polled.size(), next_deadline_ms());
+    if (rc < 0 && errno != EINTR) {
+      // Nothing is served from here on; every client's call fails at its deadline.
+      std::cerr << "paratrain: the store's server stopped: poll: " << errno_text(errno)
+                << std::endl;
+      return;
+    }
+    if (rc > 0 && polled[0].revents != 0) {
+      return;
+    }
+    if (rc > 0) {
+      handle_io(polled);
+    }
+    expire_waits();
+    // Until nothing moves: a request may bring keys that parked clients wait for, and an answered
+    // client may have its next request buffered.
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (auto& kv : clients_) {
+        while (!kv.second.bad && step(kv.second)) {
+          moved = true;
+        }
+      }
+    }
+    for (auto it = clients_.begin(); it != clients_.end();) {
+      if (it->second.bad || !flush(it->first, it->second)) {
+        ::close(it->first);
+        it = clients_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+}
+
+void StoreServer::handle_io(const std::vector<pollfd>& polled) {
+  for (size_t i = 1; i < polled.size(); ++i) {
+    const pollfd& p = polled[i];
+    if (p.revents == 0) {
+      continue;
+    }
+    if (i <= listeners_.size()) {
+      int fd = ::accept4(p.fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) {
+        const int on = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+        clients_[fd];
+      }
+      continue;
+    }
+    Client& c = clients_[p.fd];
+    if ((p.revents & POLLOUT) != 0 && !flush(p.fd, c)) {
+      c.bad = true;
+    }
+    if ((p.revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+      continue;
+    }
+    char buf[65536];
+    ssize_t n = ::recv(p.fd, buf, sizeof(buf), 0);
+    if (n > 0) {
+      c.in.append(buf, static_cast<size_t>(n));
+    } else if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+      c.bad = true;  // the peer closed or failed: drop it with whatever it was waiting for
+    }
+  }
+}
+
+// Answers a parked client whose keys came, or runs the next whole request in its buffer.
+// False when it can do neither.
+bool StoreServer::step(Client& c) {
+  if (c.waiting) {
+    if (!present(c.keys)) {
+      return false;
+    }
+    c.waiting = false;
+    reply(c, kOk, c.op == kGet ? data_[c.keys[0]] : std::string());
+    return true;
+  }
+  if (c.in.size() < 4) {
+    return false;
+  }
+  const auto len = static_cast<uint32_t>(get_be(c.in, 0, 4));
+  if (len > kMaxFrame || len < 13) {
+    c.bad = true;
+    return false;
+  }
+  if (c.in.size() < 4 + static_cast<size_t>(len)) {
+    return false;
+  }
+  const std::string body = c.in.substr(4, len);
+  c.in.erase(0, 4 + static_cast<size_t>(len));
+  const auto op = static_cast<uint8_t>(body[0]);
+  const auto hold_ms = static_cast<int64_t>(get_be(body, 1, 8));
+  const auto count = get_be(body, 9, 4);
+  std::vector<std::string> fields;
+  size_t at = 13;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (body.size() < at + 4 || body.size() - at - 4 < get_be(body, at, 4)) {
+      c.bad = true;
+      return false;
+    }
+    const auto n = static_cast<size_t>(get_be(body, at, 4));
+    fields.push_back(body.substr(at + 4, n));
+    at += 4 + n;
+  }
+  execute(c, op, hold_ms, fields);
+  return true;
+}
+
+void StoreServer::execute(Client& c,
+                          uint8_t op,
+                          int64_t hold_ms,
+                          const std::vector<std::string>& f) {
+  static const std::map<uint8_t, size_t> kFields = {{kSet, 2},        {kGet, 1},    {kAdd, 2},
+                                                    {kCompareSet, 3}, {kDelete, 1}, {kNumKeys, 0}};
+  auto need = kFields.find(op);
+  if ((need != kFields.end() && f.size() != need->second) ||
+      (need == kFields.end() && op != kCheck && op != kWait)) {
+    c.bad = true;
+    return;
+  }
+  switch (op) {
+    case kSet:
+      data_[f[0]] = f[1];
+      reply(c, kOk, "");
+      return;
+    case kGet:
+    case kWait:
+      if (present(f)) {
+        reply(c, kOk, op == kGet ? data_[f[0]] : std::string());
+        return;
+      }
+      c.waiting = true;
+      c.op = op;
+      c.keys = f;
+      c.has_deadline = hold_ms >= 0;
+      c.deadline = Clock::now() + milliseconds(std::max<int64_t>(hold_ms, 0));
+      return;
+    case kAdd: {
+      int64_t delta = 0;
+      int64_t current = 0;
+      auto it = data_.find(f[0]);
+      if (!parse_int64(f[1], delta) || (it != data_.end() && !parse_int64(it->second, current))) {
+        reply(c, kFailed, "key '" + f[0] + "' does not hold an integer");
+        return;
+      }
+      data_[f[0]] = std::to_string(current + delta);
+      reply(c, kOk, data_[f[0]]);
+      return;
+    }
+    case kCompareSet: {
+      // c10d's semantics: a missing key is created only when `expected` is empty; the answer is
+      // the value the key holds afterwards (for a missing key, `expected` itself).
+      auto it = data_.find(f[0]);
+      if (it == data_.end()) {
+        if (f[1].empty()) {
+          data_[f[0]] = f[2];
+        }
+        reply(c, kOk, f[1].empty() ? f[2] : f[1]);
+      } else {
+        if (it->second == f[1]) {
+          it->second = f[2];
+        }
+        reply(c, kOk, it->second);
+      }
+      return;
+    }
+    case kCheck:
+      reply(c, kOk, present(f) ? "1" : "0");
+      return;
+    case kDelete:
+      reply(c, kOk, data_.erase(f[0]) > 0 ? "1" : "0");
+      return;
+    case kNumKeys:
+      reply(c, kOk, std::to_string(data_.size()));
+      return;
+    default:
+      c.bad = true;
+  }
+}
+
+bool StoreServer::present(const std::vector<std::string>& keys) const {
+  return std::all_of(keys.begin(), keys.end(),
+                     [&](const std::string& k) { return data_.count(k) > 0; });
+}
+
+void StoreServer::expire_waits() {
+  const auto now = Clock::now();
+  for (auto& kv : clients_) {
+    Client& c = kv.second;
+    if (c.waiting && c.has_deadline && c.deadline <= now && !present(c.keys)) {
+      c.waiting = false;
+      reply(c, kTimedOut, "");
+    }
+  }
+}
+
+int StoreServer::next_deadline_ms() const {
+  bool any = false;
+  Clock::time_point first;
+  for (const auto& kv : clients_) {
+    const Client& c = kv.second;
+    if (c.waiting && c.has_deadline && (!any || c.deadline < first)) {
+      first = c.deadline;
+      any = true;
+    }
+  }
+  return poll_ms(any, first);
+}
+
+void StoreServer::reply(Client& c, uint8_t status, const std::string& payload) {
+  c.out += frame(std::string(1, static_cast<char>(status)) + payload);
+}
+
+// Sends what the socket takes now; false when the peer is gone.
+bool StoreServer::flush(int fd, Client& c) {
+  while (!c.out.empty()) {
+    ssize_t n = ::send(fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
+    if (n > 0) {
+      c.out.erase(0, static_cast<size_t>(n));
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      return true;
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ---- the client ----
+
+SocketStore::SocketStore(std::string host, int port, bool serve, milliseconds timeout)
+    : c10d::Store(timeout), host_(std::move(host)), port_(port) {
+  if (serve) {
+    server_ = std::make_unique<StoreServer>(host_, port_);
+    port_ = server_->port();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  connect_locked(timeout);
+}
+
+SocketStore::~SocketStore() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drop_locked();
+  }
+  server_.reset();
+}
+
+std::string SocketStore::where() const {
+  return (host_.find(':') != std::string::npos ? "[" + host_ + "]" : host_) + ":" +
+         std::to_string(port_);
+}
+
+void SocketStore::drop_locked() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+}
+
+// Connects to host:port, retrying refused and unreachable attempts until `timeout` (kNoTimeout:
+// without end), as c10d's clients do while the server starts.
+void SocketStore::connect_locked(milliseconds timeout) {
+  const bool limited = timeout != kNoTimeout;
+  const auto deadline = Clock::now() + timeout;
+  std::string last = "no address";
+  milliseconds pause{20};
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host_.c_str(), std::to_string(port_).c_str(), &hints, &found);
+    if (rc != 0) {
+      last = std::string("cannot resolve '") + host_ + "': " + gai_strerror(rc);
+    }
+    for (addrinfo* a = rc == 0 ? found : nullptr; a != nullptr && fd_ < 0; a = a->ai_next) {
+      int fd = ::socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) {
+        last = "socket: " + errno_text(errno);
+        continue;
+      }
+      int err = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+      if (err == EINPROGRESS) {
+        // A host that drops SYNs would hold a blocking connect for minutes: bound each try.
+        const auto try_until = Clock::now() + std::chrono::seconds(5);
+        socklen_t len = sizeof(err);
+        err = await(fd, POLLOUT, true, limited ? std::min(deadline, try_until) : try_until)
+                  ? (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 ? err : errno)
+                  : ETIMEDOUT;
+      }
+      if (err != 0) {
+        last = errno_text(err);
+        ::close(fd);
+        continue;
+      }
+      const int on = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+      set_nonblocking(fd);
+      fd_ = fd;
+    }
+    if (found != nullptr) {
+      ::freeaddrinfo(found);
+    }
+    if (fd_ >= 0) {
+      return;
+    }
+    TORCH_CHECK(!limited || Clock::now() + pause < deadline, "cannot connect to ", where(),
+                " within ", timeout.count(), " ms: ", last);
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, milliseconds(1000));
+  }
+}
+
+std::string SocketStore::call(uint8_t op,
+                              const std::vector<std::string>& fields,
+                              milliseconds wait_for,
+                              const std::string& what) {
+  std::string body(1, static_cast<char>(op));
+  const bool holds = op == kGet || op == kWait;
+  put_i64(body, holds && wait_for != kNoTimeout ? wait_for.count() : -1);
+  put_u32(body, static_cast<uint32_t>(fields.size()));
+  for (const auto& f : fields) {
+    TORCH_CHECK(f.size() < kMaxFrame / 2, what, ": ", f.size(),
+                " bytes are too many for the store");
+    put_u32(body, static_cast<uint32_t>(f.size()));
+    body += f;
+  }
+  const std::string request = frame(body);
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  const milliseconds limit = timeout_;
+  if (fd_ < 0) {
+    connect_locked(limit);  // the last call failed midway; its connection was dropped
+  }
+  // A held call may last its own limit; the server then answers, so the client waits a little
+  // longer before it calls the server gone.
+  const bool limited = holds ? wait_for != kNoTimeout : limit != kNoTimeout;
+  const auto deadline = Clock::now() + (holds ? wait_for + kReplyGrace : limit);
+  auto fail = [&](const std::string& why) {
+    drop_locked();  // the reply may still come: this connection is out of step for good
+    TORCH_CHECK(false, what, " on the store at ", where(), " failed: ", why);
+  };
+  for (size_t sent = 0; sent < request.size();) {
+    ssize_t n = ::send(fd_, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      fail(errno_text(errno));
+    } else if (!await(fd_, POLLOUT, limited, deadline)) {
+      fail("no progress sending within " + std::to_string(limit.count()) + " ms");
+    }
+  }
+  std::string reply;
+  size_t want = 4;
+  while (reply.size() < want) {
+    char buf[65536];
+    ssize_t n = ::recv(fd_, buf, std::min(sizeof(buf), want - reply.size()), 0);
+    if (n > 0) {
+      reply.append(buf, static_cast<size_t>(n));
+      if (want == 4 && reply.size() == 4) {
+        want = 4 + get_be(reply, 0, 4);
+        if (want < 5 || want > 4 + static_cast<size_t>(kMaxFrame)) {
+          fail("a malformed reply (not paratrain's store?)");
+        }
+      }
+    } else if (n == 0) {
+      fail("the server closed the connection (its process has probably exited)");
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      fail(errno_text(errno));
+    } else if (!await(fd_, POLLIN, limited, deadline)) {
+      fail("no reply within " +
+           std::to_string(
+               std::chrono::duration_cast<milliseconds>(holds ? wait_for + kReplyGrace : limit)
+                   .count()) +
+           " ms");
+    }
+  }
+  const auto status = static_cast<uint8_t>(reply[4]);
+  std::string payload = reply.substr(5);
+  TORCH_CHECK(status != kTimedOut, "timed out after ", wait_for.count(), " ms waiting for ", what,
+              " in the store at ", where());
+  TORCH_CHECK(status == kOk, what, " on the store at ", where(), " failed: ", payload);
+  return payload;
+}
+
+namespace {
+
+std::string bytes(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+
+std::vector<uint8_t> to_vector(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+std::string describe_keys(const std::vector<std::string>& keys) {
+  std::string out = keys.size() == 1 ? "key " : "keys ";
+  for (size_t i = 0; i < keys.size(); ++i) {
+    out += (i ? ", '" : "'") + keys[i] + "'";
+  }
+  return out;
+}
+
+int64_t to_int64(const std::string& text, const std::string& what) {
+  int64_t v = 0;
+  TORCH_CHECK(parse_int64(text, v), what, ": the store answered '", text, "', not an integer");
+  return v;
+}
+
+}  // namespace
+
+void SocketStore::set(const std::string& key, const std::vector<uint8_t>& value) {
+  call(kSet, {key, bytes(value)}, kNoTimeout, "set of key '" + key + "'");
+}
+
+std::vector<uint8_t> SocketStore::compareSet(const std::string& key,
+                                             const std::vector<uint8_t>& expected,
+                                             const std::vector<uint8_t>& desired) {
+  return to_vector(call(kCompareSet, {key, bytes(expected), bytes(desired)}, kNoTimeout,
+                        "compareSet of key '" + key + "'"));
+}
+
+std::vector<uint8_t> SocketStore::get(const std::string& key) {
+  return to_vector(call(kGet, {key}, timeout_, describe_keys({key})));
+}
+
+int64_t SocketStore::add(const std::string& key, int64_t value) {
+  const std::string what = "add to key '" + key + "'";
+  return to_int64(call(kAdd, {key, std::to_string(value)}, kNoTimeout, what), what);
+}
+
+bool SocketStore::deleteKey(const std::string& key) {
+  return call(kDelete, {key}, kNoTimeout, "delete of key '" + key + "'") == "1";
+}
+
+bool SocketStore::check(const std::vector<std::string>& keys) {
+  return call(kCheck, keys, kNoTimeout, "check of " + describe_keys(keys)) == "1";
+}
+
+int64_t SocketStore::getNumKeys() {
+  return to_int64(call(kNumKeys, {}, kNoTimeout, "count of keys"), "count of keys");
+}
+
+void SocketStore::wait(const std::vector<std::string>& keys) {
+  wait(keys, timeout_);
+}
+
+void SocketStore::wait(const std::vector<std::string>& keys, const milliseconds& timeout) {
+  call(kWait, keys, timeout, describe_keys(keys));
+}
+
+bool resolves_to_loopback_only(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) {
+    return false;
+  }
+  bool all = found != nullptr;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      all =
+          all && (ntohl(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      all = all && IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+    } else {
+      all = false;
+    }
+  }
+  ::freeaddrinfo(found);
+  return all;
+}
+
+}  // namespace detail
+}  // namespace dist
+}  // namespace paratrain
