@@ -96,6 +96,9 @@ const CommandSpec& train_spec() {
           {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
           {"sync-bn", "", "ddp: BatchNorm over the whole batch of all ranks (SyncBatchNorm)"},
           {"zero", "", "ddp: shard the optimizer state over the ranks (ZeroRedundancyOptimizer)"},
+          {"zero-checkpoint", "consolidated|sharded",
+           "with --zero: checkpoints hold the optimizer state gathered on rank 0 (default) or "
+           "each rank's shard"},
           {"save-weights", "FILE", "write the trained weights as safetensors"},
           {"load-weights", "FILE", "start from these weights (safetensors or torch.save files)"},
           {"json", "", "print each epoch as a JSON object"},
@@ -249,7 +252,15 @@ TrainerOptions loop_options(const Args& args, int epochs) {
       .check_replicas(args.get_int("check-replicas", 0))
       .trace(args.get("trace", ""))
       .sync_batchnorm(args.has("sync-bn"))
-      .zero(args.has("zero"));
+      .zero(args.has("zero"))
+      .zero_checkpoint(args.get("zero-checkpoint", "consolidated"));
+  if (o.zero_checkpoint() != "consolidated" && o.zero_checkpoint() != "sharded") {
+    throw UsageError("--zero-checkpoint is '" + o.zero_checkpoint() +
+                     "': use consolidated or sharded");
+  }
+  if (args.has("zero-checkpoint") && !args.has("zero")) {
+    throw UsageError("--zero-checkpoint says how --zero's shards are saved: add --zero");
+  }
   if (o.check_replicas() < 0) {
     throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
   }

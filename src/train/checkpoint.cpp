@@ -403,15 +403,23 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
     s.world_size = manifest.at("world_size").get<int>();
     s.meta = manifest.at("meta").dump();
     s.shared = read_tensors(dir, manifest.at("tensors"));
-    const std::string own_path = dir + "/" + rank_stem(s.step, rank) + ".json";
-    const Json own = read_json(own_path);
-    TORCH_CHECK(own.at("step").get<int64_t>() == s.step && own.at("rank").get<int>() == rank,
-                own_path, " belongs to another step or rank");
-    s.own = read_tensors(dir, own.at("tensors"));
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, path, " is missing a field (", e.what(), "): the manifest is damaged");
   }
+  s.own = load_own(path, rank, s.step);
   return s;
+}
+
+TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step) {
+  const std::string own_path = parent_of(path) + "/" + rank_stem(step, rank) + ".json";
+  try {
+    const Json own = read_json(own_path);
+    TORCH_CHECK(own.at("step").get<int64_t>() == step && own.at("rank").get<int>() == rank,
+                own_path, " belongs to another step or rank");
+    return read_tensors(parent_of(path), own.at("tensors"));
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, own_path, " is missing a field (", e.what(), "): the file is damaged");
+  }
 }
 
 std::optional<CheckpointState> Checkpoint::load_latest(

@@ -197,6 +197,12 @@ void Trainer::Impl::check_options() const {
   TORCH_CHECK(o.strategy() == Strategy::kDDP || (!o.sync_batchnorm() && !o.zero()),
               "sync_batchnorm (--sync-bn) and zero (--zero) shard or synchronize over DDP's "
               "ranks: use them with the ddp strategy");
+  TORCH_CHECK(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
+              "zero_checkpoint (--zero-checkpoint) is '", o.zero_checkpoint(),
+              "': use consolidated or sharded");
+  TORCH_CHECK(o.zero_checkpoint() == "consolidated" || o.zero(),
+              "zero_checkpoint sharded (--zero-checkpoint sharded) saves ZeRO's shards: it needs "
+              "zero (--zero)");
   TORCH_CHECK(o.strategy() != Strategy::kDataParallel || !o.devices().empty(),
               "the dp strategy needs devices (e.g. cpu,cpu)");
   TORCH_CHECK(o.strategy() != Strategy::kPipeline || !o.devices().empty(),
@@ -601,6 +607,7 @@ TensorMap Trainer::Impl::weights() const {
 CheckpointState Trainer::Impl::capture() {
   CheckpointState s;
   s.step = global_step;
+  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
   Json scaler;
   for (const auto& kv : mp->scaler().state_dict()) {
     scaler[kv.first] = kv.second;
@@ -616,22 +623,27 @@ CheckpointState Trainer::Impl::capture() {
                 {"schedule_steps", schedule->steps()},
                 {"scaler", scaler},
                 {"strategy", to_string(o.strategy())},
+                {"zero_checkpoint", zero != nullptr ? o.zero_checkpoint() : std::string()},
                 {"config", Json::parse(o.config())}}
                .dump();
   s.shared = with_prefix(module_state(*model), "model.");
-  // ZeRO: every rank sends its shard to rank 0, which saves the state as the unsharded
-  // optimizer's, so any world size (or no ZeRO) can resume it.
-  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-  for (const auto& kv :
-       with_prefix(zero ? zero->consolidate_state(0) : optimizer_state(*opt), "optim.")) {
-    s.shared[kv.first] = kv.second;
+  s.own = rng_state();
+  // ZeRO, consolidated: every rank sends its shard to rank 0, which saves the state as the
+  // unsharded optimizer's. Sharded: each rank's shard goes to its own file, keyed the same way,
+  // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
+  const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
+  TensorMap& optim_home = sharded ? s.own : s.shared;
+  for (const auto& kv : with_prefix(sharded ? zero->sharded_state()
+                                    : zero  ? zero->consolidate_state(0)
+                                            : optimizer_state(*opt),
+                                    "optim.")) {
+    optim_home[kv.first] = kv.second;
   }
   if (mp->opt_level() == amp::OptLevel::kO2) {
     for (size_t i = 0; i < mp->masters().size(); ++i) {
       s.shared["amp.master." + std::to_string(i)] = mp->masters()[i];
     }
   }
-  s.own = rng_state();
   return s;
 }
 
@@ -678,6 +690,20 @@ std::string model_difference(const TensorMap& saved, const TensorMap& now) {
   return "";
 }
 
+// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) the
+// union of every saving rank's shard. Each rank reads them all, since its part in this world need
+// not be the part it (or anyone) held in the saving world.
+TensorMap saved_optimizer_state(const CheckpointState& s) {
+  TensorMap optim = with_prefix(s.shared, "optim.", true);
+  const bool sharded = Json::parse(s.meta).value("zero_checkpoint", "") == "sharded";
+  for (int r = 0; sharded && r < s.world_size; ++r) {
+    for (auto& kv : with_prefix(Checkpoint::load_own(s.path, r, s.step), "optim.", true)) {
+      optim[kv.first] = std::move(kv.second);
+    }
+  }
+  return optim;
+}
+
 }  // namespace
 
 void Trainer::Impl::restore(const CheckpointState& s) {
@@ -701,10 +727,11 @@ void Trainer::Impl::restore(const CheckpointState& s) {
         mp->masters()[i].copy_(it->second);
       }
     }
+    const TensorMap optim = saved_optimizer_state(s);
     if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get())) {
-      zero->load_state(with_prefix(s.shared, "optim.", true));
+      zero->load_state(optim);
     } else {
-      load_optimizer_state(*opt, with_prefix(s.shared, "optim.", true));
+      load_optimizer_state(*opt, optim);
     }
     schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
     std::map<std::string, double> scaler;

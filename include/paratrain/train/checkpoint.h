@@ -104,6 +104,9 @@ class Checkpoint {
   /// The same, where this rank's own files may be absent (a checkpoint of fewer ranks): `own` is
   /// then empty.
   static CheckpointState load_shared(const std::string& path, int rank);
+  /// Only rank `rank`'s own tensors of the checkpoint at `path` (its manifest) of step `step`,
+  /// verified: another rank's shards, to reshard state saved by another number of ranks.
+  static TensorMap load_own(const std::string& path, int rank, int64_t step);
 
   const CheckpointOptions& options() const { return options_; }
 

@@ -126,9 +126,14 @@ struct TrainerOptions {
   /// ddp: every BatchNorm becomes a SyncBatchNorm over the process group
   /// (convert_sync_batchnorm), so batches are normalized across the ranks.
   TORCH_ARG(bool, sync_batchnorm) = false;
-  /// ddp: the optimizer's state is sharded over the ranks (ZeroRedundancyOptimizer); checkpoints
-  /// hold it consolidated, as the unsharded optimizer's.
+  /// ddp: the optimizer's state is sharded over the ranks (ZeroRedundancyOptimizer).
   TORCH_ARG(bool, zero) = false;
+  /// With zero, how checkpoints hold the optimizer's state: "consolidated" (rank 0 gathers it and
+  /// saves it as the unsharded optimizer's) or "sharded" (each rank saves its own shard in its
+  /// rank file: no gathering, no rank holding the whole state). Either resumes with or without
+  /// zero, on any number of ranks with `elastic` (the shards are then read by every rank and
+  /// each takes its part).
+  TORCH_ARG(std::string, zero_checkpoint) = "consolidated";
   /// An elastic job (`paratrain launch --nnodes MIN:MAX`): resume may take a checkpoint made by
   /// another number of ranks. The rest of the interrupted epoch is then shared out over the new
   /// world (torchelastic's ElasticDistributedSampler start_index), so no sample of it is lost or
