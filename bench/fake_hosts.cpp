@@ -103,13 +103,18 @@ std::string FakeHosts::write_rsh_agent() const {
   const std::string path = "/tmp/ptfh" + tag_ + "-rsh.sh";
   {
     std::ofstream out(path);
+    // Like a login on a real host, the command gets the host's own host name and /dev/shm.
+    // Without them Open MPI 5's hierarchical collectives (coll/han), which group ranks by node,
+    // hung in the first allreduce of real size between these hosts.
     out << "#!/bin/sh\n# Open MPI's rsh agent for fake hosts: enter the host's namespace.\n"
         << "host=\"$1\"; shift\ncase \"$host\" in\n";
     for (int k = 0; k < n_; ++k) {
-      out << "  " << address(k) << ") ns=" << netns(k) << " ;;\n";
+      out << "  " << address(k) << ") ns=" << netns(k) << "; name=fakehost" << k << " ;;\n";
     }
     out << "  *) echo \"rsh agent: no host $host\" >&2; exit 255 ;;\nesac\n"
-        << "exec " << exec(0, {})[0] << " netns exec \"$ns\" sh -c \"$*\"\n";
+        << "exec " << exec(0, {})[0]
+        << " netns exec \"$ns\" unshare --uts --mount sh -c \"hostname $name && mount -t tmpfs "
+           "tmpfs /dev/shm && $*\"\n";
     if (!out) {
       throw std::runtime_error("fake hosts: cannot write " + path);
     }
@@ -124,9 +129,6 @@ std::map<std::string, std::string> FakeHosts::mpirun_env() const {
   // daemons through PRRTE, whose component is plm_ssh.
   return {{"OMPI_MCA_plm_rsh_agent", agent},
           {"PRTE_MCA_plm_ssh_agent", agent},
-          // Open MPI 5 may pick UCX's pml, which ignores the btl list and, seeing one host name
-          // and one /dev/shm on every "host", may pair ranks of different hosts as if local.
-          {"OMPI_MCA_pml", "ob1"},
           {"OMPI_MCA_btl", "self,tcp"},
           // Every host has a loopback of its own: a rank must not take a peer's 127.0.0.1 for a
           // route to it (Open MPI 5 pairs every interface it finds).

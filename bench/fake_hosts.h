@@ -34,12 +34,12 @@ class FakeHosts {
   /// An Open MPI host file listing every host with `slots` slots (removed with the hosts).
   std::string write_hostfile(int slots) const;
   /// An rsh agent for Open MPI (OMPI_MCA_plm_rsh_agent): `agent HOST COMMAND...` runs COMMAND in
-  /// HOST's namespace, where ssh would log in (removed with the hosts).
+  /// HOST's namespace, where ssh would log in, under the host name fakehostK and with a /dev/shm
+  /// of its own, as on a real host (removed with the hosts).
   std::string write_rsh_agent() const;
-  /// The environment mpirun needs on these hosts: the agent (for Open MPI 4 and 5), and TCP
-  /// between ranks (the
-  /// namespaces share one hostname and /dev/shm, so Open MPI would pair ranks of different hosts
-  /// over shared memory, which crashed in btl_vader; real hosts have names of their own).
+  /// The environment mpirun needs on these hosts: the agent (for Open MPI 4 and 5), and TCP on
+  /// eth0 between ranks (btl self,tcp: host 0's own ranks share the machine's /dev/shm with
+  /// processes started outside the agent, so no shared-memory pairing is left to chance).
   std::map<std::string, std::string> mpirun_env() const;
   /// Adds `delay_ms` of latency (netem) to every packet host k sends; for benchmarks that model
   /// a slower link. Throws like the constructor.

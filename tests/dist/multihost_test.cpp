@@ -96,15 +96,6 @@ TEST(MultiHost, DdpOnGlooAcrossTwoHostsEqualsOneProcess) {
 // here a script that enters host 1's namespace (where ssh would log in).
 TEST(MultiHost, DdpOnMpiAcrossTwoHostsThroughAHostfile) {
   SKIP_WITHOUT_NAMESPACES();
-  const std::string version =
-      run_process({dist::find_program("mpirun"), "--version"}, {}, 30).output;
-  if (version.find("Open MPI) 5.") != std::string::npos) {
-    // Seen with Debian 13's Open MPI 5.0.7: its daemons start on the other namespace host, but
-    // the ranks' first allreduce of real size never completes over the namespaces' TCP (also with
-    // btl_tcp_if_include=eth0). Open MPI 4 (Debian 12) passes; README, Known problems.
-    GTEST_SKIP() << "Open MPI 5 between network-namespace hosts hangs in the first allreduce "
-                    "(see README, Known problems); this test runs with Open MPI 4";
-  }
   FakeHosts hosts(2);
   auto env = hosts.mpirun_env();
   env["PARATRAIN_TIMEOUT"] = "60";
