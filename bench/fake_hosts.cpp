@@ -129,6 +129,10 @@ std::map<std::string, std::string> FakeHosts::mpirun_env() const {
   // daemons through PRRTE, whose component is plm_ssh.
   return {{"OMPI_MCA_plm_rsh_agent", agent},
           {"PRTE_MCA_plm_ssh_agent", agent},
+          // Where Open MPI finds InfiniBand or RoCE it may pick UCX, which ignores the btl list
+          // below and could reach ranks in other namespaces of this machine through shared
+          // memory: keep the test's traffic on TCP between the hosts.
+          {"OMPI_MCA_pml", "ob1"},
           {"OMPI_MCA_btl", "self,tcp"},
           // Every host has a loopback of its own: a rank must not take a peer's 127.0.0.1 for a
           // route to it (Open MPI 5 pairs every interface it finds).

@@ -143,13 +143,9 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
                                                bool server,
                                                bool several_nodes) {
   const std::string where = e.host + ":" + std::to_string(e.port);
-  // Debian names its own host 127.0.1.1 in /etc/hosts: served there, ranks on other hosts could
-  // not connect and would wait out their timeout. Only a warning: several launchers on one host
-  // may rightly meet at a loopback name.
-  in6_addr literal{};
-  if (server && several_nodes && inet_pton(AF_INET, e.host.c_str(), &literal) != 1 &&
-      inet_pton(AF_INET6, e.host.c_str(), &literal) != 1 &&
-      detail::resolves_to_loopback_only(e.host)) {
+  // Served there, ranks on other hosts could not connect and would wait out their timeout. Only
+  // a warning: several launchers on one host may rightly meet at a loopback name.
+  if (server && several_nodes && detail::is_loopback_name(e.host)) {
     std::cerr << "paratrain: warning: MASTER_ADDR=" << e.host
               << " resolves only to loopback addresses on rank 0's host, where the store is "
                  "served; ranks on other hosts cannot reach it: give an address they reach"
@@ -159,13 +155,17 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
     return c10::make_intrusive<detail::SocketStore>(e.host, e.port, server, timeout);
   } catch (const std::exception& ex) {
     const std::string why = detail::error_message(ex);
-    TORCH_CHECK(why.find("ddress already in use") == std::string::npos,
-                "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
-                ": address already in use; choose another MASTER_PORT (or launch with "
-                "--standalone, which picks a free port)");
-    TORCH_CHECK(!server || why.find("failed to bind") == std::string::npos,
-                "rank 0 cannot serve the store at ", where, " (", why,
-                "); MASTER_ADDR must be an address of rank 0's own host");
+    if (server) {
+      TORCH_CHECK(why.find("ddress already in use") == std::string::npos,
+                  "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
+                  ": address already in use; choose another MASTER_PORT (or launch with "
+                  "--standalone, which picks a free port)");
+      TORCH_CHECK(why.find("Cannot assign requested address") == std::string::npos,
+                  "rank 0 cannot serve the store at ", where, " (", why,
+                  "); MASTER_ADDR must be an address of rank 0's own host");
+      TORCH_CHECK(false, "rank 0 cannot serve the store at ", where, " (", why,
+                  "); check MASTER_ADDR and MASTER_PORT");
+    }
     // The store says "cannot connect to HOST:PORT within T ms: REASON"; the line names both.
     const auto reason = why.find(" ms: ");
     TORCH_CHECK(false, "rank ", rank, " could not reach the master at ", where, " within ",

@@ -1,5 +1,7 @@
 #include "rendezvous.h"
 
+#include "socket_store.h"
+
 #include "backends.h"
 #include "paratrain/dist/launch.h"  // pick_free_port
 
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iostream>
 #include <thread>
 
 namespace paratrain {
@@ -59,6 +62,12 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
     try {
       store_ = tcp_store(o_.host, o_.port, /*server=*/true, o_.join_timeout);
       serving_ = true;
+      if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
+        std::cerr << "paratrain launch: warning: --rdzv-endpoint host " << o_.host
+                  << " resolves only to loopback addresses here, where the rendezvous is "
+                     "served; nodes on other hosts cannot reach it: give an address they reach"
+                  << std::endl;
+      }
     } catch (const std::exception&) {
       // Another launcher on this host serves it already: join as a client below.
     }

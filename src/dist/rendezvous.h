@@ -1,8 +1,8 @@
 #pragma once
 
 // Internal: the dynamic rendezvous of `paratrain launch --rdzv-endpoint host:port --rdzv-id JOB`
-// (torchrun's c10d rendezvous). The launchers of a job meet in a c10d TCPStore on the endpoint,
-// served by the launcher that runs on the endpoint's host.
+// (torchrun's c10d rendezvous). The launchers of a job meet in paratrain's store (socket_store.h)
+// on the endpoint, served, on the endpoint's address only, by the launcher on the endpoint's host.
 //
 // Note [Rendezvous rounds]
 // Membership is decided in rounds. Joining round r takes a ticket (an atomic add); ticket k makes

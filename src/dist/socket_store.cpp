@@ -17,6 +17,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -41,6 +42,12 @@ constexpr uint32_t kMaxFrame = 1u << 30;
 // How long past a held get/wait's own limit a client waits for the server's answer, before it
 // takes the server for gone.
 constexpr milliseconds kReplyGrace{5000};
+// Limits beyond this are taken as none: adding them to a clock's now() would overflow.
+constexpr milliseconds kForever = std::chrono::hours(24 * 365 * 100);
+
+bool limited(milliseconds timeout) {
+  return timeout > milliseconds::zero() && timeout < kForever;
+}
 
 void put_u32(std::string& out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) {
@@ -140,6 +147,7 @@ class StoreServer {
   };
 
   void bind_all(const std::string& host, int port);
+  void close_listeners();
   void run();
   void handle_io(const std::vector<pollfd>& polled);
   bool step(Client& c);
@@ -167,7 +175,21 @@ StoreServer::StoreServer(const std::string& host, int port) : port_(port) {
     }
     TORCH_CHECK(false, "cannot start the store's server: pipe: ", errno_text(err));
   }
-  thread_ = std::thread([this] { run(); });
+  try {
+    thread_ = std::thread([this] { run(); });
+  } catch (...) {
+    close_listeners();
+    ::close(wake_[0]);
+    ::close(wake_[1]);
+    throw;
+  }
+}
+
+void StoreServer::close_listeners() {
+  for (int fd : listeners_) {
+    ::close(fd);
+  }
+  listeners_.clear();
 }
 
 StoreServer::~StoreServer() {
@@ -178,9 +200,7 @@ StoreServer::~StoreServer() {
   for (auto& kv : clients_) {
     ::close(kv.first);
   }
-  for (int fd : listeners_) {
-    ::close(fd);
-  }
+  close_listeners();
   ::close(wake_[0]);
   ::close(wake_[1]);
 }
@@ -197,7 +217,12 @@ void StoreServer::bind_all(const std::string& host, int port) {
   TORCH_CHECK(rc == 0, "cannot resolve '", host, "' to serve the store on it: ", gai_strerror(rc));
   std::string in_use;
   std::string other;
+  std::set<std::string> seen;  // getaddrinfo repeats an address listed twice in /etc/hosts
   for (addrinfo* a = found; a != nullptr && in_use.empty(); a = a->ai_next) {
+    if (!seen.insert(std::string(reinterpret_cast<const char*>(a->ai_addr), a->ai_addrlen))
+             .second) {
+      continue;
+    }
     sockaddr_storage addr{};
     std::memcpy(&addr, a->ai_addr, a->ai_addrlen);
     if (port_ != 0) {  // port 0: later addresses take the port the first one got
@@ -233,10 +258,7 @@ void StoreServer::bind_all(const std::string& host, int port) {
   }
   ::freeaddrinfo(found);
   if (!in_use.empty() || listeners_.empty()) {
-    for (int fd : listeners_) {
-      ::close(fd);
-    }
-    listeners_.clear();
+    close_listeners();
     TORCH_CHECK(false, "failed to bind ", host, ":", port, ": ",
                 in_use.empty() ? other : "Address already in use");
   }
@@ -257,6 +279,7 @@ void StoreServer::run() {
       // Nothing is served from here on; every client's call fails at its deadline.
       std::cerr << "paratrain: the store's server stopped: poll: " << errno_text(errno)
                 << std::endl;
+      close_listeners();  // new clients are refused, not left in the backlog
       return;
     }
     if (rc > 0 && polled[0].revents != 0) {
@@ -299,6 +322,9 @@ void StoreServer::handle_io(const std::vector<pollfd>& polled) {
         const int on = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
         clients_[fd];
+      } else if (errno == EMFILE || errno == ENFILE) {
+        // The connection waits in the backlog, and poll would report it at once again.
+        std::this_thread::sleep_for(milliseconds(50));
       }
       continue;
     }
@@ -387,8 +413,8 @@ void StoreServer::execute(Client& c,
       c.waiting = true;
       c.op = op;
       c.keys = f;
-      c.has_deadline = hold_ms >= 0;
-      c.deadline = Clock::now() + milliseconds(std::max<int64_t>(hold_ms, 0));
+      c.has_deadline = hold_ms >= 0 && milliseconds(hold_ms) < kForever;
+      c.deadline = c.has_deadline ? Clock::now() + milliseconds(hold_ms) : Clock::time_point();
       return;
     case kAdd: {
       int64_t delta = 0;
@@ -518,8 +544,8 @@ void SocketStore::drop_locked() {
 // Connects to host:port, retrying refused and unreachable attempts until `timeout` (kNoTimeout:
 // without end), as c10d's clients do while the server starts.
 void SocketStore::connect_locked(milliseconds timeout) {
-  const bool limited = timeout != kNoTimeout;
-  const auto deadline = Clock::now() + timeout;
+  const bool bounded = limited(timeout);
+  const auto deadline = bounded ? Clock::now() + timeout : Clock::time_point::max();
   std::string last = "no address";
   milliseconds pause{20};
   for (;;) {
@@ -542,7 +568,7 @@ void SocketStore::connect_locked(milliseconds timeout) {
         // A host that drops SYNs would hold a blocking connect for minutes: bound each try.
         const auto try_until = Clock::now() + std::chrono::seconds(5);
         socklen_t len = sizeof(err);
-        err = await(fd, POLLOUT, true, limited ? std::min(deadline, try_until) : try_until)
+        err = await(fd, POLLOUT, true, std::min(deadline, try_until))
                   ? (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 ? err : errno)
                   : ETIMEDOUT;
       }
@@ -562,7 +588,7 @@ void SocketStore::connect_locked(milliseconds timeout) {
     if (fd_ >= 0) {
       return;
     }
-    TORCH_CHECK(!limited || Clock::now() + pause < deadline, "cannot connect to ", where(),
+    TORCH_CHECK(!bounded || Clock::now() + pause < deadline, "cannot connect to ", where(),
                 " within ", timeout.count(), " ms: ", last);
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, milliseconds(1000));
@@ -575,11 +601,12 @@ std::string SocketStore::call(uint8_t op,
                               const std::string& what) {
   std::string body(1, static_cast<char>(op));
   const bool holds = op == kGet || op == kWait;
-  put_i64(body, holds && wait_for != kNoTimeout ? wait_for.count() : -1);
+  put_i64(body, holds && limited(wait_for) ? wait_for.count() : -1);
   put_u32(body, static_cast<uint32_t>(fields.size()));
   for (const auto& f : fields) {
-    TORCH_CHECK(f.size() < kMaxFrame / 2, what, ": ", f.size(),
-                " bytes are too many for the store");
+    TORCH_CHECK(f.size() < kMaxFrame && body.size() + 4 + f.size() < kMaxFrame, what, ": ",
+                body.size() + 4 + f.size(), " bytes or more are too many for one store request (",
+                kMaxFrame, " at most)");
     put_u32(body, static_cast<uint32_t>(f.size()));
     body += f;
   }
@@ -592,8 +619,9 @@ std::string SocketStore::call(uint8_t op,
   }
   // A held call may last its own limit; the server then answers, so the client waits a little
   // longer before it calls the server gone.
-  const bool limited = holds ? wait_for != kNoTimeout : limit != kNoTimeout;
-  const auto deadline = Clock::now() + (holds ? wait_for + kReplyGrace : limit);
+  const bool bounded = holds ? limited(wait_for) : limited(limit);
+  const auto deadline =
+      bounded ? Clock::now() + (holds ? wait_for + kReplyGrace : limit) : Clock::time_point::max();
   auto fail = [&](const std::string& why) {
     drop_locked();  // the reply may still come: this connection is out of step for good
     TORCH_CHECK(false, what, " on the store at ", where(), " failed: ", why);
@@ -604,7 +632,7 @@ std::string SocketStore::call(uint8_t op,
       sent += static_cast<size_t>(n);
     } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       fail(errno_text(errno));
-    } else if (!await(fd_, POLLOUT, limited, deadline)) {
+    } else if (!await(fd_, POLLOUT, bounded, deadline)) {
       fail("no progress sending within " + std::to_string(limit.count()) + " ms");
     }
   }
@@ -625,7 +653,7 @@ std::string SocketStore::call(uint8_t op,
       fail("the server closed the connection (its process has probably exited)");
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
       fail(errno_text(errno));
-    } else if (!await(fd_, POLLIN, limited, deadline)) {
+    } else if (!await(fd_, POLLIN, bounded, deadline)) {
       fail("no reply within " +
            std::to_string(
                std::chrono::duration_cast<milliseconds>(holds ? wait_for + kReplyGrace : limit)
@@ -727,6 +755,12 @@ bool resolves_to_loopback_only(const std::string& host) {
   }
   ::freeaddrinfo(found);
   return all;
+}
+
+bool is_loopback_name(const std::string& host) {
+  in6_addr literal{};
+  return ::inet_pton(AF_INET, host.c_str(), &literal) != 1 &&
+         ::inet_pton(AF_INET6, host.c_str(), &literal) != 1 && resolves_to_loopback_only(host);
 }
 
 }  // namespace detail

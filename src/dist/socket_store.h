@@ -72,6 +72,11 @@ class SocketStore : public c10d::Store {
 /// store cannot be reached from another host.
 bool resolves_to_loopback_only(const std::string& host);
 
+/// Whether `host` is a name (not an address literal) for loopback only: Debian names its own host
+/// 127.0.1.1 in /etc/hosts, so `$(hostname)` as a job's address would serve where no other host
+/// reaches, where c10d's TCPStore, serving every address, hid the mistake.
+bool is_loopback_name(const std::string& host);
+
 }  // namespace detail
 }  // namespace dist
 }  // namespace paratrain

@@ -305,8 +305,13 @@ void Checkpoint::write(const CheckpointState& s) {
   const std::string& dir = options_.dir();
   // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible.
   Json own = write_tensors(dir, rank_stem(s.step, rank_) + ".safetensors", s.own);
+  // The world size too: a rank file left by an attempt of another size at the same step must not
+  // pass for this one's (its shards split the optimizer differently).
   write_json(dir + "/" + rank_stem(s.step, rank_) + ".json",
-             Json{{"step", s.step}, {"rank", rank_}, {"tensors", own}});
+             Json{{"step", s.step},
+                  {"rank", rank_},
+                  {"world_size", pg_ ? pg_->size() : 1},
+                  {"tensors", own}});
   if (rank_ == 0) {
     Json shared = write_tensors(dir, stem(s.step) + ".safetensors", s.shared);
     write_json(dir + "/" + stem(s.step) + ".json", Json{{"format", "paratrain-checkpoint-1"},
@@ -406,16 +411,21 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, path, " is missing a field (", e.what(), "): the manifest is damaged");
   }
-  s.own = load_own(path, rank, s.step);
+  s.own = load_own(path, rank, s.step, s.world_size);
   return s;
 }
 
-TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step) {
+TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, int world_size) {
   const std::string own_path = parent_of(path) + "/" + rank_stem(step, rank) + ".json";
   try {
     const Json own = read_json(own_path);
     TORCH_CHECK(own.at("step").get<int64_t>() == step && own.at("rank").get<int>() == rank,
                 own_path, " belongs to another step or rank");
+    // Files written before the world size was recorded are taken as they are.
+    const int own_world = own.value("world_size", world_size);
+    TORCH_CHECK(own_world == world_size, own_path, " was written by a job of ", own_world,
+                " ranks, but the checkpoint's manifest says ", world_size,
+                ": it is left over from another attempt");
     return read_tensors(parent_of(path), own.at("tensors"));
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, own_path, " is missing a field (", e.what(), "): the file is damaged");
@@ -449,6 +459,12 @@ std::optional<CheckpointState> Checkpoint::load_latest(
     try {
       s = options_.any_world_size() ? load_shared(path, rank_) : load(path, rank_);
       const int saved_world = s->world_size;
+      // A smaller world: the saving ranks this world lacks are checked too, by rank r for ranks
+      // r + world, r + 2 world, ..., so that every file a resume may read (ZeRO's shards) was
+      // verified before the vote.
+      for (int r = rank_ + world; options_.any_world_size() && r < saved_world; r += world) {
+        load_own(path, r, s->step, saved_world);
+      }
       TORCH_CHECK(saved_world == world || options_.any_world_size(), "checkpoint ", path,
                   " was made by ", saved_world, " ranks and this job has ", world,
                   ": resume with as many ranks, or use another --checkpoint-dir");

@@ -690,14 +690,22 @@ std::string model_difference(const TensorMap& saved, const TensorMap& now) {
   return "";
 }
 
-// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) the
-// union of every saving rank's shard. Each rank reads them all, since its part in this world need
-// not be the part it (or anyone) held in the saving world.
-TensorMap saved_optimizer_state(const CheckpointState& s) {
+// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) in
+// the rank files. Under ZeRO with as many ranks as saved it, this rank's own shard is its part
+// (ZeRO splits the parameters the same way again). Otherwise its part need not be any one saving
+// rank's, so it reads them all (verified by load_latest) and ZeroRedundancyOptimizer::load_state,
+// or the unsharded optimizer, takes what it needs.
+TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) {
   TensorMap optim = with_prefix(s.shared, "optim.", true);
-  const bool sharded = Json::parse(s.meta).value("zero_checkpoint", "") == "sharded";
-  for (int r = 0; sharded && r < s.world_size; ++r) {
-    for (auto& kv : with_prefix(Checkpoint::load_own(s.path, r, s.step), "optim.", true)) {
+  if (Json::parse(s.meta).value("zero_checkpoint", "") != "sharded") {
+    return optim;
+  }
+  if (zero && s.world_size == world) {
+    return with_prefix(s.own, "optim.", true);
+  }
+  for (int r = 0; r < s.world_size; ++r) {
+    for (auto& kv :
+         with_prefix(Checkpoint::load_own(s.path, r, s.step, s.world_size), "optim.", true)) {
       optim[kv.first] = std::move(kv.second);
     }
   }
@@ -727,8 +735,9 @@ void Trainer::Impl::restore(const CheckpointState& s) {
         mp->masters()[i].copy_(it->second);
       }
     }
-    const TensorMap optim = saved_optimizer_state(s);
-    if (auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get())) {
+    auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
+    const TensorMap optim = saved_optimizer_state(s, world, zero != nullptr);
+    if (zero != nullptr) {
       zero->load_state(optim);
     } else {
       load_optimizer_state(*opt, optim);

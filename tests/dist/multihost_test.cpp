@@ -496,6 +496,20 @@ TEST(Rendezvous, ANodeThatGivesUpEndsTheJob) {
 }
 
 // A second job that reuses a running job's id (another command) is refused at once.
+// An endpoint named by a host name for loopback (Debian's $(hostname)) is served on loopback only
+// now, where other hosts cannot reach it: the serving launcher says so.
+TEST(Rendezvous, LoopbackEndpointNameIsWarned) {
+  const std::string ep = "localhost:" + std::to_string(free_port());
+  auto r = run_process({cli_path(), "launch", "--nnodes", "1:2", "--rdzv-endpoint", ep, "--rdzv-id",
+                        "lo", "--rdzv-conf", "last_call_timeout=1", "--", "/bin/true"},
+                       {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: --rdzv-endpoint host localhost resolves only to loopback "
+                          "addresses here"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(Rendezvous, IdInUseByAnotherJob) {
   const std::string ep = "127.0.0.1:" + std::to_string(free_port());
   auto first = start_process({cli_path(), "launch", "--nnodes", "2", "--rdzv-endpoint", ep,

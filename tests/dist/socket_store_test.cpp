@@ -127,6 +127,22 @@ TEST(SocketStore, TimeoutsNameTheKeysAndLeaveTheConnectionUsable) {
   EXPECT_EQ(s(client->get("after")), "ok");
 }
 
+// kNoTimeout and limits too large to add to a clock both mean no limit, not an instant timeout.
+TEST(SocketStore, UnlimitedTimeoutsWait) {
+  for (auto timeout : {c10d::Store::kNoTimeout, milliseconds::max()}) {
+    auto server = serve("127.0.0.1", timeout);
+    std::thread setter([&] {
+      auto c = connect(*server);
+      std::this_thread::sleep_for(milliseconds(200));
+      c->set("late", v("x"));
+    });
+    EXPECT_EQ(s(server->get("late")), "x");
+    server->wait({"late"}, timeout);
+    EXPECT_EQ(server->add("n", 1), 1);
+    setter.join();
+  }
+}
+
 TEST(SocketStore, ServesOnlyTheAddressesItsHostNames) {
   auto local = serve("127.0.0.1");
   EXPECT_TRUE(accepts("127.0.0.1", local->port()));

@@ -213,11 +213,24 @@ TEST(Resume, DdpWithZeroAndSyncBatchNorm) {
                       2);
 }
 
+// Flags of an elastic ZeRO job with Adam that checkpoints every 4 steps into `dir`.
+std::vector<std::string> zero_job(const std::string& layout, const std::string& dir, int ranks) {
+  return {"--strategy", "ddp",
+          "--backend",  "gloo",
+          "--nproc",    std::to_string(ranks),
+          "--zero",     "--optimizer",
+          "adam",       "--lr",
+          "0.001",      "--zero-checkpoint",
+          layout,       "--checkpoint-dir",
+          dir,          "--checkpoint-every",
+          "4"};
+}
+
 // ZeRO's checkpoints either way (--zero-checkpoint): consolidated in rank 0's shared file, or each
-// rank's shard in its own file. An elastic job killed at step 10 resumes its newest checkpoint
-// (step 8, or step 4 when 8's background write was cut short), made by 2 ranks, on 3: from shards
-// the 3 ranks must each gather their new part from both old files, and they end with the very
-// weights that resuming the consolidated state gives.
+// rank's shard in its own file. An elastic job of 3 ranks killed at step 10 is resumed from its
+// checkpoint of step 4 (on disk once step 8 ended: each save waits for the one before) on 2
+// ranks: from shards each rank must gather its new part from all three old files, and both
+// layouts must end with the very same weights.
 TEST(Resume, ShardedZeroCheckpointResumesOnAnotherWorldSize) {
   const std::string base = "/tmp/" + unique_token("zeroshard");
   std::map<std::string, std::string> env{
@@ -226,43 +239,57 @@ TEST(Resume, ShardedZeroCheckpointResumesOnAnotherWorldSize) {
   for (const std::string layout : {"consolidated", "sharded"}) {
     SCOPED_TRACE(layout);
     const std::string dir = base + "-" + layout;
-    const std::vector<std::string> common{"--strategy", "ddp",
-                                          "--backend",  "gloo",
-                                          "--zero",     "--optimizer",
-                                          "adam",       "--lr",
-                                          "0.001",      "--zero-checkpoint",
-                                          layout,       "--checkpoint-dir",
-                                          dir,          "--checkpoint-every",
-                                          "4",          "--resume",
-                                          "auto"};
     auto killed = env;
     killed["PARATRAIN_FAULT_AT_STEP"] = "10";
     killed["PARATRAIN_FAULT_RANK"] = "0";
-    auto a = run_process(job(plus(common, {"--nproc", "2"})), killed, 300);
+    auto a = run_process(job(zero_job(layout, dir, 3)), killed, 300);
     ASSERT_TRUE(a.signal == 9 || a.exit_code == 137) << "exit " << a.exit_code << "\n" << a.output;
-    // Which files of step 4 (on disk once step 8 ended: each save waits for the one before) hold
-    // optimizer state: a safetensors header names its tensors in plain text.
+    // Which files of step 4 hold optimizer state: a safetensors header names its tensors in
+    // plain text.
     auto holders = run_process(
         {"/bin/sh", "-c", "cd '" + dir + "' && grep -la 'optim\\.' ckpt-*4.*safetensors | sort"},
         {}, 10);
+    const auto files = std::count(holders.output.begin(), holders.output.end(), '\n');
     if (layout == "sharded") {
-      EXPECT_NE(holders.output.find(".rank-0.safetensors"), std::string::npos) << holders.output;
-      EXPECT_NE(holders.output.find(".rank-1.safetensors"), std::string::npos) << holders.output;
-      EXPECT_EQ(std::count(holders.output.begin(), holders.output.end(), '\n'), 2)
-          << holders.output;
+      for (const char* rank : {".rank-0.", ".rank-1.", ".rank-2."}) {
+        EXPECT_NE(holders.output.find(rank), std::string::npos) << holders.output;
+      }
+      EXPECT_EQ(files, 3) << holders.output;
     } else {
       EXPECT_EQ(holders.output.find(".rank-"), std::string::npos) << holders.output;
-      EXPECT_EQ(std::count(holders.output.begin(), holders.output.end(), '\n'), 1)
-          << holders.output;
+      EXPECT_EQ(files, 1) << holders.output;
     }
     const std::string file = base + "-" + layout + ".safetensors";
-    auto b = run_process(job(plus(common, {"--nproc", "3", "--save-weights", file})), env, 300);
+    const std::string step4 = dir + "/ckpt-0000000004.json";
+    auto b = run_process(
+        job(plus(zero_job(layout, dir, 2), {"--resume", step4, "--save-weights", file})), env, 300);
     ASSERT_EQ(b.exit_code, 0) << b.output;
-    EXPECT_NE(b.output.find("resumed from " + dir), std::string::npos) << b.output;
+    EXPECT_NE(b.output.find("resumed from " + step4), std::string::npos) << b.output;
     weights[layout] = read_bytes(file);
     ASSERT_GT(weights[layout].size(), 1000u);
   }
   EXPECT_TRUE(weights["consolidated"] == weights["sharded"]);
+  std::system(("rm -rf '" + base + "'*").c_str());
+}
+
+// A sharded checkpoint whose third rank's shard is gone (a rank that died while writing it): a
+// resume on 2 ranks checks every shard it would read before it takes a checkpoint, so it falls
+// back to the one before instead of failing in the restore on every restart.
+TEST(Resume, ShardedZeroCheckpointWithAMissingShardIsSkipped) {
+  const std::string base = "/tmp/" + unique_token("zeroshardgone");
+  const std::string dir = base + "-ckpt";
+  std::map<std::string, std::string> env{
+      kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}, {"PARATRAIN_ELASTIC", "1"}};
+  auto a = run_process(job(zero_job("sharded", dir, 3)), env, 300);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  ASSERT_EQ(std::remove((dir + "/ckpt-0000000016.rank-2.safetensors").c_str()), 0);
+  auto b = run_process(
+      job(plus(zero_job("sharded", dir, 2), {"--resume", "auto", "--epochs", "3"})), env, 300);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("skipping checkpoint ckpt-0000000016"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("ckpt-0000000016.rank-2.safetensors"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resumed from " + dir + "/ckpt-0000000012.json"), std::string::npos)
+      << b.output;
   std::system(("rm -rf '" + base + "'*").c_str());
 }
 

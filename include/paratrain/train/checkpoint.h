@@ -105,8 +105,10 @@ class Checkpoint {
   /// then empty.
   static CheckpointState load_shared(const std::string& path, int rank);
   /// Only rank `rank`'s own tensors of the checkpoint at `path` (its manifest) of step `step`,
-  /// verified: another rank's shards, to reshard state saved by another number of ranks.
-  static TensorMap load_own(const std::string& path, int rank, int64_t step);
+  /// saved by `world_size` ranks, verified: another rank's shards, to reshard state saved by
+  /// another number of ranks. With any_world_size, load_latest verifies every saving rank's files
+  /// (each rank those of the saving ranks it stands in for) before it takes a checkpoint.
+  static TensorMap load_own(const std::string& path, int rank, int64_t step, int world_size);
 
   const CheckpointOptions& options() const { return options_; }
 
