@@ -156,11 +156,12 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
   } catch (const std::exception& ex) {
     const std::string why = detail::error_message(ex);
     if (server) {
-      TORCH_CHECK(why.find("ddress already in use") == std::string::npos,
+      TORCH_CHECK(why.find("(EADDRINUSE)") == std::string::npos,
                   "rank 0 cannot serve the store on port ", e.port, " of ", e.host,
                   ": address already in use; choose another MASTER_PORT (or launch with "
                   "--standalone, which picks a free port)");
-      TORCH_CHECK(why.find("Cannot assign requested address") == std::string::npos,
+      TORCH_CHECK(why.find("failed to bind") == std::string::npos ||
+                      why.find("(EADDRNOTAVAIL)") == std::string::npos,
                   "rank 0 cannot serve the store at ", where, " (", why,
                   "); MASTER_ADDR must be an address of rank 0's own host");
       TORCH_CHECK(false, "rank 0 cannot serve the store at ", where, " (", why,

@@ -45,8 +45,9 @@ constexpr milliseconds kReplyGrace{5000};
 // Limits beyond this are taken as none: adding them to a clock's now() would overflow.
 constexpr milliseconds kForever = std::chrono::hours(24 * 365 * 100);
 
+// kNoTimeout (0) and limits past kForever wait without end; a negative one has already passed.
 bool limited(milliseconds timeout) {
-  return timeout > milliseconds::zero() && timeout < kForever;
+  return timeout != milliseconds::zero() && timeout < kForever;
 }
 
 void put_u32(std::string& out, uint32_t v) {
@@ -111,7 +112,8 @@ bool await(int fd, short events, bool has_deadline, Clock::time_point deadline) 
     if (rc > 0) {
       return true;
     }
-    if (rc == 0 || (rc < 0 && errno != EINTR)) {
+    // poll's limit is capped (poll_ms), so a quiet return before the deadline waits on.
+    if ((rc == 0 && has_deadline && Clock::now() >= deadline) || (rc < 0 && errno != EINTR)) {
       return false;
     }
   }
@@ -244,7 +246,10 @@ void StoreServer::bind_all(const std::string& host, int port) {
     }
     if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), a->ai_addrlen) != 0 ||
         ::listen(fd, SOMAXCONN) != 0) {
-      (errno == EADDRINUSE ? in_use : other) = errno_text(errno);
+      // The errno's name goes with its text: callers tell "not this host's address" apart by it.
+      const int err = errno;
+      (err == EADDRINUSE ? in_use : other) =
+          errno_text(err) + (err == EADDRNOTAVAIL ? " (EADDRNOTAVAIL)" : "");
       ::close(fd);
       continue;
     }
@@ -260,7 +265,7 @@ void StoreServer::bind_all(const std::string& host, int port) {
   if (!in_use.empty() || listeners_.empty()) {
     close_listeners();
     TORCH_CHECK(false, "failed to bind ", host, ":", port, ": ",
-                in_use.empty() ? other : "Address already in use");
+                in_use.empty() ? other : "Address already in use (EADDRINUSE)");
   }
 }
 
@@ -279,7 +284,12 @@ void StoreServer::run() {
       // Nothing is served from here on; every client's call fails at its deadline.
       std::cerr << "paratrain: the store's server stopped: poll: " << errno_text(errno)
                 << std::endl;
-      close_listeners();  // new clients are refused, not left in the backlog
+      // New clients are refused, not left in the backlog, and those connected see it closed.
+      close_listeners();
+      for (auto& kv : clients_) {
+        ::close(kv.first);
+      }
+      clients_.clear();
       return;
     }
     if (rc > 0 && polled[0].revents != 0) {
@@ -601,7 +611,7 @@ std::string SocketStore::call(uint8_t op,
                               const std::string& what) {
   std::string body(1, static_cast<char>(op));
   const bool holds = op == kGet || op == kWait;
-  put_i64(body, holds && limited(wait_for) ? wait_for.count() : -1);
+  put_i64(body, holds && limited(wait_for) ? std::max<int64_t>(wait_for.count(), 0) : -1);
   put_u32(body, static_cast<uint32_t>(fields.size()));
   for (const auto& f : fields) {
     TORCH_CHECK(f.size() < kMaxFrame && body.size() + 4 + f.size() < kMaxFrame, what, ": ",

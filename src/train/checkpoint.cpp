@@ -317,6 +317,7 @@ void Checkpoint::write(const CheckpointState& s) {
     write_json(dir + "/" + stem(s.step) + ".json", Json{{"format", "paratrain-checkpoint-1"},
                                                         {"step", s.step},
                                                         {"world_size", pg_ ? pg_->size() : 1},
+                                                        {"own_read_by_all", s.own_read_by_all},
                                                         {"meta", meta},
                                                         {"tensors", shared}});
   }
@@ -383,6 +384,17 @@ std::vector<int64_t> Checkpoint::own_steps() const {
   return out;
 }
 
+int Checkpoint::saved_world_size(const std::string& path) {
+  struct stat st;
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
+              " does not exist: give a ckpt-N.json manifest, or --resume auto");
+  const Json manifest = read_json(path);
+  TORCH_CHECK(manifest.is_object() && manifest.contains("world_size") &&
+                  manifest.at("world_size").is_number_integer(),
+              path, " is not a paratrain checkpoint manifest (it has no world_size)");
+  return manifest.at("world_size").get<int>();
+}
+
 CheckpointState Checkpoint::load_shared(const std::string& path, int rank) {
   const Json manifest = read_json(path);
   const int saved_world = manifest.is_object() ? manifest.value("world_size", 1) : 1;
@@ -406,6 +418,7 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   try {
     s.step = manifest.at("step").get<int64_t>();
     s.world_size = manifest.at("world_size").get<int>();
+    s.own_read_by_all = manifest.value("own_read_by_all", false);
     s.meta = manifest.at("meta").dump();
     s.shared = read_tensors(dir, manifest.at("tensors"));
   } catch (const Json::exception& e) {
@@ -423,8 +436,8 @@ TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, 
                 own_path, " belongs to another step or rank");
     // Files written before the world size was recorded are taken as they are.
     const int own_world = own.value("world_size", world_size);
-    TORCH_CHECK(own_world == world_size, own_path, " was written by a job of ", own_world,
-                " ranks, but the checkpoint's manifest says ", world_size,
+    TORCH_CHECK(world_size < 0 || own_world == world_size, own_path, " was written by a job of ",
+                own_world, " ranks, but the checkpoint's manifest says ", world_size,
                 ": it is left over from another attempt");
     return read_tensors(parent_of(path), own.at("tensors"));
   } catch (const Json::exception& e) {
@@ -457,17 +470,20 @@ std::optional<CheckpointState> Checkpoint::load_latest(
     std::optional<CheckpointState> s;
     const std::string path = options_.dir() + "/" + stem(step) + ".json";
     try {
-      s = options_.any_world_size() ? load_shared(path, rank_) : load(path, rank_);
-      const int saved_world = s->world_size;
-      // A smaller world: the saving ranks this world lacks are checked too, by rank r for ranks
-      // r + world, r + 2 world, ..., so that every file a resume may read (ZeRO's shards) was
-      // verified before the vote.
-      for (int r = rank_ + world; options_.any_world_size() && r < saved_world; r += world) {
-        load_own(path, r, s->step, saved_world);
-      }
+      // From the manifest, which every rank reads alike, before any rank file: a rank beyond the
+      // saved world would otherwise fail alone on its missing file and vote while the others
+      // throw.
+      const int saved_world = saved_world_size(path);
       TORCH_CHECK(saved_world == world || options_.any_world_size(), "checkpoint ", path,
                   " was made by ", saved_world, " ranks and this job has ", world,
                   ": resume with as many ranks, or use another --checkpoint-dir");
+      s = options_.any_world_size() ? load_shared(path, rank_) : load(path, rank_);
+      // A smaller world, where every rank's own tensors are needed (ZeRO's shards): the saving
+      // ranks this world lacks are checked too, by rank r for ranks r + world, r + 2 world, ...,
+      // so that every file the resume will read was verified before the vote.
+      for (int r = rank_ + world; s->own_read_by_all && r < saved_world; r += world) {
+        load_own(path, r, s->step, saved_world);
+      }
     } catch (const c10::Error& e) {
       const std::string what = e.what_without_backtrace();
       if (what.find(" ranks and this job has ") != std::string::npos) {

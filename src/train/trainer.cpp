@@ -633,6 +633,7 @@ CheckpointState Trainer::Impl::capture() {
   // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
   const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
   TensorMap& optim_home = sharded ? s.own : s.shared;
+  s.own_read_by_all = sharded;
   for (const auto& kv : with_prefix(sharded ? zero->sharded_state()
                                     : zero  ? zero->consolidate_state(0)
                                             : optimizer_state(*opt),
@@ -800,6 +801,12 @@ void Trainer::Impl::resume() {
   } else {
     // An elastic job may resume a checkpoint of another world size: ranks it did not have get
     // no own files.
+    // Checked from the manifest, alike on every rank, before a rank beyond the saved world
+    // fails alone on its missing file while the others go on into training.
+    const int saved_world = Checkpoint::saved_world_size(o.resume());
+    TORCH_CHECK(o.elastic() || saved_world == world, "checkpoint ", o.resume(), " was made by ",
+                saved_world, " ranks and this job has ", world,
+                ": resume with as many ranks, or in an elastic job (--nnodes MIN:MAX)");
     restore(o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
                         : Checkpoint::load(o.resume(), rank));
   }

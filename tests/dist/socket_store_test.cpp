@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <future>
 #include <thread>
 
 namespace paratrain {
@@ -128,18 +129,21 @@ TEST(SocketStore, TimeoutsNameTheKeysAndLeaveTheConnectionUsable) {
 }
 
 // kNoTimeout and limits too large to add to a clock both mean no limit, not an instant timeout.
+// The calls run on another thread, so that a regression fails here instead of hanging.
 TEST(SocketStore, UnlimitedTimeoutsWait) {
   for (auto timeout : {c10d::Store::kNoTimeout, milliseconds::max()}) {
     auto server = serve("127.0.0.1", timeout);
-    std::thread setter([&] {
-      auto c = connect(*server);
-      std::this_thread::sleep_for(milliseconds(200));
-      c->set("late", v("x"));
+    auto waiter = std::async(std::launch::async, [&] {
+      const std::string got = s(server->get("late"));
+      server->wait({"late"}, timeout);
+      return got;
     });
-    EXPECT_EQ(s(server->get("late")), "x");
-    server->wait({"late"}, timeout);
+    std::this_thread::sleep_for(milliseconds(200));
+    EXPECT_EQ(waiter.wait_for(milliseconds(0)), std::future_status::timeout);  // still held
+    connect(*server)->set("late", v("x"));
+    ASSERT_EQ(waiter.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    EXPECT_EQ(waiter.get(), "x");
     EXPECT_EQ(server->add("n", 1), 1);
-    setter.join();
   }
 }
 

@@ -70,6 +70,9 @@ struct CheckpointState {
   std::string path;
   /// The number of ranks that wrote it (set by load).
   int world_size = 1;
+  /// Every rank's `own` tensors are needed to resume it on another number of ranks (ZeRO's
+  /// shards), not only this rank's: load_latest then verifies them all before taking it.
+  bool own_read_by_all = false;
 };
 
 class Checkpoint {
@@ -106,9 +109,11 @@ class Checkpoint {
   static CheckpointState load_shared(const std::string& path, int rank);
   /// Only rank `rank`'s own tensors of the checkpoint at `path` (its manifest) of step `step`,
   /// saved by `world_size` ranks, verified: another rank's shards, to reshard state saved by
-  /// another number of ranks. With any_world_size, load_latest verifies every saving rank's files
-  /// (each rank those of the saving ranks it stands in for) before it takes a checkpoint.
-  static TensorMap load_own(const std::string& path, int rank, int64_t step, int world_size);
+  /// another number of ranks (world_size < 0: not checked). When the state says own_read_by_all,
+  /// load_latest with any_world_size verifies every saving rank's files before it takes it.
+  static TensorMap load_own(const std::string& path, int rank, int64_t step, int world_size = -1);
+  /// The number of ranks that saved the checkpoint whose manifest is `path`.
+  static int saved_world_size(const std::string& path);
 
   const CheckpointOptions& options() const { return options_; }
 
