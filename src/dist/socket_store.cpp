@@ -623,30 +623,54 @@ std::string SocketStore::call(uint8_t op,
   const std::string request = frame(body);
 
   std::lock_guard<std::mutex> lock(mutex_);
-  const milliseconds limit = timeout_;
   if (fd_ < 0) {
-    connect_locked(limit);  // the last call failed midway; its connection was dropped
+    connect_locked(timeout_);  // the last call failed midway; its connection was dropped
   }
   // A held call may last its own limit; the server then answers, so the client waits a little
   // longer before it calls the server gone.
-  const bool bounded = holds ? limited(wait_for) : limited(limit);
-  const auto deadline =
-      bounded ? Clock::now() + (holds ? wait_for + kReplyGrace : limit) : Clock::time_point::max();
-  auto fail = [&](const std::string& why) {
+  const milliseconds budget = holds ? wait_for + kReplyGrace : timeout_;
+  const bool bounded = limited(holds ? wait_for : timeout_);
+  const auto deadline = bounded ? Clock::now() + budget : Clock::time_point::max();
+  std::string reply;
+  std::string why = send_locked(request, bounded, deadline);
+  if (why.empty()) {
+    why = receive_locked(reply, bounded, deadline);
+  }
+  if (!why.empty()) {
     drop_locked();  // the reply may still come: this connection is out of step for good
-    TORCH_CHECK(false, what, " on the store at ", where(), " failed: ", why);
-  };
+    TORCH_CHECK(
+        false, what, " on the store at ", where(), " failed: ", why,
+        why.rfind("no ", 0) == 0 ? " within " + std::to_string(budget.count()) + " ms" : "");
+  }
+  const auto status = static_cast<uint8_t>(reply[4]);
+  std::string payload = reply.substr(5);
+  TORCH_CHECK(status != kTimedOut, "timed out after ", wait_for.count(), " ms waiting for ", what,
+              " in the store at ", where());
+  TORCH_CHECK(status == kOk, what, " on the store at ", where(), " failed: ", payload);
+  return payload;
+}
+
+// Sends all of `request`; "" when done, else why not.
+std::string SocketStore::send_locked(const std::string& request,
+                                     bool bounded,
+                                     Clock::time_point deadline) {
   for (size_t sent = 0; sent < request.size();) {
     ssize_t n = ::send(fd_, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
       sent += static_cast<size_t>(n);
     } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      fail(errno_text(errno));
+      return errno_text(errno);
     } else if (!await(fd_, POLLOUT, bounded, deadline)) {
-      fail("no progress sending within " + std::to_string(limit.count()) + " ms");
+      return "no progress sending";  // the server stopped reading
     }
   }
-  std::string reply;
+  return "";
+}
+
+// Reads one whole reply frame into `reply`; "" when done, else why not.
+std::string SocketStore::receive_locked(std::string& reply,
+                                        bool bounded,
+                                        Clock::time_point deadline) {
   size_t want = 4;
   while (reply.size() < want) {
     char buf[65536];
@@ -656,27 +680,18 @@ std::string SocketStore::call(uint8_t op,
       if (want == 4 && reply.size() == 4) {
         want = 4 + get_be(reply, 0, 4);
         if (want < 5 || want > 4 + static_cast<size_t>(kMaxFrame)) {
-          fail("a malformed reply (not paratrain's store?)");
+          return "a malformed reply (not paratrain's store?)";
         }
       }
     } else if (n == 0) {
-      fail("the server closed the connection (its process has probably exited)");
+      return "the server closed the connection (its process has probably exited)";
     } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      fail(errno_text(errno));
+      return errno_text(errno);
     } else if (!await(fd_, POLLIN, bounded, deadline)) {
-      fail("no reply within " +
-           std::to_string(
-               std::chrono::duration_cast<milliseconds>(holds ? wait_for + kReplyGrace : limit)
-                   .count()) +
-           " ms");
+      return "no reply";
     }
   }
-  const auto status = static_cast<uint8_t>(reply[4]);
-  std::string payload = reply.substr(5);
-  TORCH_CHECK(status != kTimedOut, "timed out after ", wait_for.count(), " ms waiting for ", what,
-              " in the store at ", where());
-  TORCH_CHECK(status == kOk, what, " on the store at ", where(), " failed: ", payload);
-  return payload;
+  return "";
 }
 
 namespace {

@@ -57,6 +57,12 @@ class SocketStore : public c10d::Store {
                    const std::vector<std::string>& fields,
                    std::chrono::milliseconds wait_for,
                    const std::string& what);
+  std::string send_locked(const std::string& request,
+                          bool bounded,
+                          std::chrono::steady_clock::time_point deadline);
+  std::string receive_locked(std::string& reply,
+                             bool bounded,
+                             std::chrono::steady_clock::time_point deadline);
   void connect_locked(std::chrono::milliseconds timeout);
   void drop_locked();
   std::string where() const;

@@ -607,7 +607,6 @@ TensorMap Trainer::Impl::weights() const {
 CheckpointState Trainer::Impl::capture() {
   CheckpointState s;
   s.step = global_step;
-  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
   Json scaler;
   for (const auto& kv : mp->scaler().state_dict()) {
     scaler[kv.first] = kv.second;
@@ -623,7 +622,6 @@ CheckpointState Trainer::Impl::capture() {
                 {"schedule_steps", schedule->steps()},
                 {"scaler", scaler},
                 {"strategy", to_string(o.strategy())},
-                {"zero_checkpoint", zero != nullptr ? o.zero_checkpoint() : std::string()},
                 {"config", Json::parse(o.config())}}
                .dump();
   s.shared = with_prefix(module_state(*model), "model.");
@@ -631,6 +629,7 @@ CheckpointState Trainer::Impl::capture() {
   // ZeRO, consolidated: every rank sends its shard to rank 0, which saves the state as the
   // unsharded optimizer's. Sharded: each rank's shard goes to its own file, keyed the same way,
   // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
+  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
   const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
   TensorMap& optim_home = sharded ? s.own : s.shared;
   s.own_read_by_all = sharded;
@@ -698,7 +697,7 @@ std::string model_difference(const TensorMap& saved, const TensorMap& now) {
 // or the unsharded optimizer, takes what it needs.
 TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) {
   TensorMap optim = with_prefix(s.shared, "optim.", true);
-  if (Json::parse(s.meta).value("zero_checkpoint", "") != "sharded") {
+  if (!s.own_read_by_all) {  // what the Trainer sets for sharded ZeRO state
     return optim;
   }
   if (zero && s.world_size == world) {

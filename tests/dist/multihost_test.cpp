@@ -171,6 +171,24 @@ std::vector<std::string> rdzv_launch(const FakeHosts& hosts,
   return argv;
 }
 
+// Heartbeats every second, a node dead after two missed, and a round closed 2 s after MIN nodes.
+const std::vector<std::string> kFastElastic{
+    "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"};
+
+// Starts the launchers of elastic job `id` (--nnodes 2:3) on hosts [from, to).
+void start_elastic(std::vector<RunningProcess>& running,
+                   const FakeHosts& hosts,
+                   const std::string& id,
+                   int from,
+                   int to,
+                   const std::vector<std::string>& conf,
+                   const std::vector<std::string>& worker) {
+  for (int k = from; k < to; ++k) {
+    running.push_back(start_process(hosts.exec(k, rdzv_launch(hosts, id, "2:3", conf, worker)),
+                                    {{"PARATRAIN_TIMEOUT", "60"}}));
+  }
+}
+
 // Two jobs share one endpoint (host 0 runs a node of each): node ranks come from the order of
 // joining, and the jobs' ids keep them apart.
 TEST(MultiHost, DynamicRendezvousKeepsJobsApart) {
@@ -214,14 +232,8 @@ TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
   const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
-  const std::vector<std::string> conf{
-      "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"};
-  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
   std::vector<RunningProcess> running;
-  for (int k = 0; k < 3; ++k) {
-    running.push_back(
-        start_process(hosts.exec(k, rdzv_launch(hosts, "el", "2:3", conf, worker)), env));
-  }
+  start_elastic(running, hosts, "el", 0, 3, kFastElastic, worker);
   for (auto& p : running) {
     ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
   }
@@ -264,14 +276,8 @@ TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
   const int samples = 960;
   const std::vector<std::string> worker{PARATRAIN_TEST_ELASTIC_WORKER, dir, ckpt,
                                         std::to_string(samples), "100"};
-  const std::vector<std::string> conf{
-      "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"};
-  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
   std::vector<RunningProcess> running;
-  for (int k = 0; k < 3; ++k) {
-    running.push_back(
-        start_process(hosts.exec(k, rdzv_launch(hosts, "train", "2:3", conf, worker)), env));
-  }
+  start_elastic(running, hosts, "train", 0, 3, kFastElastic, worker);
   for (auto& p : running) {
     ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
   }
@@ -347,17 +353,12 @@ TEST(MultiHost, ElasticJobTakesInALateHost) {
   FakeHosts hosts(3);
   const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
   const std::vector<std::string> conf{"--rdzv-conf", "last_call_timeout=1"};
-  const std::map<std::string, std::string> env{{"PARATRAIN_TIMEOUT", "60"}};
   std::vector<RunningProcess> running;
-  for (int k = 0; k < 2; ++k) {
-    running.push_back(
-        start_process(hosts.exec(k, rdzv_launch(hosts, "late", "2:3", conf, worker)), env));
-  }
+  start_elastic(running, hosts, "late", 0, 2, conf, worker);
   for (auto& p : running) {
     ASSERT_TRUE(p.wait_for_output("world size 2", 60)) << p.output;
   }
-  running.push_back(
-      start_process(hosts.exec(2, rdzv_launch(hosts, "late", "2:3", conf, worker)), env));
+  start_elastic(running, hosts, "late", 2, 3, conf, worker);
   for (auto& p : running) {
     auto r = p.finish(120);
     EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -2,6 +2,7 @@
 // binds, and a deadline on every call. Real sockets on loopback.
 
 #include "dist/socket_store.h"
+#include "test_util.h"  // error_of
 
 #include <gtest/gtest.h>
 
@@ -51,15 +52,6 @@ bool accepts(const std::string& host, int port) {
   const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   ::close(fd);
   return ok;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(SocketStore, KeepsC10dStoreSemantics) {
