@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -349,7 +350,10 @@ int run_bench_faults(const std::vector<std::string>& argv) {
   }
   struct Cleanup {
     std::string dir;
-    ~Cleanup() { std::system(("rm -rf '" + dir + "'").c_str()); }
+    ~Cleanup() {
+      std::error_code ignored;  // best effort, on the way out
+      std::filesystem::remove_all(dir, ignored);
+    }
   } cleanup{dir};
   std::ostream& info = args.has("json") ? std::cerr : std::cout;
 

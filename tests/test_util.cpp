@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -276,6 +277,23 @@ void expect_every_rank_ok(const std::string& worker,
     std::string line = "[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) + ": ok";
     EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n"
                                                       << r.output;
+  }
+}
+
+void remove_tree(const std::string& path) {
+  std::error_code ignored;  // best effort: a test's clean-up must not fail the test
+  std::filesystem::remove_all(path, ignored);
+}
+
+void remove_with_prefix(const std::string& prefix) {
+  const std::filesystem::path p(prefix);
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : ".";
+  const std::string stem = p.filename().string();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().rfind(stem, 0) == 0) {
+      remove_tree(entry.path().string());
+    }
   }
 }
 

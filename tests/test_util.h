@@ -91,5 +91,11 @@ std::string auto_backend(const std::string& cpu_engine);
 /// A port nobody listens on right now.
 int free_port();
 
+/// Removes `path` and everything under it; no error when it is missing.
+void remove_tree(const std::string& path);
+/// Removes every file or directory whose path starts with `prefix` (e.g. "/tmp/run-" removes
+/// /tmp/run-1 and /tmp/run-2.json): what `rm -rf PREFIX*` does.
+void remove_with_prefix(const std::string& prefix);
+
 }  // namespace testing
 }  // namespace paratrain

@@ -531,6 +531,10 @@ SocketStore::SocketStore(std::string host, int port, bool serve, milliseconds ti
   connect_locked(timeout);
 }
 
+c10::intrusive_ptr<c10d::Store> SocketStore::clone() {
+  return c10::make_intrusive<SocketStore>(host_, port_, /*serve=*/false, timeout_);
+}
+
 SocketStore::~SocketStore() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -50,6 +50,17 @@ class SocketStore : public c10d::Store {
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override;
+  /// Another client of the same server, with this one's timeout (TCPStore::clone). Declared
+  /// without `override`: libtorch 2.7 added Store::clone() as pure virtual, and 1.13 to 2.6 have
+  /// none, so this overrides it where it exists and is an ordinary method where it does not.
+#if defined(__clang__)
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Winconsistent-missing-override"
+#endif
+  c10::intrusive_ptr<c10d::Store> clone();
+#if defined(__clang__)
+#pragma clang diagnostic pop
+#endif
 
  private:
   // One request and its reply; `wait_for` is how long the server may hold a get or wait.

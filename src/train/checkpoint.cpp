@@ -664,7 +664,9 @@ TensorMap rng_state() {
     out["rng.cpu"] = g.get_state();
   }
   if (torch::cuda::is_available()) {
-    for (size_t d = 0; d < torch::cuda::device_count(); ++d) {
+    // device_count() is size_t in libtorch 1.13 and c10::DeviceIndex (signed) in 2.x.
+    const auto devices = static_cast<size_t>(torch::cuda::device_count());
+    for (size_t d = 0; d < devices; ++d) {
       at::Generator g = at::globalContext().defaultGenerator(
           at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(d)));
       std::lock_guard<std::mutex> lock(g.mutex());

@@ -3,7 +3,7 @@
 #include <c10/util/Exception.h>
 
 #ifdef PARATRAIN_WITH_TENSORBOARD
-#include "tensorboard_event.pb.h"
+#include "tensorboard_records.h"
 #endif
 
 #include <unistd.h>
@@ -67,8 +67,7 @@ struct SummaryWriter::Impl {
   std::string path;
   std::ofstream out;
 
-  void write(const Event& event) {
-    const std::string bytes = event.SerializeAsString();
+  void write(const std::string& bytes) {
     // TFRecord framing, little-endian as on every machine libtorch runs on.
     const uint64_t length = bytes.size();
     const uint32_t length_crc = masked_crc32c(&length, sizeof(length));
@@ -97,10 +96,7 @@ SummaryWriter::SummaryWriter(const std::string& log_dir) : impl_(std::make_uniqu
   impl_->out.open(impl_->path, std::ios::binary | std::ios::trunc);
   TORCH_CHECK(impl_->out.is_open(), "cannot write the TensorBoard event file ", impl_->path, ": ",
               std::strerror(errno));
-  Event version;
-  version.set_wall_time(now_seconds());
-  version.set_file_version("brain.Event:2");
-  impl_->write(version);
+  impl_->write(detail::version_event(now_seconds()));
   flush();  // TensorBoard finds the file at once
 }
 
@@ -111,21 +107,12 @@ SummaryWriter::~SummaryWriter() {
 }
 
 void SummaryWriter::add_scalar(const std::string& tag, double value, int64_t step) {
-  Event event;
-  event.set_wall_time(now_seconds());
-  event.set_step(step);
-  Summary::Value* v = event.mutable_summary()->add_value();
-  v->set_tag(tag);
-  v->set_simple_value(static_cast<float>(value));  // TensorBoard's scalars are float32
-  impl_->write(event);
+  // TensorBoard's scalars are float32.
+  impl_->write(detail::scalar_event(now_seconds(), step, tag, static_cast<float>(value)));
 }
 
 void SummaryWriter::purge(int64_t step) {
-  Event event;
-  event.set_wall_time(now_seconds());
-  event.set_step(step);
-  event.mutable_session_log()->set_status(SessionLog::START);
-  impl_->write(event);
+  impl_->write(detail::session_start_event(now_seconds(), step));
 }
 
 void SummaryWriter::flush() {

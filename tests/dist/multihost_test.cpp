@@ -343,7 +343,7 @@ TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
     EXPECT_GE(count[static_cast<size_t>(i)], 1) << "sample " << i << " was never trained";
   }
   EXPECT_LE(total - samples, 1) << "samples trained twice beyond the sampler's padding";
-  std::system(("rm -rf '" + dir + "'").c_str());
+  remove_tree(dir);
 }
 
 // A host that comes while the job runs (--nnodes 2:3) waits as a standby; the running nodes form a

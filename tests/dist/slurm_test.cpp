@@ -109,7 +109,7 @@ class SlurmCluster {
     if (munged_pid_ > 0) {
       ::kill(munged_pid_, SIGTERM);
     }
-    std::system(("rm -rf '" + dir_ + "'").c_str());
+    remove_tree(dir_);
   }
 
   bool ready() const { return ready_; }

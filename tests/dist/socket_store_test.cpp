@@ -54,6 +54,21 @@ bool accepts(const std::string& host, int port) {
   return ok;
 }
 
+TEST(SocketStore, CloneIsAnotherClientOfTheSameServer) {
+  // TCPStore::clone's contract (libtorch 2.7 made Store::clone() pure virtual): a new connection
+  // to the same keys, with the same timeout, that outlives the store it was cloned from.
+  auto server = serve("127.0.0.1", milliseconds(1500));
+  auto client = connect(*server);
+  c10::intrusive_ptr<c10d::Store> copy = client->clone();
+  ASSERT_TRUE(copy);
+  EXPECT_NE(copy.get(), static_cast<c10d::Store*>(client.get()));
+  copy->set("from-clone", v("x"));
+  EXPECT_EQ(s(client->get("from-clone")), "x");
+  EXPECT_EQ(copy->getTimeout(), client->getTimeout());
+  client.reset();
+  EXPECT_EQ(copy->add("counter", 2), 2);
+}
+
 TEST(SocketStore, KeepsC10dStoreSemantics) {
   auto server = serve();
   auto client = connect(*server);

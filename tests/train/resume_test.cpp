@@ -90,7 +90,7 @@ void expect_exact_resume(const std::vector<std::string>& extra,
   const std::string wa = read_bytes(whole);
   ASSERT_GT(wa.size(), 1000u);
   EXPECT_TRUE(wa == read_bytes(resumed)) << "the resumed run's weights differ\n" << c.output;
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 TEST(Resume, SingleProcess) {
@@ -151,7 +151,7 @@ TEST(Resume, MaxRestartsContinuesFromTheLastCheckpoint) {
               b.output.find("ckpt-0000000004.json (step 4") != std::string::npos)
       << b.output;
   EXPECT_TRUE(read_bytes(base + "-a.safetensors") == read_bytes(base + "-b.safetensors"));
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 TEST(Train, CheckReplicasNamesTheRankThatDiverged) {
@@ -203,7 +203,7 @@ TEST(Train, TraceHoldsEveryRanksSpans) {
           << p + name << " in " << count.output;
     }
   }
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 // ZeRO's checkpoints hold the consolidated state, SyncBatchNorm's layers keep BatchNorm's names.
@@ -269,7 +269,7 @@ TEST(Resume, ShardedZeroCheckpointResumesOnAnotherWorldSize) {
     ASSERT_GT(weights[layout].size(), 1000u);
   }
   EXPECT_TRUE(weights["consolidated"] == weights["sharded"]);
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 // A sharded checkpoint whose third rank's shard is gone (a rank that died while writing it): a
@@ -290,7 +290,7 @@ TEST(Resume, ShardedZeroCheckpointWithAMissingShardIsSkipped) {
   EXPECT_NE(b.output.find("ckpt-0000000016.rank-2.safetensors"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resumed from " + dir + "/ckpt-0000000012.json"), std::string::npos)
       << b.output;
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 // ZeroRedundancyOptimizer steps each parameter as the unsharded optimizer does: the weights are
@@ -312,7 +312,7 @@ TEST(Train, ZeroEqualsUnshardedAndSyncBatchNormChangesTraining) {
   }
   EXPECT_TRUE(weights["plain"] == weights["zero"]);
   EXPECT_FALSE(weights["plain"] == weights["syncbn"]);
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 TEST(Resume, BadInput) {
@@ -385,7 +385,7 @@ TEST(Resume, BadInput) {
   EXPECT_NE(launch.exit_code, 0);
   EXPECT_NE(launch.output.find("--max-restarts must be >= 0, got -2"), std::string::npos)
       << launch.output;
-  std::system(("rm -rf '" + base + "'*").c_str());
+  remove_with_prefix(base);
 }
 
 // `--config run.toml` fills the options it names; the command line overrides it; a DDP job's ranks

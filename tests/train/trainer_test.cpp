@@ -35,10 +35,6 @@ std::string temp_dir(const std::string& name) {
   return dir;
 }
 
-void remove_tree(const std::string& dir) {
-  std::system(("rm -rf '" + dir + "'").c_str());
-}
-
 // 512 samples of 784 features in 10 linearly separable-ish classes.
 data::DatasetPtr toy_data(int64_t n = 512, uint64_t seed = 1) {
   torch::manual_seed(static_cast<int64_t>(seed));
