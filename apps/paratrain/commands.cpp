@@ -38,6 +38,8 @@ const std::vector<Command>& bench_commands() {
        run_bench_strategies},
       {"pipeline", "", "GPipe/1F1B micro-batching vs plain model parallelism", run_bench_pipeline},
       {"amp", "", "DDP step time at opt levels O0-O3 (bf16), accuracy O0 vs O1", run_bench_amp},
+      {"amp-accuracy", "", "accuracy at O0-O3 across seeds, paratrain and PyTorch",
+       run_bench_amp_accuracy},
       {"faults", "", "random kills under --max-restarts: lost steps, overhead, exact resume",
        run_bench_faults},
       {"tune", "", "paratrain tune (BOHB, ASHA, random) vs Optuna (TPE+Hyperband, random)",

@@ -22,6 +22,7 @@ int run_bench_ddp(const std::vector<std::string>& args);
 int run_bench_strategies(const std::vector<std::string>& args);
 int run_bench_pipeline(const std::vector<std::string>& args);
 int run_bench_amp(const std::vector<std::string>& args);
+int run_bench_amp_accuracy(const std::vector<std::string>& args);
 int run_bench_faults(const std::vector<std::string>& args);
 int run_bench_tune(const std::vector<std::string>& args);
 int run_bench_cluster(const std::vector<std::string>& args);

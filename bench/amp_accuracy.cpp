@@ -1,0 +1,230 @@
+// paratrain bench amp-accuracy: how far each mixed-precision opt level's test accuracy lies from
+// fp32's, against how far fp32 runs of different seeds lie from each other, for paratrain and for
+// PyTorch on the same CPU.
+//
+// The zoo's CNN, trained in one process on the first steps x 64 Fashion-MNIST training images
+// (SGD, lr 0.05, momentum 0.9; the batches in order, the same for every run), then scored on the
+// first --test-images test images. Each (level, seed) is one run; the seed sets the initial
+// weights and the Dropout masks. PyTorch's side is bench/amp_accuracy_pytorch.py, whose O1 is
+// torch.autocast("cpu", dtype=torch.bfloat16) and whose CNN starts from the same weights for the
+// same seed. The summary gives, per system and level, the accuracies' mean and spread and the
+// paired difference to O0 of the same seed: the number the MixedPrecision test bounds.
+
+#include "args.h"
+#include "bench_util.h"
+#include "commands.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) {
+      out.push_back(item);
+    }
+  }
+  return out;
+}
+
+double train_and_score(amp::OptLevel level, int seed, int steps, int test_images) {
+  static data::FashionMNIST train(data::kFashionMnistDir, data::FashionMNIST::Split::kTrain);
+  static data::FashionMNIST test(data::kFashionMnistDir, data::FashionMNIST::Split::kTest);
+  torch::manual_seed(seed);
+  auto model = models::make("cnn");
+  amp::MixedPrecision mp(model, torch::kCPU, amp::AmpOptions().opt_level(level));
+  torch::optim::SGD opt(mp.optimizer_parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  model->train();
+  for (int s = 0; s < steps; ++s) {
+    auto x = train.images().slice(0, s * 64, (s + 1) * 64);
+    auto y = train.targets().slice(0, s * 64, (s + 1) * 64);
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      auto autocast = mp.autocast();
+      loss =
+          torch::nn::functional::cross_entropy(mp.cast_output(model->forward(mp.cast_input(x))), y);
+    }
+    mp.backward(loss);
+    mp.step(opt);
+  }
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto autocast = mp.autocast();
+  auto x = test.images().slice(0, 0, test_images);
+  auto predicted = mp.cast_output(model->forward(mp.cast_input(x))).argmax(1);
+  return predicted.eq(test.targets().slice(0, 0, test_images))
+      .to(torch::kDouble)
+      .mean()
+      .item<double>();
+}
+
+struct Run {
+  std::string system, level;
+  int seed;
+  double accuracy;
+};
+
+struct Spread {
+  double mean = 0, sd = 0, min = 0, max = 0;
+};
+
+Spread spread_of(const std::vector<double>& v) {
+  Spread s;
+  if (v.empty()) {
+    return s;
+  }
+  s.min = *std::min_element(v.begin(), v.end());
+  s.max = *std::max_element(v.begin(), v.end());
+  for (double x : v) {
+    s.mean += x / static_cast<double>(v.size());
+  }
+  for (double x : v) {
+    s.sd += (x - s.mean) * (x - s.mean);
+  }
+  s.sd = v.size() > 1 ? std::sqrt(s.sd / static_cast<double>(v.size() - 1)) : 0.0;
+  return s;
+}
+
+void print_summary(const std::vector<Run>& runs, bool json) {
+  std::map<std::pair<std::string, int>, double> fp32;  // (system, seed) -> O0 accuracy
+  for (const auto& r : runs) {
+    if (r.level == "O0") {
+      fp32[{r.system, r.seed}] = r.accuracy;
+    }
+  }
+  std::map<std::pair<std::string, std::string>, std::vector<double>> acc, diff;
+  for (const auto& r : runs) {
+    acc[{r.system, r.level}].push_back(r.accuracy);
+    auto it = fp32.find({r.system, r.seed});
+    if (r.level != "O0" && it != fp32.end()) {
+      diff[{r.system, r.level}].push_back(r.accuracy - it->second);
+    }
+  }
+  if (!json) {
+    std::cout << "\nsystem   level  runs  accuracy mean (sd) [min, max]    minus O0 of the same "
+                 "seed: mean (sd) [min, max]\n";
+  }
+  for (const auto& kv : acc) {
+    const Spread a = spread_of(kv.second);
+    const Spread d = spread_of(diff[kv.first]);
+    if (json) {
+      std::cout << row_json({{"summary", quoted(kv.first.first)},
+                             {"level", quoted(kv.first.second)},
+                             {"runs", std::to_string(kv.second.size())},
+                             {"mean", std::to_string(a.mean)},
+                             {"sd", std::to_string(a.sd)},
+                             {"diff_mean", std::to_string(d.mean)},
+                             {"diff_sd", std::to_string(d.sd)},
+                             {"diff_min", std::to_string(d.min)},
+                             {"diff_max", std::to_string(d.max)}})
+                << std::endl;
+      continue;
+    }
+    std::cout << std::fixed << std::setprecision(4) << std::left << std::setw(9) << kv.first.first
+              << std::setw(7) << kv.first.second << std::setw(6) << kv.second.size() << a.mean
+              << " (" << a.sd << ") [" << a.min << ", " << a.max << "]";
+    if (kv.first.second != "O0") {
+      std::cout << "    " << std::showpos << d.mean << std::noshowpos << " (" << d.sd << ") ["
+                << std::showpos << d.min << ", " << d.max << std::noshowpos << "]";
+    }
+    std::cout << "\n";
+  }
+}
+
+}  // namespace
+
+int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
+  static const CommandSpec spec{
+      "paratrain bench amp-accuracy",
+      "Test accuracy at opt levels O0-O3 (bf16) across seeds, paratrain and PyTorch side by side.",
+      {
+          {"levels", "LIST", "opt levels (default O0,O1,O2,O3)"},
+          {"seeds", "LIST", "seeds (default 0,1,2,3)"},
+          {"steps", "N", "SGD steps of 64 images (default 900)"},
+          {"test-images", "N", "test images scored (default 10000)"},
+          {"no-pytorch", "", "skip PyTorch's runs"},
+          {"python", "P", "the Python with torch (default as in bench ddp)"},
+          {"json", "", "print JSON"},
+      }};
+  Args args(argv, spec);
+  if (args.has("help")) {
+    std::cout << args.help();
+    return 0;
+  }
+  const auto levels = split_list(args.get("levels", "O0,O1,O2,O3"));
+  std::vector<int> seeds;
+  for (const auto& s : split_list(args.get("seeds", "0,1,2,3"))) {
+    seeds.push_back(std::stoi(s));
+  }
+  const int steps = args.get_int("steps", 900);
+  const int test_images = args.get_int("test-images", 10000);
+  if (steps < 1 || steps * 64 > 60000 || test_images < 1 || test_images > 10000) {
+    throw UsageError("--steps must be 1 to 937 (64 images each) and --test-images 1 to 10000");
+  }
+  for (const auto& l : levels) {
+    amp::parse_opt_level(l);  // an unknown level is refused before the first run
+  }
+  const bool json = args.has("json");
+  std::vector<Run> runs;
+  for (int seed : seeds) {
+    for (const auto& level : levels) {
+      const auto start = std::chrono::steady_clock::now();
+      const double acc = train_and_score(amp::parse_opt_level(level), seed, steps, test_images);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      runs.push_back({"paratrain", level, seed, acc});
+      std::cout << row_json({{"system", quoted("paratrain")},
+                             {"level", quoted(level)},
+                             {"seed", std::to_string(seed)},
+                             {"steps", std::to_string(steps)},
+                             {"accuracy", std::to_string(acc)},
+                             {"seconds", std::to_string(seconds)}})
+                << std::endl;
+    }
+  }
+  if (!args.has("no-pytorch")) {
+    std::string seed_list;
+    for (int s : seeds) {
+      seed_list += (seed_list.empty() ? "" : ",") + std::to_string(s);
+    }
+    std::string levels_list = args.get("levels", "O0,O1,O2,O3");
+    const std::string out = results_file("amp-accuracy");
+    const std::string command = "'" + torch_python(args.get("python", "")) + "' '" +
+                                bench_script("amp_accuracy_pytorch.py") + "' --levels " +
+                                levels_list + " --seeds " + seed_list + " --steps " +
+                                std::to_string(steps) + " --test-images " +
+                                std::to_string(test_images) + " > '" + out + "'";
+    if (std::system(command.c_str()) != 0) {
+      std::remove(out.c_str());
+      throw std::runtime_error("the PyTorch runs failed: " + command);
+    }
+    std::ifstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      std::cout << line << std::endl;
+      runs.push_back({"pytorch", json_field(line, "level"), std::stoi(json_field(line, "seed")),
+                      std::stod(json_field(line, "accuracy"))});
+    }
+    std::remove(out.c_str());
+  }
+  print_summary(runs, json);
+  return 0;
+}
+
+}  // namespace cli
+}  // namespace paratrain
