@@ -36,7 +36,10 @@ if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 } 2>&1 | tee "$out/build.log"
 
 status=0
-(cd "$build" && ctest -j "$(($(nproc) / 2))" --output-on-failure --timeout 300) 2>&1 | tee "$out/ctest.log" || status=1
+# PARATRAIN_CTEST_ARGS: more ctest arguments, e.g. "--stop-time 12:30:00" to fit a time budget.
+# shellcheck disable=SC2086
+(cd "$build" && ctest -j "$(($(nproc) / 2))" --output-on-failure --timeout 300 \
+  ${PARATRAIN_CTEST_ARGS:-}) 2>&1 | tee "$out/ctest.log" || status=1
 
 # The speed comparison of the README ("Using an official libtorch (CUDA)"): images per second of
 # one epoch's first steps, paratrain train against PyTorch with the batch already on the GPU.
