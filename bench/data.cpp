@@ -12,6 +12,7 @@
 #include "args.h"
 #include "bench_util.h"
 #include "commands.h"
+#include "util/files.h"
 
 #include "paratrain/data/dataset.h"
 #include "paratrain/data/fashion_mnist.h"
@@ -137,8 +138,7 @@ int run_bench_data(const std::vector<std::string>& argv) {
     const std::string& path;
     ~RemoveMade() {
       if (!path.empty()) {
-        std::error_code ec;
-        fs::remove_all(path, ec);
+        detail::remove_tree(path);
       }
     }
   } remove_made{made};

@@ -19,6 +19,7 @@
 #include "args.h"
 #include "bench_util.h"
 #include "commands.h"
+#include "util/files.h"
 
 #include "paratrain/paratrain.h"
 
@@ -35,7 +36,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -350,10 +350,7 @@ int run_bench_faults(const std::vector<std::string>& argv) {
   }
   struct Cleanup {
     std::string dir;
-    ~Cleanup() {
-      std::error_code ignored;  // best effort, on the way out
-      std::filesystem::remove_all(dir, ignored);
-    }
+    ~Cleanup() { detail::remove_tree(dir); }  // best effort, on the way out
   } cleanup{dir};
   std::ostream& info = args.has("json") ? std::cerr : std::cout;
 

@@ -16,6 +16,7 @@
 #include "bench_util.h"
 #include "commands.h"
 #include "json_line.h"
+#include "util/files.h"
 
 #include "paratrain/data/fashion_mnist.h"
 #include "paratrain/parallel/threads.h"
@@ -293,7 +294,7 @@ int run_bench_tune(const std::vector<std::string>& argv) {
     }
     std::cout << (json ? json_line(row) : row.dump()) << std::endl;
   }
-  std::filesystem::remove_all(dir);
+  detail::remove_tree(dir);
   return 0;
 }
 #endif

@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "util/files.h"
+
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
@@ -16,7 +18,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -281,19 +282,27 @@ void expect_every_rank_ok(const std::string& worker,
 }
 
 void remove_tree(const std::string& path) {
-  std::error_code ignored;  // best effort: a test's clean-up must not fail the test
-  std::filesystem::remove_all(path, ignored);
+  detail::remove_tree(path);  // best effort: a test's clean-up must not fail the test
 }
 
 void remove_with_prefix(const std::string& prefix) {
-  const std::filesystem::path p(prefix);
-  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : ".";
-  const std::string stem = p.filename().string();
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.path().filename().string().rfind(stem, 0) == 0) {
-      remove_tree(entry.path().string());
+  const size_t slash = prefix.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : prefix.substr(0, slash);
+  const std::string stem = slash == std::string::npos ? prefix : prefix.substr(slash + 1);
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) {
+    return;
+  }
+  std::vector<std::string> doomed;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != ".." && name.rfind(stem, 0) == 0) {
+      doomed.push_back(dir + "/" + name);
     }
+  }
+  ::closedir(d);
+  for (const auto& path : doomed) {
+    remove_tree(path);
   }
 }
 

@@ -89,7 +89,7 @@ TEST(ImageFolder, FollowsTorchvisionsRules) {
     seen += static_cast<size_t>(b->data.size(0));
   }
   EXPECT_EQ(seen, 81u);
-  fs::remove_all(root);
+  remove_tree(root);
 }
 
 TEST(ImageFolder, BadFoldersAreNamed) {
@@ -110,7 +110,7 @@ TEST(ImageFolder, BadFoldersAreNamed) {
   EXPECT_NE(e.find("ImageFolder: class folder " + root + "/flat/dog holds no image"),
             std::string::npos)
       << e;
-  fs::remove_all(root);
+  remove_tree(root);
 }
 
 TEST(ImageFolder, BadFilesAreNamedOrSkipped) {
@@ -153,7 +153,7 @@ TEST(ImageFolder, BadFilesAreNamedOrSkipped) {
   });
   EXPECT_NE(e.find("CenterCrop(200): the image is"), std::string::npos) << e;
   EXPECT_NE(e.find(train + "/0_t-shirt_top/"), std::string::npos) << e;
-  fs::remove_all(root);
+  remove_tree(root);
 }
 
 TEST(ImageList, ReadsPathsAndLabels) {
@@ -178,7 +178,7 @@ TEST(ImageList, ReadsPathsAndLabels) {
       << e;
   e = error_of([&] { data::ImageList l(root + "/missing.txt"); });
   EXPECT_NE(e.find("ImageList: cannot read " + root + "/missing.txt"), std::string::npos) << e;
-  fs::remove_all(root);
+  remove_tree(root);
 }
 
 TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
@@ -230,7 +230,7 @@ TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
                   world_of_one_env(), 120);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--workers must be >= 0, got -1"), std::string::npos) << r.output;
-  fs::remove_all(root);
+  remove_tree(root);
 }
 
 }  // namespace

@@ -132,7 +132,7 @@ TEST(Image, CorruptFilesAreNamed) {
       << e;
   e = error_of([&] { data::read_image(dir + "/missing.jpg"); });
   EXPECT_NE(e.find("cannot read " + dir + "/missing.jpg: No such file"), std::string::npos) << e;
-  fs::remove_all(dir);
+  remove_tree(dir);
 }
 
 TEST(Transforms, RandomResizedCropFollowsTorchvisionsRules) {
@@ -249,7 +249,7 @@ TEST(Transforms, DecodersAndTransformsMatchTorchvision) {
                 1.0 + 1e-3);
     }
   }
-  fs::remove_all(dir);
+  remove_tree(dir);
 }
 
 }  // namespace

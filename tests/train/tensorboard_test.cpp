@@ -116,7 +116,7 @@ TEST(TensorBoard, EventFilesReadBackIndependently) {
   auto r = run_process({test_python(), reader(), path}, {}, 120);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("CRC-32C is wrong"), std::string::npos) << r.output;
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 TEST(TensorBoard, UnwritableDirectoryIsNamed) {
@@ -198,7 +198,7 @@ TEST(TensorBoard, TrainerScalarsMatchTheMetrics) {
     std::cerr << "[ SKIPPED part ] TensorBoard's EventAccumulator: " << test_python()
               << " has no tensorboard module" << std::endl;
   }
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 // A resumed run starts a new event file with SessionLog.START at the first step it redoes, so
@@ -234,7 +234,7 @@ TEST(TensorBoard, ResumePurgesTheStepsItRedoes) {
   EXPECT_EQ(second[1].at("session_log"), 1) << second[1].dump();
   EXPECT_EQ(second[1].at("step"), 5) << "the first file logged steps 1-4, then the checkpoint";
   EXPECT_EQ(second[2].at("step"), 5) << second[2].dump();
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 }  // namespace

@@ -75,7 +75,7 @@ class PostgresServer {
     if (running_) {
       run_process(as({bin_ + "/pg_ctl", "-D", dir_ + "/data", "-m", "immediate", "stop"}), {}, 60);
     }
-    std::filesystem::remove_all(dir_);
+    paratrain::testing::remove_tree(dir_);
   }
   bool running() const { return running_; }
   /// The server's binaries exist (else the tests skip); a server that then fails to start is a

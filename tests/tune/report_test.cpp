@@ -75,7 +75,7 @@ TEST(TuneReport, ChromiumRendersTheSelfContainedPlots) {
 
   const std::string chromium = dist::find_program("chromium");
   if (chromium.empty()) {
-    std::filesystem::remove_all(dir);
+    paratrain::testing::remove_tree(dir);
     GTEST_SKIP() << "no chromium to render the report (scripts/setup.sh installs it)";
   }
   const std::string shot = dir + "/shot.png";
@@ -89,7 +89,7 @@ TEST(TuneReport, ChromiumRendersTheSelfContainedPlots) {
   // leaves thousands of such pixels, a page whose plots failed to draw none.
   EXPECT_GT(pixels_of(png, 0x1f, 0x77, 0xb4), 1000);
   EXPECT_GT(pixels_of(png, 0xd6, 0x27, 0x28), 100);
-  std::filesystem::remove_all(dir);
+  paratrain::testing::remove_tree(dir);
 }
 
 }  // namespace

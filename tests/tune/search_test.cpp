@@ -317,7 +317,7 @@ TEST(TuneStorage, KeepsTrialsAndRefusesAnotherSpace) {
             std::string::npos);
   EXPECT_NE(error_of([] { open_storage("/nonexistent-dir/x/s.db"); }).find("cannot open SQLite"),
             std::string::npos);
-  std::filesystem::remove_all(dir);
+  paratrain::testing::remove_tree(dir);
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ struct TempDir {
       : path(::testing::TempDir() + testing::unique_token(name)) {
     std::filesystem::create_directories(path);
   }
-  ~TempDir() { std::filesystem::remove_all(path); }
+  ~TempDir() { paratrain::testing::remove_tree(path); }
 };
 
 void write_script(const std::string& path, const std::string& text) {

@@ -1,0 +1,20 @@
+#pragma once
+
+// Internal: file-system helpers shared by the library, the CLI, the benchmarks and the tests.
+
+#include <string>
+
+namespace paratrain {
+namespace detail {
+
+/// Removes `path` and everything under it, as `rm -rf`, without following symbolic links; a
+/// missing path is no error. Returns "" on success, else what could not be removed and why.
+///
+/// Why not std::filesystem::remove_all: the PyTorch wheels' libtorch.so (2.11 seen) exports its
+/// own copy of it, built with an older libstdc++, and a program linked to that libtorch calls that
+/// copy, which jumps to address 0 (seen: SIGSEGV in every test that cleaned up with it). POSIX
+/// nftw does the walk instead.
+std::string remove_tree(const std::string& path);
+
+}  // namespace detail
+}  // namespace paratrain
