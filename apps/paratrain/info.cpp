@@ -59,13 +59,20 @@ int run_info(const std::vector<std::string>& argv) {
     backends += (backends.empty() ? "" : ", ") + b;
   }
   const int cuda_devices = static_cast<int>(torch::cuda::device_count());
+  try {
+    cpu::ensure_bf16_convolutions();  // so that describe() says how bf16 convolutions run
+  } catch (const c10::Error&) {
+    // describe() says why they fail
+  }
   if (args.has("json")) {
     std::cout << json_line({{"paratrain", PARATRAIN_VERSION},
                             {"libtorch", TORCH_VERSION},
                             {"backends", dist::available_backends()},
                             {"cpu_threads", at::get_num_threads()},
                             {"cpu_cores", std::thread::hardware_concurrency()},
-                            {"cuda_devices", cuda_devices}})
+                            {"cuda_devices", cuda_devices},
+                            {"cpu_caches_described", cpu::reports_caches()},
+                            {"onednn_in_aten", at::globalContext().userEnabledMkldnn()}})
               << std::endl;
     return 0;
   }
@@ -80,7 +87,7 @@ int run_info(const std::vector<std::string>& argv) {
             << "cpu threads   " << at::get_num_threads() << " intra-op (of "
             << std::thread::hardware_concurrency() << " cores)\n"
             << "blas          " << loaded_blas() << "\n"
-            << "cuda devices  " << cuda_devices;
+            << cpu::describe() << "cuda devices  " << cuda_devices;
   for (int i = 0; i < cuda_devices; ++i) {
     std::cout << (i ? ", " : " (") << "cuda:" << i << (i + 1 == cuda_devices ? ")" : "");
   }

@@ -1,6 +1,7 @@
 #include "paratrain/amp/autocast.h"
 
 #include "autocast_state.h"
+#include "paratrain/util/cpu_kernels.h"
 
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
@@ -46,6 +47,9 @@ Autocast::Autocast(c10::DeviceType device_type, c10::optional<at::ScalarType> dt
   const at::ScalarType want = dtype.value_or(default_dtype(device_type));
   if (enabled) {
     check_autocast_supported(device_type, want);
+    if (device_type == c10::DeviceType::CPU) {
+      cpu::ensure_bf16_convolutions();  // Note [CPU kernels that do not run]
+    }
   }
   previous_enabled_ = detail::autocast_enabled(device_type);
   previous_dtype_ = detail::autocast_dtype(device_type);

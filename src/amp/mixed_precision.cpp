@@ -1,6 +1,7 @@
 #include "paratrain/amp/mixed_precision.h"
 
 #include <torch/torch.h>
+#include "paratrain/util/cpu_kernels.h"
 
 #include <cctype>
 
@@ -76,6 +77,9 @@ MixedPrecision::MixedPrecision(std::shared_ptr<torch::nn::Module> model,
     // Autocast's limits are the build's limits for half compute too: fp16 on the CPU is refused
     // with what to use instead.
     check_autocast_supported(device.type(), dtype_);
+    if (device.is_cpu()) {
+      cpu::ensure_bf16_convolutions();  // Note [CPU kernels that do not run]
+    }
   }
   torch::NoGradGuard no_grad;
   if (level == OptLevel::kO2 || level == OptLevel::kO3) {

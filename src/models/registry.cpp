@@ -1,6 +1,7 @@
 #include "paratrain/models/registry.h"
 
 #include "paratrain/parallel/sync_batchnorm.h"
+#include "paratrain/util/cpu_kernels.h"
 
 #include <torch/torch.h>
 
@@ -258,6 +259,7 @@ std::vector<int64_t> input_shape(const std::string& name) {
 
 torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
   namespace nn = torch::nn;
+  cpu::ensure_usable_kernels();  // Note [CPU kernels that do not run]
   TORCH_CHECK(num_classes >= 1, "a model needs at least one class, got ", num_classes);
   if (name == "linear") {
     nn::Sequential net;

@@ -11,6 +11,7 @@
 #include "paratrain/train/safetensors.h"
 #include "paratrain/train/tensorboard.h"
 #include "paratrain/train/trace.h"
+#include "paratrain/util/cpu_kernels.h"
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -828,6 +829,7 @@ Trainer::Trainer(torch::nn::Sequential model,
   m.train = std::move(train);
   m.val = std::move(val);
   TORCH_CHECK(m.train, "Trainer: the training set is null");
+  cpu::ensure_usable_kernels();  // Note [CPU kernels that do not run]
   m.check_options();
   m.build_strategy();
   m.build_loaders();

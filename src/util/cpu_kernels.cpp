@@ -1,0 +1,179 @@
+#include "paratrain/util/cpu_kernels.h"
+
+#include "errors.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+
+namespace paratrain {
+namespace cpu {
+
+namespace {
+
+std::atomic<bool> pretend_no_caches{false};
+
+// What was decided, under `mutex`.
+struct State {
+  std::mutex mutex;
+  bool usable_checked = false;
+  std::string onednn_off_because;  // "" while oneDNN is on in ATen, or was off already
+  bool bf16_checked = false;
+  std::string bf16_path;   // how bf16 convolutions run, once checked
+  std::string bf16_error;  // why they cannot, when even ATen's kernels fail
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+// One bf16 convolution, forward and backward; "" when it runs, else the error's first line.
+// Inputs from ones(): no draw from the random generators, so the caller's training is unchanged.
+std::string try_bf16_convolution() {
+  try {
+    at::AutoGradMode grad(true);
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    at::Tensor x = at::ones({2, 16, 8, 8}, bf16).requires_grad_();
+    at::Tensor w = at::ones({16, 16, 3, 3}, bf16).requires_grad_();
+    at::conv2d(x, w, {}, 1, 1).sum().backward();
+    return "";
+  } catch (const std::exception& e) {
+    return paratrain::detail::error_message(e);
+  }
+}
+
+void turn_onednn_off(const std::string& why) {
+  at::globalContext().setUserEnabledMkldnn(false);
+  state().onednn_off_because = why;
+  std::cerr << "paratrain: warning: " << why
+            << "; oneDNN is turned off in ATen (as torch.backends.mkldnn.enabled = False), so "
+               "ATen's own convolution kernels run instead, fp32 ones too (slower)"
+            << std::endl;
+}
+
+bool onednn_isa_is(const char* isa) {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  return cap != nullptr && std::strcmp(cap, isa) == 0;
+}
+
+// ensure_usable_kernels() with the state's mutex held.
+bool ensure_usable_locked() {
+  State& s = state();
+  if (!s.usable_checked) {
+    s.usable_checked = true;
+    if (onednn_needs_cache_sizes() && !reports_caches() && !onednn_isa_is("SSE41") &&
+        at::globalContext().userEnabledMkldnn()) {
+      turn_onednn_off(
+          "this CPU does not describe its caches through CPUID, and oneDNN 3.x divides by zero "
+          "(SIGFPE) planning convolutions there");
+    }
+  }
+  return at::globalContext().userEnabledMkldnn();
+}
+
+}  // namespace
+
+bool reports_caches() {
+  if (pretend_no_caches.load()) {
+    return false;
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  for (unsigned leaf : {4u, 0x8000001Du}) {
+    if (__get_cpuid_count(leaf, 0, &a, &b, &c, &d) != 0 && (a & 0x1f) != 0) {
+      return true;  // the first cache's type is not "null"
+    }
+  }
+  return false;
+#else
+  return true;  // oneDNN reads cache sizes elsewhere on other architectures
+#endif
+}
+
+bool onednn_needs_cache_sizes() {
+  // libtorch 2.1 moved to oneDNN 3.x; 1.13 and 2.0 have oneDNN 2.x.
+  return TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1);
+}
+
+bool ensure_usable_kernels() {
+  std::lock_guard<std::mutex> lock(state().mutex);
+  return ensure_usable_locked();
+}
+
+void ensure_bf16_convolutions() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.bf16_checked) {
+    s.bf16_checked = true;
+    const bool onednn = ensure_usable_locked();
+    std::string error = try_bf16_convolution();
+    if (error.empty()) {
+      s.bf16_path = onednn ? "runs (oneDNN on in ATen)" : "runs on ATen's own kernels";
+    } else if (onednn) {
+      const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+      turn_onednn_off("oneDNN cannot run bf16 convolutions here" +
+                      std::string(cap != nullptr ? " (ONEDNN_MAX_CPU_ISA=" + std::string(cap) + ")"
+                                                 : " (it needs AVX512BW, VL and DQ)") +
+                      ": " + error);
+      error = try_bf16_convolution();
+      s.bf16_path = "runs on ATen's own kernels (oneDNN refused them)";
+    }
+    if (!error.empty()) {
+      s.bf16_error = error;
+      s.bf16_path = "fail: " + error;
+    }
+  }
+  TORCH_CHECK(s.bf16_error.empty(), "bf16 convolutions do not run on this CPU, neither in oneDNN ",
+              "nor in ATen's own kernels (", s.bf16_error,
+              "): train in fp32 (opt level O0, --amp O0); fp16 is no option on the CPU");
+}
+
+std::string describe() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  ensure_usable_locked();
+  std::string out = std::string("cpu caches    ") +
+                    (reports_caches() ? "described through CPUID" : "not described through CPUID") +
+                    "\n";
+  out += std::string("onednn        ") +
+         (at::globalContext().userEnabledMkldnn()
+              ? "on in ATen"
+              : "off in ATen" +
+                    (s.onednn_off_because.empty() ? std::string() : ": " + s.onednn_off_because));
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap != nullptr && s.onednn_off_because.empty()) {
+    out += std::string(" (ONEDNN_MAX_CPU_ISA=") + cap + ")";
+  }
+  out += "\n";
+  if (s.bf16_checked) {
+    out += "bf16 conv     " + s.bf16_path + "\n";
+  }
+  return out;
+}
+
+namespace detail {
+void reset_for_testing(bool pretend) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  pretend_no_caches.store(pretend);
+  s.usable_checked = false;
+  s.onednn_off_because.clear();
+  s.bf16_checked = false;
+  s.bf16_path.clear();
+  s.bf16_error.clear();
+}
+}  // namespace detail
+
+}  // namespace cpu
+}  // namespace paratrain
