@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -42,6 +43,12 @@ void fill_result(int status, ProcessResult& r) {
 
 RunningProcess start_process(const std::vector<std::string>& argv,
                              const std::map<std::string, std::string>& env) {
+  // tests/labels.cmake runs `unit` tests with PARATRAIN_TEST_UNIT=1: one that starts a process is
+  // mislabelled (and would slow `scripts/test.sh --quick` down).
+  if (const char* unit = std::getenv("PARATRAIN_TEST_UNIT"); unit && std::string(unit) == "1") {
+    ADD_FAILURE() << "this test is labelled unit but starts " << (argv.empty() ? "" : argv[0])
+                  << ": label it multiprocess in tests/labels.cmake";
+  }
   std::map<std::string, std::string> all;
   for (char** e = environ; *e; ++e) {
     std::string kv = *e;
