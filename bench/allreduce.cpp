@@ -55,7 +55,7 @@ int iterations_for(long long bytes, int requested) {
   return static_cast<int>(std::clamp<long long>(it, 20, 200));
 }
 
-struct Row {
+struct AllreduceRow {
   std::string backend;
   int ranks = 0;
   long long bytes = 0;
@@ -64,7 +64,7 @@ struct Row {
   int iterations = 0;
 };
 
-std::string to_json(const Row& r) {
+std::string to_json(const AllreduceRow& r) {
   return json_line({{"benchmark", "allreduce"},
                     {"backend", r.backend},
                     {"ranks", r.ranks},
@@ -75,7 +75,7 @@ std::string to_json(const Row& r) {
 }
 
 // One rank of one backend's job.
-int run_worker(const Args& args) {
+int run_allreduce_worker(const Args& args) {
   auto pg = dist::init_process_group();
   const long long min_bytes = args.get_bytes("min-bytes", 1 << 10);
   const long long max_bytes = args.get_bytes("max-bytes", 64 << 20);
@@ -103,7 +103,7 @@ int run_worker(const Args& args) {
       times.push_back(slowest.item<double>());
     }
     if (pg->rank() == 0) {
-      Row r;
+      AllreduceRow r;
       r.backend = pg->backend_name();
       r.ranks = pg->size();
       r.bytes = t.nbytes();
@@ -129,12 +129,12 @@ double memcpy_gbps(long long bytes) {
   return bytes / median(times) / 1e9;
 }
 
-std::vector<Row> read_rows(const std::string& path) {
-  std::vector<Row> rows;
+std::vector<AllreduceRow> read_rows(const std::string& path) {
+  std::vector<AllreduceRow> rows;
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
-    Row r;
+    AllreduceRow r;
     r.backend = json_field(line, "backend");
     r.ranks = std::stoi(json_field(line, "ranks"));
     r.bytes = std::stoll(json_field(line, "bytes"));
@@ -147,8 +147,9 @@ std::vector<Row> read_rows(const std::string& path) {
 }
 
 // (mpi row, gloo row) for each size both backends measured.
-std::vector<std::pair<Row, Row>> mpi_gloo_pairs(const std::vector<Row>& rows) {
-  std::vector<std::pair<Row, Row>> pairs;
+std::vector<std::pair<AllreduceRow, AllreduceRow>> mpi_gloo_pairs(
+    const std::vector<AllreduceRow>& rows) {
+  std::vector<std::pair<AllreduceRow, AllreduceRow>> pairs;
   for (const auto& a : rows) {
     for (const auto& b : rows) {
       if (a.backend == "mpi" && b.backend == "gloo" && a.bytes == b.bytes && a.ranks == b.ranks) {
@@ -182,7 +183,7 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.has("worker")) {
-    return run_worker(args);
+    return run_allreduce_worker(args);
   }
   const int ranks = args.get_int("ranks", 2);
   if (ranks < 2) {
@@ -238,7 +239,7 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
       throw std::runtime_error("the " + backend + " job failed: " + r.summary);
     }
   }
-  std::vector<Row> rows = read_rows(out_path);
+  std::vector<AllreduceRow> rows = read_rows(out_path);
   std::remove(out_path.c_str());
 
   const long long ref_bytes = std::min<long long>(max_bytes, 16LL << 20);

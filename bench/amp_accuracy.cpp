@@ -117,7 +117,7 @@ void print_summary(const std::vector<Run>& runs, bool json) {
     }
   }
   if (!json) {
-    std::cout << "\nsystem   level  runs  accuracy mean (sd) [min, max]    minus O0 of the same "
+    std::cout << "\nsystem    level  runs  accuracy mean (sd) [min, max]    minus O0 of the same "
                  "seed: mean (sd) [min, max]\n";
   }
   for (const auto& kv : acc) {
@@ -136,7 +136,7 @@ void print_summary(const std::vector<Run>& runs, bool json) {
                 << std::endl;
       continue;
     }
-    std::cout << std::fixed << std::setprecision(4) << std::left << std::setw(9) << kv.first.first
+    std::cout << std::fixed << std::setprecision(4) << std::left << std::setw(10) << kv.first.first
               << std::setw(7) << kv.first.second << std::setw(6) << kv.second.size() << a.mean
               << " (" << a.sd << ") [" << a.min << ", " << a.max << "]";
     if (kv.first.second != "O0") {

@@ -94,7 +94,7 @@ int wait_for(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-int run_worker(const Args& args) {
+int run_cluster_worker(const Args& args) {
   torch::set_num_threads(1);
   const Workload w = workload(args.get("workload"), args.get_int("steps", 0));
   const std::string system = args.get("system", "ddp");  // ddp, syncbn, zero
@@ -247,7 +247,7 @@ int run_bench_cluster(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.has("worker")) {
-    return run_worker(args);
+    return run_cluster_worker(args);
   }
   const std::string why = FakeHosts::unavailable_reason();
   if (!why.empty()) {

@@ -96,7 +96,7 @@ TracedBackward backward_in_trace(const std::string& path) {
 }
 
 // One process of a measured system.
-int run_worker(const Args& args) {
+int run_ddp_worker(const Args& args) {
   torch::set_num_threads(1);
   const std::string mode = args.get("mode");
   const Workload w = workload(args.get("workload"), args.get_int("steps", 0));
@@ -259,7 +259,7 @@ int run_bench_ddp(const std::vector<std::string>& argv) {
     return 0;
   }
   if (args.has("worker")) {
-    return run_worker(args);
+    return run_ddp_worker(args);
   }
   const std::vector<std::string> workloads = bench_workloads(args);
   const std::string backend = bench_backend(args);

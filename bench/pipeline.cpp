@@ -37,7 +37,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Row {
+struct PipelineRow {
   std::string mode;
   int64_t chunks;
   double step_seconds;
@@ -117,7 +117,7 @@ int run_bench_pipeline(const std::vector<std::string>& argv) {
               << balance_mode << "), " << steps << " timed steps after 1 warm-up" << std::endl;
   }
 
-  std::vector<Row> rows;
+  std::vector<PipelineRow> rows;
   // The unsplit model on one thread: the whole batch, and the largest chunk count's micro-batches
   // one after the other (gradient accumulation). The second isolates what overlapping the stages
   // gains from what smaller tensors alone gain.

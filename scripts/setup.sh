@@ -20,6 +20,7 @@ packages=(
   postgresql            # the server the tune tests start (initdb in a temporary directory)
   chromium              # headless: the tune report test renders the HTML report
   iproute2              # the multi-host tests' network namespaces (ip netns, veth, bridge)
+  debootstrap           # the second CI leg's Debian 13 root (scripts/test-libtorch2.sh)
   slurmctld slurmd slurm-client munge  # the Slurm tests start a real one-node Slurm
   python3-optuna        # paratrain bench tune's comparison (bench/tune_optuna.py)
   libturbojpeg0-dev libpng-dev libwebp-dev  # ImageFolder decoding: TurboJPEG, libpng, libwebp

@@ -4,8 +4,9 @@
 # (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.5 GB). The checkout is bound
 # into the root, and the build goes to ${BUILD_DIR_LIBTORCH2:-build-libtorch2} in it.
 #
-# PARATRAIN_TESTS=REGEX runs only the matching tests. Needs root (or sudo) for debootstrap, chroot
-# and the mounts. `--root-only` makes the root and stops.
+# PARATRAIN_TESTS=REGEX runs only the matching tests; PARATRAIN_CTEST_ENV adds environment
+# (scripts/test.sh's ISA cap). Tests labelled one-leg are left to the first leg. Needs root (or
+# sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$(pwd)
@@ -93,14 +94,27 @@ mount_in /dev/pts -t devpts devpts
 mount_in /tmp -t tmpfs tmpfs
 mount_in /work/paratrain --bind "$src"
 
-# Inside: the same build and ctest as scripts/test.sh (formatting is checked by the first leg).
-$SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-  HOME=/root LANG=C.UTF-8 CI="${CI:-}" TESTS="${PARATRAIN_TESTS:-.}" bash -c "
-  set -euo pipefail
-  cd /work/paratrain
+# Inside: the same build and ctest as scripts/test.sh (formatting is checked by the first leg),
+# without the tests labelled one-leg, which do not depend on libtorch's version and ran there.
+in_root() { # in_root SCRIPT: runs SCRIPT with bash in the root, in the checkout
+  # shellcheck disable=SC2086
+  $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    HOME=/root LANG=C.UTF-8 CI="${CI:-}" ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
+    cd /work/paratrain
+    $1"
+}
+timed() { # timed NAME SCRIPT: in_root, and the seconds go to $PARATRAIN_TIMINGS when it is set
+  local t0
+  t0=$(date +%s)
+  in_root "$2"
+  if [ -n "${PARATRAIN_TIMINGS:-}" ]; then
+    echo "$1 $(($(date +%s) - t0))" >>"$PARATRAIN_TIMINGS"
+  fi
+}
+timed "leg 2 build" "
   cmake -S . -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_BUILD_TESTS=ON \
-    -DPARATRAIN_WERROR=ON >/dev/null
-  cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}
+    -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
+  cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}"
+timed "leg 2 tests" "
   cd '$build_dir'
-  ctest -j 2 --output-on-failure --timeout 300 -R \"\$TESTS\"
-"
+  ctest -j 2 --output-on-failure --timeout 300 -LE one-leg -R '${PARATRAIN_TESTS:-.}'"

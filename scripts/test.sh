@@ -1,22 +1,95 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine, in two legs:
-#   1. Debian 12's libtorch 1.13 (CPU): set-up, build with -Werror, formatting check, every test
-#      through ctest;
+#   1. Debian 12's libtorch 1.13 (CPU): set-up, a unity build with -Werror, the formatting check,
+#      every test through ctest;
 #   2. Debian 13's libtorch 2.6 (CPU), in a debootstrap root kept between runs on the same
-#      machine: the same build and tests (scripts/test-libtorch2.sh).
-# PARATRAIN_LEGS=1 or PARATRAIN_LEGS=2 runs one leg only. Multi-process tests start real processes
-# on loopback.
+#      machine (scripts/test-libtorch2.sh): the same build, and every test but those labelled
+#      one-leg (tests/labels.cmake: they do not depend on libtorch's version).
+# In both legs the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
+# instruction set capped to AVX2. The root of leg 2 is made in the background while leg 1 builds
+# and tests (it downloads and unpacks; the build computes). Multi-process tests start real
+# processes on loopback. At the end, a table of the seconds each step took.
+#
+#   scripts/test.sh           both legs (CI runs this: .ci/run)
+#   scripts/test.sh --quick   on the existing build (${BUILD_DIR:-build}): rebuilds, then runs the
+#                             unit tests and the tests of the files changed since origin/main
+#
+# PARATRAIN_LEGS=1 or PARATRAIN_LEGS=2 runs one leg only. PARATRAIN_ISA=avx2 runs every test of
+# the legs with the instruction set capped to AVX2, as on a CPU without AVX512.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--quick" ]; then
+  exec bash scripts/test-quick.sh
+fi
+
 legs="${PARATRAIN_LEGS:-1 2}"
+build_dir="${BUILD_DIR:-build}"
 started=$(date +%s)
+timings=$(mktemp /tmp/paratrain-timings.XXXXXX)
+export PARATRAIN_TIMINGS="$timings"
+root_pid=""
+root_log=/tmp/paratrain-trixie-root.log
+
+# The ctest arguments of both legs: two tests at a time (each multi-process test starts two to four
+# processes on this machine's two cores), and PARATRAIN_ISA's cap for every test.
+ctest_env=()
+if [ "${PARATRAIN_ISA:-}" = "avx2" ]; then
+  ctest_env=(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell)
+elif [ -n "${PARATRAIN_ISA:-}" ]; then
+  echo "test: PARATRAIN_ISA=${PARATRAIN_ISA} is not known: use avx2, or leave it unset" >&2
+  exit 2
+fi
+export PARATRAIN_CTEST_ENV="${ctest_env[*]}"
+
+step() { # step NAME COMMAND...: runs COMMAND and records its seconds under NAME
+  local name="$1" t0
+  shift
+  t0=$(date +%s)
+  "$@"
+  echo "$name $(($(date +%s) - t0))" >>"$timings"
+}
+
+table() {
+  local status=$?
+  if [ -n "$root_pid" ] && kill -0 "$root_pid" 2>/dev/null; then
+    kill -- -"$root_pid" 2>/dev/null || true  # the root's set-up, when leg 1 failed first
+  fi
+  echo
+  echo "test: seconds per step (status $status)"
+  awk '{ name = $1; for (i = 2; i < NF; ++i) name = name " " $i; printf "  %-34s %6d\n", name, $NF }' \
+    "$timings"
+  printf "  %-34s %6d\n" "total" "$(($(date +%s) - started))"
+  rm -f "$timings"
+}
+trap table EXIT
+
+step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, debootstrap too
+if [[ " $legs " == *" 2 "* ]]; then
+  # A process group of its own, so that a failure of leg 1 can stop it whole.
+  setsid bash -c "t0=\$(date +%s); bash scripts/test-libtorch2.sh --root-only > '$root_log' 2>&1; \
+    rc=\$?; echo \"leg 2 root, in the background \$((\$(date +%s) - t0))\" >> '$timings'; \
+    exit \$rc" &
+  root_pid=$!
+fi
 if [[ " $legs " == *" 1 "* ]]; then
-  bash scripts/build.sh -DPARATRAIN_WERROR=ON
-  bash scripts/check-format.sh
-  (cd "${BUILD_DIR:-build}" && ctest -j 2 --output-on-failure --timeout 300)
+  step "leg 1 build" bash scripts/build.sh -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON
+  step "leg 1 format check" bash scripts/check-format.sh
+  # shellcheck disable=SC2086
+  step "leg 1 tests" env ${PARATRAIN_CTEST_ENV} \
+    bash -c "cd '$build_dir' && ctest -j 2 --output-on-failure --timeout 300"
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" 2 "* ]]; then
-  bash scripts/test-libtorch2.sh
+  t0=$(date +%s)
+  if ! wait "$root_pid"; then
+    root_pid=""
+    echo "test: making the Debian 13 root failed:" >&2
+    tail -n 20 "$root_log" >&2
+    exit 1
+  fi
+  root_pid=""
+  echo "leg 2 waiting for the root $(($(date +%s) - t0))" >>"$timings"
+  bash scripts/test-libtorch2.sh  # records its build and tests in $PARATRAIN_TIMINGS
   echo "test: leg 2 (libtorch 2.6) passed; both legs took $(($(date +%s) - started)) s"
 fi

@@ -443,7 +443,9 @@ std::shared_ptr<Transport> make_process_group_transport(dist::ProcessGroupPtr pg
 
 // ---- one stage's work -----------------------------------------------------------------------
 
-namespace {
+// Named, not anonymous: Pipeline::Impl and DistributedPipeline::Impl hold these, and a unity
+// build would otherwise warn that they use types of internal linkage.
+namespace stage_work {
 
 // Runs one stage's actions over a transport; shared by Pipeline (one per thread) and
 // DistributedPipeline (one per rank).
@@ -626,7 +628,9 @@ std::vector<Action> forwards_only(int64_t chunks) {
   return out;
 }
 
-}  // namespace
+}  // namespace stage_work
+
+using namespace stage_work;  // NOLINT: this file's own helpers
 
 // ---- Pipeline -------------------------------------------------------------------------------
 

@@ -54,13 +54,13 @@ std::string num(double v) {
 }
 
 // One axis: a data range mapped onto pixels, linear or logarithmic.
-struct Axis {
+struct PlotAxis {
   double lo = 0, hi = 1;
   bool log = false;
   double pixel_lo = 0, pixel_hi = 1;
 
-  static Axis of(std::vector<double> v, bool log, double pixel_lo, double pixel_hi) {
-    Axis a;
+  static PlotAxis of(std::vector<double> v, bool log, double pixel_lo, double pixel_hi) {
+    PlotAxis a;
     a.log = log;
     a.pixel_lo = pixel_lo;
     a.pixel_hi = pixel_hi;
@@ -103,8 +103,8 @@ class Plot {
        const std::vector<double>& xs,
        const std::vector<double>& ys,
        bool xlog = false)
-      : x_(Axis::of(xs, xlog, kLeft, kWidth - kRight)),
-        y_(Axis::of(ys, false, kHeight - kBottom, kTop)) {
+      : x_(PlotAxis::of(xs, xlog, kLeft, kWidth - kRight)),
+        y_(PlotAxis::of(ys, false, kHeight - kBottom, kTop)) {
     out_ << "<figure><figcaption>" << escape(title) << "</figcaption>"
          << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\""
          << kHeight << "\" viewBox=\"0 0 " << kWidth << " " << kHeight << "\">"
@@ -150,7 +150,7 @@ class Plot {
   }
 
  private:
-  Axis x_, y_;
+  PlotAxis x_, y_;
   std::ostringstream out_;
 };
 

@@ -1,6 +1,7 @@
 // The schedulers of scheduler.h. ASHA and the median rule follow Ray Tune's documented rules,
 // Hyperband's brackets HpBandSter's; the code is ours.
 
+#include "limits.h"
 #include "paratrain/tune/scheduler.h"
 
 #include <c10/util/Exception.h>
@@ -25,8 +26,6 @@ std::vector<int64_t> Scheduler::take_dropped() {
 }
 
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // numpy.nanpercentile's default (linear) interpolation, q in [0, 100], over the finite values
 // (an infinity would make the interpolation NaN); NaN when there are none.

@@ -1,6 +1,7 @@
 // The searchers of searcher.h. TPE and BOHB follow Optuna's and HpBandSter's published
 // algorithms and defaults; the code is ours.
 
+#include "limits.h"
 #include "paratrain/tune/searcher.h"
 
 #include <c10/util/Exception.h>
@@ -19,8 +20,6 @@ void Searcher::on_complete(int64_t, const Config&, Outcome, double) {}
 void Searcher::on_rung(int64_t, const Config&, int64_t, double) {}
 
 namespace {
-
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Each trial's draws come from its own stream, so a trial's config does not depend on how many
 // draws earlier trials made, and a resumed study proposes what a fresh one would.

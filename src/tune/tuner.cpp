@@ -3,6 +3,7 @@
 // trials while cores, GPUs and --max-concurrent allow.
 
 #include "paratrain/tune/tuner.h"
+#include "limits.h"
 
 #include "paratrain/dist/launch.h"
 #include "paratrain/parallel/threads.h"
@@ -42,7 +43,6 @@ namespace tune {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr double kInf = std::numeric_limits<double>::infinity();
 
 double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();

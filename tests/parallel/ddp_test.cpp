@@ -29,7 +29,7 @@ TEST_P(DdpEquivalence, MatchesSingleProcess) {
   expect_every_rank_ok(PARATRAIN_TEST_DDP_WORKER, c.backend, c.ranks, c.args);
 }
 
-std::vector<DdpCase> cases() {
+std::vector<DdpCase> ddp_cases() {
   const std::vector<std::string> many_buckets{"--bucket-cap-mb", "0.0001", "--first-bucket-mb",
                                               "0.0001"};
   std::vector<DdpCase> out{
@@ -68,7 +68,7 @@ std::vector<DdpCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases,
                          DdpEquivalence,
-                         ::testing::ValuesIn(cases()),
+                         ::testing::ValuesIn(ddp_cases()),
                          [](const ::testing::TestParamInfo<DdpCase>& info) {
                            return info.param.name + "_" + info.param.backend + "_" +
                                   std::to_string(info.param.ranks) + "ranks";

@@ -30,7 +30,7 @@ TEST_P(JoinUneven, NeitherHangsNorDropsGradients) {
   expect_every_rank_ok(PARATRAIN_TEST_JOIN_WORKER, c.backend, c.ranks, c.args);
 }
 
-std::vector<JoinCase> cases() {
+std::vector<JoinCase> join_cases() {
   std::vector<JoinCase> out{
       {"ddp", "gloo", 3, {"--model", "mlp"}},
       {"ddp_syncbn", "gloo", 3, {"--model", "syncbn"}},
@@ -45,7 +45,7 @@ std::vector<JoinCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases,
                          JoinUneven,
-                         ::testing::ValuesIn(cases()),
+                         ::testing::ValuesIn(join_cases()),
                          [](const ::testing::TestParamInfo<JoinCase>& info) {
                            return info.param.name + "_" + info.param.backend + "_" +
                                   std::to_string(info.param.ranks) + "ranks";

@@ -29,7 +29,7 @@ TEST_P(PipelineDistributed, MatchesSingleProcess) {
   expect_every_rank_ok(PARATRAIN_TEST_PIPELINE_WORKER, c.backend, c.ranks, c.args);
 }
 
-std::vector<PipeCase> cases() {
+std::vector<PipeCase> pipeline_cases() {
   std::vector<PipeCase> out{
       {"gpipe_2_stages", "gloo", 2, {"--stages", "2", "--schedule", "gpipe", "--chunks", "4"}},
       {"1f1b_2_stages", "gloo", 2, {"--stages", "2", "--schedule", "1f1b", "--chunks", "4"}},
@@ -59,7 +59,7 @@ std::vector<PipeCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases,
                          PipelineDistributed,
-                         ::testing::ValuesIn(cases()),
+                         ::testing::ValuesIn(pipeline_cases()),
                          [](const ::testing::TestParamInfo<PipeCase>& info) {
                            return info.param.name + "_" + info.param.backend;
                          });

@@ -33,7 +33,7 @@ TEST_P(SyncBatchNormEquivalence, MatchesWholeBatch) {
   expect_every_rank_ok(PARATRAIN_TEST_SYNCBN_WORKER, c.backend, c.ranks, c.args);
 }
 
-std::vector<SyncBnCase> cases() {
+std::vector<SyncBnCase> sync_bn_cases() {
   std::vector<SyncBnCase> out{
       {"bn1d_even", "gloo", 2, {"--dim", "1"}},
       {"bn1d_uneven", "gloo", 3, {"--dim", "1", "--rows", "2", "--skew", "3"}},
@@ -50,7 +50,7 @@ std::vector<SyncBnCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases,
                          SyncBatchNormEquivalence,
-                         ::testing::ValuesIn(cases()),
+                         ::testing::ValuesIn(sync_bn_cases()),
                          [](const ::testing::TestParamInfo<SyncBnCase>& info) {
                            return info.param.name + "_" + info.param.backend + "_" +
                                   std::to_string(info.param.ranks) + "ranks";

@@ -35,7 +35,7 @@ TEST_P(ZeroEquivalence, MatchesUnshardedOptimizer) {
   expect_every_rank_ok(PARATRAIN_TEST_ZERO_WORKER, c.backend, c.ranks, c.args);
 }
 
-std::vector<ZeroCase> cases() {
+std::vector<ZeroCase> zero_cases() {
   std::vector<ZeroCase> out{
       {"sgd_momentum", "gloo", 2, {"--optimizer", "sgd"}},
       {"sgd_two_groups", "gloo", 3, {"--optimizer", "sgd", "--groups", "2"}},
@@ -51,7 +51,7 @@ std::vector<ZeroCase> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases,
                          ZeroEquivalence,
-                         ::testing::ValuesIn(cases()),
+                         ::testing::ValuesIn(zero_cases()),
                          [](const ::testing::TestParamInfo<ZeroCase>& info) {
                            return info.param.name + "_" + info.param.backend + "_" +
                                   std::to_string(info.param.ranks) + "ranks";
