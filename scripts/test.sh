@@ -31,11 +31,14 @@ export PARATRAIN_TIMINGS="$timings"
 root_pid=""
 root_log=/tmp/paratrain-trixie-root.log
 
-# The ctest arguments of both legs: two tests at a time (each multi-process test starts two to four
-# processes on this machine's two cores), and PARATRAIN_ISA's cap for every test.
-ctest_env=()
+# The environment of both legs' tests. Two tests run at a time on this machine's two cores, so
+# each test's processes get one intra-op thread: libtorch 2.6 otherwise takes both cores in every
+# process, and two such tests oversubscribe the machine (the CNN's fp32 step took 127 ms with 2
+# threads and 88 ms with 1, alone). libtorch 1.13 (Debian 12) runs one thread by default.
+# PARATRAIN_ISA adds its cap.
+ctest_env=(OMP_NUM_THREADS=1)
 if [ "${PARATRAIN_ISA:-}" = "avx2" ]; then
-  ctest_env=(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell)
+  ctest_env+=(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell)
 elif [ -n "${PARATRAIN_ISA:-}" ]; then
   echo "test: PARATRAIN_ISA=${PARATRAIN_ISA} is not known: use avx2, or leave it unset" >&2
   exit 2

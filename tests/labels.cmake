@@ -35,21 +35,26 @@ set(paratrain_unit_tests
     Tuner.HyperbandPausesAndResumesFunctionTrials Tuner.BadInputIsRefusedBeforeAnythingRuns
     Zero.WorldOfOneIsThePlainOptimizer Zero.RefusesWhatCannotBeSharded
     Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile)
-# Over 10 s (multiprocess) or over 2 s (one process), from ctest's times here.
+# Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
+# (the same order).
 set(paratrain_slow_tests
-    ImageFolder.CliMakesAFolderAndTrainsOnItWithDdp MixedPrecision.EveryOptLevelTrainsLikeFp32
-    MultiHost.ElasticJobContinuesWithoutADeadHost MultiHost.ElasticJobTakesInALateHost
-    MultiHost.ElasticTrainingLosesNoSampleAcrossAMembershipChange
-    Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Resume.BadInput Resume.DdpOnMpi
-    Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Slurm.SbatchRunsSrunTasksAndLaunch
-    Train.BadInput Train.CustomHeadOnTorchvisionWeights Train.MixedPrecisionDdpExample
-    Zoo.ResNetParameterCountsEqualTorchvision)
+    MixedPrecision.EveryOptLevelTrainsLikeFp32 Slurm.SbatchRunsSrunTasksAndLaunch
+    MultiHost.ElasticJobTakesInALateHost Resume.BadInput
+    ImageFolder.CliMakesAFolderAndTrainsOnItWithDdp Train.CustomHeadOnTorchvisionWeights
+    MultiHost.ElasticTrainingLosesNoSampleAcrossAMembershipChange Train.MixedPrecisionDdpExample
+    Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
+    Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
+    Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 14 14 13 12 11 3)
 # Independent of libtorch's version (pure logic, or other libraries): first leg only. Everything
 # that touches libtorch's API (stores, process groups, backends, autocast, kernels, the launcher,
 # the rendezvous, checkpoints, the model zoo) runs on both legs.
 set(paratrain_one_leg_suites
     DeviceList Files FindProgram RankDiscovery Trace TuneScheduler TuneSearcher TuneSpace
     TuneStorage TunePostgres TuneReport)
+# A long accuracy comparison: its fp32 run alone takes minutes in the second leg, and the
+# per-step comparison MixedPrecision.EveryOptLevelStepsLikeFp32 runs in both (the test explains).
+set(paratrain_one_leg_tests MixedPrecision.EveryOptLevelTrainsLikeFp32)
 
 # The cases CI runs a second time with the instruction set capped (tests/CMakeLists.txt, suffix
 # @avx2), as an older CPU would run them.
@@ -88,7 +93,7 @@ foreach(test IN LISTS paratrain_tests_TESTS paratrain_tests_avx2_TESTS)
   elseif(NOT unit AND NOT suite STREQUAL "Gpu")
     list(APPEND labels multiprocess)
   endif()
-  if(suite IN_LIST paratrain_one_leg_suites)
+  if(suite IN_LIST paratrain_one_leg_suites OR bare IN_LIST paratrain_one_leg_tests)
     list(APPEND labels one-leg)
   endif()
   if(test MATCHES "@avx2$")
@@ -97,5 +102,12 @@ foreach(test IN LISTS paratrain_tests_TESTS paratrain_tests_avx2_TESTS)
     list(APPEND labels cpu-kernels)
   endif()
   set_tests_properties("${test}" PROPERTIES LABELS "${labels}" ENVIRONMENT "${environment}")
+  # ctest -j starts the costliest tests first; without a previous run's times it would start them
+  # in file order, and the longest could start last and run alone.
+  list(FIND paratrain_slow_tests "${bare}" slow_index)
+  if(slow_index GREATER_EQUAL 0)
+    list(GET paratrain_slow_costs ${slow_index} cost)
+    set_tests_properties("${test}" PROPERTIES COST ${cost})
+  endif()
 endforeach()
 cmake_policy(POP)

@@ -84,9 +84,15 @@ TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
   }
   const auto without = conv_step(at::kFloat);
   for (size_t i = 0; i < with_onednn.size(); ++i) {
-    // fp32 sums over 72 products per output in another order: a few ulps of the largest terms.
-    expect_close(without[i], with_onednn[i], "conv output/grad " + std::to_string(i), 1e-3);
+    // The same fp32 sums in another order (72 products per output, 288 per weight gradient):
+    // measured at most 6.5e-7 of the largest value (libtorch 2.6, ATen's kernels against
+    // oneDNN's, with and without ONEDNN_MAX_CPU_ISA=AVX2).
+    const double scale = with_onednn[i].abs().max().item<double>();
+    const double error = (without[i] - with_onednn[i]).abs().max().item<double>();
+    EXPECT_LE(error, 2e-5 * scale) << "conv output/grad " << i << ": " << error / scale;
   }
+  // As found, for a later test of this process (ctest runs each alone; a developer may not).
+  at::globalContext().setUserEnabledMkldnn(true);
   cpu::detail::reset_for_testing(false);
 }
 
