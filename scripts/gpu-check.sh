@@ -24,11 +24,18 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   cp "$deps"/fashion-mnist/*.gz /usr/share/datasets/fashion-mnist/
 fi
 zlib=$(ldconfig -p | awk '/libz\.so(\.1)? .*x86-64/ {print $NF; exit}')
+# The image libraries live in $deps/lib, inside the checkout, so CMake leaves them out of the
+# installed library's RUNPATH (it adds only link directories outside the project): the consumer
+# project's link and run (ctest's consumer_project) find them here, as on a machine where they are
+# installed system-wide.
+export LD_LIBRARY_PATH="$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 {
+  # A unity build, as CI's (scripts/test.sh).
   cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_WERROR=ON \
+    -DCMAKE_UNITY_BUILD=ON \
     -DCMAKE_PREFIX_PATH="$prefix;$deps" -DGLOO_INCLUDE_DIR="$deps/include" \
     -DZLIB_INCLUDE_DIR="$deps/include" -DZLIB_LIBRARY="$zlib" \
     -DPARATRAIN_GTEST_SOURCE_DIR="$deps/googletest" -DPARATRAIN_TEST_PYTHON="$(command -v "$python")"
@@ -37,8 +44,10 @@ if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 
 status=0
 # PARATRAIN_CTEST_ARGS: more ctest arguments, e.g. "--stop-time 12:30:00" to fit a time budget.
+# Two intra-op threads per process: ctest runs nproc/2 tests at a time, most of them with two or
+# three processes, and libtorch otherwise gives every process a thread per core.
 # shellcheck disable=SC2086
-(cd "$build" && ctest -j "$(($(nproc) / 2))" --output-on-failure --timeout 300 \
+(cd "$build" && OMP_NUM_THREADS=2 ctest -j "$(($(nproc) / 2))" --output-on-failure --timeout 300 \
   ${PARATRAIN_CTEST_ARGS:-}) 2>&1 | tee "$out/ctest.log" || status=1
 
 # The speed comparison of the README ("Using an official libtorch (CUDA)"): images per second of

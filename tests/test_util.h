@@ -10,6 +10,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace paratrain {
@@ -63,6 +64,10 @@ RunningProcess start_process(const std::vector<std::string>& argv,
 /// Extra environment for a process that must run as a world of one, outside any launcher: the
 /// launcher and MPI variables of the test's own environment are removed.
 std::map<std::string, std::string> world_of_one_env();
+
+/// Environment entry that hides every GPU from a process: tests that run on the CPU whatever the
+/// machine has (where a machine with one GPU would refuse 2 ranks of their own device).
+inline const std::pair<const std::string, std::string> kCpuOnly{"CUDA_VISIBLE_DEVICES", ""};
 
 /// PIDs of live processes whose command line contains `token`.
 std::vector<int> processes_with(const std::string& token);

@@ -188,11 +188,12 @@ TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
                           {}, 300);
   ASSERT_EQ(made.exit_code, 0) << made.output;
   EXPECT_NE(made.output.find("wrote 3500 images"), std::string::npos) << made.output;
-  auto r = run_process(
-      {cli_path(),     "train", "--model",   "cnn", "--dataset", "imagefolder", "--data-dir", root,
-       "--strategy",   "ddp",   "--nproc",   "2",   "--backend", "gloo",        "--epochs",   "3",
-       "--batch-size", "32",    "--workers", "1",   "--lr",      "0.05",        "--json"},
-      world_of_one_env(), 600);
+  auto r = run_process({cli_path(),    "train",      "--model",   "cnn",          "--dataset",
+                        "imagefolder", "--data-dir", root,        "--strategy",   "ddp",
+                        "--nproc",     "2",          "--backend", "gloo",         "--device",
+                        "cpu",         "--epochs",   "3",         "--batch-size", "32",
+                        "--workers",   "1",          "--lr",      "0.05",         "--json"},
+                       world_of_one_env(), 600);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto at = r.output.rfind("\"test_accuracy\": ");
   ASSERT_NE(at, std::string::npos) << r.output;
@@ -200,10 +201,14 @@ TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
   EXPECT_GT(accuracy, 0.4) << r.output;  // chance is 0.1
   EXPECT_NE(r.output.find("\"data_wait_seconds\": "), std::string::npos) << r.output;
 
-  // The example: the notes' main_worker on the same folder, 2 ranks through the launcher.
+  // The example: PyTorch's ImageNet example's main_worker on the same folder, 2 ranks through the
+  // launcher, on the CPU (it takes the GPU of its local rank where there are GPUs, and a machine
+  // with one GPU refuses 2 ranks).
+  auto cpu_only = world_of_one_env();
+  cpu_only.insert(kCpuOnly);
   r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
                    PARATRAIN_TEST_IMAGEFOLDER_EXAMPLE, root, "1", "cnn", "28"},
-                  world_of_one_env(), 600);
+                  cpu_only, 600);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.output, m, std::regex(R"(val accuracy ([0-9.]+))"))) << r.output;

@@ -18,8 +18,6 @@ namespace paratrain {
 namespace testing {
 namespace {
 
-const std::pair<const std::string, std::string> kCpuOnly{"CUDA_VISIBLE_DEVICES", ""};
-
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream s;

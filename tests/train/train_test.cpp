@@ -23,7 +23,6 @@ namespace {
 
 // These jobs test CPU training: on a machine with GPUs they run with the GPUs hidden (two ranks
 // on one GPU are refused by design, see Devices.MoreRanksThanGpusSaysWhatToDo).
-const std::pair<const std::string, std::string> kCpuOnly{"CUDA_VISIBLE_DEVICES", ""};
 
 // The test accuracy of the first --json epoch row in `output`; -1 when there is none.
 double json_test_accuracy(const std::string& output) {
