@@ -31,17 +31,6 @@ namespace cli {
 
 namespace {
 
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) {
-      out.push_back(item);
-    }
-  }
-  return out;
-}
-
 double train_and_score(amp::OptLevel level, int seed, int steps, int test_images) {
   static data::FashionMNIST train(data::kFashionMnistDir, data::FashionMNIST::Split::kTrain);
   static data::FashionMNIST test(data::kFashionMnistDir, data::FashionMNIST::Split::kTest);

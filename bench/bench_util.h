@@ -81,6 +81,18 @@ inline Workload workload(const std::string& name, int steps_override) {
   throw UsageError("unknown workload '" + name + "': choose mlp or resnet18");
 }
 
+/// The non-empty items of a comma-separated list ("a,,b" gives a and b).
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string item; std::getline(s, item, ',');) {
+    if (!item.empty()) {
+      out.push_back(item);
+    }
+  }
+  return out;
+}
+
 /// --workloads (default mlp,resnet18), each one checked.
 inline std::vector<std::string> bench_workloads(const Args& args) {
   std::vector<std::string> out;

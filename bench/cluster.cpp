@@ -42,17 +42,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream s(text);
-  for (std::string item; std::getline(s, item, ',');) {
-    if (!item.empty()) {
-      out.push_back(item);
-    }
-  }
-  return out;
-}
-
 // Starts argv (an absolute program) with `env` added to this process's environment; its output
 // goes where ours goes.
 pid_t start_with_env(const std::vector<std::string>& argv,

@@ -163,7 +163,7 @@ TEST(Gpu, Fp16AtEveryOptLevelTrains) {
   }
 }
 
-torch::nn::Sequential small_net() {
+torch::nn::Sequential three_layer_net() {
   torch::manual_seed(0);
   torch::nn::Sequential net;
   net->push_back("fc0", torch::nn::Linear(12, 16));
@@ -174,7 +174,7 @@ torch::nn::Sequential small_net() {
   return net;
 }
 
-void expect_same_grads(torch::nn::Sequential a, torch::nn::Sequential b) {
+void expect_same_grads_on_cpu(torch::nn::Sequential a, torch::nn::Sequential b) {
   auto pa = a->named_parameters();
   auto pb = b->named_parameters();
   for (const auto& kv : pa) {
@@ -187,18 +187,18 @@ TEST(Gpu, DataParallelOnCudaDevices) {
   torch::manual_seed(1);
   auto x = torch::randn({10, 12});
   auto y = torch::randint(0, 5, {10});
-  auto plain = small_net();
+  auto plain = three_layer_net();
   torch::nn::functional::cross_entropy(plain->forward(x), y).backward();
   for (auto devices :
        {std::vector<torch::Device>{kCuda0}, std::vector<torch::Device>{kCuda0, kCuda0}}) {
     SCOPED_TRACE(std::to_string(devices.size()) + " replicas on cuda:0");
-    auto net = small_net();
+    auto net = three_layer_net();
     net->to(kCuda0);
     DataParallel dp(net, devices);
     auto out = dp(x.to(kCuda0));
     EXPECT_EQ(out.device(), kCuda0);
     torch::nn::functional::cross_entropy(out, y.to(kCuda0)).backward();
-    expect_same_grads(plain, net);
+    expect_same_grads_on_cpu(plain, net);
   }
 }
 
@@ -210,7 +210,7 @@ TEST(Gpu, PipelinesOnCudaAndMixedDevices) {
   auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nn::functional::cross_entropy(out, target.to(out.device()));
   };
-  auto plain = small_net();
+  auto plain = three_layer_net();
   ce(plain->forward(x), y).backward();
   // Repeated, and once under a stream of the caller's own: a CPU stage reading a GPU stage's
   // activation before the copy finished was intermittent (fixed by blocking copies to the CPU),
@@ -227,14 +227,14 @@ TEST(Gpu, PipelinesOnCudaAndMixedDevices) {
         if (on_side_stream) {
           guard.emplace(side);
         }
-        auto net = small_net();
+        auto net = three_layer_net();
         pipeline::Pipeline pipe(net, {3, 2}, devices, ce,
                                 pipeline::PipelineOptions().chunks(4).schedule(schedule));
         for (int step = 0; step < 5; ++step) {
           net->zero_grad();
           auto loss = pipe.step(x.to(devices[0]), y);
           EXPECT_TRUE(std::isfinite(loss.item<double>()));
-          expect_same_grads(plain, net);
+          expect_same_grads_on_cpu(plain, net);
         }
       }
     }
@@ -253,7 +253,7 @@ TEST(Gpu, DistributedPipelineWireFollowsTheGroup) {
     return torch::nn::functional::cross_entropy(out, target);
   };
   auto make = [&](torch::Device device, pipeline::Schedule schedule) {
-    return pipeline::DistributedPipeline(small_net(), 0, nccl, {0, 0}, device, ce,
+    return pipeline::DistributedPipeline(three_layer_net(), 0, nccl, {0, 0}, device, ce,
                                          pipeline::PipelineOptions().schedule(schedule));
   };
   EXPECT_NO_THROW(make(kCuda0, pipeline::Schedule::kGPipe));
