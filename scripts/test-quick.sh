@@ -57,12 +57,14 @@ for f in $changed; do
       ;;
     examples/*.cpp | tests/programs/*.cpp)  # a program: the tests that use its path
       name=$(basename "$f" .cpp)
-      macro=$(sed -n -E "s/.*(PARATRAIN_TEST_[A-Z_]+)=\"\\\$<TARGET_FILE:$name>\".*/\1/p" \
-        tests/CMakeLists.txt | head -n 1)
-      if [ -n "$macro" ]; then
+      # An example is $<TARGET_FILE:name>; a test worker is a link ${CMAKE_CURRENT_BINARY_DIR}/name
+      # to test_programs, whose main.cpp every worker shares.
+      path="\\\$<TARGET_FILE:$name>|\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/$name"
+      [ "$f" = tests/programs/main.cpp ] && path="\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/[a-z_]+"
+      for macro in $(sed -n -E "s/.*(PARATRAIN_TEST_[A-Z_]+)=\"($path)\".*/\1/p" tests/CMakeLists.txt); do
         while IFS= read -r t; do test_files+=("$t"); done < <(grep -rl "$macro" tests \
           --include='*_test.cpp')
-      fi
+      done
       ;;
   esac
 done

@@ -3,8 +3,9 @@
 #   1. Debian 12's libtorch 1.13 (CPU): set-up, a unity build with -Werror, the formatting check,
 #      every test through ctest;
 #   2. Debian 13's libtorch 2.6 (CPU), in a debootstrap root kept between runs on the same
-#      machine (scripts/test-libtorch2.sh): the same build, and every test but those labelled
-#      one-leg (tests/labels.cmake: they do not depend on libtorch's version).
+#      machine (scripts/test-libtorch2.sh): the same build but the header checks, and the tests
+#      of code whose libtorch calls differ between 1.13 and 2.x (every test not labelled one-leg;
+#      tests/labels.cmake says which and why).
 # In both legs the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
 # instruction set capped to AVX2. The root of leg 2 is made in the background while leg 1 builds
 # and tests (it downloads and unpacks; the build computes). Multi-process tests start real
@@ -76,7 +77,10 @@ if [[ " $legs " == *" 2 "* ]]; then
   root_pid=$!
 fi
 if [[ " $legs " == *" 1 "* ]]; then
-  step "leg 1 build" bash scripts/build.sh -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON
+  # A unity build of one translation unit per target: each unit loads the precompiled libtorch
+  # headers and generates the same libtorch code again, so fewer, larger units cost less.
+  step "leg 1 build" bash scripts/build.sh -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
+    -DCMAKE_UNITY_BUILD_BATCH_SIZE=0
   step "leg 1 format check" bash scripts/check-format.sh
   # shellcheck disable=SC2086
   step "leg 1 tests" env ${PARATRAIN_CTEST_ENV} \

@@ -19,6 +19,10 @@
 #include <sstream>
 #include <thread>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace collective_worker {
+
 namespace dist = paratrain::dist;
 
 namespace {
@@ -169,7 +173,7 @@ void check_collectives(dist::ProcessGroup& pg) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "collectives";
   try {
     dist::InitOptions options;
@@ -214,3 +218,6 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace collective_worker
+}  // namespace paratrain_test_programs

@@ -21,6 +21,10 @@
 #include <iostream>
 #include <map>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace ddp_worker {
+
 namespace pt = paratrain;
 
 struct NetImpl : torch::nn::Module {
@@ -54,7 +58,7 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::map<std::string, std::string> opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -225,3 +229,6 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace ddp_worker
+}  // namespace paratrain_test_programs

@@ -20,9 +20,13 @@
 #include <mutex>
 #include <thread>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace elastic_worker {
+
 namespace pt = paratrain;
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   if (argc < 3) {
     std::cerr << "usage: elastic_worker DIR CHECKPOINT_DIR [SAMPLES] [STEP_SLEEP_MS]" << std::endl;
     return 2;
@@ -92,3 +96,6 @@ int main(int argc, char** argv) {
   }
   return 1;
 }
+
+}  // namespace elastic_worker
+}  // namespace paratrain_test_programs

@@ -16,6 +16,10 @@
 #include <iostream>
 #include <map>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace join_worker {
+
 namespace pt = paratrain;
 
 namespace {
@@ -33,7 +37,7 @@ torch::nn::Sequential net(bool bn) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::map<std::string, std::string> opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -141,3 +145,6 @@ int main(int argc, char** argv) {
   }
   return 1;
 }
+
+}  // namespace join_worker
+}  // namespace paratrain_test_programs

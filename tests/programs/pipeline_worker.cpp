@@ -20,6 +20,10 @@
 #include <map>
 #include <sstream>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace pipeline_worker {
+
 namespace pt = paratrain;
 namespace nn = torch::nn;
 
@@ -40,7 +44,7 @@ torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(out, y);
 }
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::map<std::string, std::string> opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -155,3 +159,6 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace pipeline_worker
+}  // namespace paratrain_test_programs

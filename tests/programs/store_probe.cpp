@@ -15,6 +15,10 @@
 #include <iostream>
 #include <string>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace store_probe {
+
 namespace {
 
 bool accepts(const std::string& host, int port) {
@@ -33,7 +37,7 @@ bool accepts(const std::string& host, int port) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   auto pg = paratrain::dist::init_process_group();
   pg->barrier()->wait();
   {
@@ -54,3 +58,6 @@ int main(int argc, char** argv) {
   std::cout << "rank " << pg->rank() << ": ok" << std::endl;
   return 0;
 }
+
+}  // namespace store_probe
+}  // namespace paratrain_test_programs

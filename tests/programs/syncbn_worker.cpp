@@ -23,6 +23,10 @@
 #include <iostream>
 #include <map>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace syncbn_worker {
+
 namespace pt = paratrain;
 
 namespace {
@@ -193,7 +197,7 @@ void run_ddp(pt::dist::ProcessGroupPtr pg, int rows, int steps) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   auto opt = parse(argc, argv);
   auto get = [&](const std::string& k, const std::string& d) { return opt.count(k) ? opt[k] : d; };
   int rank = -1;
@@ -217,3 +221,6 @@ int main(int argc, char** argv) {
   }
   return 1;
 }
+
+}  // namespace syncbn_worker
+}  // namespace paratrain_test_programs

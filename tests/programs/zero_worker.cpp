@@ -20,6 +20,10 @@
 #include <iostream>
 #include <map>
 
+// In the test programs' one binary (main.cpp): run() is this program's main.
+namespace paratrain_test_programs {
+namespace zero_worker {
+
 namespace pt = paratrain;
 
 namespace {
@@ -57,7 +61,7 @@ std::vector<torch::optim::OptimizerParamGroup> groups_of(const torch::nn::Sequen
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::map<std::string, std::string> opt;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -179,3 +183,6 @@ int main(int argc, char** argv) {
   }
   return 1;
 }
+
+}  // namespace zero_worker
+}  // namespace paratrain_test_programs

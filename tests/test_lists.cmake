@@ -1,0 +1,79 @@
+# Which tests are which: read by tests/CMakeLists.txt (how the cases become ctest tests) and by
+# tests/labels.cmake (their labels and environment, when ctest reads the test list).
+
+set(paratrain_unit_suites
+    AdaptImages Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
+    DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
+    Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore Trace
+    Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
+set(paratrain_unit_tests
+    BadInput.NewGroupRanks Checkpoint.OptimizerStateRoundTripsBitwise
+    Checkpoint.RngStateRestoresTheSameDraws FashionMNIST.ReadsDebiansFiles
+    FashionMNIST.MissingFilesSayWhatToInstall ImageFolder.FollowsTorchvisionsRules
+    ImageFolder.BadFoldersAreNamed ImageFolder.BadFilesAreNamedOrSkipped LRSchedule.BadOptions
+    SyncBatchNorm.WithoutAGroupItIsBatchNorm SyncBatchNorm.BadInputIsNamed
+    TensorBoard.MaskedCrc32cMatchesTheStandardCheckValue TensorBoard.UnwritableDirectoryIsNamed
+    Transforms.RandomResizedCropFollowsTorchvisionsRules Transforms.BadInputIsRefused
+    TunePostgres.BadUrlsAreOneLine Tuner.AshaOnFunctionTrialsStopsTheWorstAndKeepsTheBest
+    Tuner.HyperbandPausesAndResumesFunctionTrials Tuner.BadInputIsRefusedBeforeAnythingRuns
+    Zero.WorldOfOneIsThePlainOptimizer Zero.RefusesWhatCannotBeSharded
+    Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile)
+# Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
+# (the same order).
+set(paratrain_slow_tests
+    MixedPrecision.EveryOptLevelTrainsLikeFp32 Slurm.SbatchRunsSrunTasksAndLaunch
+    MultiHost.ElasticJobTakesInALateHost Resume.BadInput
+    ImageFolder.CliMakesAFolderAndTrainsOnItWithDdp Train.CustomHeadOnTorchvisionWeights
+    MultiHost.ElasticTrainingLosesNoSampleAcrossAMembershipChange Train.MixedPrecisionDdpExample
+    Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
+    Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
+    Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 14 14 13 12 11 3)
+# The tests CI runs in both legs (libtorch 1.13 and 2.6): those of code that calls libtorch where
+# 1.13 and 2.x differ, namely c10d (stores, process groups and their engines, Work, timeouts), the
+# launcher and the rendezvous on top of it, autograd functions and hooks (DDP, SyncBatchNorm,
+# ZeRO, Join, pipelines, DataParallel), autocast and the CPU kernels, serialization (checkpoints,
+# PyTorch's and torchvision's files), and the installed CMake package. Every other test runs in
+# the first leg only (label one-leg): argument checking, the tuner, data readers, TensorBoard,
+# Slurm, the benchmarks, the CLI's end-to-end runs; so do the mpi cases of the parameterized
+# suites but one each (their gloo cases run in both, the mpi engine's own tests too).
+set(paratrain_both_legs_suites
+    Addresses Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm CpuKernels
+    DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven Launch
+    MixedPrecision MultiHost Pipeline PipelineBalance PipelineDistributed PipelineSchedule
+    Rendezvous Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer
+    WorldOfOne Zero ZeroEquivalence Zoo GradScaler)
+set(paratrain_both_legs_tests
+    Train.MainJobShortened Train.ModelParallelResNet50Example Resume.SingleProcess
+    Resume.DdpOnGloo Resume.AmpO1AndO2Bf16 Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize
+    Transforms.DecodersAndTransformsMatchTorchvision
+    Cases/DdpEquivalence.MatchesSingleProcess/plain_mpi_2ranks
+    Cases/ZeroEquivalence.MatchesUnshardedOptimizer/adam_mpi_2ranks
+    Cases/SyncBatchNormEquivalence.MatchesWholeBatch/ddp_mpi_2ranks
+    Cases/JoinUneven.NeitherHangsNorDropsGradients/ddp_syncbn_zero_mpi_3ranks
+    Cases/PipelineDistributed.MatchesSingleProcess/gpipe_3_stages_mpi)
+# In the suites above, but first leg only: the long accuracy comparison (its fp32 run alone takes
+# minutes in the second leg, and the per-step comparison MixedPrecision.EveryOptLevelStepsLikeFp32
+# runs in both; the test explains), and the launcher's hostfile checks (text parsing).
+set(paratrain_one_leg_tests
+    MixedPrecision.EveryOptLevelTrainsLikeFp32 MultiHost.BadHostfiles
+    MultiHost.UnreachableHostfileEntryIsNamed)
+
+# The cases CI runs a second time with the instruction set capped (tests/CMakeLists.txt, suffix
+# @avx2), as an older CPU would run them.
+set(paratrain_isa_cap_environment
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell)
+# The cases whose numbers depend on which CPU kernels run (bf16 autocast, oneDNN convolutions,
+# BLAS), once more as a CPU with AVX2 and no AVX512 would run them: ctest names them NAME@avx2 and
+# runs them with ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2 and OPENBLAS_CORETYPE=Haswell
+# (tests/labels.cmake). A machine of either kind thus runs both. Not here: the multi-process bf16
+# training tests (Train.MixedPrecisionUnderDdp, Resume.AmpO1AndO2Bf16), whose bf16 steps run 14x
+# slower on libtorch 1.13's own kernels under the cap (62 s and 72 s): MixedPrecision.* and
+# CpuKernels.* check that path.
+set(paratrain_cpu_kernel_tests
+    MixedPrecision.* Autocast.* GradScaler.* CpuKernels.* DataParallel.ResNetReplicas
+    ConvertSyncBatchNorm.ResNetKeepsItsTensorsAndNames Zoo.TorchvisionWeightsGiveTheSameLogits
+    Train.ModelParallelResNet50Example
+    Pipeline.GradientsEqualUnsplitModel Trainer.EveryInProcessStrategyMatchesOneProcess
+    Cases/DdpEquivalence.MatchesSingleProcess/plain_gloo_2ranks
+    Cases/SyncBatchNormEquivalence.MatchesWholeBatch/bn2d_uneven_gloo_2ranks)
