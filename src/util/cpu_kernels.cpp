@@ -15,6 +15,8 @@
 #include <cstring>
 #include <iostream>
 #include <mutex>
+#include <string>
+#include <thread>
 
 namespace paratrain {
 namespace cpu {
@@ -40,17 +42,42 @@ State& state() {
 
 // One bf16 convolution, forward and backward; "" when it runs, else the error's first line.
 // Inputs from ones(): no draw from the random generators, so the caller's training is unchanged.
+// On a thread of its own, whose thread-local state is libtorch's default: the caller's may have
+// gradients off (InferenceMode, a custom autograd function's forward) or autocast on, and the
+// backward would then fail for reasons that are not oneDNN's.
 std::string try_bf16_convolution() {
-  try {
-    at::AutoGradMode grad(true);
-    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-    at::Tensor x = at::ones({2, 16, 8, 8}, bf16).requires_grad_();
-    at::Tensor w = at::ones({16, 16, 3, 3}, bf16).requires_grad_();
-    at::conv2d(x, w, {}, 1, 1).sum().backward();
-    return "";
-  } catch (const std::exception& e) {
-    return paratrain::detail::error_message(e);
+  std::string error;
+  std::thread probe([&error] {
+    try {
+      const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+      at::Tensor x = at::ones({2, 16, 8, 8}, bf16).requires_grad_();
+      at::Tensor w = at::ones({16, 16, 3, 3}, bf16).requires_grad_();
+      at::conv2d(x, w, {}, 1, 1).sum().backward();
+    } catch (const std::exception& e) {
+      error = paratrain::detail::error_message(e);
+    }
+  });
+  probe.join();
+  return error;
+}
+
+bool cpu_has_avx512_bw_vl_dq() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// Whether ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512_CORE, where it has no bf16 convolutions.
+bool onednn_capped_below_avx512() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr) {
+    return false;
   }
+  const std::string isa(cap);
+  return isa == "SSE41" || isa == "AVX" || isa.rfind("AVX2", 0) == 0;  // AVX2, AVX2_VNNI, ...
 }
 
 void turn_onednn_off(const std::string& why) {
@@ -111,28 +138,61 @@ bool ensure_usable_kernels() {
   return ensure_usable_locked();
 }
 
+namespace {
+
+bool bf16_convolutions_use_onednn() {
+  // libtorch 1.13 asks the CPU (at::native::mkldnn_bf16_device_check); 2.x asks oneDNN, which
+  // also honours ONEDNN_MAX_CPU_ISA.
+  return at::globalContext().userEnabledMkldnn() && cpu_has_avx512_bw_vl_dq() &&
+         (TORCH_VERSION_MAJOR < 2 || !onednn_capped_below_avx512());
+}
+
+// ensure_bf16_convolutions()'s check, with the state's mutex held.
+void check_bf16_locked() {
+  State& s = state();
+  s.bf16_checked = true;
+  const bool onednn = ensure_usable_locked();
+  std::string error = try_bf16_convolution();
+  if (error.empty()) {
+    s.bf16_path = bf16_convolutions_use_onednn()
+                      ? "runs on oneDNN"
+                      : (onednn ? "runs on ATen's own kernels (this CPU lacks AVX512BW, VL or DQ"
+                                  ", or ONEDNN_MAX_CPU_ISA keeps oneDNN below them)"
+                                : "runs on ATen's own kernels (oneDNN is off)");
+    return;
+  }
+  if (onednn) {
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    turn_onednn_off("oneDNN cannot run bf16 convolutions here" +
+                    std::string(cap != nullptr ? " (ONEDNN_MAX_CPU_ISA=" + std::string(cap) + ")"
+                                               : " (it needs AVX512BW, VL and DQ)") +
+                    ": " + error);
+    const std::string retry = try_bf16_convolution();
+    if (retry.empty()) {
+      s.bf16_path = "runs on ATen's own kernels (oneDNN refused them)";
+      return;
+    }
+    // ATen's kernels fail too: turning oneDNN off did not help, so it goes back on.
+    at::globalContext().setUserEnabledMkldnn(true);
+    s.onednn_off_because.clear();
+    error = retry;
+  }
+  s.bf16_error = error;
+  s.bf16_path = "fail: " + error;
+}
+
+}  // namespace
+
+bool bf16_convolutions_run_on_onednn() {
+  std::lock_guard<std::mutex> lock(state().mutex);
+  return bf16_convolutions_use_onednn();
+}
+
 void ensure_bf16_convolutions() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (!s.bf16_checked) {
-    s.bf16_checked = true;
-    const bool onednn = ensure_usable_locked();
-    std::string error = try_bf16_convolution();
-    if (error.empty()) {
-      s.bf16_path = onednn ? "runs (oneDNN on in ATen)" : "runs on ATen's own kernels";
-    } else if (onednn) {
-      const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-      turn_onednn_off("oneDNN cannot run bf16 convolutions here" +
-                      std::string(cap != nullptr ? " (ONEDNN_MAX_CPU_ISA=" + std::string(cap) + ")"
-                                                 : " (it needs AVX512BW, VL and DQ)") +
-                      ": " + error);
-      error = try_bf16_convolution();
-      s.bf16_path = "runs on ATen's own kernels (oneDNN refused them)";
-    }
-    if (!error.empty()) {
-      s.bf16_error = error;
-      s.bf16_path = "fail: " + error;
-    }
+    check_bf16_locked();
   }
   TORCH_CHECK(s.bf16_error.empty(), "bf16 convolutions do not run on this CPU, neither in oneDNN ",
               "nor in ATen's own kernels (", s.bf16_error,

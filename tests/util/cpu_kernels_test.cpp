@@ -1,12 +1,13 @@
 // Note [CPU kernels that do not run] (paratrain/util/cpu_kernels.h): both workarounds, on every
-// machine. Each test runs in a process of its own (gtest_discover_tests), so turning oneDNN off
-// here does not reach other tests.
+// machine. The suite runs in a process of its own (tests/CMakeLists.txt), so turning oneDNN off
+// here reaches no other suite; each test leaves it as a new process would have it.
 
 #include "paratrain/util/cpu_kernels.h"
 #include "paratrain/amp/autocast.h"
 #include "test_util.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <string>
 
 namespace paratrain {
 namespace testing {
@@ -56,7 +58,12 @@ TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
   // off, with one warning, and the convolutions give what oneDNN gave; with oneDNN 2.x (1.13),
   // which needs no cache sizes, nothing changes.
   ASSERT_TRUE(at::globalContext().userEnabledMkldnn());
-  const bool real_cpu_is_safe = cpu::reports_caches() || !cpu::onednn_needs_cache_sizes();
+  // ONEDNN_MAX_CPU_ISA=SSE41: kernels that need no cache sizes, so oneDNN may stay on.
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const bool sse41 = cap != nullptr && std::string(cap) == "SSE41";
+  // Where the real CPU describes no caches, oneDNN 3.x cannot run here at all, and the fp32
+  // comparison below is left to machines that do.
+  const bool real_cpu_is_safe = cpu::reports_caches() || !cpu::onednn_needs_cache_sizes() || sse41;
   std::vector<at::Tensor> with_onednn;
   if (real_cpu_is_safe) {
     with_onednn = conv_step(at::kFloat);
@@ -67,7 +74,7 @@ TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
   const bool onednn_on = cpu::ensure_usable_kernels();
   cpu::ensure_usable_kernels();  // once only
   const std::string said = ::testing::internal::GetCapturedStderr();
-  if (cpu::onednn_needs_cache_sizes()) {
+  if (cpu::onednn_needs_cache_sizes() && !sse41) {
     EXPECT_FALSE(onednn_on);
     EXPECT_FALSE(at::globalContext().userEnabledMkldnn());
     EXPECT_NE(said.find("paratrain: warning: this CPU does not describe its caches through "
@@ -91,9 +98,11 @@ TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
     const double error = (without[i] - with_onednn[i]).abs().max().item<double>();
     EXPECT_LE(error, 2e-5 * scale) << "conv output/grad " << i << ": " << error / scale;
   }
-  // As found, for a later test of this process (ctest runs each alone; a developer may not).
+  // As a new process would have it, for the next test of this process: oneDNN on, unless this
+  // CPU itself needs it off.
   at::globalContext().setUserEnabledMkldnn(true);
   cpu::detail::reset_for_testing(false);
+  cpu::ensure_usable_kernels();
 }
 
 TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
@@ -109,6 +118,7 @@ TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
   const bool capped_below_avx512 =
       cap == "SSE41" || cap == "AVX" || cap.rfind("AVX2", 0) == 0;  // AVX2, AVX2_VNNI, ...
   const bool expect_fallback = TORCH_VERSION_MAJOR < 2 && cpu_has_avx512 && capped_below_avx512;
+  cpu::detail::reset_for_testing(false);  // checked afresh, whatever ran before in this process
 
   ::testing::internal::CaptureStderr();
   EXPECT_NO_THROW(cpu::ensure_bf16_convolutions());
@@ -127,6 +137,15 @@ TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
     EXPECT_TRUE(at::globalContext().userEnabledMkldnn()) << said;
     EXPECT_EQ(said, "");
   }
+  // Where libtorch sends them: oneDNN with AVX512BW, VL and DQ that the cap does not hide (1.13
+  // looks at the CPU alone), else ATen's own kernels, which MixedPrecision's long test skips.
+  const bool expect_onednn = at::globalContext().userEnabledMkldnn() && cpu_has_avx512 &&
+                             (TORCH_VERSION_MAJOR < 2 || !capped_below_avx512);
+  EXPECT_EQ(cpu::bf16_convolutions_run_on_onednn(), expect_onednn) << cpu::describe();
+  EXPECT_NE(cpu::describe().find(expect_onednn ? "bf16 conv     runs on oneDNN"
+                                               : "bf16 conv     runs on ATen's own kernels"),
+            std::string::npos)
+      << cpu::describe();
   // Either way bf16 convolutions now run and compute this convolution. Bound: the largest error
   // relative to the largest fp32 value, measured here for output, input and weight gradients:
   // oneDNN 0.33%, 0.24%, 0.36% (both libtorch versions); libtorch 2.6's own kernels 0.33%, 0.92%,
@@ -138,6 +157,27 @@ TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
     const double scale = fp32[i].abs().max().item<double>();
     EXPECT_LT((bf16[i] - fp32[i]).abs().max().item<double>(), 0.1 * scale) << "tensor " << i;
   }
+}
+
+TEST(CpuKernels, TheCheckIgnoresTheCallersThreadState) {
+  // The first Autocast of a process may come inside InferenceMode (or a custom autograd
+  // function's forward), where the probe's backward cannot run: that must not count as oneDNN
+  // refusing bf16 convolutions, nor turn oneDNN off.
+  cpu::detail::reset_for_testing(false);
+  const bool onednn_before = cpu::ensure_usable_kernels();
+  {
+    c10::InferenceMode inference;
+    ::testing::internal::CaptureStderr();
+    EXPECT_NO_THROW(cpu::ensure_bf16_convolutions());
+    const std::string said = ::testing::internal::GetCapturedStderr();
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (cap == nullptr) {  // nothing keeps oneDNN from bf16: no reason to turn it off
+      EXPECT_EQ(at::globalContext().userEnabledMkldnn(), onednn_before) << said;
+      EXPECT_EQ(said.find("cannot run bf16"), std::string::npos) << said;
+    }
+  }
+  EXPECT_EQ(cpu::describe().find("fail:"), std::string::npos) << cpu::describe();
+  cpu::detail::reset_for_testing(false);
 }
 
 }  // namespace

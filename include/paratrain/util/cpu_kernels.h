@@ -46,6 +46,11 @@ bool ensure_usable_kernels();
 /// once per process (its inputs come from no random generator, so training draws stay the same).
 void ensure_bf16_convolutions();
 
+/// Whether libtorch hands bf16 convolutions to oneDNN here (oneDNN on in ATen, and a CPU with
+/// AVX512BW, VL and DQ that ONEDNN_MAX_CPU_ISA does not hide on libtorch 2.x); otherwise ATen's own
+/// bf16 kernels run them, about 14x slower on libtorch 1.13.
+bool bf16_convolutions_run_on_onednn();
+
 /// One line per fact, for `paratrain info`: cache description, oneDNN in ATen on or off and why,
 /// and how bf16 convolutions run (when ensure_bf16_convolutions() has run).
 std::string describe();
