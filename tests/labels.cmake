@@ -66,7 +66,7 @@ function(paratrain_label_test test)
   if(bare IN_LIST paratrain_both_legs_tests)
     set(both_legs ON)
   elseif(unprefixed IN_LIST paratrain_both_legs_suites AND NOT bare IN_LIST paratrain_one_leg_tests
-         AND NOT bare MATCHES "^Cases/.*_mpi_")
+         AND NOT bare MATCHES "^Cases/.*_mpi(_|$)")
     set(both_legs ON)
   endif()
   if(NOT both_legs)

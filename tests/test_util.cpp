@@ -296,6 +296,9 @@ void remove_with_prefix(const std::string& prefix) {
   const size_t slash = prefix.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : prefix.substr(0, slash);
   const std::string stem = slash == std::string::npos ? prefix : prefix.substr(slash + 1);
+  if (stem.empty()) {
+    return;  // every entry of the directory would match
+  }
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) {
     return;

@@ -4,6 +4,7 @@
 // costs a compile of its own (about 25 CPU-seconds here, most of it loading the precompiled
 // header and generating the same libtorch code again), twice per CI run.
 
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -36,9 +37,16 @@ int main(int argc, char** argv) {
       {"pipeline_worker", p::pipeline_worker::run},     {"store_probe", p::store_probe::run},
       {"syncbn_worker", p::syncbn_worker::run},         {"zero_worker", p::zero_worker::run}};
   const char* slash = std::strrchr(argv[0], '/');
-  const std::string name = slash != nullptr ? slash + 1 : argv[0];
+  std::string name = slash != nullptr ? slash + 1 : argv[0];
+  // A worker that starts itself again through /proc/self/exe (paratrain::dist::spawn) comes back
+  // as test_programs: the name it was started under rides along in the environment.
+  const char* inherited = std::getenv("PARATRAIN_TEST_PROGRAM");
+  if (name == "test_programs" && inherited != nullptr) {
+    name = inherited;
+  }
   for (const Program& program : programs) {
     if (name == program.name) {
+      ::setenv("PARATRAIN_TEST_PROGRAM", program.name, 1);
       return program.run(argc, argv);
     }
   }
