@@ -38,7 +38,9 @@ mirror() {
 }
 
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  if [ ! -x "$root/usr/bin/apt-get" ]; then
+  # A root whose debootstrap did not finish (a run stopped while making it) is made again; one
+  # with a stamp was finished by an earlier version of this script.
+  if [ ! -f "$root/.paratrain-debootstrapped" ] && [ ! -f "$stamp" ]; then
     if ! command -v debootstrap >/dev/null 2>&1; then
       $SUDO apt-get update -q >&2
       DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends \
@@ -50,10 +52,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # A bare root, then apt inside it: debootstrap's own resolver skips alternatives (libtorch's
     # dependencies need them).
     $SUDO debootstrap --variant=minbase trixie "$root" "$(mirror)" >&2
+    $SUDO touch "$root/.paratrain-debootstrapped"
   fi
   $SUDO cp /etc/resolv.conf "$root/etc/resolv.conf"
   $SUDO mount -t proc proc "$root/proc"
   trap '$SUDO umount -l "$root/proc" 2>/dev/null || true' EXIT
+  # Packages a stopped run left unpacked but not configured (apt refuses to go on otherwise).
+  $SUDO chroot "$root" env DEBIAN_FRONTEND=noninteractive dpkg --configure -a >&2
   $SUDO chroot "$root" apt-get update -q >&2
   $SUDO chroot "$root" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
     --no-install-recommends "${packages[@]}" >&2
@@ -101,17 +106,20 @@ mount_in /work/paratrain --bind "$src"
 in_root() { # in_root SCRIPT: runs SCRIPT with bash in the root, in the checkout
   # shellcheck disable=SC2086
   $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    HOME=/root LANG=C.UTF-8 CI="${CI:-}" ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
+    HOME=/root LANG=C.UTF-8 CI="${CI:-}" PARATRAIN_TESTS="${PARATRAIN_TESTS:-.}" \
+    ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
     cd /work/paratrain
     $1"
 }
 timed() { # timed NAME SCRIPT: in_root, and the seconds go to $PARATRAIN_TIMINGS when it is set
-  local t0
+  local t0 rc=0 name="$1"
   t0=$(date +%s)
-  in_root "$2"
+  in_root "$2" || rc=$?
+  if [ "$rc" -ne 0 ]; then name="$name (failed)"; fi
   if [ -n "${PARATRAIN_TIMINGS:-}" ]; then
-    echo "$1 $(($(date +%s) - t0))" >>"$PARATRAIN_TIMINGS"
+    echo "$name $(($(date +%s) - t0))" >>"$PARATRAIN_TIMINGS"
   fi
+  return "$rc"
 }
 timed "leg 2 build" "
   cmake -S . -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_BUILD_TESTS=ON \
@@ -120,4 +128,4 @@ timed "leg 2 build" "
   cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}"
 timed "leg 2 tests" "
   cd '$build_dir'
-  ctest -j 2 --output-on-failure --timeout 300 -LE one-leg -R '${PARATRAIN_TESTS:-.}'"
+  ctest -j 2 --output-on-failure --timeout 300 -LE one-leg -R \"\$PARATRAIN_TESTS\""

@@ -42,10 +42,13 @@ for f in $changed; do
     tests/*_test.cpp)
       [ -f "$f" ] && test_files+=("$f") && direct+=("$f")
       ;;
-    src/* | include/paratrain/*)
+    src/*/* | include/paratrain/*/*)
       area=$(echo "$f" | sed -E 's#^(src|include/paratrain)/([^/]+)/.*#\2#')
       while IFS= read -r t; do test_files+=("$t"); done < <( (grep -rl "paratrain/$area/" tests \
         --include='*_test.cpp'; ls tests/"$area"/*_test.cpp 2>/dev/null) | sort -u)
+      ;;
+    src/* | include/paratrain/*)  # beside the areas (paratrain.h, version.h): the build checks it
+      echo "test --quick: $f belongs to no area; the build above checked it" >&2
       ;;
     apps/*)  # the CLI: the tests that run it
       while IFS= read -r t; do test_files+=("$t"); done < <(grep -rlE \
@@ -62,7 +65,11 @@ for f in $changed; do
       path="\\\$<TARGET_FILE:$name>|\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/$name"
       [ "$f" = tests/programs/main.cpp ] && path="\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/[a-z_]+"
       for macro in $(sed -n -E "s/.*(PARATRAIN_TEST_[A-Z_]+)=\"($path)\".*/\1/p" tests/CMakeLists.txt); do
-        while IFS= read -r t; do test_files+=("$t"); done < <(grep -rl "$macro" tests \
+        # The tests name it by the macro, or by test_util.cpp's function that returns it.
+        uses="$macro"
+        accessor=$(grep -B1 "return $macro;" tests/test_util.cpp | sed -n -E 's/^std::string ([a-z_]+)\(\).*/\1/p')
+        [ -n "$accessor" ] && uses="$macro|$accessor\\(\\)"
+        while IFS= read -r t; do test_files+=("$t"); done < <(grep -rlE "$uses" tests \
           --include='*_test.cpp')
       done
       ;;

@@ -46,12 +46,14 @@ elif [ -n "${PARATRAIN_ISA:-}" ]; then
 fi
 export PARATRAIN_CTEST_ENV="${ctest_env[*]}"
 
-step() { # step NAME COMMAND...: runs COMMAND and records its seconds under NAME
-  local name="$1" t0
+step() { # step NAME COMMAND...: runs COMMAND and records its seconds under NAME, failed or not
+  local name="$1" t0 rc=0
   shift
   t0=$(date +%s)
-  "$@"
+  "$@" || rc=$?
+  if [ "$rc" -ne 0 ]; then name="$name (failed)"; fi
   echo "$name $(($(date +%s) - t0))" >>"$timings"
+  return "$rc"
 }
 
 table() {
