@@ -156,7 +156,15 @@ int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
     std::cout << args.help();
     return 0;
   }
-  const auto levels = split_list(args.get("levels", "O0,O1,O2,O3"));
+  // Each level as to_string writes it ("o1" is O1), so that both systems and the summary's O0
+  // baseline name it alike; an unknown level is refused before the first run.
+  std::vector<std::string> levels;
+  for (const auto& l : split_list(args.get("levels", "O0,O1,O2,O3"))) {
+    levels.push_back(amp::to_string(amp::parse_opt_level(l)));
+  }
+  if (levels.empty()) {
+    throw UsageError("--levels names no opt level: give some of O0,O1,O2,O3");
+  }
   std::vector<int> seeds;
   for (const auto& s : split_list(args.get("seeds", "0,1,2,3"))) {
     seeds.push_back(std::stoi(s));
@@ -165,9 +173,6 @@ int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
   const int test_images = args.get_int("test-images", 10000);
   if (steps < 1 || steps * 64 > 60000 || test_images < 1 || test_images > 10000) {
     throw UsageError("--steps must be 1 to 937 (64 images each) and --test-images 1 to 10000");
-  }
-  for (const auto& l : levels) {
-    amp::parse_opt_level(l);  // an unknown level is refused before the first run
   }
   const bool json = args.has("json");
   std::vector<Run> runs;
@@ -192,7 +197,10 @@ int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
     for (int s : seeds) {
       seed_list += (seed_list.empty() ? "" : ",") + std::to_string(s);
     }
-    std::string levels_list = args.get("levels", "O0,O1,O2,O3");
+    std::string levels_list;
+    for (const auto& l : levels) {
+      levels_list += (levels_list.empty() ? "" : ",") + l;
+    }
     const std::string out = results_file("amp-accuracy");
     const std::string command = "'" + torch_python(args.get("python", "")) + "' '" +
                                 bench_script("amp_accuracy_pytorch.py") + "' --levels " +

@@ -99,9 +99,13 @@ def main():
     parser.add_argument("--test-images", type=int, default=10000)
     parser.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     args = parser.parse_args()
+    levels = args.levels.split(",")
+    unknown = [level for level in levels if level not in ("O0", "O1", "O2", "O3")]
+    if unknown:
+        parser.error("unknown opt level %r: choose from O0, O1, O2, O3" % unknown[0])
     train_set, test_set = load(args.data, "train"), load(args.data, "t10k")
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for level in args.levels.split(","):
+        for level in levels:
             start = time.time()
             acc = train(level, seed, args.steps, train_set, test_set, args.test_images)
             print(json.dumps({"system": "pytorch", "torch": torch.__version__, "level": level,
