@@ -11,11 +11,12 @@
 #endif
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
-#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 namespace paratrain {
@@ -47,7 +48,7 @@ State& state() {
 // backward would then fail for reasons that are not oneDNN's.
 std::string try_bf16_convolution() {
   std::string error;
-  std::thread probe([&error] {
+  auto convolve = [&error] {
     try {
       const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
       at::Tensor x = at::ones({2, 16, 8, 8}, bf16).requires_grad_();
@@ -56,9 +57,31 @@ std::string try_bf16_convolution() {
     } catch (const std::exception& e) {
       error = paratrain::detail::error_message(e);
     }
-  });
-  probe.join();
+  };
+  try {
+    std::thread probe([&convolve] {
+      at::init_num_threads();  // the caller's intra-op thread count, not OpenMP's default
+      convolve();
+    });
+    probe.join();
+  } catch (const std::system_error&) {  // no thread to be had (a process limit): on this one
+    at::AutoGradMode grad(true);
+    convolve();
+  }
   return error;
+}
+
+// ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA, in capitals; "" when neither is set.
+std::string onednn_max_isa() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr) {
+    cap = std::getenv("DNNL_MAX_CPU_ISA");
+  }
+  std::string isa = cap != nullptr ? cap : "";
+  for (char& c : isa) {
+    c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  return isa;
 }
 
 bool cpu_has_avx512_bw_vl_dq() {
@@ -72,16 +95,12 @@ bool cpu_has_avx512_bw_vl_dq() {
 
 // Whether ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512_CORE, where it has no bf16 convolutions.
 bool onednn_capped_below_avx512() {
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (cap == nullptr) {
-    return false;
-  }
-  const std::string isa(cap);
+  const std::string isa = onednn_max_isa();
   return isa == "SSE41" || isa == "AVX" || isa.rfind("AVX2", 0) == 0;  // AVX2, AVX2_VNNI, ...
 }
 
-void turn_onednn_off(const std::string& why) {
-  at::globalContext().setUserEnabledMkldnn(false);
+// Records why oneDNN is off, and says so once on stderr.
+void say_onednn_off(const std::string& why) {
   state().onednn_off_because = why;
   std::cerr << "paratrain: warning: " << why
             << "; oneDNN is turned off in ATen (as torch.backends.mkldnn.enabled = False), so "
@@ -89,9 +108,9 @@ void turn_onednn_off(const std::string& why) {
             << std::endl;
 }
 
-bool onednn_isa_is(const char* isa) {
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  return cap != nullptr && std::strcmp(cap, isa) == 0;
+void turn_onednn_off(const std::string& why) {
+  at::globalContext().setUserEnabledMkldnn(false);
+  say_onednn_off(why);
 }
 
 // ensure_usable_kernels() with the state's mutex held.
@@ -99,7 +118,7 @@ bool ensure_usable_locked() {
   State& s = state();
   if (!s.usable_checked) {
     s.usable_checked = true;
-    if (onednn_needs_cache_sizes() && !reports_caches() && !onednn_isa_is("SSE41") &&
+    if (onednn_needs_cache_sizes() && !reports_caches() && onednn_max_isa() != "SSE41" &&
         at::globalContext().userEnabledMkldnn()) {
       turn_onednn_off(
           "this CPU does not describe its caches through CPUID, and oneDNN 3.x divides by zero "
@@ -150,9 +169,9 @@ bool bf16_convolutions_use_onednn() {
 // ensure_bf16_convolutions()'s check, with the state's mutex held.
 void check_bf16_locked() {
   State& s = state();
-  s.bf16_checked = true;
   const bool onednn = ensure_usable_locked();
   std::string error = try_bf16_convolution();
+  s.bf16_checked = true;
   if (error.empty()) {
     s.bf16_path = bf16_convolutions_use_onednn()
                       ? "runs on oneDNN"
@@ -162,19 +181,19 @@ void check_bf16_locked() {
     return;
   }
   if (onednn) {
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    turn_onednn_off("oneDNN cannot run bf16 convolutions here" +
-                    std::string(cap != nullptr ? " (ONEDNN_MAX_CPU_ISA=" + std::string(cap) + ")"
-                                               : " (it needs AVX512BW, VL and DQ)") +
-                    ": " + error);
+    at::globalContext().setUserEnabledMkldnn(false);
     const std::string retry = try_bf16_convolution();
     if (retry.empty()) {
+      const std::string cap = onednn_max_isa();
+      say_onednn_off("oneDNN cannot run bf16 convolutions here" +
+                     (cap.empty() ? std::string(" (it needs AVX512BW, VL and DQ)")
+                                  : " (ONEDNN_MAX_CPU_ISA=" + cap + ")") +
+                     ": " + error);
       s.bf16_path = "runs on ATen's own kernels (oneDNN refused them)";
       return;
     }
     // ATen's kernels fail too: turning oneDNN off did not help, so it goes back on.
     at::globalContext().setUserEnabledMkldnn(true);
-    s.onednn_off_because.clear();
     error = retry;
   }
   s.bf16_error = error;
@@ -211,9 +230,9 @@ std::string describe() {
               ? "on in ATen"
               : "off in ATen" +
                     (s.onednn_off_because.empty() ? std::string() : ": " + s.onednn_off_because));
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (cap != nullptr && s.onednn_off_because.empty()) {
-    out += std::string(" (ONEDNN_MAX_CPU_ISA=") + cap + ")";
+  const std::string cap = onednn_max_isa();
+  if (!cap.empty() && s.onednn_off_because.empty()) {
+    out += " (ONEDNN_MAX_CPU_ISA=" + cap + ")";
   }
   out += "\n";
   if (s.bf16_checked) {

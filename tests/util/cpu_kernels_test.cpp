@@ -1,6 +1,6 @@
 // Note [CPU kernels that do not run] (paratrain/util/cpu_kernels.h): both workarounds, on every
 // machine. The suite runs in a process of its own (tests/CMakeLists.txt), so turning oneDNN off
-// here reaches no other suite; each test leaves it as a new process would have it.
+// here reaches no other suite; the fixture leaves it after each test as a new process has it.
 
 #include "paratrain/util/cpu_kernels.h"
 #include "paratrain/amp/autocast.h"
@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/version.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -53,14 +54,37 @@ std::set<std::string> cpu_flags() {
   return flags;
 }
 
-TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
+// The cap oneDNN honours: ONEDNN_MAX_CPU_ISA or its older name DNNL_MAX_CPU_ISA, in capitals.
+std::string onednn_cap() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (cap == nullptr) {
+    cap = std::getenv("DNNL_MAX_CPU_ISA");
+  }
+  std::string isa = cap != nullptr ? cap : "";
+  for (char& c : isa) {
+    c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  return isa;
+}
+
+// Each test starts, and leaves the next one, as a new process does (oneDNN on, nothing checked
+// yet), whatever other tests of this process turned off (--gtest_repeat, shuffle, other suites).
+class CpuKernels : public ::testing::Test {
+ protected:
+  void SetUp() override { as_a_new_process(); }
+  void TearDown() override { as_a_new_process(); }
+  static void as_a_new_process() {
+    at::globalContext().setUserEnabledMkldnn(true);
+    cpu::detail::reset_for_testing(false);
+  }
+};
+
+TEST_F(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
   // The real path of such a CPU, pretended here: with oneDNN 3.x (libtorch 2.1+) it is turned
   // off, with one warning, and the convolutions give what oneDNN gave; with oneDNN 2.x (1.13),
   // which needs no cache sizes, nothing changes.
-  ASSERT_TRUE(at::globalContext().userEnabledMkldnn());
   // ONEDNN_MAX_CPU_ISA=SSE41: kernels that need no cache sizes, so oneDNN may stay on.
-  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  const bool sse41 = cap != nullptr && std::string(cap) == "SSE41";
+  const bool sse41 = onednn_cap() == "SSE41";
   // Where the real CPU describes no caches, oneDNN 3.x cannot run here at all, and the fp32
   // comparison below is left to machines that do.
   const bool real_cpu_is_safe = cpu::reports_caches() || !cpu::onednn_needs_cache_sizes() || sse41;
@@ -98,14 +122,9 @@ TEST(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
     const double error = (without[i] - with_onednn[i]).abs().max().item<double>();
     EXPECT_LE(error, 2e-5 * scale) << "conv output/grad " << i << ": " << error / scale;
   }
-  // As a new process would have it, for the next test of this process: oneDNN on, unless this
-  // CPU itself needs it off.
-  at::globalContext().setUserEnabledMkldnn(true);
-  cpu::detail::reset_for_testing(false);
-  cpu::ensure_usable_kernels();
 }
 
-TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
+TEST_F(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
   // libtorch 1.13 hands bf16 convolutions to oneDNN when the CPU has AVX512BW, VL and DQ, even
   // if ONEDNN_MAX_CPU_ISA keeps oneDNN below AVX512_CORE; only then must paratrain turn oneDNN
   // off. libtorch 2.x asks oneDNN itself and needs nothing. The expectation comes from the
@@ -113,8 +132,7 @@ TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
   const auto flags = cpu_flags();
   const bool cpu_has_avx512 =
       flags.count("avx512bw") && flags.count("avx512vl") && flags.count("avx512dq");
-  const char* cap_env = std::getenv("ONEDNN_MAX_CPU_ISA");
-  const std::string cap = cap_env ? cap_env : "";
+  const std::string cap = onednn_cap();
   const bool capped_below_avx512 =
       cap == "SSE41" || cap == "AVX" || cap.rfind("AVX2", 0) == 0;  // AVX2, AVX2_VNNI, ...
   const bool expect_fallback = TORCH_VERSION_MAJOR < 2 && cpu_has_avx512 && capped_below_avx512;
@@ -159,7 +177,7 @@ TEST(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
   }
 }
 
-TEST(CpuKernels, TheCheckIgnoresTheCallersThreadState) {
+TEST_F(CpuKernels, TheCheckIgnoresTheCallersThreadState) {
   // The first Autocast of a process may come inside InferenceMode (or a custom autograd
   // function's forward), where the probe's backward cannot run: that must not count as oneDNN
   // refusing bf16 convolutions, nor turn oneDNN off.
@@ -170,14 +188,12 @@ TEST(CpuKernels, TheCheckIgnoresTheCallersThreadState) {
     ::testing::internal::CaptureStderr();
     EXPECT_NO_THROW(cpu::ensure_bf16_convolutions());
     const std::string said = ::testing::internal::GetCapturedStderr();
-    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-    if (cap == nullptr) {  // nothing keeps oneDNN from bf16: no reason to turn it off
+    if (onednn_cap().empty()) {  // nothing keeps oneDNN from bf16: no reason to turn it off
       EXPECT_EQ(at::globalContext().userEnabledMkldnn(), onednn_before) << said;
       EXPECT_EQ(said.find("cannot run bf16"), std::string::npos) << said;
     }
   }
   EXPECT_EQ(cpu::describe().find("fail:"), std::string::npos) << cpu::describe();
-  cpu::detail::reset_for_testing(false);
 }
 
 }  // namespace
