@@ -167,7 +167,19 @@ int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
   }
   std::vector<int> seeds;
   for (const auto& s : split_list(args.get("seeds", "0,1,2,3"))) {
-    seeds.push_back(std::stoi(s));
+    size_t end = 0;
+    int seed = -1;
+    try {
+      seed = std::stoi(s, &end);
+    } catch (const std::exception&) {
+    }
+    if (seed < 0 || end != s.size()) {
+      throw UsageError("--seeds takes non-negative integers, like 0,1,2,3; got '" + s + "'");
+    }
+    seeds.push_back(seed);
+  }
+  if (seeds.empty()) {
+    throw UsageError("--seeds names no seed: give some, like 0,1,2,3");
   }
   const int steps = args.get_int("steps", 900);
   const int test_images = args.get_int("test-images", 10000);

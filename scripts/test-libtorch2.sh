@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The second CI leg: builds paratrain with -Werror and runs the whole suite against Debian 13's
 # libtorch-dev (2.6), in a debootstrap root made here and kept between runs on the same machine
-# (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.5 GB). The checkout is bound
+# (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.3 GB). The checkout is bound
 # into the root, and the build goes to ${BUILD_DIR_LIBTORCH2:-build-libtorch2} in it.
 #
 # PARATRAIN_TESTS=REGEX runs only the matching tests; PARATRAIN_CTEST_ENV adds environment
@@ -47,7 +47,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         debootstrap >&2
     fi
     echo "test-libtorch2: making a Debian 13 root in $root (once per machine)" >&2
-    $SUDO rm -rf "$root"
+    # What a stopped run left mounted inside it first (deepest first), then the rest.
+    awk -v r="$root/" 'index($2, r) == 1 { print $2 }' /proc/mounts | sort -r |
+      while read -r m; do $SUDO umount -l "$m" || true; done
+    $SUDO rm -rf --one-file-system "$root"
     $SUDO mkdir -p "$root"
     # A bare root, then apt inside it: debootstrap's own resolver skips alternatives (libtorch's
     # dependencies need them).
@@ -101,12 +104,13 @@ mount_in /tmp -t tmpfs tmpfs
 mount_in /work/paratrain --bind "$src"
 
 # Inside: the same build and ctest as scripts/test.sh, less what the first leg checked once for
-# both (formatting, each public header on its own: its includes are its own on any libtorch), and
+# both (formatting, each public header on its own: see tests/CMakeLists.txt for what that leaves), and
 # less the tests labelled one-leg (tests/labels.cmake).
 in_root() { # in_root SCRIPT: runs SCRIPT with bash in the root, in the checkout
   # shellcheck disable=SC2086
   $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/root LANG=C.UTF-8 CI="${CI:-}" PARATRAIN_TESTS="${PARATRAIN_TESTS:-.}" \
+    PARATRAIN_BUILD_JOBS="${PARATRAIN_BUILD_JOBS:-2}" \
     ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
     cd /work/paratrain
     $1"

@@ -74,7 +74,8 @@ step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, de
 if [[ " $legs " == *" 2 "* ]]; then
   # A process group of its own, so that a failure of leg 1 can stop it whole.
   setsid bash -c "t0=\$(date +%s); bash scripts/test-libtorch2.sh --root-only > '$root_log' 2>&1; \
-    rc=\$?; echo \"leg 2 root, in the background \$((\$(date +%s) - t0))\" >> '$timings'; \
+    rc=\$?; name='leg 2 root, in the background'; [ \$rc -eq 0 ] || name=\"\$name (failed)\"; \
+    echo \"\$name \$((\$(date +%s) - t0))\" >> '$timings'; \
     exit \$rc" &
   root_pid=$!
 fi
