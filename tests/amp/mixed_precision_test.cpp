@@ -133,14 +133,16 @@ TEST(MixedPrecision, EveryOptLevelStepsLikeFp32) {
 TEST(MixedPrecision, EveryOptLevelTrainsLikeFp32) {
   // Accuracy on all 10,000 test images after 900 steps (about an epoch), for seed 0. A run that
   // differs from another only in rounding, from bf16 or from another CPU's kernels, ends about
-  // as far from it as a run of another seed: the bound comes from that spread. Measured here
-  // (paratrain bench amp-accuracy, seeds 0-4; PyTorch's torch.autocast gives the same numbers):
-  //   fp32 across seeds: sd 0.44 points (libtorch 1.13), 0.35 (2.6);
-  //   O1, O2, O3 minus fp32 of the same seed: -0.5 to +0.9 points (1.13), -2.2 to +0.9 (2.6).
-  // Bound for O1 and O2: 4 sd of the difference of two seeds, 4 x sqrt(2) x 0.44 = 2.5 points.
+  // as far from it as a run of another seed: the bound comes from that spread. Measured with
+  // paratrain bench amp-accuracy (900 steps, seeds 0-3; PyTorch's torch.autocast gave the same
+  // accuracy in all 16 runs, libtorch 1.13, AVX512-BF16 CPU):
+  //   fp32 across seeds: sd 1.15 points;
+  //   O1, O2, O3 minus fp32 of the same seed: -0.5 to +1.6 points, sd 0.67 over the 12;
+  //   on a CPU with AMX (seed 0): -1.55 to -0.55 (1.13), -1.7 to +1.35 (2.6).
+  // Bound for O1 and O2: 2.5 points, 1.5x the largest difference measured, 3.7 sd.
   // O3 keeps the weights themselves in bf16, so SGD steps smaller than a weight's last bit are
-  // lost (apex warns of it): it trails fp32 by 0.15 (1.13) to 0.5 points (2.6) on average, and
-  // gets 1 point more. A level that does not train at all ends near 10%.
+  // lost (apex warns of it): it ended -0.5 to +1.3 points from fp32 here and -1.5 on the AMX
+  // CPU, and gets 1 point more. A level that does not train at all ends near 10%.
   // On libtorch 1.13 without oneDNN bf16 kernels (a CPU without AVX512, or ONEDNN_MAX_CPU_ISA=AVX2;
   // Note [CPU kernels that do not run]) the bf16 steps run on ATen's own kernels, 14x slower (0.56
   // s against 0.04 s a step here), and this comparison would take 25 minutes:
