@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$(pwd)
-root="${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}"
+# Absolute and without symbolic links, as /proc/mounts names the mounts inside it.
+root=$(realpath -m -- "${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}")
 build_dir="${BUILD_DIR_LIBTORCH2:-build-libtorch2}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -47,9 +48,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         debootstrap >&2
     fi
     echo "test-libtorch2: making a Debian 13 root in $root (once per machine)" >&2
-    # What a stopped run left mounted inside it first (deepest first), then the rest.
-    awk -v r="$root/" 'index($2, r) == 1 { print $2 }' /proc/mounts | sort -r |
-      while read -r m; do $SUDO umount -l "$m" || true; done
+    # What a stopped run left mounted inside it first (the checkout is bound in there), then the
+    # rest; never a removal across a mount that is still there.
+    mounts_inside() { awk -v r="$root" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/mounts; }
+    mounts_inside | sort -r | while read -r m; do $SUDO umount -l "$m" || true; done
+    if [ -n "$(mounts_inside)" ]; then
+      echo "test-libtorch2: $root still has mounts inside it ($(mounts_inside | tr '\n' ' '));" \
+        "unmount them, then run again" >&2
+      exit 1
+    fi
     $SUDO rm -rf --one-file-system "$root"
     $SUDO mkdir -p "$root"
     # A bare root, then apt inside it: debootstrap's own resolver skips alternatives (libtorch's

@@ -3,6 +3,7 @@
 #include "errors.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 
@@ -58,23 +59,29 @@ std::string try_bf16_convolution() {
       error = paratrain::detail::error_message(e);
     }
   };
+  std::thread probe;
   try {
-    std::thread probe([&convolve] {
-      at::init_num_threads();  // the caller's intra-op thread count, not OpenMP's default
+    probe = std::thread([&convolve] {
+      at::init_num_threads();  // the process's intra-op thread count, not OpenMP's default
       convolve();
     });
-    probe.join();
-  } catch (const std::system_error&) {  // no thread to be had (a process limit): on this one
+  } catch (const std::system_error&) {
+    // No thread to be had (a process limit): on the caller's, with gradients on whatever its
+    // state (bf16 inputs make autocast's casts no-ops).
+    c10::InferenceMode not_inference(false);
     at::AutoGradMode grad(true);
     convolve();
+    return error;
   }
+  probe.join();
   return error;
 }
 
-// ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA, in capitals; "" when neither is set.
+// ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA, in capitals; "" when neither is set
+// (an empty value counts as unset, as oneDNN reads it).
 std::string onednn_max_isa() {
   const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (cap == nullptr) {
+  if (cap == nullptr || *cap == '\0') {
     cap = std::getenv("DNNL_MAX_CPU_ISA");
   }
   std::string isa = cap != nullptr ? cap : "";

@@ -57,7 +57,7 @@ std::set<std::string> cpu_flags() {
 // The cap oneDNN honours: ONEDNN_MAX_CPU_ISA or its older name DNNL_MAX_CPU_ISA, in capitals.
 std::string onednn_cap() {
   const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (cap == nullptr) {
+  if (cap == nullptr || *cap == '\0') {
     cap = std::getenv("DNNL_MAX_CPU_ISA");
   }
   std::string isa = cap != nullptr ? cap : "";
