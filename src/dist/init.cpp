@@ -188,8 +188,15 @@ void join(c10d::Store& store,
           int per_node) {
   const std::string rank_key = "paratrain/join/rank/" + std::to_string(rank);
   if (store.add(rank_key, 1) != 1) {
+    // The first process of this rank writes its address right after its add: wait for it a
+    // little (a loaded machine delays that write; asking at once read nothing, and named "?").
     const std::string from_key = "paratrain/join/from/" + std::to_string(rank);
-    const auto first = store.check({from_key}) ? store.get(from_key) : std::vector<uint8_t>{};
+    std::vector<uint8_t> first;
+    try {
+      store.wait({from_key}, std::min(timeout, std::chrono::milliseconds(5000)));
+      first = store.get(from_key);
+    } catch (const std::exception&) {  // it died in between: the address stays unknown
+    }
     const char* group_rank = std::getenv("GROUP_RANK");
     TORCH_CHECK(false, "rank ", rank, " joined twice (from ",
                 first.empty() ? std::string("?") : std::string(first.begin(), first.end()),
