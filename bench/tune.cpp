@@ -5,7 +5,7 @@
 // uniform(0, 0.5); at most 2 epochs a trial, test accuracy reported every quarter epoch (so
 // max_t is 8), 20 trials, 1 thread per trial. paratrain runs its trials as C++ functions,
 // --max-concurrent at once (default: one per core); Optuna (bench/tune_optuna.py, Debian's
-// python3-optuna) runs them one after another with n_jobs=1, as the numbers were taken.
+// python3-optuna) runs them one after another with n_jobs=1, Optuna's default.
 //
 // Rows: system (paratrain-bohb, paratrain-asha, paratrain-random, optuna-tpe-hyperband,
 // optuna-random), seed, best_accuracy (the best trial that ran to max_t, at its last report, as

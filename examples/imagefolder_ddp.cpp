@@ -1,5 +1,5 @@
-// The notes' main_worker on a folder of images: an ImageFolder (train/ and val/), the
-// DistributedSampler, a DataLoader with worker threads and pinned memory, batches copied to the
+// main_worker of PyTorch's ImageNet example on a folder of images: an ImageFolder (train/, val/),
+// the DistributedSampler, a DataLoader with worker threads and pinned memory, batches copied to the
 // GPU one ahead on a side stream, and DDP. The C++ counterpart of PyTorch's ImageNet example:
 //
 //   paratrain data make-imagefolder --from fashion-mnist --out /tmp/fm --size 64
