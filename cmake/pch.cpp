@@ -1,1 +1,1 @@
-// The translation unit that carries the precompiled header every program reuses.
+// The translation unit that carries the precompiled header the library and every program reuse.
