@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include "commands.h"  // apps/paratrain: run_cli
 #include "util/files.h"
 
 #include <c10/util/Exception.h>
@@ -16,13 +17,17 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <optional>
 
 extern char** environ;
 
@@ -157,6 +162,103 @@ ProcessResult run_process(const std::vector<std::string>& argv,
                           double timeout_seconds) {
   RunningProcess p = start_process(argv, env);
   return p.finish(timeout_seconds);
+}
+
+namespace {
+// While alive: stdout and stderr (the descriptors, so C stdio and libtorch's warnings too) go to
+// an unlinked temporary file, and `env` is set; the destructor puts both back.
+class CapturedCommand {
+ public:
+  explicit CapturedCommand(const std::map<std::string, std::string>& env) {
+    flush();
+    char path[] = "/tmp/paratrain-run-cli.XXXXXX";
+    file_ = ::mkstemp(path);
+    TORCH_CHECK(file_ >= 0, "run_cli: mkstemp failed: ", std::strerror(errno));
+    ::unlink(path);
+    saved_out_ = ::dup(STDOUT_FILENO);
+    saved_err_ = ::dup(STDERR_FILENO);
+    if (saved_out_ < 0 || saved_err_ < 0) {
+      const int error = errno;
+      for (int fd : {file_, saved_out_, saved_err_}) {
+        if (fd >= 0) {
+          ::close(fd);
+        }
+      }
+      TORCH_CHECK(false, "run_cli: dup failed: ", std::strerror(error));
+    }
+    ::dup2(file_, STDOUT_FILENO);
+    ::dup2(file_, STDERR_FILENO);
+    for (const auto& [name, value] : env) {
+      const char* old = std::getenv(name.c_str());
+      saved_env_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+      if (value == "<unset>") {  // as in start_process
+        ::unsetenv(name.c_str());
+      } else {
+        ::setenv(name.c_str(), value.c_str(), 1);
+      }
+    }
+  }
+  CapturedCommand(const CapturedCommand&) = delete;
+  CapturedCommand& operator=(const CapturedCommand&) = delete;
+  ~CapturedCommand() {
+    restore();
+    ::close(file_);
+  }
+  // Restores stdout, stderr and the environment; returns what was written meanwhile.
+  std::string finish() {
+    restore();
+    std::string out;
+    ::lseek(file_, 0, SEEK_SET);
+    char buffer[4096];
+    ssize_t n;
+    while ((n = ::read(file_, buffer, sizeof(buffer))) > 0) {
+      out.append(buffer, static_cast<size_t>(n));
+    }
+    return out;
+  }
+
+ private:
+  static void flush() {
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+  }
+  void restore() {
+    if (restored_) {
+      return;
+    }
+    restored_ = true;
+    flush();
+    ::dup2(saved_out_, STDOUT_FILENO);
+    ::dup2(saved_err_, STDERR_FILENO);
+    ::close(saved_out_);
+    ::close(saved_err_);
+    for (const auto& [name, old] : saved_env_) {
+      if (old) {
+        ::setenv(name.c_str(), old->c_str(), 1);
+      } else {
+        ::unsetenv(name.c_str());
+      }
+    }
+  }
+  bool restored_ = false;
+  int file_ = -1;
+  int saved_out_ = -1;
+  int saved_err_ = -1;
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_env_;
+};
+}  // namespace
+
+ProcessResult run_cli(const std::vector<std::string>& argv,
+                      const std::map<std::string, std::string>& env) {
+  TORCH_CHECK(!argv.empty() && argv[0] == cli_path(), "run_cli: argv[0] must be cli_path(), got '",
+              argv.empty() ? "" : argv[0], "'");
+  cli::set_self_path(cli_path());
+  ProcessResult r;
+  CapturedCommand captured(env);
+  r.exit_code = cli::run_command_line(std::vector<std::string>(argv.begin() + 1, argv.end()));
+  r.output = captured.finish();
+  return r;
 }
 
 std::vector<int> processes_with(const std::string& token) {

@@ -46,6 +46,14 @@ ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env = {},
                           double timeout_seconds = 120);
 
+/// Runs a paratrain command line in this process, as `paratrain` would (argv[0] is cli_path()):
+/// the same dispatch and error reporting (cli::run_command_line), its stdout and stderr captured,
+/// `env` set for its duration. For command lines that fail before starting anything, which would
+/// otherwise each pay a process's libtorch start-up (0.8 CPU-seconds). Commands that run
+/// themselves again as workers run cli_path() for it. No timeout: the test's own applies.
+ProcessResult run_cli(const std::vector<std::string>& argv,
+                      const std::map<std::string, std::string>& env = {});
+
 /// A started process, for tests that signal it while it runs.
 struct RunningProcess {
   int pid = -1;

@@ -57,8 +57,17 @@ std::string help_text(const std::string& usage,
                       const std::vector<Command>& table,
                       bool with_bench);
 
-/// Absolute path of this executable (to re-run it as a worker or an mpirun shim).
+/// The whole command line after the program's name (`train --epochs 2`): dispatches to the
+/// command and turns its exceptions into one line on stderr and the exit code: 2 for a bad
+/// command line, 1 for everything else. main() is this and nothing more.
+int run_command_line(std::vector<std::string> args);
+
+/// Absolute path of the paratrain executable, which commands run again as workers or mpirun
+/// shims: by default this process's own file.
 std::string self_path();
+/// Makes self_path() return `path`: for a program that runs command lines in-process (the tests)
+/// and is not itself the paratrain executable.
+void set_self_path(const std::string& path);
 
 }  // namespace cli
 }  // namespace paratrain

@@ -223,16 +223,16 @@ TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
   EXPECT_NE(r.output.find("cannot decode " + root + "/train/4_coat/zz_text.jpg: not a JPEG"),
             std::string::npos)
       << r.output;
-  r = run_process({cli_path(), "train", "--model", "cnn", "--dataset", "imagefolder", "--data-dir",
-                   root + "/nope"},
-                  world_of_one_env(), 120);
+  r = run_cli({cli_path(), "train", "--model", "cnn", "--dataset", "imagefolder", "--data-dir",
+               root + "/nope"},
+              world_of_one_env());
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("ImageFolder: root " + root + "/nope/train does not exist"),
             std::string::npos)
       << r.output;
-  r = run_process({cli_path(), "train", "--model", "cnn", "--dataset", "imagefolder", "--data-dir",
-                   root, "--workers", "-1"},
-                  world_of_one_env(), 120);
+  r = run_cli({cli_path(), "train", "--model", "cnn", "--dataset", "imagefolder", "--data-dir",
+               root, "--workers", "-1"},
+              world_of_one_env());
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--workers must be >= 0, got -1"), std::string::npos) << r.output;
   remove_tree(root);

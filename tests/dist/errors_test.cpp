@@ -292,7 +292,7 @@ TEST(BadInput, LauncherArguments) {
   for (const auto& c : cases) {
     std::vector<std::string> argv{cli_path(), "launch"};
     argv.insert(argv.end(), c.args.begin(), c.args.end());
-    auto r = run_process(argv, {}, 30);
+    auto r = run_cli(argv);
     EXPECT_NE(r.exit_code, 0) << c.message;
     EXPECT_NE(r.output.find(c.message), std::string::npos)
         << "expected '" << c.message << "' in: " << r.output;

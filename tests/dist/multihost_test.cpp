@@ -415,7 +415,10 @@ TEST(Rendezvous, BadInput) {
     std::vector<std::string> argv{cli_path(), "launch"};
     argv.insert(argv.end(), c.args.begin(), c.args.end());
     argv.insert(argv.end(), {"--", "/bin/true"});
-    auto r = run_process(argv, {}, 60);
+    // The last case joins a rendezvous (a store and its threads): in a process of its own. The
+    // others are refused before anything starts: in this one.
+    const bool joins = &c == &cases.back();
+    auto r = joins ? run_process(argv, {}, 60) : run_cli(argv);
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.message << "\n" << r.output;
   }
@@ -552,7 +555,7 @@ TEST(MultiHost, BadHostfiles) {
     }
     argv.insert(argv.end(), c.extra.begin(), c.extra.end());
     argv.insert(argv.end(), {"--", "/bin/true"});
-    auto r = run_process(argv, {}, 60);
+    auto r = run_cli(argv);
     EXPECT_NE(r.exit_code, 0) << c.contents;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.message << "\n" << r.output;
   }

@@ -374,12 +374,16 @@ TEST(Resume, BadInput) {
                                           "lr-milestones = [\"x\", 2]\n";
   }
   for (const auto& c : cases) {
-    auto r = run_process(job(plus({"--epochs", "1", "--steps", "1"}, c.args)), {kCpuOnly}, 120);
+    // A case with --nproc starts a launcher and ranks: in a process of its own. The others fail
+    // before anything starts: in this one.
+    const auto argv = job(plus({"--epochs", "1", "--steps", "1"}, c.args));
+    const bool ranks = std::find(c.args.begin(), c.args.end(), "--nproc") != c.args.end();
+    auto r = ranks ? run_process(argv, {kCpuOnly}, 120) : run_cli(argv, {kCpuOnly});
     EXPECT_NE(r.exit_code, 0) << c.message;
     EXPECT_NE(r.output.find(c.message), std::string::npos)
         << "expected '" << c.message << "' in: " << r.output;
   }
-  auto launch = run_process({cli_path(), "launch", "--max-restarts", "-2", "--", "true"}, {}, 30);
+  auto launch = run_cli({cli_path(), "launch", "--max-restarts", "-2", "--", "true"});
   EXPECT_NE(launch.exit_code, 0);
   EXPECT_NE(launch.output.find("--max-restarts must be >= 0, got -2"), std::string::npos)
       << launch.output;

@@ -305,7 +305,7 @@ TEST(Train, BadInput) {
   for (const auto& c : cases) {
     std::vector<std::string> argv{cli_path(), "train", "--steps", "1"};
     argv.insert(argv.end(), c.args.begin(), c.args.end());
-    auto r = run_process(argv, {}, 60);
+    auto r = run_cli(argv);
     EXPECT_NE(r.exit_code, 0) << c.message;
     EXPECT_NE(r.output.find(c.message), std::string::npos)
         << "expected '" << c.message << "' in: " << r.output;

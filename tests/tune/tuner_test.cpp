@@ -319,7 +319,7 @@ TEST(Tuner, CliBadInputGetsOneLine) {
                                   "--trial-dir",
                                   dir.path + "/t"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    return run_process(argv, {}, 60);
+    return run_cli(argv);
   };
   struct Case {
     std::vector<std::string> args;
