@@ -28,7 +28,7 @@ set(paratrain_slow_tests
     Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
     Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 14 14 13 12 11 3)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3)
 # The tests CI runs in both legs (libtorch 1.13 and 2.6): those of code that calls libtorch where
 # 1.13 and 2.x differ, namely c10d (stores, process groups and their engines, Work, timeouts), the
 # launcher and the rendezvous on top of it, autograd functions and hooks (DDP, SyncBatchNorm,

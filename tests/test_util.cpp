@@ -3,6 +3,7 @@
 #include "commands.h"  // apps/paratrain: run_cli
 #include "util/files.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
@@ -171,12 +172,14 @@ class CapturedCommand {
  public:
   explicit CapturedCommand(const std::map<std::string, std::string>& env) {
     flush();
+    // Close-on-exec: a process the command starts inherits its stdout and stderr (the file), not
+    // these descriptors (the test's own output, which ctest waits on).
     char path[] = "/tmp/paratrain-run-cli.XXXXXX";
-    file_ = ::mkstemp(path);
-    TORCH_CHECK(file_ >= 0, "run_cli: mkstemp failed: ", std::strerror(errno));
+    file_ = ::mkostemp(path, O_CLOEXEC);
+    TORCH_CHECK(file_ >= 0, "run_cli: mkostemp failed: ", std::strerror(errno));
     ::unlink(path);
-    saved_out_ = ::dup(STDOUT_FILENO);
-    saved_err_ = ::dup(STDERR_FILENO);
+    saved_out_ = ::fcntl(STDOUT_FILENO, F_DUPFD_CLOEXEC, 3);
+    saved_err_ = ::fcntl(STDERR_FILENO, F_DUPFD_CLOEXEC, 3);
     if (saved_out_ < 0 || saved_err_ < 0) {
       const int error = errno;
       for (int fd : {file_, saved_out_, saved_err_}) {
@@ -186,8 +189,8 @@ class CapturedCommand {
       }
       TORCH_CHECK(false, "run_cli: dup failed: ", std::strerror(error));
     }
-    ::dup2(file_, STDOUT_FILENO);
-    ::dup2(file_, STDERR_FILENO);
+    TORCH_CHECK(::dup2(file_, STDOUT_FILENO) >= 0 && ::dup2(file_, STDERR_FILENO) >= 0,
+                "run_cli: dup2 failed: ", std::strerror(errno));
     for (const auto& [name, value] : env) {
       const char* old = std::getenv(name.c_str());
       saved_env_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);

@@ -1,7 +1,8 @@
 #pragma once
 
 // Helpers for tests that start real processes: run a command with extra environment and a
-// deadline, capture its output, and look for processes left behind.
+// deadline, capture its output, and look for processes left behind; and run_cli, which runs a
+// paratrain command line in the test's own process.
 
 #include <ATen/core/Tensor.h>
 #include <gtest/gtest.h>
@@ -50,7 +51,9 @@ ProcessResult run_process(const std::vector<std::string>& argv,
 /// the same dispatch and error reporting (cli::run_command_line), its stdout and stderr captured,
 /// `env` set for its duration. For command lines that fail before starting anything, which would
 /// otherwise each pay a process's libtorch start-up (0.8 CPU-seconds). Commands that run
-/// themselves again as workers run cli_path() for it. No timeout: the test's own applies.
+/// themselves again as workers run cli_path() for it. No timeout: the test's own applies. What the
+/// command set in libtorch stays set (the CUDA devices seen, seeds, oneDNN switched off): so
+/// only in tests that ctest runs as a process of their own (every case outside the unit suites).
 ProcessResult run_cli(const std::vector<std::string>& argv,
                       const std::map<std::string, std::string>& env = {});
 
