@@ -7,7 +7,7 @@ set(paratrain_unit_suites
     Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests
-    BadInput.NewGroupRanks Checkpoint.OptimizerStateRoundTripsBitwise
+    BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal Checkpoint.OptimizerStateRoundTripsBitwise
     Checkpoint.RngStateRestoresTheSameDraws FashionMNIST.ReadsDebiansFiles
     FashionMNIST.MissingFilesSayWhatToInstall ImageFolder.FollowsTorchvisionsRules
     ImageFolder.BadFoldersAreNamed ImageFolder.BadFilesAreNamedOrSkipped LRSchedule.BadOptions

@@ -15,6 +15,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include <csignal>
 
 #include <algorithm>
 #include <cmath>
@@ -241,6 +242,18 @@ void join(c10d::Store& store,
   }
 }
 
+// A peer that dies mid-collective closes its sockets; Gloo's next write to one raises SIGPIPE,
+// whose default action kills this rank silently (exit 141) before the collective can report
+// which operation and which ranks failed. Python ignores SIGPIPE at start-up, so PyTorch's
+// ranks see EPIPE as an error instead; a C++ program gets the same here. A handler the program
+// installed itself is left alone.
+void ignore_broken_pipes() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    std::signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -350,6 +363,7 @@ std::string resolve_backend(const InitOptions& options) {
 }
 
 ProcessGroupPtr init_process_group(const InitOptions& options) {
+  ignore_broken_pipes();
   const std::string backend = resolve_backend(options);
   const auto timeout = options.timeout();
   TORCH_CHECK(timeout.count() > 0, "timeout must be positive, got ", timeout.count(), " ms");

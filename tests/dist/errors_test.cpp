@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <thread>
 
 namespace paratrain {
@@ -332,6 +333,37 @@ TEST(BadInput, NewGroupRanks) {
   sub->allreduce(t)->wait();
   EXPECT_EQ(t.sum().item<double>(), 3.0);
   std::remove(path.c_str());
+}
+
+// A write to a peer that has gone must come back as an error the collective reports (as under
+// Python, which ignores SIGPIPE), not as SIGPIPE killing the rank. BadInput.PeerDiesMidCollective
+// shows the whole path, but whether the peer's sockets are closed before or after rank 0 writes
+// depends on timing; this checks the disposition itself, in this process.
+TEST(BadInput, BrokenPipeIsAnErrorNotASignal) {
+  auto disposition = [] {
+    struct sigaction now {};
+    EXPECT_EQ(sigaction(SIGPIPE, nullptr, &now), 0);
+    return now.sa_handler;
+  };
+  const std::string path = "/tmp/" + unique_token("paratrain-sigpipe-store");
+  auto init = [&] {
+    return dist::init_process_group(
+        dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+  };
+  std::signal(SIGPIPE, SIG_DFL);
+  auto pg = init();
+  EXPECT_EQ(disposition(), SIG_IGN);
+  pg.reset();
+  std::remove(path.c_str());
+
+  // A program's own handler stays.
+  void (*mine)(int) = [](int) {};
+  std::signal(SIGPIPE, mine);
+  pg = init();
+  EXPECT_EQ(disposition(), mine);
+  pg.reset();
+  std::remove(path.c_str());
+  std::signal(SIGPIPE, SIG_DFL);
 }
 
 }  // namespace
