@@ -2,7 +2,7 @@
 # tests/labels.cmake (their labels and environment, when ctest reads the test list).
 
 set(paratrain_unit_suites
-    AdaptImages Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
+    AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
     DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
@@ -38,7 +38,7 @@ set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3)
 # Slurm, the benchmarks, the CLI's end-to-end runs; so do the mpi cases of the parameterized
 # suites but one each (their gloo cases run in both, the mpi engine's own tests too).
 set(paratrain_both_legs_suites
-    Addresses Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm CpuKernels
+    Addresses Allocator Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm CpuKernels
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven Launch
     MixedPrecision MultiHost Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Rendezvous Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer

@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include "commands.h"  // apps/paratrain: run_cli
+#include "paratrain/util/allocator.h"
 #include "util/files.h"
 
 #include <ATen/ATen.h>
@@ -37,6 +38,10 @@ namespace testing {
 
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// The suite's own process trains models in-process (MixedPrecision, Trainer, ...): it keeps freed
+// memory as paratrain's programs and examples do (Note [Freed memory on the CPU]).
+[[maybe_unused]] const bool kKeepsFreedMemory = cpu::keep_freed_memory();
 
 void fill_result(int status, ProcessResult& r) {
   if (WIFEXITED(status)) {
@@ -312,7 +317,14 @@ bool python_has(const std::string& module) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = known.find(module);
   if (it == known.end()) {
-    auto r = run_process({test_python(), "-c", "import " + module}, {}, 120);
+    // Whether the module is installed, found without importing it: importing torch or
+    // torchvision costs 3 CPU-seconds, and the test that asked imports it next anyway (a broken
+    // installation then fails that test rather than skipping it).
+    auto r = run_process({test_python(), "-c",
+                          "import importlib.util, sys; "
+                          "sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
+                          module},
+                         {}, 120);
     it = known.emplace(module, r.exit_code == 0).first;
   }
   return it->second;

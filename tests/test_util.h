@@ -94,7 +94,7 @@ std::string spawn_probe_path();
 
 /// The Python that writes reference files (CMake's PARATRAIN_TEST_PYTHON).
 std::string test_python();
-/// Whether test_python() can import `module` (e.g. "torchvision"); checked once per module.
+/// Whether test_python() has `module` installed (e.g. "torchvision"); checked once per module.
 bool python_has(const std::string& module);
 
 /// Whether this machine has a CUDA device (tests that need one skip with this reason otherwise).

@@ -72,7 +72,8 @@ int run_info(const std::vector<std::string>& argv) {
                             {"cpu_cores", std::thread::hardware_concurrency()},
                             {"cuda_devices", cuda_devices},
                             {"cpu_caches_described", cpu::reports_caches()},
-                            {"onednn_in_aten", at::globalContext().userEnabledMkldnn()}})
+                            {"onednn_in_aten", at::globalContext().userEnabledMkldnn()},
+                            {"malloc_keeps_freed_memory", cpu::keep_freed_memory()}})
               << std::endl;
     return 0;
   }
@@ -87,6 +88,12 @@ int run_info(const std::vector<std::string>& argv) {
             << "cpu threads   " << at::get_num_threads() << " intra-op (of "
             << std::thread::hardware_concurrency() << " cores)\n"
             << "blas          " << loaded_blas() << "\n"
+            << "malloc        "
+            << (cpu::keep_freed_memory()
+                    ? "keeps freed memory (glibc: mmap threshold 256 MiB, trim threshold 1 GiB)"
+                    : "glibc's defaults, or the environment's (GLIBC_TUNABLES, MALLOC_*_, "
+                      "PARATRAIN_KEEP_FREED_MEMORY=0), or not glibc")
+            << "\n"
             << cpu::describe() << "cuda devices  " << cuda_devices;
   for (int i = 0; i < cuda_devices; ++i) {
     std::cout << (i ? ", " : " (") << "cuda:" << i << (i + 1 == cuda_devices ? ")" : "");

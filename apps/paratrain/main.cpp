@@ -4,9 +4,12 @@
 
 #include "commands.h"
 
+#include "paratrain/util/allocator.h"
+
 #include <string>
 #include <vector>
 
 int main(int argc, char** argv) {
+  paratrain::cpu::keep_freed_memory();  // Note [Freed memory on the CPU]
   return paratrain::cli::run_command_line(std::vector<std::string>(argv + 1, argv + argc));
 }

@@ -40,4 +40,5 @@
 #include "paratrain/train/torch_load.h"   // load_torch_state_dict, load_weights
 #include "paratrain/train/trace.h"        // trace::Tracer, Span (Chrome traces)
 #include "paratrain/train/trainer.h"      // Trainer, TrainerOptions, make_optimizer
+#include "paratrain/util/allocator.h"     // cpu::keep_freed_memory, glibc keeps freed tensors
 #include "paratrain/util/cpu_kernels.h"   // cpu::ensure_usable_kernels, CPU kernel workarounds

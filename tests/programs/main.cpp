@@ -4,6 +4,8 @@
 // costs a compile of its own (about 25 CPU-seconds here, most of it loading the precompiled
 // header and generating the same libtorch code again), twice per CI run.
 
+#include "paratrain/util/allocator.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -26,6 +28,7 @@ PARATRAIN_TEST_PROGRAM(zero_worker)
 }  // namespace paratrain_test_programs
 
 int main(int argc, char** argv) {
+  paratrain::cpu::keep_freed_memory();  // as paratrain and its examples do
   namespace p = paratrain_test_programs;
   struct Program {
     const char* name;

@@ -1,0 +1,49 @@
+#include "paratrain/util/allocator.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+namespace paratrain {
+namespace cpu {
+namespace {
+
+// A user who set glibc's thresholds in the environment chose them: keep theirs. So does one who
+// asks for glibc's defaults (PARATRAIN_KEEP_FREED_MEMORY=0).
+bool environment_sets_thresholds() {
+  const char* keep = std::getenv("PARATRAIN_KEEP_FREED_MEMORY");
+  if (keep != nullptr && std::strcmp(keep, "0") == 0) {
+    return true;
+  }
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+    return true;
+  }
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  return tunables != nullptr && (std::strstr(tunables, "glibc.malloc.mmap_threshold") != nullptr ||
+                                 std::strstr(tunables, "glibc.malloc.trim_threshold") != nullptr);
+}
+
+}  // namespace
+
+bool keep_freed_memory() {
+#if defined(__GLIBC__)
+  // Once per process (a static's initialisation is thread-safe); mallopt returns 1 on success.
+  static const bool applied = [] {
+    if (environment_sets_thresholds()) {
+      return false;
+    }
+    return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kKeptMmapThreshold)) == 1 &&
+           mallopt(M_TRIM_THRESHOLD, static_cast<int>(kKeptTrimThreshold)) == 1;
+  }();
+  return applied;
+#else
+  return false;
+#endif
+}
+
+}  // namespace cpu
+}  // namespace paratrain

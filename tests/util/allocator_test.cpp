@@ -1,0 +1,66 @@
+// keep_freed_memory(): glibc's malloc keeps the memory of freed tensors for the next step (Note
+// [Freed memory on the CPU]), unless the environment chose its own thresholds.
+
+#include "test_util.h"
+
+#include "paratrain/util/allocator.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <malloc.h>
+
+#include <cstdlib>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+TEST(Allocator, FreedTensorsStayForTheNextStep) {
+  if (std::getenv("PARATRAIN_KEEP_FREED_MEMORY") != nullptr ||
+      std::getenv("GLIBC_TUNABLES") != nullptr ||
+      std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr ||
+      std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr) {
+    GTEST_SKIP() << "the environment sets glibc's malloc tunables; this checks paratrain's";
+  }
+  ASSERT_TRUE(cpu::keep_freed_memory());
+  EXPECT_TRUE(cpu::keep_freed_memory());  // idempotent
+  // 64 MiB, above the largest mmap threshold glibc would pick by itself (32 MiB): by default the
+  // block is mapped for the tensor and unmapped when it dies, every step.
+  const size_t bytes = 64u << 20;
+  const size_t mapped_before = mallinfo2().hblkhd;
+  {
+    at::Tensor t = torch::ones({static_cast<int64_t>(bytes / sizeof(float))});
+    EXPECT_EQ(t.sum().item<double>(), static_cast<double>(bytes / sizeof(float)));
+    EXPECT_EQ(mallinfo2().hblkhd, mapped_before) << "the tensor's block was mapped on its own";
+  }
+  // Freed, it stays in the heap as free memory for the next tensor (by default free memory above
+  // 128 KiB at the top of the heap goes back to the kernel).
+  EXPECT_GE(mallinfo2().fordblks, bytes) << "the freed block left the heap";
+}
+
+TEST(Info, MallocFollowsTheEnvironment) {
+  // paratrain info says which settings the process runs with: its own, or the environment's.
+  auto r = run_process({cli_path(), "info", "--json"},
+                       {{"GLIBC_TUNABLES", "<unset>"},
+                        {"MALLOC_MMAP_THRESHOLD_", "<unset>"},
+                        {"MALLOC_TRIM_THRESHOLD_", "<unset>"},
+                        {"PARATRAIN_KEEP_FREED_MEMORY", "<unset>"}},
+                       120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\"malloc_keeps_freed_memory\": true"), std::string::npos) << r.output;
+  for (const auto& env : std::vector<std::pair<std::string, std::string>>{
+           {"GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"},
+           {"MALLOC_MMAP_THRESHOLD_", "131072"},
+           {"PARATRAIN_KEEP_FREED_MEMORY", "0"}}) {
+    r = run_process({cli_path(), "info", "--json"}, {{env.first, env.second}}, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("\"malloc_keeps_freed_memory\": false"), std::string::npos)
+        << env.first << "=" << env.second << ": " << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
