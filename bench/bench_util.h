@@ -78,7 +78,10 @@ inline Workload workload(const std::string& name, int steps_override) {
             16,         {16, 3, 32, 32},
             2,          steps_override > 0 ? steps_override : 16};
   }
-  throw UsageError("unknown workload '" + name + "': choose mlp or resnet18");
+  if (name == "cnn") {  // the zoo's small CNN: activations of a few MiB (README, Allocator)
+    return {"cnn", "cnn", 32, {32, 1, 28, 28}, 5, steps_override > 0 ? steps_override : 40};
+  }
+  throw UsageError("unknown workload '" + name + "': choose mlp, resnet18 or cnn");
 }
 
 /// The non-empty items of a comma-separated list ("a,,b" gives a and b).

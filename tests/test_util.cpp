@@ -94,6 +94,7 @@ RunningProcess start_process(const std::vector<std::string>& argv,
   pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);
+    ::signal(SIGPIPE, SIG_DFL);  // ignored in this process after a process group was made
     ::dup2(fds[1], 1);
     ::dup2(fds[1], 2);
     ::close(fds[0]);

@@ -90,9 +90,10 @@ int run_info(const std::vector<std::string>& argv) {
             << "blas          " << loaded_blas() << "\n"
             << "malloc        "
             << (cpu::keep_freed_memory()
-                    ? "keeps freed memory (glibc: mmap threshold 256 MiB, trim threshold 1 GiB)"
-                    : "glibc's defaults, or the environment's (GLIBC_TUNABLES, MALLOC_*_, "
-                      "PARATRAIN_KEEP_FREED_MEMORY=0), or not glibc")
+                    ? "glibc keeps freed memory (mmap threshold " +
+                          std::to_string(cpu::kKeptMmapThreshold >> 20) + " MiB, no trimming)"
+                    : std::string("glibc's defaults, or the environment's (GLIBC_TUNABLES, "
+                                  "MALLOC_*_, PARATRAIN_KEEP_FREED_MEMORY=0), or not glibc"))
             << "\n"
             << cpu::describe() << "cuda devices  " << cuda_devices;
   for (int i = 0; i < cuda_devices; ++i) {

@@ -13,9 +13,9 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
-#include <csignal>
 
 #include <algorithm>
 #include <cmath>
@@ -246,11 +246,15 @@ void join(c10d::Store& store,
 // whose default action kills this rank silently (exit 141) before the collective can report
 // which operation and which ranks failed. Python ignores SIGPIPE at start-up, so PyTorch's
 // ranks see EPIPE as an error instead; a C++ program gets the same here. A handler the program
-// installed itself is left alone.
+// installed itself is left alone. The processes paratrain starts get the default back (launch,
+// tune), as Python's subprocess does. The cost: a rank whose stdout reader has gone (`| head`)
+// no longer dies at its next line; under `paratrain launch` it ends with the launcher.
 void ignore_broken_pipes() {
   struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
-    std::signal(SIGPIPE, SIG_IGN);
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    ::sigaction(SIGPIPE, &ignore, nullptr);
   }
 }
 

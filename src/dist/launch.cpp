@@ -511,6 +511,9 @@ void install_signal_handlers(JobGuard& job) {
   ::sigaction(SIGINT, &dfl, nullptr);
   ::sigaction(SIGTERM, &dfl, nullptr);
   ::sigaction(SIGCHLD, &dfl, nullptr);
+  // A launcher inside a rank inherits the rank's ignored SIGPIPE (init_process_group); programs
+  // get the default back, as Python's subprocess gives them.
+  ::sigaction(SIGPIPE, &dfl, nullptr);
   // A caller that blocks SIGINT/SIGTERM (to sigwait for them) must not hand that mask to the
   // workers: they would ignore the launcher's SIGTERM until kill_grace ran out.
   sigset_t none;

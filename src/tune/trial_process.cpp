@@ -71,6 +71,7 @@ Process start_process(const ProcessSpec& spec) {
   if (pid == 0) {
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);  // a tuner inside a rank has it ignored (init_process_group)
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);

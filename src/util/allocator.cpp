@@ -36,8 +36,7 @@ bool keep_freed_memory() {
     if (environment_sets_thresholds()) {
       return false;
     }
-    return mallopt(M_MMAP_THRESHOLD, static_cast<int>(kKeptMmapThreshold)) == 1 &&
-           mallopt(M_TRIM_THRESHOLD, static_cast<int>(kKeptTrimThreshold)) == 1;
+    return mallopt(M_TRIM_THRESHOLD, -1) == 1 && mallopt(M_MMAP_THRESHOLD, kKeptMmapThreshold) == 1;
   }();
   return applied;
 #else

@@ -350,6 +350,8 @@ TEST(BadInput, BrokenPipeIsAnErrorNotASignal) {
     return dist::init_process_group(
         dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
   };
+  struct sigaction original {};
+  ASSERT_EQ(sigaction(SIGPIPE, nullptr, &original), 0);
   std::signal(SIGPIPE, SIG_DFL);
   auto pg = init();
   EXPECT_EQ(disposition(), SIG_IGN);
@@ -363,7 +365,7 @@ TEST(BadInput, BrokenPipeIsAnErrorNotASignal) {
   EXPECT_EQ(disposition(), mine);
   pg.reset();
   std::remove(path.c_str());
-  std::signal(SIGPIPE, SIG_DFL);
+  sigaction(SIGPIPE, &original, nullptr);
 }
 
 }  // namespace
