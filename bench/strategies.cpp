@@ -2,7 +2,8 @@
 // (time per 20 iterations, speedup, peak memory), on this machine's CPUs.
 //
 // For each workload of `bench ddp` (mlp, batch 64 per replica; CIFAR-style ResNet-18, batch 16
-// per replica) the global batch is 2x that, trained three ways, one after the other:
+// per replica; or the zoo's CNN, batch 32 per replica, with --workloads cnn) the global batch is
+// 2x that, trained three ways, one after the other:
 //   single  one process, one thread, the whole batch
 //   dp      one process, paratrain::DataParallel over {cpu, cpu}: two replica threads of one
 //           intra-op thread each, the whole batch scattered
@@ -207,7 +208,7 @@ int run_bench_strategies(const std::vector<std::string>& argv) {
       "paratrain bench strategies",
       "One process against DataParallel against DDP: step time and peak memory.",
       {
-          {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)"},
+          {"workloads", "LIST", "mlp, resnet18, cnn (default mlp,resnet18)"},
           {"steps", "N", "timed steps per workload"},
           {"backend", "NAME", "mpi or gloo"},
           {"json", "", "print JSON"},

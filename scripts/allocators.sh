@@ -17,6 +17,12 @@ declare -A preload=([glibc-defaults]="" [glibc]="" [mimalloc]="$lib/libmimalloc.
   [jemalloc]="$lib/libjemalloc.so.2")
 allocators=(glibc-defaults glibc mimalloc jemalloc)
 benches="${PARATRAIN_ALLOCATOR_BENCHES:-pipeline,strategies}"
+for b in ${benches//,/ }; do
+  if [ "$b" != pipeline ] && [ "$b" != strategies ]; then
+    echo "allocators.sh: PARATRAIN_ALLOCATOR_BENCHES names '$b': use pipeline, strategies or both" >&2
+    exit 2
+  fi
+done
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -67,6 +73,8 @@ metrics = [("pipeline", "1f1b images/s", lambda r: r.get("mode") == "1f1b", "ima
            ("strategies", "cnn step ms", lambda r: r.get("strategy") == "single" and r.get("workload") == "cnn", "step_seconds", False)]
 print(f"{'metric':22} {'allocator':14} {'runs':>4} {'median':>10} {'vs defaults':>11}")
 for name, label, pick, key, higher in metrics:
+    if not glob.glob(os.path.join(out, f"{name}.*.jsonl")):
+        continue  # not asked for (PARATRAIN_ALLOCATOR_BENCHES)
     base = None
     for alloc in ("glibc-defaults", "glibc", "mimalloc", "jemalloc"):
         rs = rows(name, alloc)

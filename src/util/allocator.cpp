@@ -36,7 +36,9 @@ bool keep_freed_memory() {
     if (environment_sets_thresholds()) {
       return false;
     }
-    return mallopt(M_TRIM_THRESHOLD, -1) == 1 && mallopt(M_MMAP_THRESHOLD, kKeptMmapThreshold) == 1;
+    // The mmap threshold first: a glibc that refuses it (older ones capped it at 32 MiB) is then
+    // left as it was.
+    return mallopt(M_MMAP_THRESHOLD, kKeptMmapThreshold) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1;
   }();
   return applied;
 #else

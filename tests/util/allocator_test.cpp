@@ -19,7 +19,13 @@ namespace {
 
 // Sanitizers bring their own malloc (AddressSanitizer's mallopt refuses; ThreadSanitizer's heap
 // is not glibc's), so there is nothing of glibc's to check.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(__has_feature)  // clang says so here, GCC through __SANITIZE_*__
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define PARATRAIN_UNDER_SANITIZER 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || \
+    defined(PARATRAIN_UNDER_SANITIZER)
 #define PARATRAIN_SKIP_UNDER_SANITIZERS() GTEST_SKIP() << "a sanitizer's malloc replaces glibc's"
 #else
 #define PARATRAIN_SKIP_UNDER_SANITIZERS() (void)0

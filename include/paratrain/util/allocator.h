@@ -28,8 +28,9 @@ constexpr int kKeptMmapThreshold = 256 << 20;
 /// calls it at start-up; a program of its own calls it once, at start-up, before it starts
 /// threads. Leaves the settings alone, and returns false, where the environment sets either
 /// threshold (GLIBC_TUNABLES, MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_) or asks for
-/// glibc's defaults (PARATRAIN_KEEP_FREED_MEMORY=0), or where mallopt refuses (not glibc, or a
-/// sanitizer's malloc); returns true once applied. Calls after the first return its result.
+/// glibc's defaults (PARATRAIN_KEEP_FREED_MEMORY=0), or where mallopt refuses (not glibc, or
+/// AddressSanitizer's malloc); returns true once applied. Under ThreadSanitizer the settings reach
+/// glibc, whose malloc then serves nothing. Calls after the first return its result.
 bool keep_freed_memory();
 
 }  // namespace cpu
