@@ -60,9 +60,9 @@ for f in $changed; do
       ;;
     examples/*.cpp | tests/programs/*.cpp)  # a program: the tests that use its path
       name=$(basename "$f" .cpp)
-      # An example is $<TARGET_FILE:name>; a test worker is a link ${CMAKE_CURRENT_BINARY_DIR}/name
-      # to test_programs, whose main.cpp every worker shares.
-      path="\\\$<TARGET_FILE:$name>|\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/$name"
+      # An example is a link ${CMAKE_BINARY_DIR}/bin/name to paratrain_examples; a test worker is a
+      # link ${CMAKE_CURRENT_BINARY_DIR}/name to test_programs, whose main.cpp every worker shares.
+      path="\\\$\{CMAKE_BINARY_DIR\}\/bin\/$name|\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/$name"
       [ "$f" = tests/programs/main.cpp ] && path="\\\$\{CMAKE_CURRENT_BINARY_DIR\}\/[a-z_]+"
       for macro in $(sed -n -E "s/.*(PARATRAIN_TEST_[A-Z_]+)=\"($path)\".*/\1/p" tests/CMakeLists.txt); do
         # The tests name it by the macro, or by test_util.cpp's function that returns it.
