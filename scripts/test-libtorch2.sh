@@ -4,7 +4,8 @@
 # (${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}; about 2.3 GB). The checkout is bound
 # into the root, and the build goes to ${BUILD_DIR_LIBTORCH2:-build-libtorch2} in it.
 #
-# PARATRAIN_TESTS=REGEX runs only the matching tests; PARATRAIN_CTEST_ENV adds environment
+# PARATRAIN_TESTS=REGEX runs only the matching ctest tests (a suite's cases are one test, SUITE.*;
+# tests/CMakeLists.txt); PARATRAIN_CTEST_ENV adds environment
 # (scripts/test.sh's ISA cap). Tests labelled one-leg are left to the first leg. Needs root (or
 # sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops.
 set -euo pipefail

@@ -58,6 +58,10 @@ for f in $changed; do
       while IFS= read -r t; do test_files+=("$t"); done < <(grep -rl '"bench"' tests \
         --include='*_test.cpp')
       ;;
+    cmake/examples.cpp.in)  # the examples' program: the tests that run any example
+      while IFS= read -r t; do test_files+=("$t"); done < <(grep -rlE \
+        'PARATRAIN_TEST_[A-Z_]*(EXAMPLE|SMOKE)' tests --include='*_test.cpp')
+      ;;
     examples/*.cpp | tests/programs/*.cpp)  # a program: the tests that use its path
       name=$(basename "$f" .cpp)
       # An example is a link ${CMAKE_BINARY_DIR}/bin/name to paratrain_examples; a test worker is a

@@ -29,6 +29,9 @@ set(paratrain_slow_tests
     Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision)
 set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3)
+# Cases that scripts select by name (scripts/sanitize.sh), which therefore run as ctest tests of
+# their own rather than inside their suite's.
+set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollectiveTimeout)
 # The tests CI runs in both legs (libtorch 1.13 and 2.6): those of code that calls libtorch where
 # 1.13 and 2.x differ, namely c10d (stores, process groups and their engines, Work, timeouts), the
 # launcher and the rendezvous on top of it, autograd functions and hooks (DDP, SyncBatchNorm,

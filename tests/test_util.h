@@ -52,8 +52,10 @@ ProcessResult run_process(const std::vector<std::string>& argv,
 /// `env` set for its duration. For command lines that fail before starting anything, which would
 /// otherwise each pay a process's libtorch start-up (0.8 CPU-seconds). Commands that run
 /// themselves again as workers run cli_path() for it. No timeout: the test's own applies. What the
-/// command set in libtorch stays set (the CUDA devices seen, seeds, oneDNN switched off): so
-/// only in tests that ctest runs as a process of their own (every case outside the unit suites).
+/// command set in libtorch stays set (the CUDA devices seen, seeds, oneDNN switched off), for the
+/// cases that share the process after it (ctest runs a suite's cases in one process: tests/
+/// CMakeLists.txt): so only for command lines refused before anything runs, or in cases that run
+/// alone.
 ProcessResult run_cli(const std::vector<std::string>& argv,
                       const std::map<std::string, std::string>& env = {});
 

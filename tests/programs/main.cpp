@@ -1,6 +1,6 @@
 // The processes the multi-process tests start, as one program: it runs the worker that its name
 // (argv[0]) names. The build links each worker's name to it (tests/CMakeLists.txt), so a test
-// starts tests/ddp_worker as before. One program instead of eight because each libtorch program
+// starts tests/ddp_worker as before. One program instead of nine because each libtorch program
 // costs a compile of its own (about 25 CPU-seconds here, most of it loading the precompiled
 // header and generating the same libtorch code again), twice per CI run.
 
@@ -21,6 +21,7 @@ PARATRAIN_TEST_PROGRAM(ddp_worker)
 PARATRAIN_TEST_PROGRAM(elastic_worker)
 PARATRAIN_TEST_PROGRAM(join_worker)
 PARATRAIN_TEST_PROGRAM(pipeline_worker)
+PARATRAIN_TEST_PROGRAM(spawn_probe)
 PARATRAIN_TEST_PROGRAM(store_probe)
 PARATRAIN_TEST_PROGRAM(syncbn_worker)
 PARATRAIN_TEST_PROGRAM(zero_worker)
@@ -34,11 +35,15 @@ int main(int argc, char** argv) {
     const char* name;
     int (*run)(int, char**);
   };
-  static const Program programs[] = {
-      {"collective_worker", p::collective_worker::run}, {"ddp_worker", p::ddp_worker::run},
-      {"elastic_worker", p::elastic_worker::run},       {"join_worker", p::join_worker::run},
-      {"pipeline_worker", p::pipeline_worker::run},     {"store_probe", p::store_probe::run},
-      {"syncbn_worker", p::syncbn_worker::run},         {"zero_worker", p::zero_worker::run}};
+  static const Program programs[] = {{"collective_worker", p::collective_worker::run},
+                                     {"ddp_worker", p::ddp_worker::run},
+                                     {"elastic_worker", p::elastic_worker::run},
+                                     {"join_worker", p::join_worker::run},
+                                     {"pipeline_worker", p::pipeline_worker::run},
+                                     {"spawn_probe", p::spawn_probe::run},
+                                     {"store_probe", p::store_probe::run},
+                                     {"syncbn_worker", p::syncbn_worker::run},
+                                     {"zero_worker", p::zero_worker::run}};
   const char* slash = std::strrchr(argv[0], '/');
   std::string name = slash != nullptr ? slash + 1 : argv[0];
   // A worker that starts itself again through /proc/self/exe (paratrain::dist::spawn) comes back

@@ -1,4 +1,5 @@
-// A program that starts its own workers with paratrain::dist::spawn, as a C++ user would.
+// A program that starts its own workers with paratrain::dist::spawn, as a C++ user would (spawn
+// starts test_programs again, which runs spawn_probe once more: tests/programs/main.cpp).
 //   spawn_probe N          N children allreduce their index + 1; the parent reports success
 //   spawn_probe N fail     child 1 throws; the parent must report the failure
 
@@ -8,7 +9,10 @@
 
 #include <iostream>
 
-int main(int argc, char** argv) {
+namespace paratrain_test_programs {
+namespace spawn_probe {
+
+int run(int argc, char** argv) {
   const int n = argc > 1 ? std::atoi(argv[1]) : 2;
   const bool fail = argc > 2 && std::string(argv[2]) == "fail";
   try {
@@ -29,3 +33,6 @@ int main(int argc, char** argv) {
   std::cout << "parent: all " << n << " children done" << std::endl;
   return 0;
 }
+
+}  // namespace spawn_probe
+}  // namespace paratrain_test_programs

@@ -13,8 +13,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <set>
+#include <string>
 #include <thread>
 
 namespace paratrain {
@@ -461,11 +463,24 @@ TEST(Tuner, PacksTrialsOntoCoresAndGpus) {
   const std::string script = dir.path + "/gpu.sh";
   write_script(script,
                "sleep 0.3; echo \"{\\\"loss\\\": 1, \\\"gpu\\\": $CUDA_VISIBLE_DEVICES}\"\n");
+  // The suite's later cases share this process (tests/CMakeLists.txt): the variable is restored,
+  // thrown or not.
+  struct RestoreEnv {
+    std::optional<std::string> old;
+    ~RestoreEnv() {
+      if (old) {
+        ::setenv("CUDA_VISIBLE_DEVICES", old->c_str(), 1);
+      } else {
+        ::unsetenv("CUDA_VISIBLE_DEVICES");
+      }
+    }
+  } restore{std::getenv("CUDA_VISIBLE_DEVICES") != nullptr
+                ? std::optional<std::string>(std::getenv("CUDA_VISIBLE_DEVICES"))
+                : std::nullopt};
   ::setenv("CUDA_VISIBLE_DEVICES", "5,7", 1);
   const TuneResult r =
       tune(lr_space(),
            TunerOptions(o).study("gpus").gpus(2).resources(Resources().gpus(1)).command({script}));
-  ::unsetenv("CUDA_VISIBLE_DEVICES");
   std::set<std::string> seen;
   for (const auto& t : r.trials) {
     std::ifstream log(t.log_path);
