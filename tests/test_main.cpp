@@ -10,7 +10,8 @@ int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
   const int status = RUN_ALL_TESTS();
   const testing::UnitTest& run = *testing::UnitTest::GetInstance();
-  if (status == 0 && run.test_to_run_count() > 0 && run.skipped_test_count() == run.test_to_run_count()) {
+  if (status == 0 && run.test_to_run_count() > 0 &&
+      run.skipped_test_count() == run.test_to_run_count()) {
     return 77;
   }
   return status;
