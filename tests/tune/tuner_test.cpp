@@ -24,6 +24,7 @@ namespace tune {
 namespace {
 
 using testing::error_of;
+using testing::run_cli;
 using testing::run_process;
 
 struct TempDir {
