@@ -24,7 +24,7 @@ case "$kind" in
     ;;
   tsan)
     flags="-fsanitize=thread -fno-omit-frame-pointer"
-    default='DataParallel|Pipeline\.|Ddp\.|Launch\.|Collectives.*mpi|BadInput.Mpi|Spawn\.'
+    default='DataParallel|Pipeline\.|Ddp\.|Launch\.|Backends/Collectives\.|BadInput.Mpi|Spawn\.'
     exclude='header_compiles|consumer'
     export TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1"
     # libgomp (libtorch's OpenMP) is not instrumented and its barriers look like races.

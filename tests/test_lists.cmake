@@ -29,8 +29,8 @@ set(paratrain_slow_tests
     Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision)
 set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3)
-# The parameterized suites (PREFIX/SUITE): ctest runs their cases of one leg as one test
-# (tests/CMakeLists.txt).
+# The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
+# each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites
     Backends/Collectives Cases/DdpEquivalence Cases/PipelineDistributed
     Cases/SyncBatchNormEquivalence Cases/ZeroEquivalence Cases/JoinUneven)
