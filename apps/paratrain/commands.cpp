@@ -4,12 +4,7 @@
 
 #include "args.h"
 
-#include <c10/util/Exception.h>
-
-#include <unistd.h>
-
 #include <algorithm>
-#include <climits>
 #include <iostream>
 #include <sstream>
 
@@ -127,26 +122,6 @@ std::string help_text(const std::string& usage,
   return out.str();
 }
 
-namespace {
-std::string& self_path_override() {
-  static std::string path;
-  return path;
-}
-}  // namespace
-
-std::string self_path() {
-  if (!self_path_override().empty()) {
-    return self_path_override();
-  }
-  char exe[PATH_MAX];
-  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  return n > 0 ? std::string(exe, static_cast<size_t>(n)) : "paratrain";
-}
-
-void set_self_path(const std::string& path) {
-  self_path_override() = path;
-}
-
 int run_command_line(std::vector<std::string> args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     std::cout << help_text("paratrain <command> [options]", "commands", commands(), true);
@@ -160,19 +135,7 @@ int run_command_line(std::vector<std::string> args) {
               << "'; run `paratrain --help` for the list" << std::endl;
     return 2;
   }
-  try {
-    return known->run(args);
-  } catch (const UsageError& e) {
-    std::cerr << "paratrain " << command << ": " << e.what() << " (see `paratrain " << command
-              << " --help`)" << std::endl;
-    return 2;
-  } catch (const c10::Error& e) {
-    std::cerr << "paratrain " << command << ": error: " << e.what_without_backtrace() << std::endl;
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "paratrain " << command << ": error: " << e.what() << std::endl;
-    return 1;
-  }
+  return run_guarded(command, [&] { return known->run(args); });
 }
 
 }  // namespace cli

@@ -4,6 +4,7 @@
 // returns the process exit code; errors are thrown (c10::Error, cli::UsageError) and reported by
 // main().
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -58,9 +59,12 @@ std::string help_text(const std::string& usage,
                       bool with_bench);
 
 /// The whole command line after the program's name (`train --epochs 2`): dispatches to the
-/// command and turns its exceptions into one line on stderr and the exit code: 2 for a bad
-/// command line, 1 for everything else. main() is this and nothing more.
+/// command and turns its exceptions into one line on stderr and the exit code (run_guarded).
 int run_command_line(std::vector<std::string> args);
+
+/// Runs `run`, the body of `paratrain <command>`, and turns its exceptions into one line on
+/// stderr and the exit code: 2 for a bad command line (UsageError), 1 for everything else.
+int run_guarded(const std::string& command, const std::function<int()>& run);
 
 /// Absolute path of the paratrain executable, which commands run again as workers or mpirun
 /// shims: by default this process's own file.

@@ -23,18 +23,6 @@ using paratrain::detail::error_message;
 /// Empty for stores that cannot be reopened (file://, in-process).
 using StoreClientFactory = std::function<c10::intrusive_ptr<c10d::Store>()>;
 
-/// paratrain's store (socket_store.h) on host:port: the server, bound to the addresses `host`
-/// resolves to and nowhere else, or a client, which retries connecting until `timeout`. Every
-/// call then waits at most `timeout` (setTimeout changes it).
-c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
-                                          int port,
-                                          bool server,
-                                          std::chrono::milliseconds timeout);
-
-/// The local address this host uses to reach `host` ("" when there is no route or it does not
-/// resolve).
-std::string route_source_address(const std::string& host, int port);
-
 ProcessGroupPtr make_gloo_group(c10::intrusive_ptr<c10d::Store> store,
                                 StoreClientFactory monitor_client,
                                 int rank,

@@ -1,7 +1,8 @@
 #include "paratrain/dist/init.h"
 
+#include "backend_routes.h"
 #include "backends.h"
-#include "socket_store.h"
+#include "c10d_socket_store.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -79,42 +80,6 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
-// The local address this host uses to reach `host` (the kernel's route and source choice, found by
-// connecting a UDP socket, which sends nothing); "" when it cannot tell. Gloo binds there: its own
-// default resolves the hostname, which on many machines (and in network namespaces) names a
-// loopback address that other hosts cannot reach.
-std::string local_address_toward(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_DGRAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
-    return "";
-  }
-  std::string out;
-  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
-    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-      continue;
-    }
-    sockaddr_storage local{};
-    socklen_t len = sizeof(local);
-    char text[INET6_ADDRSTRLEN] = {0};
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
-      const void* raw =
-          local.ss_family == AF_INET
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) {
-        out = text;
-      }
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  return out;
-}
-
 struct Endpoint {
   std::string host;
   int port = kDefaultMasterPort;
@@ -153,7 +118,7 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
               << std::endl;
   }
   try {
-    return c10::make_intrusive<detail::SocketStore>(e.host, e.port, server, timeout);
+    return c10::make_intrusive<detail::C10dSocketStore>(e.host, e.port, server, timeout);
   } catch (const std::exception& ex) {
     const std::string why = detail::error_message(ex);
     if (server) {
@@ -296,36 +261,12 @@ ProcessGroupPtr make_mpi(const InitOptions& options, std::chrono::milliseconds t
 
 std::vector<std::pair<c10::DeviceType, std::string>> parse_backend_routes(const std::string& spec,
                                                                           bool check_built) {
-  std::vector<std::pair<c10::DeviceType, std::string>> routes;
-  std::stringstream in(spec);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    const auto colon = item.find(':');
-    TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < item.size(), "backend '",
-                spec, "': '", item, "' is not device:backend (write e.g. cpu:gloo,cuda:nccl)");
-    const std::string device = item.substr(0, colon);
-    const std::string engine = item.substr(colon + 1);
-    TORCH_CHECK(device == "cpu" || device == "cuda", "backend '", spec, "': unknown device '",
-                device, "': routes name cpu or cuda");
-    TORCH_CHECK(engine == "gloo" || engine == "mpi" || engine == "nccl", "unknown backend '",
-                engine, "' in '", spec, "': choose gloo, mpi or nccl for each device");
-    const auto type = device == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA;
-    TORCH_CHECK(type != c10::DeviceType::CPU || engine != "nccl", "backend '", spec,
-                "': nccl moves CUDA tensors only; route cpu to gloo or mpi");
-    TORCH_CHECK(type != c10::DeviceType::CUDA || engine != "mpi", "backend '", spec,
-                "': paratrain's mpi backend moves CPU tensors only; route cuda to nccl or gloo");
-    if (check_built) {
-      check_engine(engine, spec);
-    }
+  auto routes = detail::parse_routes(spec);
+  if (check_built) {
     for (const auto& r : routes) {
-      TORCH_CHECK(r.first != type, "backend '", spec, "' names ", device, " twice");
+      check_engine(r.second, spec);
     }
-    routes.emplace_back(type, engine);
   }
-  TORCH_CHECK(!routes.empty(), "backend '", spec, "' names no route");
-  std::stable_sort(routes.begin(), routes.end(), [](const auto& a, const auto& b) {
-    return a.first == c10::DeviceType::CPU && b.first != c10::DeviceType::CPU;
-  });
   return routes;
 }
 
@@ -426,7 +367,7 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
                               false);
       };
     }
-    hostname = is_loopback(e.host) ? "127.0.0.1" : local_address_toward(e.host, e.port);
+    hostname = is_loopback(e.host) ? "127.0.0.1" : detail::route_source_address(e.host, e.port);
   } else {
     TORCH_CHECK(false, "unknown init_method '", method,
                 "': use env://, tcp://host:port or file:///path");
@@ -486,19 +427,5 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
   return detail::make_routed_group(std::move(routes), backend);
 }
 
-namespace detail {
-
-c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host,
-                                          int port,
-                                          bool server,
-                                          std::chrono::milliseconds timeout) {
-  return c10::make_intrusive<SocketStore>(host, port, server, timeout);
-}
-
-std::string route_source_address(const std::string& host, int port) {
-  return local_address_toward(host, port);
-}
-
-}  // namespace detail
 }  // namespace dist
 }  // namespace paratrain

@@ -1,7 +1,6 @@
 #include "paratrain/dist/launch.h"
 
-#include "paratrain/dist/init.h"
-
+#include "backend_routes.h"
 #include "rendezvous.h"
 
 #include <c10/util/Exception.h>
@@ -315,7 +314,7 @@ void validate(const LaunchOptions& o) {
                 "': choose gloo, mpi or nccl, or routes such as cpu:gloo,cuda:nccl");
     if (b.find(':') != std::string::npos) {
       try {
-        parse_backend_routes(b, /*check_built=*/false);
+        detail::parse_routes(b);
       } catch (const c10::Error& e) {
         TORCH_CHECK(false, "--backend: ", e.what_without_backtrace());
       }
@@ -1202,7 +1201,7 @@ bool runs_on_mpi(const std::string& backend) {
   if (backend.find(':') == std::string::npos) {
     return backend == "mpi";
   }
-  for (const auto& route : parse_backend_routes(backend, /*check_built=*/false)) {
+  for (const auto& route : parse_routes(backend)) {
     if (route.second == "mpi") {
       return true;
     }

@@ -2,7 +2,7 @@
 
 #include "socket_store.h"
 
-#include "backends.h"
+#include "../util/errors.h"
 #include "paratrain/dist/launch.h"  // pick_free_port
 
 #include <c10/util/Exception.h>
@@ -19,6 +19,8 @@ namespace paratrain {
 namespace dist {
 namespace detail {
 namespace {
+
+using paratrain::detail::error_message;
 
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPoll{100};
@@ -60,7 +62,7 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
   TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
   if (is_local_address(o_.host)) {
     try {
-      store_ = tcp_store(o_.host, o_.port, /*server=*/true, o_.join_timeout);
+      store_ = std::make_unique<SocketStore>(o_.host, o_.port, /*serve=*/true, o_.join_timeout);
       serving_ = true;
       if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
         std::cerr << "paratrain launch: warning: --rdzv-endpoint host " << o_.host
@@ -74,7 +76,7 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
   }
   if (!store_) {
     try {
-      store_ = tcp_store(o_.host, o_.port, /*server=*/false, o_.join_timeout);
+      store_ = std::make_unique<SocketStore>(o_.host, o_.port, /*serve=*/false, o_.join_timeout);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
                   o_.join_timeout.count() / 1000.0, " s (", error_message(e),

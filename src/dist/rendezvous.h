@@ -22,13 +22,14 @@
 // cannot form. After a store call fails once (the endpoint ended, or a
 // deadline passed), the connection is not used again: next() reports it.
 
-#include "paratrain/dist/process_group.h"
-
-#include <torch/csrc/distributed/c10d/Store.hpp>
+#include "socket_store.h"
 
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace paratrain {
 namespace dist {
@@ -101,7 +102,7 @@ class Rendezvous {
   void wait_standby(int64_t round);
 
   RendezvousOptions o_;
-  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<SocketStore> store_;
   bool serving_ = false;
   bool admitted_ = false;  // this node has taken part in a round of its generation
   std::string broken_;     // why the connection to the store failed ("" while it works)

@@ -45,7 +45,7 @@ constexpr milliseconds kReplyGrace{5000};
 // Limits beyond this are taken as none: adding them to a clock's now() would overflow.
 constexpr milliseconds kForever = std::chrono::hours(24 * 365 * 100);
 
-// kNoTimeout (0) and limits past kForever wait without end; a negative one has already passed.
+// kNoStoreTimeout (0) and limits past kForever wait without end; a negative one has already passed.
 bool limited(milliseconds timeout) {
   return timeout != milliseconds::zero() && timeout < kForever;
 }
@@ -522,7 +522,7 @@ bool StoreServer::flush(int fd, Client& c) {
 // ---- the client ----
 
 SocketStore::SocketStore(std::string host, int port, bool serve, milliseconds timeout)
-    : c10d::Store(timeout), host_(std::move(host)), port_(port) {
+    : host_(std::move(host)), port_(port), timeout_ms_(timeout.count()) {
   if (serve) {
     server_ = std::make_unique<StoreServer>(host_, port_);
     port_ = server_->port();
@@ -531,8 +531,8 @@ SocketStore::SocketStore(std::string host, int port, bool serve, milliseconds ti
   connect_locked(timeout);
 }
 
-c10::intrusive_ptr<c10d::Store> SocketStore::clone() {
-  return c10::make_intrusive<SocketStore>(host_, port_, /*serve=*/false, timeout_);
+std::unique_ptr<SocketStore> SocketStore::clone() const {
+  return std::make_unique<SocketStore>(host_, port_, /*serve=*/false, getTimeout());
 }
 
 SocketStore::~SocketStore() {
@@ -555,8 +555,8 @@ void SocketStore::drop_locked() {
   }
 }
 
-// Connects to host:port, retrying refused and unreachable attempts until `timeout` (kNoTimeout:
-// without end), as c10d's clients do while the server starts.
+// Connects to host:port, retrying refused and unreachable attempts until `timeout`
+// (kNoStoreTimeout: without end), as c10d's clients do while the server starts.
 void SocketStore::connect_locked(milliseconds timeout) {
   const bool bounded = limited(timeout);
   const auto deadline = bounded ? Clock::now() + timeout : Clock::time_point::max();
@@ -625,15 +625,16 @@ std::string SocketStore::call(uint8_t op,
     body += f;
   }
   const std::string request = frame(body);
+  const milliseconds timeout = getTimeout();
 
   std::lock_guard<std::mutex> lock(mutex_);
   if (fd_ < 0) {
-    connect_locked(timeout_);  // the last call failed midway; its connection was dropped
+    connect_locked(timeout);  // the last call failed midway; its connection was dropped
   }
   // A held call may last its own limit; the server then answers, so the client waits a little
   // longer before it calls the server gone.
-  const milliseconds budget = holds ? wait_for + kReplyGrace : timeout_;
-  const bool bounded = limited(holds ? wait_for : timeout_);
+  const milliseconds budget = holds ? wait_for + kReplyGrace : timeout;
+  const bool bounded = limited(holds ? wait_for : timeout);
   const auto deadline = bounded ? Clock::now() + budget : Clock::time_point::max();
   std::string reply;
   std::string why = send_locked(request, bounded, deadline);
@@ -725,42 +726,42 @@ int64_t to_int64(const std::string& text, const std::string& what) {
 }  // namespace
 
 void SocketStore::set(const std::string& key, const std::vector<uint8_t>& value) {
-  call(kSet, {key, bytes(value)}, kNoTimeout, "set of key '" + key + "'");
+  call(kSet, {key, bytes(value)}, kNoStoreTimeout, "set of key '" + key + "'");
 }
 
 std::vector<uint8_t> SocketStore::compareSet(const std::string& key,
                                              const std::vector<uint8_t>& expected,
                                              const std::vector<uint8_t>& desired) {
-  return to_vector(call(kCompareSet, {key, bytes(expected), bytes(desired)}, kNoTimeout,
+  return to_vector(call(kCompareSet, {key, bytes(expected), bytes(desired)}, kNoStoreTimeout,
                         "compareSet of key '" + key + "'"));
 }
 
 std::vector<uint8_t> SocketStore::get(const std::string& key) {
-  return to_vector(call(kGet, {key}, timeout_, describe_keys({key})));
+  return to_vector(call(kGet, {key}, getTimeout(), describe_keys({key})));
 }
 
 int64_t SocketStore::add(const std::string& key, int64_t value) {
   const std::string what = "add to key '" + key + "'";
-  return to_int64(call(kAdd, {key, std::to_string(value)}, kNoTimeout, what), what);
+  return to_int64(call(kAdd, {key, std::to_string(value)}, kNoStoreTimeout, what), what);
 }
 
 bool SocketStore::deleteKey(const std::string& key) {
-  return call(kDelete, {key}, kNoTimeout, "delete of key '" + key + "'") == "1";
+  return call(kDelete, {key}, kNoStoreTimeout, "delete of key '" + key + "'") == "1";
 }
 
 bool SocketStore::check(const std::vector<std::string>& keys) {
-  return call(kCheck, keys, kNoTimeout, "check of " + describe_keys(keys)) == "1";
+  return call(kCheck, keys, kNoStoreTimeout, "check of " + describe_keys(keys)) == "1";
 }
 
 int64_t SocketStore::getNumKeys() {
-  return to_int64(call(kNumKeys, {}, kNoTimeout, "count of keys"), "count of keys");
+  return to_int64(call(kNumKeys, {}, kNoStoreTimeout, "count of keys"), "count of keys");
 }
 
 void SocketStore::wait(const std::vector<std::string>& keys) {
-  wait(keys, timeout_);
+  wait(keys, getTimeout());
 }
 
-void SocketStore::wait(const std::vector<std::string>& keys, const milliseconds& timeout) {
+void SocketStore::wait(const std::vector<std::string>& keys, milliseconds timeout) {
   call(kWait, keys, timeout, describe_keys(keys));
 }
 
@@ -784,6 +785,39 @@ bool resolves_to_loopback_only(const std::string& host) {
   }
   ::freeaddrinfo(found);
   return all;
+}
+
+// Connecting a UDP socket sends nothing: it only makes the kernel choose the route and source.
+std::string route_source_address(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) {
+    return "";
+  }
+  std::string out;
+  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
+    int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {0};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* raw =
+          local.ss_family == AF_INET
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) {
+        out = text;
+      }
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return out;
 }
 
 bool is_loopback_name(const std::string& host) {

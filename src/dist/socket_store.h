@@ -1,7 +1,9 @@
 #pragma once
 
-// Internal: paratrain's key-value store over TCP, a c10d::Store that Gloo, NCCL and the launcher's
-// rendezvous use as they would c10d's TCPStore.
+// Internal: paratrain's key-value store over TCP, which the launcher's rendezvous uses, and which
+// Gloo and NCCL use through its c10d::Store face (c10d_socket_store.h) as they would c10d's
+// TCPStore. It needs no libtorch (only c10's errors), so that `paratrain launch` starts without
+// loading libtorch (about a CPU-second per process).
 //
 // Why not c10d's TCPStore: its server in libtorch 1.13 listens on every address of the host
 // (getaddrinfo(nullptr, AI_PASSIVE)); 2.x can be told otherwise only by handing it a socket, and
@@ -10,8 +12,7 @@
 // to, on both libtorch versions. Every call also has a deadline (TCPStore's add, set and check wait
 // forever on a peer that stopped answering), and a timed-out connection is never reused.
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -25,42 +26,41 @@ namespace detail {
 
 class StoreServer;
 
+/// Waits without end (c10d's kNoTimeout).
+constexpr std::chrono::milliseconds kNoStoreTimeout{0};
+
 /// A client of the store at host:port; with `serve`, also its server, which lives as long as this
 /// object. The server binds every address `host` resolves to (port 0: a free port, see port()).
 /// A client retries connecting until `timeout`. Every call waits at most the store's timeout
-/// (setTimeout; get and wait count it while the key is missing); kNoTimeout waits without end.
-/// Thread-safe: calls on one object are serialised.
-class SocketStore : public c10d::Store {
+/// (setTimeout; get and wait count it while the key is missing); kNoStoreTimeout waits without
+/// end. The calls are c10d::Store's, with its names and semantics. Thread-safe: calls on one
+/// object are serialised.
+class SocketStore {
  public:
   SocketStore(std::string host, int port, bool serve, std::chrono::milliseconds timeout);
-  ~SocketStore() override;
+  ~SocketStore();
+  SocketStore(const SocketStore&) = delete;
+  SocketStore& operator=(const SocketStore&) = delete;
 
   /// The port served or connected to.
   int port() const { return port_; }
 
-  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::chrono::milliseconds getTimeout() const { return std::chrono::milliseconds(timeout_ms_); }
+  void setTimeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
+
+  void set(const std::string& key, const std::vector<uint8_t>& value);
   std::vector<uint8_t> compareSet(const std::string& key,
                                   const std::vector<uint8_t>& expected,
-                                  const std::vector<uint8_t>& desired) override;
-  std::vector<uint8_t> get(const std::string& key) override;
-  int64_t add(const std::string& key, int64_t value) override;
-  bool deleteKey(const std::string& key) override;
-  bool check(const std::vector<std::string>& keys) override;
-  int64_t getNumKeys() override;
-  void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override;
-  /// Another client of the same server, with this one's timeout (TCPStore::clone). Declared
-  /// without `override`: libtorch 2.7 added Store::clone() as pure virtual, and 1.13 to 2.6 have
-  /// none, so this overrides it where it exists and is an ordinary method where it does not.
-#if defined(__clang__)
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Winconsistent-missing-override"
-#endif
-  c10::intrusive_ptr<c10d::Store> clone();
-#if defined(__clang__)
-#pragma clang diagnostic pop
-#endif
+                                  const std::vector<uint8_t>& desired);
+  std::vector<uint8_t> get(const std::string& key);
+  int64_t add(const std::string& key, int64_t value);
+  bool deleteKey(const std::string& key);
+  bool check(const std::vector<std::string>& keys);
+  int64_t getNumKeys();
+  void wait(const std::vector<std::string>& keys);
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  /// Another client of the same server, with this one's timeout (TCPStore::clone).
+  std::unique_ptr<SocketStore> clone() const;
 
  private:
   // One request and its reply; `wait_for` is how long the server may hold a get or wait.
@@ -80,6 +80,7 @@ class SocketStore : public c10d::Store {
 
   std::string host_;
   int port_;
+  std::atomic<int64_t> timeout_ms_;
   std::unique_ptr<StoreServer> server_;
   std::mutex mutex_;
   int fd_ = -1;
@@ -93,6 +94,12 @@ bool resolves_to_loopback_only(const std::string& host);
 /// 127.0.1.1 in /etc/hosts, so `$(hostname)` as a job's address would serve where no other host
 /// reaches, where c10d's TCPStore, serving every address, hid the mistake.
 bool is_loopback_name(const std::string& host);
+
+/// The local address this host uses to reach `host` (the kernel's route and source choice); ""
+/// when there is no route or it does not resolve. Gloo binds there: its own default resolves the
+/// hostname, which on many machines (and in network namespaces) names a loopback address that
+/// other hosts cannot reach.
+std::string route_source_address(const std::string& host, int port);
 
 }  // namespace detail
 }  // namespace dist

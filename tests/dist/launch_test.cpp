@@ -84,6 +84,18 @@ TEST(Launch, UserOmpNumThreadsWins) {
   EXPECT_EQ(env_line(r.output, 1)["OMP_NUM_THREADS"], "7");
 }
 
+TEST(Launch, LauncherRunsWithoutLibtorch) {
+  // `paratrain launch` runs on the launcher library alone: loading libtorch would cost every
+  // launcher about a CPU-second. Its worker reads the launcher's mappings (/proc/PPID/maps).
+  auto r = run_process({cli_path(), "launch", "--no-prefix", "--", "/bin/sh", "-c",
+                        "grep -o 'lib[a-z0-9_]*\\.so' /proc/$PPID/maps | sort -u"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("libparatrain_launch.so"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("libc10.so"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("libtorch"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("libparatrain.so"), std::string::npos) << r.output;
+}
+
 TEST(Launch, MultiNodeRanks) {
   // Node 1 of 2 with 2 workers each: global ranks 2 and 3.
   auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--nnodes", "2",

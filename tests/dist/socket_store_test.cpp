@@ -1,7 +1,8 @@
-// paratrain's store (src/dist/socket_store.h): c10d::Store's semantics, the addresses its server
-// binds, and a deadline on every call. Real sockets on loopback.
+// paratrain's store (src/dist/socket_store.h), through its c10d::Store face: c10d::Store's
+// semantics, the addresses its server binds, and a deadline on every call. Real sockets on
+// loopback.
 
-#include "dist/socket_store.h"
+#include "dist/c10d_socket_store.h"
 #include "test_util.h"  // error_of
 
 #include <gtest/gtest.h>
@@ -19,7 +20,7 @@ namespace paratrain {
 namespace testing {
 namespace {
 
-using dist::detail::SocketStore;
+using SocketStore = dist::detail::C10dSocketStore;  // the store as Gloo and NCCL use it
 using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
