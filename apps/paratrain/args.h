@@ -21,7 +21,7 @@ struct ConfigItem;
 namespace paratrain {
 namespace cli {
 
-/// Thrown for bad command lines; main() prints it with the usage hint and exits 2.
+/// Thrown for bad command lines; run_guarded() prints it with the usage hint and exits 2.
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

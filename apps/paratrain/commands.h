@@ -2,7 +2,7 @@
 
 // The subcommands of the paratrain CLI, one file each. Each takes the words after its name and
 // returns the process exit code; errors are thrown (c10::Error, cli::UsageError) and reported by
-// main().
+// run_guarded() as one line.
 
 #include <functional>
 #include <string>

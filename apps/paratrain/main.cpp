@@ -1,6 +1,6 @@
 // paratrain: the command-line front end. Subcommands live one per file; commands.cpp dispatches
-// and decides how the process ends (run_command_line), so that tests can run command lines
-// in-process.
+// (run_command_line) and process.cpp decides how a command's errors end the process, so that
+// tests can run command lines in-process.
 //
 // This program itself links only the launcher library, which needs no libtorch: `paratrain
 // launch` runs here and starts in a few milliseconds, where loading libtorch costs about a
@@ -10,6 +10,9 @@
 #include "commands.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
+
+#include <climits>
 
 #include <iostream>
 #include <string>
@@ -17,14 +20,36 @@
 
 namespace {
 
-// The other commands: found through this program's run path ($ORIGIN/../lib once installed).
+// libparatrain_commands of this paratrain, by path from the program's own file: ../LIBDIR once
+// installed (bin/ and lib/), and .. in the build tree (bin/ inside it). Never a search of the
+// library path, which might find another version's. "" when neither exists.
+std::string commands_library() {
+  char exe[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+  if (n <= 0) {
+    return "";
+  }
+  const std::string path(exe, static_cast<size_t>(n));
+  const std::string dir = path.substr(0, path.rfind('/'));
+  for (const char* relative : {"/../" PARATRAIN_INSTALL_LIBDIR "/", "/../"}) {
+    const std::string candidate = dir + relative + "libparatrain_commands.so";
+    if (::access(candidate.c_str(), R_OK) == 0) {
+      return candidate;
+    }
+  }
+  return "";
+}
+
 int run_commands_library(int argc, char** argv) {
-  void* library = ::dlopen("libparatrain_commands.so", RTLD_NOW | RTLD_GLOBAL);
+  const std::string path = commands_library();
+  if (path.empty()) {
+    std::cerr << "paratrain: libparatrain_commands.so is not beside this program (in ../"
+              << PARATRAIN_INSTALL_LIBDIR << " or ..); reinstall paratrain" << std::endl;
+    return 1;
+  }
+  void* library = ::dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (library == nullptr) {
-    std::cerr << "paratrain: cannot load its commands: " << ::dlerror()
-              << "; reinstall paratrain (libparatrain_commands.so belongs in the lib/ directory "
-                 "beside its bin/)"
-              << std::endl;
+    std::cerr << "paratrain: cannot load its commands: " << ::dlerror() << std::endl;
     return 1;
   }
   using Main = int (*)(int, char**);

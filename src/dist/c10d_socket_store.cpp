@@ -14,7 +14,9 @@ C10dSocketStore::C10dSocketStore(std::unique_ptr<SocketStore> client)
     : c10d::Store(client->getTimeout()), client_(std::move(client)) {}
 
 SocketStore& C10dSocketStore::client() {
-  client_->setTimeout(timeout_);  // c10d::Store::setTimeout is not virtual: it sets timeout_
+  // c10d's callers set timeout_ through setTimeout, and wrappers such as PrefixStore set it on
+  // the store they wrap: each call takes it as it is then.
+  client_->setTimeout(timeout_);
   return *client_;
 }
 

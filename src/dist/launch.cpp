@@ -783,9 +783,9 @@ LaunchResult run_job(const LaunchOptions& o,
                      std::function<bool(std::string*)> must_stop = nullptr);
 
 // The paratrain CLI of this build: $PARATRAIN_CLI, else bin/paratrain beside the directory that
-// holds this library (an install prefix's lib/ and bin/, or the build tree's libparatrain and
-// bin/). Not a search of PATH: another paratrain there may be another version, whose shim speaks
-// another command line. "" when there is none.
+// holds this library (an install prefix's lib/ and bin/, or the build tree's libparatrain_launch
+// and bin/). Not a search of PATH: another paratrain there may be another version, whose shim
+// speaks another command line. "" when there is none.
 std::string own_cli() {
   if (const char* cli = std::getenv("PARATRAIN_CLI"); cli != nullptr && cli[0] != '\0') {
     char* full = ::realpath(cli, nullptr);
@@ -840,7 +840,7 @@ std::vector<std::string> mpirun_shim(const LaunchOptions& o) {
   const std::string cli = own_cli();
   TORCH_CHECK(!cli.empty(), o.name(), ": --backend ", o.backend(),
               " starts each rank through the paratrain CLI (paratrain launch --from-mpirun), and "
-              "none was found beside libparatrain; set PARATRAIN_CLI to its path or "
+              "none was found beside libparatrain_launch; set PARATRAIN_CLI to its path or "
               "LaunchOptions::mpi_shim");
   return {cli, "launch", "--from-mpirun"};
 }
