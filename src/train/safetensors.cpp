@@ -2,9 +2,10 @@
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cctype>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -33,190 +34,93 @@ const char* dtype_name(at::ScalarType t) {
   TORCH_CHECK(false, "safetensors: cannot store tensors of type ", t);
 }
 
-// A JSON reader for the safetensors header only: objects, arrays, strings, integers. Written
-// here because neither libtorch nor the project's other dependencies bring a JSON parser.
-class HeaderParser {
- public:
-  HeaderParser(const std::string& text, const std::string& path) : s_(text), path_(path) {}
+// Values nested deeper than this in a header are refused: a header of a million '[' must fail
+// with a message, not cost a million levels of the JSON values' destructors.
+constexpr int kMaxNesting = 64;
 
-  struct Entry {
-    std::string dtype;
-    std::vector<int64_t> shape;
-    int64_t begin = -1;
-    int64_t end = -1;
-  };
-
-  std::map<std::string, Entry> parse() {
-    std::map<std::string, Entry> out;
-    expect('{');
-    if (peek() == '}') {
-      ++i_;
-      return out;
-    }
-    while (true) {
-      std::string name = string();
-      expect(':');
-      if (name == "__metadata__") {
-        skip_value();
-      } else {
-        out[name] = entry(name);
-      }
-      if (peek() == ',') {
-        ++i_;
-        continue;
-      }
-      expect('}');
-      return out;
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) {
-    TORCH_CHECK(false, "safetensors: ", path_, " is not a valid safetensors file: ", what,
-                " at byte ", i_ + 8, " of the header");
-  }
-  char peek() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) {
-      ++i_;
-    }
-    if (i_ >= s_.size()) {
-      fail("the header ends early");
-    }
-    return s_[i_];
-  }
-  void expect(char c) {
-    if (peek() != c) {
-      fail(std::string("expected '") + c + "'");
-    }
-    ++i_;
-  }
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      if (s_[i_] == '\\' && i_ + 1 < s_.size()) {
-        ++i_;
-      }
-      out += s_[i_++];
-    }
-    if (i_ >= s_.size()) {
-      fail("unterminated string");
-    }
-    ++i_;
-    return out;
-  }
-  int64_t integer() {
-    peek();
-    const bool negative = s_[i_] == '-';
-    if (negative) {
-      ++i_;
-    }
-    const size_t start = i_;
-    int64_t value = 0;
-    bool overflow = false;
-    while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) {
-      overflow |= __builtin_mul_overflow(value, int64_t{10}, &value) ||
-                  __builtin_add_overflow(value, int64_t{s_[i_] - '0'}, &value);
-      ++i_;
-    }
-    if (start == i_) {
-      fail("expected a number");
-    }
-    if (overflow) {
-      fail("a number beyond 64 bits");
-    }
-    return negative ? -value : value;
-  }
-  std::vector<int64_t> int_array() {
-    std::vector<int64_t> out;
-    expect('[');
-    if (peek() == ']') {
-      ++i_;
-      return out;
-    }
-    while (true) {
-      out.push_back(integer());
-      if (peek() == ',') {
-        ++i_;
-        continue;
-      }
-      expect(']');
-      return out;
-    }
-  }
-  void skip_value(int depth = 0) {
-    // Nesting costs stack: a header of a million '[' must fail, not overflow it.
-    if (depth > kMaxNesting) {
-      fail("values nested more than " + std::to_string(kMaxNesting) + " deep");
-    }
-    char c = peek();
-    if (c == '"') {
-      string();
-    } else if (c == '{' || c == '[') {
-      char close = c == '{' ? '}' : ']';
-      ++i_;
-      if (peek() == close) {
-        ++i_;
-        return;
-      }
-      while (true) {
-        if (c == '{') {
-          string();
-          expect(':');
-        }
-        skip_value(depth + 1);
-        if (peek() == ',') {
-          ++i_;
-          continue;
-        }
-        expect(close);
-        return;
-      }
-    } else {
-      while (i_ < s_.size() && s_[i_] != ',' && s_[i_] != '}' && s_[i_] != ']') {
-        ++i_;
-      }
-    }
-  }
-  Entry entry(const std::string& name) {
-    Entry e;
-    expect('{');
-    while (true) {
-      std::string key = string();
-      expect(':');
-      if (key == "dtype") {
-        e.dtype = string();
-      } else if (key == "shape") {
-        e.shape = int_array();
-      } else if (key == "data_offsets") {
-        auto offsets = int_array();
-        if (offsets.size() != 2) {
-          fail("data_offsets of '" + name + "' must hold two numbers");
-        }
-        e.begin = offsets[0];
-        e.end = offsets[1];
-      } else {
-        skip_value();
-      }
-      if (peek() == ',') {
-        ++i_;
-        continue;
-      }
-      expect('}');
-      break;
-    }
-    if (e.dtype.empty() || e.begin < 0) {
-      fail("tensor '" + name + "' lacks dtype or data_offsets");
-    }
-    return e;
-  }
-
-  static constexpr int kMaxNesting = 64;
-
-  const std::string& s_;
-  std::string path_;
-  size_t i_ = 0;
+// One tensor's entry in the header.
+struct Entry {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = -1;
+  int64_t end = -1;
 };
+
+[[noreturn]] void invalid(const std::string& path, const std::string& what) {
+  TORCH_CHECK(false, "safetensors: ", path, " is not a valid safetensors file: ", what);
+}
+
+int64_t integer(const nlohmann::json& v, const std::string& path, const std::string& what) {
+  if (!v.is_number_integer()) {
+    invalid(path, what + " holds " + v.dump() + ", not an integer");
+  }
+  if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+    invalid(path, what + " holds a number beyond 64 bits");
+  }
+  return v.get<int64_t>();
+}
+
+std::vector<int64_t> integers(const nlohmann::json& v,
+                              const std::string& path,
+                              const std::string& what) {
+  if (!v.is_array()) {
+    invalid(path, what + " is not an array");
+  }
+  std::vector<int64_t> out;
+  for (const auto& item : v) {
+    out.push_back(integer(item, path, what));
+  }
+  return out;
+}
+
+Entry entry(const std::string& name, const nlohmann::json& v, const std::string& path) {
+  if (!v.is_object()) {
+    invalid(path, "tensor '" + name + "' is not an object");
+  }
+  Entry e;
+  const auto dtype = v.find("dtype");
+  const auto offsets = v.find("data_offsets");
+  if (dtype == v.end() || !dtype->is_string() || offsets == v.end()) {
+    invalid(path, "tensor '" + name + "' lacks dtype or data_offsets");
+  }
+  e.dtype = dtype->get<std::string>();
+  if (const auto shape = v.find("shape"); shape != v.end()) {
+    e.shape = integers(*shape, path, "the shape of '" + name + "'");
+  }
+  const auto range = integers(*offsets, path, "data_offsets of '" + name + "'");
+  if (range.size() != 2) {
+    invalid(path, "data_offsets of '" + name + "' must hold two numbers");
+  }
+  e.begin = range[0];
+  e.end = range[1];
+  return e;
+}
+
+// The header's tensors by name (its __metadata__ aside), read with nlohmann-json.
+std::map<std::string, Entry> read_header(const std::string& text, const std::string& path) {
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, auto&) {
+      if (depth > kMaxNesting) {
+        invalid(path, "values nested more than " + std::to_string(kMaxNesting) + " deep");
+      }
+      return true;
+    });
+  } catch (const nlohmann::json::exception& e) {
+    const std::string what = e.what();  // "[json.exception.parse_error.101] parse error at ..."
+    invalid(path, "the header is not JSON (" + what.substr(what.find("] ") + 2) + ")");
+  }
+  if (!header.is_object()) {
+    invalid(path, "the header is not a JSON object");
+  }
+  std::map<std::string, Entry> out;
+  for (const auto& item : header.items()) {
+    if (item.key() != "__metadata__") {
+      out[item.key()] = entry(item.key(), item.value(), path);
+    }
+  }
+  return out;
+}
 
 std::string json_escape(const std::string& s) {
   std::string out;
@@ -295,7 +199,7 @@ std::map<std::string, torch::Tensor> load_safetensors_bytes(const void* data,
   const std::string header(reinterpret_cast<const char*>(bytes) + 8, n);
   TORCH_CHECK(header[0] == '{', "safetensors: ", name,
               " is not a valid safetensors file: the header is not a JSON object");
-  auto entries = HeaderParser(header, name).parse();
+  const auto entries = read_header(header, name);
   const unsigned char* payload = bytes + 8 + n;
   const int64_t data_size = file_size - 8 - static_cast<int64_t>(n);
   std::map<std::string, torch::Tensor> out;

@@ -374,6 +374,55 @@ TEST(Safetensors, RoundTripAndMisshapedTensor) {
   std::remove(path.c_str());
 }
 
+// A safetensors file made of `header` (padded to 8 bytes, as the format does) and `payload`.
+std::string safetensors_bytes(std::string header, const std::string& payload = "") {
+  while (header.size() % 8 != 0) {
+    header += ' ';
+  }
+  std::string out;
+  for (int i = 0; i < 8; ++i) {
+    out += static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  }
+  return out + header + payload;
+}
+
+TEST(Safetensors, HeaderIsReadAsJson) {
+  // JSON's escapes in names, keys in any order, and unknown keys beside the known ones.
+  const std::string payload(8, '\0');
+  const auto ok = safetensors_bytes(
+      R"({"b\u00e9ta\n":{"data_offsets":[0,8],"x":[[{}]],"shape":[2],"dtype":"F32"},)"
+      R"("__metadata__":{"format":"pt"}})",
+      payload);
+  const auto tensors = load_safetensors_bytes(ok.data(), ok.size(), "ok");
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_EQ(tensors.begin()->first, "b\xc3\xa9ta\n");
+  EXPECT_EQ(tensors.begin()->second.sizes(), torch::IntArrayRef({2}));
+
+  auto error = [&](const std::string& header) {
+    const auto bytes = safetensors_bytes(header, payload);
+    return error_of([&] { load_safetensors_bytes(bytes.data(), bytes.size(), "f"); });
+  };
+  const std::string deep = std::string(100, '[') + std::string(100, ']');
+  EXPECT_NE(error(R"({"a":)" + deep + "}").find("values nested more than 64 deep"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})")
+                .find("the shape of 'a' holds 2.5, not an integer"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551615]}})")
+                .find("data_offsets of 'a' holds a number beyond 64 bits"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[2]}})").find("'a' lacks dtype or data_offsets"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0]}})")
+                .find("data_offsets of 'a' must hold two numbers"),
+            std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32",)")
+                .find("f is not a valid safetensors file: the header "
+                      "is not JSON (parse error at line 1"),
+            std::string::npos);
+  EXPECT_NE(error("[1]").find("the header is not a JSON object"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace paratrain
