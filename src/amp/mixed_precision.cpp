@@ -1,5 +1,7 @@
 #include "paratrain/amp/mixed_precision.h"
 
+#include "../util/batchnorm.h"
+
 #include <torch/torch.h>
 #include "paratrain/util/cpu_kernels.h"
 
@@ -44,11 +46,6 @@ std::string to_string(OptLevel level) {
 
 namespace {
 
-bool is_batchnorm(const torch::nn::Module& m) {
-  const std::string n = m.name();
-  return n.find("BatchNorm") != std::string::npos;
-}
-
 GradScalerOptions scaler_options(const AmpOptions& o, at::ScalarType dtype) {
   const OptLevel level = o.opt_level();
   const bool by_default = dtype == at::kHalf && (level == OptLevel::kO1 || level == OptLevel::kO2);
@@ -85,7 +82,7 @@ MixedPrecision::MixedPrecision(std::shared_ptr<torch::nn::Module> model,
   if (level == OptLevel::kO2 || level == OptLevel::kO3) {
     // Module by module, each one's own tensors: O2 leaves BatchNorm's in fp32.
     for (const auto& m : model_->modules(/*include_self=*/true)) {
-      if (level == OptLevel::kO2 && is_batchnorm(*m)) {
+      if (level == OptLevel::kO2 && paratrain::detail::is_any_batchnorm(*m)) {
         continue;
       }
       for (auto& p : m->named_parameters(/*recurse=*/false)) {

@@ -1,5 +1,7 @@
 #include "paratrain/data/loader.h"
 
+#include "../util/errors.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -160,15 +162,6 @@ void DataLoader::stop_workers() {
   stop_ = false;
 }
 
-namespace {
-
-std::string message_of(const std::exception& e) {
-  const auto* ce = dynamic_cast<const c10::Error*>(&e);
-  return ce ? ce->what_without_backtrace() : e.what();
-}
-
-}  // namespace
-
 Sample DataLoader::get_one(size_t index,
                            uint64_t epoch,
                            size_t position,
@@ -177,7 +170,7 @@ Sample DataLoader::get_one(size_t index,
   try {
     return dataset_->get(index);
   } catch (const std::exception& e) {
-    const std::string why = message_of(e);
+    const std::string why = paratrain::detail::error_message(e);
     const std::string what = dataset_->describe(index);
     if (options_.skip_bad_samples()) {
       bad.push_back({index, what, why});
@@ -218,7 +211,7 @@ Batch DataLoader::build(const Job& job, std::vector<BadSample>& bad) {
       if (!options_.skip_bad_samples()) {
         throw;
       }
-      bad.push_back({index, dataset_->describe(index), message_of(e)});
+      bad.push_back({index, dataset_->describe(index), paratrain::detail::error_message(e)});
     }
   }
   return collator.finish();  // undefined when every sample was skipped

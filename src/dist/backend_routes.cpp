@@ -9,6 +9,19 @@ namespace paratrain {
 namespace dist {
 namespace detail {
 
+EngineTraits engine_traits(const std::string& engine) {
+  if (engine == "gloo") {
+    return {true, true};
+  }
+  if (engine == "mpi") {
+    return {true, false};
+  }
+  if (engine == "nccl") {
+    return {false, true};
+  }
+  return {};
+}
+
 std::vector<std::pair<c10::DeviceType, std::string>> parse_routes(const std::string& spec) {
   std::vector<std::pair<c10::DeviceType, std::string>> routes;
   std::stringstream in(spec);
@@ -24,9 +37,10 @@ std::vector<std::pair<c10::DeviceType, std::string>> parse_routes(const std::str
     TORCH_CHECK(engine == "gloo" || engine == "mpi" || engine == "nccl", "unknown backend '",
                 engine, "' in '", spec, "': choose gloo, mpi or nccl for each device");
     const auto type = device == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA;
-    TORCH_CHECK(type != c10::DeviceType::CPU || engine != "nccl", "backend '", spec,
-                "': nccl moves CUDA tensors only; route cpu to gloo or mpi");
-    TORCH_CHECK(type != c10::DeviceType::CUDA || engine != "mpi", "backend '", spec,
+    TORCH_CHECK(type != c10::DeviceType::CPU || engine_traits(engine).cpu_tensors, "backend '",
+                spec, "': nccl moves CUDA tensors only; route cpu to gloo or mpi");
+    TORCH_CHECK(type != c10::DeviceType::CUDA || engine_traits(engine).cuda_tensors, "backend '",
+                spec,
                 "': paratrain's mpi backend moves CPU tensors only; route cuda to nccl or gloo");
     for (const auto& r : routes) {
       TORCH_CHECK(r.first != type, "backend '", spec, "' names ", device, " twice");

@@ -1,5 +1,7 @@
 #include "paratrain/dist/process_group.h"
 
+#include "backend_routes.h"
+
 #include <c10/util/Exception.h>
 
 #include <sstream>
@@ -19,6 +21,10 @@ const char* to_string(ReduceOp op) {
       return "min";
   }
   return "?";
+}
+
+bool ProcessGroup::moves(c10::DeviceType type) const {
+  return detail::engine_traits(backend_for(type)).moves(type);
 }
 
 ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)

@@ -15,8 +15,7 @@ Join::Join(dist::ProcessGroupPtr group, std::function<void()> shadow_step)
 
 int64_t Join::count(int64_t mine) {
   // A CPU tensor, unless the group has no CPU engine (nccl alone): then the rank's GPU.
-  const std::string cpu_engine = group_->backend_for(c10::DeviceType::CPU);
-  const bool on_cpu = !cpu_engine.empty() && cpu_engine != "nccl";
+  const bool on_cpu = group_->moves(c10::DeviceType::CPU);
   auto options = torch::TensorOptions(torch::kLong)
                      .device(on_cpu ? torch::Device(torch::kCPU) : dist::local_device());
   torch::Tensor n = torch::full({1}, mine, options);

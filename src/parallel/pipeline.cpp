@@ -405,8 +405,7 @@ class ProcessGroupTransport : public Transport {
   // over nccl alone it would hang until the timeout. GPipe's order (all activations forward, then
   // all gradients back) matches every send with a receive already posted in the same order.
   torch::Device choose_wire(torch::Device device, Schedule schedule) const {
-    const std::string cpu_engine = pg_->backend_for(torch::kCPU);
-    if (cpu_engine == "gloo" || cpu_engine == "mpi") {
+    if (pg_->moves(torch::kCPU)) {
       return torch::kCPU;
     }
     TORCH_CHECK(device.is_cuda(), "pipeline: this stage is on ", device,

@@ -1,5 +1,7 @@
 #include "paratrain/parallel/sync_batchnorm.h"
 
+#include "../util/batchnorm.h"
+
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -180,11 +182,6 @@ bool read_batchnorm(const torch::nn::Module& module,
   return true;
 }
 
-bool is_batchnorm(const torch::nn::Module& module) {
-  return module.as<torch::nn::BatchNorm1d>() || module.as<torch::nn::BatchNorm2d>() ||
-         module.as<torch::nn::BatchNorm3d>();
-}
-
 }  // namespace
 
 SyncBatchNormImpl::SyncBatchNormImpl(SyncBatchNormOptions options_) : options(std::move(options_)) {
@@ -314,7 +311,7 @@ void find_batchnorms(torch::nn::Module& module,
   }
   for (const auto& child : module.named_children()) {
     const std::string child_path = path.empty() ? child.key() : path + "." + child.key();
-    if (is_batchnorm(*child.value())) {
+    if (paratrain::detail::is_torch_batchnorm(*child.value())) {
       auto slot = slots.find(child.key());
       TORCH_CHECK(slot != slots.end(), "convert_sync_batchnorm: cannot replace '", child_path,
                   "': its parent ", module.name(),
@@ -333,7 +330,7 @@ void find_batchnorms(torch::nn::Module& module,
 int64_t convert_sync_batchnorm(const std::shared_ptr<torch::nn::Module>& module,
                                dist::ProcessGroupPtr group) {
   TORCH_CHECK(module != nullptr, "convert_sync_batchnorm: the module is null");
-  TORCH_CHECK(!is_batchnorm(*module),
+  TORCH_CHECK(!paratrain::detail::is_torch_batchnorm(*module),
               "convert_sync_batchnorm: the module is itself a BatchNorm, which cannot be "
               "replaced in place; pass the module that holds it, or build a "
               "paratrain::SyncBatchNorm");

@@ -1,5 +1,5 @@
 // ImageFolder and ImageList on real files made from Fashion-MNIST (JPEG, grayscale JPEG, PNG,
-// RGBA PNG, WebP, several sizes), torchvision's folder rules, every bad input of the issue named
+// RGBA PNG, WebP, several sizes), torchvision's folder rules, every bad input named
 // in its error, and `paratrain train --dataset imagefolder` training with DDP on 2 ranks until it
 // clearly beats chance.
 
