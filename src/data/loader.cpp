@@ -170,7 +170,7 @@ Sample DataLoader::get_one(size_t index,
   try {
     return dataset_->get(index);
   } catch (const std::exception& e) {
-    const std::string why = paratrain::detail::error_message(e);
+    const std::string why = paratrain::detail::error_message(std::current_exception());
     const std::string what = dataset_->describe(index);
     if (options_.skip_bad_samples()) {
       bad.push_back({index, what, why});
@@ -211,7 +211,8 @@ Batch DataLoader::build(const Job& job, std::vector<BadSample>& bad) {
       if (!options_.skip_bad_samples()) {
         throw;
       }
-      bad.push_back({index, dataset_->describe(index), paratrain::detail::error_message(e)});
+      bad.push_back({index, dataset_->describe(index),
+                     paratrain::detail::error_message(std::current_exception())});
     }
   }
   return collator.finish();  // undefined when every sample was skipped

@@ -11,13 +11,13 @@ namespace detail {
 
 EngineTraits engine_traits(const std::string& engine) {
   if (engine == "gloo") {
-    return {true, true};
+    return {true, true, true};
   }
   if (engine == "mpi") {
-    return {true, false};
+    return {true, true, false};
   }
   if (engine == "nccl") {
-    return {false, true};
+    return {true, false, true};
   }
   return {};
 }

@@ -17,6 +17,7 @@ namespace detail {
 /// CPU tensors, nccl CUDA tensors; an unknown engine (or "", no engine) neither. The one place
 /// that knows, for the routes below, the pipeline's wire and Join's counter.
 struct EngineTraits {
+  bool known = false;
   bool cpu_tensors = false;
   bool cuda_tensors = false;
   bool moves(c10::DeviceType type) const {

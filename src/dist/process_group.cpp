@@ -24,7 +24,12 @@ const char* to_string(ReduceOp op) {
 }
 
 bool ProcessGroup::moves(c10::DeviceType type) const {
-  return detail::engine_traits(backend_for(type)).moves(type);
+  const std::string engine = backend_for(type);
+  const detail::EngineTraits traits = detail::engine_traits(engine);
+  if (!traits.known) {
+    return !engine.empty() && type == c10::DeviceType::CPU;
+  }
+  return traits.moves(type);
 }
 
 ProcessGroup::ProcessGroup(int rank, int size, std::chrono::milliseconds timeout)

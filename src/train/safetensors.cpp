@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -34,8 +33,8 @@ const char* dtype_name(at::ScalarType t) {
   TORCH_CHECK(false, "safetensors: cannot store tensors of type ", t);
 }
 
-// Values nested deeper than this in a header are refused: a header of a million '[' must fail
-// with a message, not cost a million levels of the JSON values' destructors.
+// Values nested deeper than this in a header are refused, and so are longer shapes: a header of
+// a million '[' must fail with a message.
 constexpr int kMaxNesting = 64;
 
 // One tensor's entry in the header.
@@ -96,16 +95,58 @@ Entry entry(const std::string& name, const nlohmann::json& v, const std::string&
   return e;
 }
 
+// What the JSON parser keeps of a header: each tensor's dtype, shape and data_offsets, in arrays
+// of at most kMaxNesting numbers. The rest (__metadata__, unknown fields) is read and dropped as
+// it goes, so a header of up to 100 MiB never costs more memory than its tensors' entries; and
+// values nested deeper than kMaxNesting are refused.
+class HeaderFilter {
+ public:
+  explicit HeaderFilter(const std::string& path) : path_(path) {}
+
+  bool operator()(int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (depth > kMaxNesting) {
+      invalid(path_, "values nested more than " + std::to_string(kMaxNesting) + " deep");
+    }
+    if (event == Event::key && depth == 1) {
+      tensor_ = parsed.get<std::string>();
+      return tensor_ != "__metadata__";
+    }
+    const bool in_tensor = tensor_ != "__metadata__";
+    if (in_tensor && depth == 1 && event != Event::object_start && event != Event::object_end) {
+      invalid(path_, "tensor '" + tensor_ + "' is not an object");
+    }
+    if (event == Event::key && depth == 2) {
+      field_ = parsed.get<std::string>();
+      keep_ = field_ == "dtype" || field_ == "shape" || field_ == "data_offsets";
+      items_ = 0;
+      return keep_;
+    }
+    if (in_tensor && keep_ && depth >= 3) {
+      if (event != Event::value) {
+        invalid(path_, "the " + field_ + " of '" + tensor_ + "' holds a nested value");
+      }
+      if (++items_ > kMaxNesting) {
+        invalid(path_, "the " + field_ + " of '" + tensor_ + "' holds more than " +
+                           std::to_string(kMaxNesting) + " values");
+      }
+    }
+    return true;
+  }
+
+ private:
+  const std::string& path_;
+  std::string tensor_;  // the top-level key being read
+  std::string field_;   // the tensor's field being read
+  bool keep_ = false;   // it is one the reader needs
+  int items_ = 0;       // values read in that field's array
+};
+
 // The header's tensors by name (its __metadata__ aside), read with nlohmann-json.
 std::map<std::string, Entry> read_header(const std::string& text, const std::string& path) {
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text, [&](int depth, nlohmann::json::parse_event_t, auto&) {
-      if (depth > kMaxNesting) {
-        invalid(path, "values nested more than " + std::to_string(kMaxNesting) + " deep");
-      }
-      return true;
-    });
+    header = nlohmann::json::parse(text, HeaderFilter(path));
   } catch (const nlohmann::json::exception& e) {
     const std::string what = e.what();  // "[json.exception.parse_error.101] parse error at ..."
     invalid(path, "the header is not JSON (" + what.substr(what.find("] ") + 2) + ")");
@@ -115,28 +156,19 @@ std::map<std::string, Entry> read_header(const std::string& text, const std::str
   }
   std::map<std::string, Entry> out;
   for (const auto& item : header.items()) {
-    if (item.key() != "__metadata__") {
-      out[item.key()] = entry(item.key(), item.value(), path);
-    }
+    out[item.key()] = entry(item.key(), item.value(), path);
   }
   return out;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
+// `name` as a JSON string, quotes included. The format's names are UTF-8, as JSON's strings are:
+// another name would make a file that no reader (this one included) accepts.
+std::string json_string(const std::string& name) {
+  try {
+    return nlohmann::json(name).dump();
+  } catch (const nlohmann::json::exception&) {
+    TORCH_CHECK(false, "safetensors: the tensor name '", name, "' is not valid UTF-8");
   }
-  return out;
 }
 
 }  // namespace
@@ -148,7 +180,7 @@ SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& 
   int64_t offset = 0;
   for (const auto& kv : tensors) {
     torch::Tensor t = kv.second.detach().to(torch::kCPU).contiguous();
-    header << ",\"" << json_escape(kv.first) << "\":{\"dtype\":\"" << dtype_name(t.scalar_type())
+    header << "," << json_string(kv.first) << ":{\"dtype\":\"" << dtype_name(t.scalar_type())
            << "\",\"shape\":[";
     for (int64_t d = 0; d < t.dim(); ++d) {
       header << (d ? "," : "") << t.size(d);

@@ -403,7 +403,7 @@ TEST(Safetensors, HeaderIsReadAsJson) {
     return error_of([&] { load_safetensors_bytes(bytes.data(), bytes.size(), "f"); });
   };
   const std::string deep = std::string(100, '[') + std::string(100, ']');
-  EXPECT_NE(error(R"({"a":)" + deep + "}").find("values nested more than 64 deep"),
+  EXPECT_NE(error(R"({"__metadata__":)" + deep + "}").find("values nested more than 64 deep"),
             std::string::npos);
   EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})")
                 .find("the shape of 'a' holds 2.5, not an integer"),
@@ -421,6 +421,41 @@ TEST(Safetensors, HeaderIsReadAsJson) {
                       "is not JSON (parse error at line 1"),
             std::string::npos);
   EXPECT_NE(error("[1]").find("the header is not a JSON object"), std::string::npos);
+  EXPECT_NE(error(R"({"a":[1]})").find("tensor 'a' is not an object"), std::string::npos);
+  EXPECT_NE(error(R"({"a":{"dtype":"F32","shape":[[2]],"data_offsets":[0,8]}})")
+                .find("the shape of 'a' holds a nested value"),
+            std::string::npos);
+  std::string long_shape = R"({"a":{"dtype":"F32","data_offsets":[0,8],"shape":[1)";
+  for (int i = 0; i < 64; ++i) {
+    long_shape += ",1";
+  }
+  EXPECT_NE(error(long_shape + "]}}").find("the shape of 'a' holds more than 64 values"),
+            std::string::npos);
+  // What the reader does not need is dropped as it is read, however large or deep (to the
+  // nesting limit).
+  std::string many_ones;
+  for (int i = 0; i < 50000; ++i) {
+    many_ones += "1,";
+  }
+  const auto dropped = safetensors_bytes(
+      R"({"__metadata__":{"big":[)" + many_ones + R"([[[]]]]},)" +
+          R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"extra":{"k":[1,2,3]}}})",
+      payload);
+  EXPECT_EQ(load_safetensors_bytes(dropped.data(), dropped.size(), "f").size(), 1u);
+
+  // Names that JSON escapes round-trip; a name that is not UTF-8 is refused when saved, since
+  // no reader would accept the file.
+  const std::string path = "/tmp/" + unique_token("names") + ".safetensors";
+  const std::string odd =
+      "q\"u\\o\nt\x01"
+      "e \xc3\xa9";
+  save_safetensors({{odd, torch::ones({2})}}, path);
+  EXPECT_EQ(load_safetensors(path).count(odd), 1u);
+  std::remove(path.c_str());
+  EXPECT_NE(error_of([&] {
+              save_safetensors({{"bad\xff", torch::ones({1})}}, path);
+            }).find("the tensor name 'bad\xff' is not valid UTF-8"),
+            std::string::npos);
 }
 
 }  // namespace

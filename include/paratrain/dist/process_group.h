@@ -76,9 +76,10 @@ class ProcessGroup {
     return backend_name();
   }
 
-  /// Whether this group moves tensors of `type` where they are: an engine of it does (gloo CPU
-  /// and CUDA tensors, mpi CPU tensors, nccl CUDA tensors; a routed group by its route).
-  bool moves(c10::DeviceType type) const;
+  /// Whether this group moves tensors of `type` where they are: by the engine backend_for(type)
+  /// names, gloo CPU and CUDA tensors, mpi CPU tensors, nccl CUDA tensors. An engine of another
+  /// name is taken to move CPU tensors only; a backend that moves others says so by overriding.
+  virtual bool moves(c10::DeviceType type) const;
 
   /// Reduces `tensor` in place over all ranks. kAvg divides the sum by size() and needs a
   /// floating-point tensor.
