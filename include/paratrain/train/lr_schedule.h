@@ -12,7 +12,8 @@
 // each milestone), "cosine" (CosineAnnealingLR down to eta_min over t_max). warmup > 0 puts
 // LinearLR(start_factor, total_iters = warmup) before it, as SequentialLR([warm-up, main],
 // milestones = [warmup]): the main schedule starts counting when the warm-up ends. The values are
-// PyTorch's closed forms; tests/train/lr_schedule_test.cpp checks them against python3-torch.
+// PyTorch's closed forms; tests/train/trainer_test.cpp (LRSchedule.*) checks them against
+// python3-torch.
 #pragma once
 
 #include <torch/arg.h>
