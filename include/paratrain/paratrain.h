@@ -17,28 +17,28 @@
 #include "paratrain/data/make_image_folder.h"    // write_image_folder
 #include "paratrain/data/transforms.h"           // transforms::Resize, RandomResizedCrop, ...
 
-#include "paratrain/dist/devices.h"        // local_device, check_device_exists
-#include "paratrain/dist/env.h"            // RankInfo, discover_rank_info
-#include "paratrain/dist/init.h"           // init_process_group, InitOptions
-#include "paratrain/dist/launch.h"         // launch, LaunchOptions (paratrain launch)
-#include "paratrain/dist/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
-#include "paratrain/dist/spawn.h"          // spawn
+#include "paratrain/comm/devices.h"        // local_device, check_device_exists
+#include "paratrain/comm/env.h"            // RankInfo, discover_rank_info
+#include "paratrain/comm/init.h"           // init_process_group, InitOptions
+#include "paratrain/comm/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
+#include "paratrain/launch/launch.h"       // launch, LaunchOptions (paratrain launch)
+#include "paratrain/launch/spawn.h"        // spawn
 
-#include "paratrain/models/registry.h"                     // models::make
-#include "paratrain/parallel/comm_hooks.h"                 // CommHook, fp16/bf16 compression
-#include "paratrain/parallel/data_parallel.h"              // DataParallel
+#include "paratrain/io/checkpoint.h"           // Checkpoint, optimizer_state, rng_state
+#include "paratrain/io/safetensors.h"          // save/load_safetensors, module_state
+#include "paratrain/io/tensorboard.h"          // tensorboard::SummaryWriter (event files)
+#include "paratrain/io/torch_load.h"           // load_torch_state_dict, load_weights
+#include "paratrain/models/registry.h"         // models::make
+#include "paratrain/parallel/comm_hooks.h"     // CommHook, fp16/bf16 compression
+#include "paratrain/parallel/data_parallel.h"  // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
 #include "paratrain/parallel/join.h"                       // Join (uneven inputs)
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
 #include "paratrain/parallel/sync_batchnorm.h"             // SyncBatchNorm, convert_sync_batchnorm
 #include "paratrain/parallel/threads.h"                    // set_blas_threads
 #include "paratrain/parallel/zero_redundancy_optimizer.h"  // ZeroRedundancyOptimizer
-#include "paratrain/train/checkpoint.h"                    // Checkpoint, optimizer_state, rng_state
 #include "paratrain/train/lr_schedule.h"  // LRSchedule: step, multistep, cosine, warm-up
-#include "paratrain/train/safetensors.h"  // save/load_safetensors, module_state
-#include "paratrain/train/tensorboard.h"  // tensorboard::SummaryWriter (event files)
-#include "paratrain/train/torch_load.h"   // load_torch_state_dict, load_weights
-#include "paratrain/train/trace.h"        // trace::Tracer, Span (Chrome traces)
 #include "paratrain/train/trainer.h"      // Trainer, TrainerOptions, make_optimizer
 #include "paratrain/util/allocator.h"     // cpu::keep_freed_memory, glibc keeps freed tensors
 #include "paratrain/util/cpu_kernels.h"   // cpu::ensure_usable_kernels, CPU kernel workarounds
+#include "paratrain/util/trace.h"         // trace::Tracer, Span (Chrome traces)

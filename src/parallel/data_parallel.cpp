@@ -10,7 +10,7 @@
 
 #include "../util/copies.h"
 #include "../util/errors.h"
-#include "paratrain/dist/devices.h"
+#include "paratrain/comm/devices.h"
 #include "paratrain/parallel/threads.h"
 #include "worker_team.h"
 
@@ -111,83 +111,125 @@ struct GatherBackward : torch::autograd::Node {
         wanted.push_back(j);
       }
     }
-    // Per replica: its output, the gradient for it, and what it is asked about (its chunk when
-    // the input needs a gradient, then the wanted parameters). replica_grads[i][0] is the chunk's
-    // gradient (undefined when not asked), then one per wanted parameter.
-    std::vector<variable_list> inputs(k);
-    std::vector<at::Tensor> grad_outs(k);
-    std::vector<bool> want_input(k);
-    int64_t offset = 0;
-    for (size_t i = 0; i < k; ++i) {
-      grad_outs[i] = detail::to_device(grad.narrow(dim, offset, sizes[i]), st.devices[i]);
-      offset += sizes[i];
-      want_input[i] = leaves[i].defined() && should_compute_output(i);
-      if (want_input[i]) {
-        inputs[i].push_back(leaves[i]);
-      }
-      for (size_t j : wanted) {
-        inputs[i].push_back(st.params[i][j]);
-      }
-    }
-    auto unpack = [&](size_t i, variable_list got) {
-      if (!want_input[i]) {
-        got.insert(got.begin(), at::Tensor());
-      }
-      return got;
-    };
-    std::vector<variable_list> replica_grads(k);
+    const Asks asks = ask_replicas(grad, leaves, wanted);
     // retain_graph: the graphs are freed with this node (release_variables), so a user's
     // backward(retain_graph=true) can run twice.
-    if (std::all_of(st.devices.begin(), st.devices.end(),
-                    [](const torch::Device& d) { return d.is_cpu(); })) {
-      // CPU: the autograd engine runs a CPU graph on the calling thread, so one thread per
-      // replica is what makes their backward passes parallel.
-      std::vector<std::function<void()>> tasks;
-      for (size_t i = 0; i < k; ++i) {
-        tasks.emplace_back([&, i] {
-          if (!inputs[i].empty()) {
-            replica_grads[i] =
-                unpack(i, torch::autograd::grad({outs[i]}, inputs[i], {grad_outs[i]},
-                                                /*retain_graph=*/true, /*create_graph=*/false,
-                                                /*allow_unused=*/true));
-          }
-        });
-      }
-      run_replicas(*st.team, tasks, st.devices, "backward");
-    } else {
-      // Accelerators: this node runs on the engine's thread for output_device, which a replica's
-      // graph also needs, so waiting here for other threads would deadlock. One reentrant grad()
-      // over all replicas instead: the engine spreads it over its per-device threads.
-      variable_list all_outs;
-      variable_list all_grads;
-      variable_list all_inputs;
-      for (size_t i = 0; i < k; ++i) {
-        if (!inputs[i].empty()) {
-          all_outs.push_back(outs[i]);
-          all_grads.push_back(grad_outs[i]);
-          all_inputs.insert(all_inputs.end(), inputs[i].begin(), inputs[i].end());
-        }
-      }
-      variable_list got =
-          torch::autograd::grad(all_outs, all_inputs, all_grads, /*retain_graph=*/true,
-                                /*create_graph=*/false, /*allow_unused=*/true);
-      size_t next = 0;
-      for (size_t i = 0; i < k; ++i) {
-        if (!inputs[i].empty()) {
-          variable_list mine(got.begin() + static_cast<std::ptrdiff_t>(next),
-                             got.begin() + static_cast<std::ptrdiff_t>(next + inputs[i].size()));
-          next += inputs[i].size();
-          replica_grads[i] = unpack(i, std::move(mine));
-        }
-      }
-    }
+    std::vector<variable_list> replica_grads =
+        std::all_of(st.devices.begin(), st.devices.end(),
+                    [](const torch::Device& d) { return d.is_cpu(); })
+            ? grads_on_threads(outs, asks)
+            : grads_reentrant(outs, asks);
     for (size_t i = 0; i < k; ++i) {
       if (!replica_grads[i].empty() && replica_grads[i][0].defined()) {
         result[i] = replica_grads[i][0].to(chunk_devices[i]);
       }
     }
-    // Sum each parameter's gradients on the module's device, replica 0's first (it is already
-    // there), in replica order, so the result does not depend on thread timing.
+    sum_parameter_grads(replica_grads, wanted, result);
+    return result;
+  }
+
+ private:
+  // Per replica: its output, the gradient for it, and what it is asked about (its chunk when
+  // the input needs a gradient, then the wanted parameters).
+  struct Asks {
+    std::vector<variable_list> inputs;
+    std::vector<at::Tensor> grad_outs;
+    std::vector<bool> want_input;
+  };
+
+  Asks ask_replicas(const at::Tensor& grad,
+                    const std::vector<at::Tensor>& leaves,
+                    const std::vector<size_t>& wanted) {
+    auto& st = *state;
+    const size_t k = sizes.size();
+    Asks asks;
+    asks.inputs.resize(k);
+    asks.grad_outs.resize(k);
+    asks.want_input.resize(k);
+    int64_t offset = 0;
+    for (size_t i = 0; i < k; ++i) {
+      asks.grad_outs[i] = detail::to_device(grad.narrow(dim, offset, sizes[i]), st.devices[i]);
+      offset += sizes[i];
+      asks.want_input[i] = leaves[i].defined() && should_compute_output(i);
+      if (asks.want_input[i]) {
+        asks.inputs[i].push_back(leaves[i]);
+      }
+      for (size_t j : wanted) {
+        asks.inputs[i].push_back(st.params[i][j]);
+      }
+    }
+    return asks;
+  }
+
+  // A replica's gradients as sum_parameter_grads reads them: [0] is the chunk's gradient
+  // (undefined when not asked), then one per wanted parameter.
+  static variable_list unpack(const Asks& asks, size_t i, variable_list got) {
+    if (!asks.want_input[i]) {
+      got.insert(got.begin(), at::Tensor());
+    }
+    return got;
+  }
+
+  // CPU: the autograd engine runs a CPU graph on the calling thread, so one thread per
+  // replica is what makes their backward passes parallel.
+  std::vector<variable_list> grads_on_threads(const std::vector<at::Tensor>& outs,
+                                              const Asks& asks) {
+    const size_t k = sizes.size();
+    std::vector<variable_list> replica_grads(k);
+    std::vector<std::function<void()>> tasks;
+    for (size_t i = 0; i < k; ++i) {
+      tasks.emplace_back([&, i] {
+        if (!asks.inputs[i].empty()) {
+          replica_grads[i] =
+              unpack(asks, i,
+                     torch::autograd::grad({outs[i]}, asks.inputs[i], {asks.grad_outs[i]},
+                                           /*retain_graph=*/true, /*create_graph=*/false,
+                                           /*allow_unused=*/true));
+        }
+      });
+    }
+    run_replicas(*state->team, tasks, state->devices, "backward");
+    return replica_grads;
+  }
+
+  // Accelerators: this node runs on the engine's thread for output_device, which a replica's
+  // graph also needs, so waiting here for other threads would deadlock. One reentrant grad()
+  // over all replicas instead: the engine spreads it over its per-device threads.
+  std::vector<variable_list> grads_reentrant(const std::vector<at::Tensor>& outs,
+                                             const Asks& asks) {
+    const size_t k = sizes.size();
+    std::vector<variable_list> replica_grads(k);
+    variable_list all_outs;
+    variable_list all_grads;
+    variable_list all_inputs;
+    for (size_t i = 0; i < k; ++i) {
+      if (!asks.inputs[i].empty()) {
+        all_outs.push_back(outs[i]);
+        all_grads.push_back(asks.grad_outs[i]);
+        all_inputs.insert(all_inputs.end(), asks.inputs[i].begin(), asks.inputs[i].end());
+      }
+    }
+    variable_list got =
+        torch::autograd::grad(all_outs, all_inputs, all_grads, /*retain_graph=*/true,
+                              /*create_graph=*/false, /*allow_unused=*/true);
+    size_t next = 0;
+    for (size_t i = 0; i < k; ++i) {
+      if (!asks.inputs[i].empty()) {
+        variable_list mine(got.begin() + static_cast<std::ptrdiff_t>(next),
+                           got.begin() + static_cast<std::ptrdiff_t>(next + asks.inputs[i].size()));
+        next += asks.inputs[i].size();
+        replica_grads[i] = unpack(asks, i, std::move(mine));
+      }
+    }
+    return replica_grads;
+  }
+
+  // Sum each parameter's gradients on the module's device, replica 0's first (it is already
+  // there), in replica order, so the result does not depend on thread timing.
+  void sum_parameter_grads(const std::vector<variable_list>& replica_grads,
+                           const std::vector<size_t>& wanted,
+                           variable_list& result) const {
+    const size_t k = sizes.size();
     for (size_t w = 0; w < wanted.size(); ++w) {
       at::Tensor sum;
       for (size_t i = 0; i < k; ++i) {
@@ -198,7 +240,7 @@ struct GatherBackward : torch::autograd::Node {
         if (!g.defined()) {
           continue;
         }
-        at::Tensor here = g.to(st.devices[0]);
+        at::Tensor here = g.to(state->devices[0]);
         if (sum.defined()) {
           sum.add_(here);
         } else {
@@ -207,9 +249,88 @@ struct GatherBackward : torch::autograd::Node {
       }
       result[k + wanted[w]] = sum;
     }
-    return result;
   }
 };
+
+// Refresh the clones (Note [How DataParallel runs replicas]). An in-place copy into a clone
+// whose graph from an earlier forward still waits for backward invalidates that graph (autograd
+// then refuses its backward), so while such graphs live, parameters are copied only when their
+// values differ (libtorch's optimizers update parameters without bumping version counters, so
+// versions cannot tell), and buffers only in eval mode, the one mode that reads them (BatchNorm
+// saves its running statistics for backward even in training).
+void refresh_replicas(DataParallel::State& st, size_t k) {
+  torch::NoGradGuard no_grad;
+  const auto& mine = st.params[0];
+  const bool graphs_live = st.live_graphs.load() > 0;
+  const bool training = st.module->is_training();
+  for (size_t i = 1; i < k; ++i) {
+    bool copy = !graphs_live;
+    for (size_t j = 0; !copy && j < mine.size(); ++j) {
+      copy = !torch::equal(st.params[i][j], mine[j].to(st.devices[i]));
+    }
+    if (copy) {
+      for (size_t j = 0; j < mine.size(); ++j) {
+        detail::copy_to(st.params[i][j], mine[j]);
+      }
+    }
+    if (!graphs_live || !training) {
+      for (size_t j = 0; j < st.buffers[0].size(); ++j) {
+        detail::copy_to(st.buffers[i][j], st.buffers[0][j]);
+      }
+    }
+    st.replicas[i]->train(training);
+  }
+}
+
+// Runs each replica on its chunk, one thread each; fills replica_inputs and outputs.
+void forward_replicas(DataParallel::State& st,
+                      const std::vector<at::Tensor>& chunks,
+                      bool grad_mode,
+                      std::vector<at::Tensor>& replica_inputs,
+                      std::vector<at::Tensor>& outputs) {
+  std::vector<std::function<void()>> tasks;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    tasks.emplace_back([&, i] {
+      c10::DeviceGuard guard(st.devices[i]);
+      // Each replica works on a leaf of its own: its graph ends here, and GatherBackward routes
+      // the chunk's gradient back to the caller's input.
+      at::Tensor x = detail::to_device(chunks[i], st.devices[i]).detach();
+      if (grad_mode && chunks[i].requires_grad()) {
+        x.requires_grad_(true);
+      }
+      replica_inputs[i] = x;
+      outputs[i] = st.forward(*st.replicas[i], x);
+      TORCH_CHECK(outputs[i].defined() && outputs[i].dim() > st.dim,
+                  "the module returned a tensor that cannot be gathered along dim ", st.dim);
+    });
+  }
+  run_replicas(*st.team, tasks, st.devices, "forward");
+}
+
+// Makes a GatherBackward the gradient function of `gathered`.
+void attach_gather_backward(const std::shared_ptr<DataParallel::State>& state,
+                            const std::vector<at::Tensor>& chunks,
+                            const std::vector<at::Tensor>& replica_inputs,
+                            const std::vector<at::Tensor>& outputs,
+                            at::Tensor& gathered) {
+  DataParallel::State& st = *state;
+  auto node = std::shared_ptr<GatherBackward>(new GatherBackward(), torch::autograd::deleteNode);
+  node->state = state;
+  node->outputs = outputs;
+  node->dim = st.dim;
+  node->num_params = st.params[0].size();
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    node->sizes.push_back(chunks[i].size(st.dim));
+    node->chunk_devices.push_back(chunks[i].device());
+    node->replica_inputs.push_back(replica_inputs[i].requires_grad() ? replica_inputs[i]
+                                                                     : at::Tensor());
+  }
+  variable_list edges_of(chunks.begin(), chunks.end());
+  edges_of.insert(edges_of.end(), st.params[0].begin(), st.params[0].end());
+  node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
+  torch::autograd::set_history(gathered, node);
+  ++st.live_graphs;  // the node's release_variables (or destructor) takes it back
+}
 
 }  // namespace
 
@@ -318,57 +439,12 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
   std::vector<at::Tensor> chunks = input.chunk(static_cast<int64_t>(st.devices.size()), st.dim);
   const size_t k = chunks.size();
   st.last_used = k;
-
-  // Refresh the clones (Note [How DataParallel runs replicas]). An in-place copy into a clone
-  // whose graph from an earlier forward still waits for backward invalidates that graph (autograd
-  // then refuses its backward), so while such graphs live, parameters are copied only when their
-  // values differ (libtorch's optimizers update parameters without bumping version counters, so
-  // versions cannot tell), and buffers only in eval mode, the one mode that reads them (BatchNorm
-  // saves its running statistics for backward even in training).
-  {
-    torch::NoGradGuard no_grad;
-    const auto& mine = st.params[0];
-    const bool graphs_live = st.live_graphs.load() > 0;
-    const bool training = st.module->is_training();
-    for (size_t i = 1; i < k; ++i) {
-      bool copy = !graphs_live;
-      for (size_t j = 0; !copy && j < mine.size(); ++j) {
-        copy = !torch::equal(st.params[i][j], mine[j].to(st.devices[i]));
-      }
-      if (copy) {
-        for (size_t j = 0; j < mine.size(); ++j) {
-          detail::copy_to(st.params[i][j], mine[j]);
-        }
-      }
-      if (!graphs_live || !training) {
-        for (size_t j = 0; j < st.buffers[0].size(); ++j) {
-          detail::copy_to(st.buffers[i][j], st.buffers[0][j]);
-        }
-      }
-      st.replicas[i]->train(training);
-    }
-  }
+  refresh_replicas(st, k);
 
   const bool grad_mode = torch::GradMode::is_enabled();
   std::vector<at::Tensor> replica_inputs(k);
   std::vector<at::Tensor> outputs(k);
-  std::vector<std::function<void()>> tasks;
-  for (size_t i = 0; i < k; ++i) {
-    tasks.emplace_back([&, i] {
-      c10::DeviceGuard guard(st.devices[i]);
-      // Each replica works on a leaf of its own: its graph ends here, and GatherBackward routes
-      // the chunk's gradient back to the caller's input.
-      at::Tensor x = detail::to_device(chunks[i], st.devices[i]).detach();
-      if (grad_mode && chunks[i].requires_grad()) {
-        x.requires_grad_(true);
-      }
-      replica_inputs[i] = x;
-      outputs[i] = st.forward(*st.replicas[i], x);
-      TORCH_CHECK(outputs[i].defined() && outputs[i].dim() > st.dim,
-                  "the module returned a tensor that cannot be gathered along dim ", st.dim);
-    });
-  }
-  run_replicas(*st.team, tasks, st.devices, "forward");
+  forward_replicas(st, chunks, grad_mode, replica_inputs, outputs);
 
   std::vector<at::Tensor> detached;
   for (const auto& o : outputs) {
@@ -383,22 +459,7 @@ torch::Tensor DataParallel::forward(const torch::Tensor& input) {
   if (!grad_mode || !needs_grad || !torch::autograd::isDifferentiableType(gathered.scalar_type())) {
     return gathered;
   }
-  auto node = std::shared_ptr<GatherBackward>(new GatherBackward(), torch::autograd::deleteNode);
-  node->state = state_;
-  node->outputs = outputs;
-  node->dim = st.dim;
-  node->num_params = st.params[0].size();
-  for (size_t i = 0; i < k; ++i) {
-    node->sizes.push_back(chunks[i].size(st.dim));
-    node->chunk_devices.push_back(chunks[i].device());
-    node->replica_inputs.push_back(replica_inputs[i].requires_grad() ? replica_inputs[i]
-                                                                     : at::Tensor());
-  }
-  variable_list edges_of(chunks.begin(), chunks.end());
-  edges_of.insert(edges_of.end(), st.params[0].begin(), st.params[0].end());
-  node->set_next_edges(torch::autograd::collect_next_edges(edges_of));
-  torch::autograd::set_history(gathered, node);
-  ++st.live_graphs;  // the node's release_variables (or destructor) takes it back
+  attach_gather_backward(state_, chunks, replica_inputs, outputs, gathered);
   return gathered;
 }
 

@@ -1,6 +1,6 @@
 #include "paratrain/parallel/distributed_data_parallel.h"
 
-#include "paratrain/train/trace.h"
+#include "paratrain/util/trace.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>

@@ -1,6 +1,6 @@
 #include "paratrain/parallel/join.h"
 
-#include "paratrain/dist/devices.h"
+#include "paratrain/comm/devices.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>

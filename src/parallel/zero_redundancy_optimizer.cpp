@@ -1,7 +1,7 @@
 #include "paratrain/parallel/zero_redundancy_optimizer.h"
 
-#include "paratrain/train/checkpoint.h"   // optimizer_state, load_optimizer_state
-#include "paratrain/train/safetensors.h"  // encode_safetensors, load_safetensors_bytes
+#include "paratrain/io/checkpoint.h"   // optimizer_state, load_optimizer_state
+#include "paratrain/io/safetensors.h"  // encode_safetensors, load_safetensors_bytes
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>

@@ -1,16 +1,14 @@
-#include "paratrain/train/trainer.h"
+// The Trainer: its options, strategy, optimizer and loaders, the training loop, the evaluation,
+// the replica check and the metrics. Capture, restore and resume of the training state are in
+// trainer_state.cpp; Trainer::Impl is in trainer_impl.h.
+
+#include "trainer_impl.h"
 
 #include "paratrain/data/device_prefetcher.h"
-#include "paratrain/data/distributed_sampler.h"
-#include "paratrain/data/loader.h"
 #include "paratrain/data/sampler.h"
-#include "paratrain/parallel/data_parallel.h"
-#include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/io/safetensors.h"
 #include "paratrain/parallel/sync_batchnorm.h"
 #include "paratrain/parallel/zero_redundancy_optimizer.h"
-#include "paratrain/train/safetensors.h"
-#include "paratrain/train/tensorboard.h"
-#include "paratrain/train/trace.h"
 #include "paratrain/util/cpu_kernels.h"
 
 #include <torch/nn/functional/loss.h>
@@ -18,22 +16,19 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
-#include <nlohmann/json.hpp>
-
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <optional>
-#include <set>
-#include <sstream>
 
 namespace paratrain {
 
-using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 Strategy parse_strategy(const std::string& name) {
@@ -120,59 +115,6 @@ double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_n
   }
   return norm;
 }
-
-struct Trainer::Impl {
-  TrainerOptions o;
-  torch::nn::Sequential model;
-  data::DatasetPtr train;
-  data::DatasetPtr val;
-  int rank = 0;
-  int world = 1;
-  torch::Device device = torch::kCPU;  // where batches go
-  std::unique_ptr<amp::MixedPrecision> mp;
-  std::unique_ptr<DistributedDataParallel> ddp;
-  std::unique_ptr<DataParallel> dp;
-  std::unique_ptr<pipeline::Pipeline> pipe;
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  std::unique_ptr<LRSchedule> schedule;
-  std::shared_ptr<data::DistributedSampler> sampler;
-  std::unique_ptr<data::DataLoader> loader;
-  std::unique_ptr<data::DataLoader> val_loader;
-  std::unique_ptr<Checkpoint> ckpt;
-  std::ofstream metrics;
-  std::unique_ptr<tensorboard::SummaryWriter> tb;
-  std::chrono::steady_clock::time_point log_clock;  // since the last step row
-  int64_t log_samples = 0;                          // this rank's samples since then
-  std::vector<std::function<void(const StepInfo&)>> step_callbacks;
-  std::vector<std::function<void(const EpochResult&)>> epoch_callbacks;
-  int64_t epoch = 0;
-  int64_t batch = 0;  // batches of `epoch` done
-  // Samples of this epoch's order that an earlier world trained (elastic resume); 0 otherwise.
-  int64_t epoch_start = 0;
-  // Batches left in this epoch's steps_per_epoch budget after an elastic reshard; 0: no cap.
-  int64_t epoch_cap = 0;
-  void refresh_batches();
-  int64_t global_step = 0;
-  int64_t batches_per_epoch = 0;
-  std::string resumed_from;
-
-  void check_options() const;
-  void build_strategy();
-  void build_loaders();
-  torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& target) const;
-  void train_epoch(double& loss_sum, int64_t& samples);
-  StepInfo optimizer_step(const torch::Tensor& loss, bool log);
-  double evaluate();
-  void resume();
-  void restore(const CheckpointState& s);
-  CheckpointState capture();
-  TensorMap weights() const;
-  void write_metrics(const Json& row);
-  void write_tensorboard(const Json& row);
-  void check_replicas();
-  void write_trace(const trace::Tracer& tracer);
-  bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
-};
 
 void Trainer::Impl::check_options() const {
   TORCH_CHECK(o.epochs() >= 1, "epochs must be >= 1, got ", o.epochs());
@@ -372,7 +314,6 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
   data::DevicePrefetcher batches(*loader, device, o.input_transform());
   // Summed on the device: reading the loss every step would make the host wait for the device.
   torch::Tensor loss_sum;
-  const double accumulate = static_cast<double>(o.accumulate());
   const bool guard_loss = o.stop_on_non_finite() && !mp->loss_scaling();
   while (batch < batches_per_epoch) {
     std::optional<data::Batch> b;
@@ -388,36 +329,9 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
     if (first) {
       opt->zero_grad();
     }
-    torch::Tensor loss;  // the batch's mean loss, unscaled
-    {
-      std::unique_ptr<DistributedDataParallel::NoSyncGuard> no_sync;
-      if (ddp && !last) {
-        no_sync = std::make_unique<DistributedDataParallel::NoSyncGuard>(*ddp);
-      }
-      torch::Tensor x = b->data;
-      {
-        trace::Span span(pipe ? "forward and backward (pipeline)" : "forward", "compute");
-        auto autocast = mp->autocast();  // O1 only; its threads (dp, pipeline) inherit it
-        x = mp->cast_input(x);
-        if (pipe) {
-          loss = pipe->step(x, b->target) * (accumulate / mp->scaler().get_scale());
-        } else {
-          auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
-          loss = loss_of(out, b->target);
-        }
-      }
-      if (!pipe) {
-        trace::Span span("backward", "compute");
-        mp->backward(o.accumulate() > 1 ? loss / accumulate : loss);
-      }
-    }
-    if (guard_loss &&
-        !std::isfinite(loss.detach().to(torch::kCPU, torch::kDouble).item<double>())) {
-      throw NonFiniteLoss(
-          "the loss is " + std::to_string(loss.detach().to(torch::kCPU).item<double>()) +
-          " at step " + std::to_string(global_step + 1) + " (epoch " + std::to_string(epoch + 1) +
-          ", batch " + std::to_string(batch + 1) + ") on rank " + std::to_string(rank) +
-          ": lower the learning rate, clip gradients, or check the data");
+    const torch::Tensor loss = forward_backward(*b, last);  // the batch's mean loss, unscaled
+    if (guard_loss) {
+      check_finite(loss);
     }
     const torch::Tensor weighted =
         loss.detach().to(torch::kDouble) * static_cast<double>(b->target.size(0));
@@ -428,42 +342,91 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
       ++batch;
       continue;
     }
-    const bool log = is_log_step();
-    StepInfo info = optimizer_step(loss, log);
-    ++batch;
-    info.batch = batch;
-    if (log) {
-      const auto now = std::chrono::steady_clock::now();
-      // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
-      const double images_per_sec =
-          static_cast<double>(log_samples * (ddp ? world : 1)) /
-          std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
-      log_clock = now;
-      log_samples = 0;
-      write_metrics(Json{{"step", info.global_step},
-                         {"epoch", epoch + 1},
-                         {"batch", batch},
-                         {"loss", info.loss},
-                         {"lr", info.lr},
-                         {"grad_norm", info.grad_norm},
-                         {"loss_scale", info.loss_scale},
-                         {"images_per_sec", images_per_sec},
-                         {"stepped", info.stepped}});
-    }
-    if (ddp && o.check_replicas() > 0 && global_step % o.check_replicas() == 0) {
-      check_replicas();
-    }
-    if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
-      trace::Span span("checkpoint (copy to host)", "checkpoint");
-      ckpt->save(capture());
-    }
-    for (auto& cb : step_callbacks) {
-      cb(info);
-    }
+    end_step(loss);
   }
   if (loss_sum.defined()) {
     loss_sum_out += loss_sum.to(torch::kCPU).item<double>();
   }
+}
+
+// One batch forward and backward; under ddp its gradients are synchronized only on the last batch
+// of an accumulation (`last`). Returns the batch's mean loss, unscaled.
+torch::Tensor Trainer::Impl::forward_backward(const data::Batch& b, bool last) {
+  const double accumulate = static_cast<double>(o.accumulate());
+  torch::Tensor loss;  // the batch's mean loss, unscaled
+  std::unique_ptr<DistributedDataParallel::NoSyncGuard> no_sync;
+  if (ddp && !last) {
+    no_sync = std::make_unique<DistributedDataParallel::NoSyncGuard>(*ddp);
+  }
+  torch::Tensor x = b.data;
+  {
+    trace::Span span(pipe ? "forward and backward (pipeline)" : "forward", "compute");
+    auto autocast = mp->autocast();  // O1 only; its threads (dp, pipeline) inherit it
+    x = mp->cast_input(x);
+    if (pipe) {
+      loss = pipe->step(x, b.target) * (accumulate / mp->scaler().get_scale());
+    } else {
+      auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
+      loss = loss_of(out, b.target);
+    }
+  }
+  if (!pipe) {
+    trace::Span span("backward", "compute");
+    mp->backward(o.accumulate() > 1 ? loss / accumulate : loss);
+  }
+  return loss;
+}
+
+// stop_on_non_finite without loss scaling: NonFiniteLoss naming the step, the batch and the rank.
+void Trainer::Impl::check_finite(const torch::Tensor& loss) const {
+  if (!std::isfinite(loss.detach().to(torch::kCPU, torch::kDouble).item<double>())) {
+    throw NonFiniteLoss(
+        "the loss is " + std::to_string(loss.detach().to(torch::kCPU).item<double>()) +
+        " at step " + std::to_string(global_step + 1) + " (epoch " + std::to_string(epoch + 1) +
+        ", batch " + std::to_string(batch + 1) + ") on rank " + std::to_string(rank) +
+        ": lower the learning rate, clip gradients, or check the data");
+  }
+}
+
+// After the last batch of an accumulation: the optimizer step, then its metrics row, the replica
+// check, the checkpoint and the step callbacks.
+void Trainer::Impl::end_step(const torch::Tensor& loss) {
+  const bool log = is_log_step();
+  StepInfo info = optimizer_step(loss, log);
+  ++batch;
+  info.batch = batch;
+  if (log) {
+    write_step_row(info);
+  }
+  if (ddp && o.check_replicas() > 0 && global_step % o.check_replicas() == 0) {
+    check_replicas();
+  }
+  if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
+    trace::Span span("checkpoint (copy to host)", "checkpoint");
+    ckpt->save(capture());
+  }
+  for (auto& cb : step_callbacks) {
+    cb(info);
+  }
+}
+
+void Trainer::Impl::write_step_row(const StepInfo& info) {
+  const auto now = std::chrono::steady_clock::now();
+  // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
+  const double images_per_sec =
+      static_cast<double>(log_samples * (ddp ? world : 1)) /
+      std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
+  log_clock = now;
+  log_samples = 0;
+  write_metrics(Json{{"step", info.global_step},
+                     {"epoch", epoch + 1},
+                     {"batch", batch},
+                     {"loss", info.loss},
+                     {"lr", info.lr},
+                     {"grad_norm", info.grad_norm},
+                     {"loss_scale", info.loss_scale},
+                     {"images_per_sec", images_per_sec},
+                     {"stepped", info.stepped}});
 }
 
 // DDP keeps every replica's parameters bitwise equal; a rank whose weights drifted (a bug, bad
@@ -605,216 +568,67 @@ TensorMap Trainer::Impl::weights() const {
   return state;
 }
 
-CheckpointState Trainer::Impl::capture() {
-  CheckpointState s;
-  s.step = global_step;
-  Json scaler;
-  for (const auto& kv : mp->scaler().state_dict()) {
-    scaler[kv.first] = kv.second;
+// One epoch: training, evaluation, the epoch's totals over the ranks, the schedule, the metrics
+// row and the epoch's checkpoint.
+EpochResult Trainer::Impl::run_epoch() {
+  const auto start = Clock::now();
+  double loss_sum = 0;
+  int64_t samples = 0;
+  train_epoch(loss_sum, samples);
+  EpochResult r;
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  r.data_wait_seconds = loader->stats().wait_seconds;
+  r.epoch = epoch;
+  r.val_accuracy = evaluate();
+  at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples)}, torch::kDouble);
+  if (ddp) {
+    totals = totals.to(device);
+    o.process_group()->allreduce(totals)->wait();
+    totals = totals.cpu();
   }
-  s.meta = Json{{"epoch", epoch},
-                {"batch", batch},
-                {"epoch_start", epoch_start},
-                {"epoch_cap", epoch_cap},
-                {"batches_per_epoch", batches_per_epoch},
-                {"world_size", world},
-                {"batch_size", o.batch_size()},
-                {"global_step", global_step},
-                {"schedule_steps", schedule->steps()},
-                {"scaler", scaler},
-                {"strategy", to_string(o.strategy())},
-                {"config", Json::parse(o.config())}}
-               .dump();
-  s.shared = with_prefix(module_state(*model), "model.");
-  s.own = rng_state();
-  // ZeRO, consolidated: every rank sends its shard to rank 0, which saves the state as the
-  // unsharded optimizer's. Sharded: each rank's shard goes to its own file, keyed the same way,
-  // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
-  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-  const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
-  TensorMap& optim_home = sharded ? s.own : s.shared;
-  s.own_read_by_all = sharded;
-  for (const auto& kv : with_prefix(sharded ? zero->sharded_state()
-                                    : zero  ? zero->consolidate_state(0)
-                                            : optimizer_state(*opt),
-                                    "optim.")) {
-    optim_home[kv.first] = kv.second;
+  r.train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+  r.images_per_sec = totals[1].item<double>() / std::max(1e-9, r.seconds);
+  r.lr = schedule->lr();
+  if (!o.schedule_per_step()) {
+    schedule->step();
   }
-  if (mp->opt_level() == amp::OptLevel::kO2) {
-    for (size_t i = 0; i < mp->masters().size(); ++i) {
-      s.shared["amp.master." + std::to_string(i)] = mp->masters()[i];
-    }
-  }
-  return s;
-}
-
-namespace {
-
-// The first key whose value differs, as one line; empty when equal.
-std::string first_difference(const Json& saved, const Json& now) {
-  std::set<std::string> keys;
-  for (const auto& kv : saved.items()) {
-    keys.insert(kv.key());
-  }
-  for (const auto& kv : now.items()) {
-    keys.insert(kv.key());
-  }
-  for (const auto& k : keys) {
-    const Json a = saved.contains(k) ? saved.at(k) : Json("(unset)");
-    const Json b = now.contains(k) ? now.at(k) : Json("(unset)");
-    if (a != b) {
-      return "'" + k + "' is " + a.dump() + " there and " + b.dump() + " in this run";
-    }
-  }
-  return "";
-}
-
-// The first parameter or buffer whose name or shape differs; empty when the same.
-std::string model_difference(const TensorMap& saved, const TensorMap& now) {
-  for (const auto& kv : now) {
-    auto it = saved.find(kv.first);
-    if (it == saved.end()) {
-      return "it has no '" + kv.first + "'";
-    }
-    if (it->second.sizes() != kv.second.sizes()) {
-      std::ostringstream line;
-      line << "'" << kv.first << "' has shape " << it->second.sizes() << " there and "
-           << kv.second.sizes() << " in this model";
-      return line.str();
-    }
-  }
-  for (const auto& kv : saved) {
-    if (!now.count(kv.first)) {
-      return "it has '" + kv.first + "', which this model lacks";
-    }
-  }
-  return "";
-}
-
-// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) in
-// the rank files. Under ZeRO with as many ranks as saved it, this rank's own shard is its part
-// (ZeRO splits the parameters the same way again). Otherwise its part need not be any one saving
-// rank's, so it reads them all (verified by load_latest) and ZeroRedundancyOptimizer::load_state,
-// or the unsharded optimizer, takes what it needs.
-TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) {
-  TensorMap optim = with_prefix(s.shared, "optim.", true);
-  if (!s.own_read_by_all) {  // what the Trainer sets for sharded ZeRO state
-    return optim;
-  }
-  if (zero && s.world_size == world) {
-    return with_prefix(s.own, "optim.", true);
-  }
-  for (int r = 0; r < s.world_size; ++r) {
-    for (auto& kv :
-         with_prefix(Checkpoint::load_own(s.path, r, s.step, s.world_size), "optim.", true)) {
-      optim[kv.first] = std::move(kv.second);
-    }
-  }
-  return optim;
-}
-
-}  // namespace
-
-void Trainer::Impl::restore(const CheckpointState& s) {
-  Json meta;
-  try {
-    meta = Json::parse(s.meta);
-    const std::string model_diff =
-        model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
-    TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
-    const std::string config_diff = first_difference(meta.at("config"), Json::parse(o.config()));
-    TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
-                " was made with another configuration: ", config_diff,
-                "; resume with the same settings, or use another --checkpoint-dir");
-    load_module_state(*model, with_prefix(s.shared, "model.", true));
-    if (mp->opt_level() == amp::OptLevel::kO2) {
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < mp->masters().size(); ++i) {
-        auto it = s.shared.find("amp.master." + std::to_string(i));
-        TORCH_CHECK(it != s.shared.end(), "checkpoint ", s.path,
-                    " has no O2 master weights: it was saved at another opt level");
-        mp->masters()[i].copy_(it->second);
-      }
-    }
-    auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-    const TensorMap optim = saved_optimizer_state(s, world, zero != nullptr);
-    if (zero != nullptr) {
-      zero->load_state(optim);
-    } else {
-      load_optimizer_state(*opt, optim);
-    }
-    schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
-    std::map<std::string, double> scaler;
-    for (const auto& kv : meta.at("scaler").items()) {
-      scaler[kv.key()] = kv.value().get<double>();
-    }
-    if (!scaler.empty()) {
-      mp->scaler().load_state_dict(scaler);
-    }
-    epoch = meta.at("epoch").get<int64_t>();
-    batch = meta.at("batch").get<int64_t>();
-    global_step = meta.at("global_step").get<int64_t>();
-    epoch_start = meta.value("epoch_start", int64_t{0});
-    epoch_cap = meta.value("epoch_cap", int64_t{0});
-    if (s.world_size == world) {
-      set_rng_state(s.own);
-    } else {
-      // Another world (elastic): the saved ranks took, between them, the first
-      // world * batch_size * batch samples of the epoch's order after its start (the sampler
-      // interleaves them); the rest is shared out over this world from its first batch. The RNG
-      // streams belonged to ranks that no longer exist.
-      const int64_t saved_batch = meta.value("batch_size", o.batch_size());
-      const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
-      epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
-                                      epoch_start + s.world_size * saved_batch * batch);
-      if (saved_batches > 0 && batch >= saved_batches) {
-        epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
-      } else if (o.steps_per_epoch() > 0) {
-        // What is left of the epoch's step budget (the data may end first: refresh_batches
-        // takes the smaller).
-        const int64_t budget = epoch_cap > 0 ? epoch_cap : o.steps_per_epoch() * o.accumulate();
-        epoch_cap = std::max<int64_t>(1, budget - batch);
-      }
-      batch = 0;
-    }
-    sampler->set_start_index(static_cast<size_t>(epoch_start));
+  ++epoch;
+  batch = 0;
+  if (epoch_start != 0 || epoch_cap != 0) {  // the resharded epoch is over
+    epoch_start = 0;
+    epoch_cap = 0;
+    sampler->set_start_index(0);
     refresh_batches();
-  } catch (const Json::exception& e) {
-    TORCH_CHECK(false, "checkpoint ", s.path, " lacks a field (", e.what(),
-                "): it is damaged or from another program");
   }
-  resumed_from = s.path;
+  r.global_step = global_step;
+  write_epoch_row(r, totals[1].item<double>() > 0);
+  if (o.checkpoint_every_epoch()) {
+    trace::Span span("checkpoint (copy to host)", "checkpoint");
+    ckpt->save(capture());
+  }
+  return r;
 }
 
-void Trainer::Impl::resume() {
-  if (o.resume() == "auto") {
-    std::optional<CheckpointState> s = ckpt->load_latest();
-    if (!s) {
-      if (rank == 0) {
-        std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
-                  << " yet: starting from step 0" << std::endl;
-      }
-      write_metrics(Json{{"resumed_from", nullptr}, {"step", 0}});
-      return;
-    }
-    restore(*s);
+// `trained`: whether any rank trained a sample in this attempt's epoch.
+void Trainer::Impl::write_epoch_row(const EpochResult& r, bool trained) {
+  if (trained) {
+    write_metrics(Json{{"epoch", r.epoch + 1},
+                       {"step", r.global_step},
+                       {"train_loss", r.train_loss},
+                       {"val_accuracy", r.val_accuracy},
+                       {"lr", r.lr},
+                       {"images_per_sec", r.images_per_sec},
+                       {"seconds", r.seconds},
+                       {"data_wait_seconds", r.data_wait_seconds}});
   } else {
-    // An elastic job may resume a checkpoint of another world size: ranks it did not have get
-    // no own files.
-    // Checked from the manifest, alike on every rank, before a rank beyond the saved world
-    // fails alone on its missing file while the others go on into training.
-    const int saved_world = Checkpoint::saved_world_size(o.resume());
-    TORCH_CHECK(o.elastic() || saved_world == world, "checkpoint ", o.resume(), " was made by ",
-                saved_world, " ranks and this job has ", world,
-                ": resume with as many ranks, or in an elastic job (--nnodes MIN:MAX)");
-    restore(o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
-                        : Checkpoint::load(o.resume(), rank));
-  }
-  // In the metrics, where this attempt starts: the steps logged after it repeat lost work.
-  write_metrics(Json{{"resumed_from", resumed_from}, {"step", global_step}});
-  if (rank == 0) {
-    std::cerr << "paratrain: resumed from " << resumed_from << " (step " << global_step
-              << ", epoch " << epoch + 1 << ", batch " << batch << ")" << std::endl;
+    // Resumed from a checkpoint at the epoch's last step: the training stats belong to the
+    // attempt that trained it (which may have died before writing them); the evaluation is
+    // this attempt's.
+    write_metrics(Json{{"epoch", r.epoch + 1},
+                       {"step", r.global_step},
+                       {"val_accuracy", r.val_accuracy},
+                       {"lr", r.lr},
+                       {"resumed", true}});
   }
 }
 
@@ -892,59 +706,7 @@ std::vector<EpochResult> Trainer::fit() {
   }
   std::vector<EpochResult> results;
   while (m.epoch < m.o.epochs()) {
-    const auto start = Clock::now();
-    double loss_sum = 0;
-    int64_t samples = 0;
-    m.train_epoch(loss_sum, samples);
-    EpochResult r;
-    r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    r.data_wait_seconds = m.loader->stats().wait_seconds;
-    r.epoch = m.epoch;
-    r.val_accuracy = m.evaluate();
-    at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples)}, torch::kDouble);
-    if (m.ddp) {
-      totals = totals.to(m.device);
-      m.o.process_group()->allreduce(totals)->wait();
-      totals = totals.cpu();
-    }
-    r.train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
-    r.images_per_sec = totals[1].item<double>() / std::max(1e-9, r.seconds);
-    r.lr = m.schedule->lr();
-    if (!m.o.schedule_per_step()) {
-      m.schedule->step();
-    }
-    ++m.epoch;
-    m.batch = 0;
-    if (m.epoch_start != 0 || m.epoch_cap != 0) {  // the resharded epoch is over
-      m.epoch_start = 0;
-      m.epoch_cap = 0;
-      m.sampler->set_start_index(0);
-      m.refresh_batches();
-    }
-    r.global_step = m.global_step;
-    if (totals[1].item<double>() > 0) {
-      m.write_metrics(Json{{"epoch", r.epoch + 1},
-                           {"step", r.global_step},
-                           {"train_loss", r.train_loss},
-                           {"val_accuracy", r.val_accuracy},
-                           {"lr", r.lr},
-                           {"images_per_sec", r.images_per_sec},
-                           {"seconds", r.seconds},
-                           {"data_wait_seconds", r.data_wait_seconds}});
-    } else {
-      // Resumed from a checkpoint at the epoch's last step: the training stats belong to the
-      // attempt that trained it (which may have died before writing them); the evaluation is
-      // this attempt's.
-      m.write_metrics(Json{{"epoch", r.epoch + 1},
-                           {"step", r.global_step},
-                           {"val_accuracy", r.val_accuracy},
-                           {"lr", r.lr},
-                           {"resumed", true}});
-    }
-    if (m.o.checkpoint_every_epoch()) {
-      trace::Span span("checkpoint (copy to host)", "checkpoint");
-      m.ckpt->save(m.capture());
-    }
+    const EpochResult r = m.run_epoch();
     for (auto& cb : m.epoch_callbacks) {
       cb(r);
     }
@@ -961,18 +723,6 @@ std::vector<EpochResult> Trainer::fit() {
 
 double Trainer::evaluate() {
   return impl_->evaluate();
-}
-
-void Trainer::save_checkpoint() {
-  TORCH_CHECK(impl_->ckpt, "save_checkpoint needs checkpoint_dir");
-  impl_->ckpt->save(impl_->capture());
-  impl_->ckpt->wait();
-}
-
-void Trainer::wait_for_checkpoint() {
-  if (impl_->ckpt) {
-    impl_->ckpt->wait();
-  }
 }
 
 void Trainer::on_step_end(std::function<void(const StepInfo&)> callback) {

@@ -1,13 +1,16 @@
 // The tuner's loop: one thread owns the study. It polls the trials' stdout pipes (and a wake-up
 // pipe for function trials and signals), turns metric rows into scheduler decisions, and starts
-// trials while cores, GPUs and --max-concurrent allow.
+// trials while cores, GPUs and --max-concurrent allow. What it prints (events, the live table) and
+// the summary it returns are in tuner_output.cpp.
 
 #include "paratrain/tune/tuner.h"
 #include "limits.h"
 
-#include "paratrain/dist/launch.h"
+#include "paratrain/launch/launch.h"
 #include "paratrain/parallel/threads.h"
 #include "trial_process.h"
+#include "trial_value.h"
+#include "tuner_output.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -30,7 +33,6 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <mutex>
 #include <random>
@@ -180,21 +182,17 @@ std::vector<int> machine_cores(int wanted) {
   return cores;
 }
 
-std::string format_value(double v) {
-  std::ostringstream out;
-  out << std::setprecision(6) << v;
-  return out.str();
-}
-
 class Tuner {
  public:
   Tuner(const SearchSpace& space, const TunerOptions& o, TrialFunction fn)
-      : space_(space), o_(o), fn_(std::move(fn)) {}
+      : space_(space), o_(o), fn_(std::move(fn)), out_(o.output(), o.metric()) {}
 
   TuneResult run();
 
  private:
+  void prepare();
   void check_options();
+  void main_loop();
   void sync(bool first);
   bool worker_dead(const TrialRecord& t, double now) const;
   void enqueue(int64_t number);
@@ -214,12 +212,10 @@ class Tuner {
   bool write(TrialRecord& t, TrialState from);
   void notify_end(const TrialRecord& t);
   void handle_promotions();
-  double loss_of(double value) const {
-    const double l = o_.mode() == "max" ? -value : value;
-    return std::isnan(l) ? kInf : l;
+  double loss_of(double value) const { return detail::loss_of(value, o_.mode()); }
+  double scoped_value(const TrialRecord& t) const {
+    return detail::scoped_value(t, o_.scope(), o_.mode());
   }
-  double scoped_value(const TrialRecord& t) const;
-  void say(const std::string& plain, const nlohmann::ordered_json& row);
   void print_table(bool force);
   void stop_all();
   void beat();
@@ -229,11 +225,12 @@ class Tuner {
         std::chrono::milliseconds(2000),
         std::chrono::duration_cast<std::chrono::milliseconds>(o_.heartbeat_timeout()) / 3);
   }
-  TuneResult summary() const;
+  TuneResult summary() const { return detail::summarize(trials_, started_, o_.mode(), o_.scope()); }
 
   SearchSpace space_;
   TunerOptions o_;
   TrialFunction fn_;
+  detail::TunerOutput out_;  // events, the live table
   std::unique_ptr<Storage> storage_;
   std::unique_ptr<Searcher> searcher_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -248,7 +245,6 @@ class Tuner {
   bool metric_seen_ = false;
   int64_t started_ = 0;
   std::string program_;
-  Clock::time_point last_table_;
   int wake_read_ = -1;
   bool detached_ = false;
   std::string host_, worker_id_;
@@ -301,7 +297,9 @@ void Tuner::check_options() {
   }
 }
 
-TuneResult Tuner::run() {
+// Checks the options, opens the study (its searcher, scheduler and storage) and the trial
+// directory, names this tuner, and takes in what storage already holds.
+void Tuner::prepare() {
   check_options();
   SearcherOptions so = o_.searcher();
   so.num_samples(o_.num_samples());
@@ -324,6 +322,10 @@ TuneResult Tuner::run() {
   worker_id_ = host_ + ":" + std::to_string(::getpid()) + ":" +
                std::to_string(std::random_device{}() & 0xffffff);
   sync(true);
+}
+
+TuneResult Tuner::run() {
+  prepare();
 
   int wake_fds[2];
   TORCH_CHECK(::pipe2(wake_fds, O_CLOEXEC | O_NONBLOCK) == 0, "tune: pipe failed");
@@ -347,32 +349,7 @@ TuneResult Tuner::run() {
   wake_read_ = wake_fds[0];
   TuneResult result;
   try {
-    auto last_sync = Clock::now(), last_beat = Clock::now();
-    while (true) {
-      if (g_signal.load() != 0) {
-        stop_all();
-        break;
-      }
-      if (Clock::now() - last_sync >= std::chrono::seconds(1)) {
-        sync(false);  // other tuners' trials and results
-        last_sync = Clock::now();
-      }
-      if (!running_.empty() && Clock::now() - last_beat >= heartbeat_interval()) {
-        beat();
-        last_beat = Clock::now();
-      }
-      start_possible();
-      if (running_.empty() && queue_.empty() && no_more_) {
-        handle_promotions();
-        if (running_.empty() && queue_.empty() && !others_active()) {
-          break;
-        }
-      }
-      poll_once();
-      reap();
-      handle_promotions();
-      print_table(false);
-    }
+    main_loop();
   } catch (...) {
     try {
       stop_all();
@@ -386,6 +363,37 @@ TuneResult Tuner::run() {
   result = summary();
   result.interrupted_by = g_signal.load();
   return result;
+}
+
+// Until the study is done (or a signal stops it): syncs with storage, beats, starts trials, polls
+// their output, reaps them and acts on the scheduler's promotions.
+void Tuner::main_loop() {
+  auto last_sync = Clock::now(), last_beat = Clock::now();
+  while (true) {
+    if (g_signal.load() != 0) {
+      stop_all();
+      break;
+    }
+    if (Clock::now() - last_sync >= std::chrono::seconds(1)) {
+      sync(false);  // other tuners' trials and results
+      last_sync = Clock::now();
+    }
+    if (!running_.empty() && Clock::now() - last_beat >= heartbeat_interval()) {
+      beat();
+      last_beat = Clock::now();
+    }
+    start_possible();
+    if (running_.empty() && queue_.empty() && no_more_) {
+      handle_promotions();
+      if (running_.empty() && queue_.empty() && !others_active()) {
+        break;
+      }
+    }
+    poll_once();
+    reap();
+    handle_promotions();
+    print_table(false);
+  }
 }
 
 // Brings this tuner's view of the study up to date with storage: trials and results of other
@@ -438,9 +446,9 @@ void Tuner::sync(bool first) {
       enqueue(n);
     } else if (t.state == TrialState::kRunning && worker_dead(t, now) &&
                storage_->release_trial(n, t.worker, t.heartbeat)) {
-      say("trial " + std::to_string(n) + ": its tuner " + t.worker +
-              " is gone; it is retried from its checkpoint",
-          {{"event", "released"}, {"trial", n}, {"worker", t.worker}});
+      out_.say("trial " + std::to_string(n) + ": its tuner " + t.worker +
+                   " is gone; it is retried from its checkpoint",
+               {{"event", "released"}, {"trial", n}, {"worker", t.worker}});
       t.state = TrialState::kPending;
       t.worker.clear();
       ++t.attempts;
@@ -448,9 +456,10 @@ void Tuner::sync(bool first) {
     }
   }
   if (first && seen > 0) {
-    say("tune: study " + o_.study() + " in " + storage_->url() + " has " + std::to_string(seen) +
-            " trials; continuing it (" + std::to_string(queue_.size()) + " to run again)",
-        {{"event", "resumed_study"}, {"trials", seen}, {"to_run_again", queue_.size()}});
+    out_.say("tune: study " + o_.study() + " in " + storage_->url() + " has " +
+                 std::to_string(seen) + " trials; continuing it (" + std::to_string(queue_.size()) +
+                 " to run again)",
+             {{"event", "resumed_study"}, {"trials", seen}, {"to_run_again", queue_.size()}});
   }
 }
 
@@ -577,9 +586,9 @@ bool Tuner::start(int64_t number, bool resume) {
   } else {
     start_function(ref, t, resume);
   }
-  say("trial " + std::to_string(number) + (resume ? " resumed" : " started") + ": " +
-          to_string(t.config),
-      {{"event", resume ? "resumed" : "started"}, {"trial", number}});
+  out_.say("trial " + std::to_string(number) + (resume ? " resumed" : " started") + ": " +
+               to_string(t.config),
+           {{"event", resume ? "resumed" : "started"}, {"trial", number}});
   return true;
 }
 
@@ -777,8 +786,8 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   const double value = metric->is_null() ? std::nan("") : metric->get<double>();
   if (!storage_->add_result(t.number, iteration, value, row.dump(), worker_id_)) {
     r.lost = true;  // another tuner holds it now: its rows are that tuner's to write
-    say("trial " + std::to_string(t.number) + " was taken over by another tuner",
-        {{"event", "lost"}, {"trial", t.number}});
+    out_.say("trial " + std::to_string(t.number) + " was taken over by another tuner",
+             {{"event", "lost"}, {"trial", t.number}});
     return;
   }
   t.results.emplace_back(iteration, value);
@@ -790,9 +799,9 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   }
   nlohmann::ordered_json j{
       {"event", "result"}, {"trial", t.number}, {"iteration", iteration}, {o_.metric(), value}};
-  say("trial " + std::to_string(t.number) + " iteration " + std::to_string(iteration) + ": " +
-          o_.metric() + " " + format_value(value),
-      j);
+  out_.say("trial " + std::to_string(t.number) + " iteration " + std::to_string(iteration) + ": " +
+               o_.metric() + " " + detail::format_value(value),
+           j);
   apply(r, d);
 }
 
@@ -876,8 +885,8 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
     if (r.why == Decision::kPause) {
       t.state = TrialState::kPaused;
       write(t, TrialState::kRunning);
-      say(id + " paused at iteration " + std::to_string(t.results.back().first),
-          {{"event", "paused"}, {"trial", t.number}});
+      out_.say(id + " paused at iteration " + std::to_string(t.results.back().first),
+               {{"event", "paused"}, {"trial", t.number}});
       const auto verdict = verdicts_.find(t.number);
       if (verdict != verdicts_.end()) {  // decided while it was stopping
         const TrialState next = verdict->second;
@@ -911,28 +920,13 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
     t.state = TrialState::kPending;
     write(t, TrialState::kRunning);
     enqueue(t.number);
-    say(id + " failed (" + t.error + "; log " + t.log_path + "); retrying from its checkpoint (" +
-            std::to_string(t.attempts) + " of " + std::to_string(o_.max_failures()) + ")",
-        {{"event", "retry"}, {"trial", t.number}, {"error", t.error}, {"log", t.log_path}});
+    out_.say(id + " failed (" + t.error + "; log " + t.log_path +
+                 "); retrying from its checkpoint (" + std::to_string(t.attempts) + " of " +
+                 std::to_string(o_.max_failures()) + ")",
+             {{"event", "retry"}, {"trial", t.number}, {"error", t.error}, {"log", t.log_path}});
     return;
   }
   finish(t, TrialState::kFailed, TrialState::kRunning);
-}
-
-double Tuner::scoped_value(const TrialRecord& t) const {
-  if (t.results.empty()) {
-    return std::nan("");
-  }
-  if (o_.scope() == "last") {
-    return t.results.back().second;
-  }
-  double best = t.results.front().second;
-  for (const auto& r : t.results) {
-    if (loss_of(r.second) < loss_of(best)) {
-      best = r.second;
-    }
-  }
-  return best;
 }
 
 void Tuner::notify_end(const TrialRecord& t) {
@@ -953,8 +947,8 @@ bool Tuner::write(TrialRecord& t, TrialState from) {
   if (storage_->update_trial(t, from, from == TrialState::kRunning ? worker_id_ : "")) {
     return true;
   }
-  say("trial " + std::to_string(t.number) + " was taken over by another tuner",
-      {{"event", "lost"}, {"trial", t.number}});
+  out_.say("trial " + std::to_string(t.number) + " was taken over by another tuner",
+           {{"event", "lost"}, {"trial", t.number}});
   t.state = TrialState::kRunning;  // as far as this tuner knows; sync() brings the truth
   t.worker = "?";
   return false;
@@ -971,7 +965,7 @@ void Tuner::finish(TrialRecord& t, TrialState state, TrialState from) {
   std::string plain = "trial " + std::to_string(t.number) + " " + to_string(state);
   nlohmann::ordered_json j{{"event", "ended"}, {"trial", t.number}, {"state", to_string(state)}};
   if (!std::isnan(v)) {
-    plain += ": " + o_.metric() + " " + format_value(v) + " (" + o_.scope() + ")";
+    plain += ": " + o_.metric() + " " + detail::format_value(v) + " (" + o_.scope() + ")";
     j[o_.metric()] = v;
   }
   if (state == TrialState::kFailed) {
@@ -980,7 +974,7 @@ void Tuner::finish(TrialRecord& t, TrialState state, TrialState from) {
     j["exit_status"] = t.exit_status;
     j["log"] = t.log_path;
   }
-  say(plain, j);
+  out_.say(plain, j);
 }
 
 void Tuner::handle_promotions() {
@@ -1014,51 +1008,10 @@ void Tuner::handle_promotions() {
   }
 }
 
-void Tuner::say(const std::string& plain, const nlohmann::ordered_json& row) {
-  if (o_.output() == "plain") {
-    std::cout << plain << std::endl;
-  } else if (o_.output() == "json") {
-    std::cout << row.dump() << std::endl;
-  }
-}
-
 void Tuner::print_table(bool force) {
-  if (o_.output() != "table" || (!force && Clock::now() - last_table_ < std::chrono::seconds(2))) {
-    return;
+  if (out_.table_due(force)) {
+    out_.print_table(summary(), space_);
   }
-  last_table_ = Clock::now();
-  std::ostringstream out;
-  if (::isatty(1)) {
-    out << "\033[2J\033[H";  // redraw in place, as a live table
-  }
-  const TuneResult s = summary();
-  std::map<std::string, int> counts;
-  for (const auto& t : s.trials) {
-    counts[to_string(t.state)]++;
-  }
-  out << "== Status ==";
-  for (const auto& [state, n] : counts) {
-    out << " " << state << " " << n;
-  }
-  if (s.best) {
-    out << " | best: trial " << s.best->number << " " << o_.metric() << " "
-        << format_value(s.best->value);
-  }
-  out << "\n" << std::left << std::setw(8) << "trial" << std::setw(10) << "state";
-  for (const auto& p : space_.params()) {
-    out << std::setw(14) << p.first;
-  }
-  out << std::setw(6) << "iter" << o_.metric() << "\n";
-  for (const auto& t : s.trials) {
-    out << std::setw(8) << t.number << std::setw(10) << to_string(t.state);
-    for (const auto& p : space_.params()) {
-      const auto v = t.config.find(p.first);
-      out << std::setw(14) << (v == t.config.end() ? "" : to_string(v->second).substr(0, 13));
-    }
-    out << std::setw(6) << t.iterations << (std::isnan(t.value) ? "" : format_value(t.value))
-        << "\n";
-  }
-  std::cout << out.str() << std::flush;
 }
 
 // Heartbeats for this tuner's trials; a trial storage no longer lists as this tuner's was
@@ -1068,8 +1021,8 @@ void Tuner::beat() {
   for (auto& [n, r] : running_) {
     if (std::find(held.begin(), held.end(), n) == held.end() && !r->lost) {
       r->lost = true;
-      say("trial " + std::to_string(n) + " was taken over by another tuner; stopping it here",
-          {{"event", "lost"}, {"trial", n}});
+      out_.say("trial " + std::to_string(n) + " was taken over by another tuner; stopping it here",
+               {{"event", "lost"}, {"trial", n}});
       if (r->proc.pid > 0) {
         ::kill(-r->proc.pid, SIGKILL);
       }
@@ -1150,27 +1103,6 @@ void Tuner::stop_all() {
     }
   }
   running_.clear();
-}
-
-TuneResult Tuner::summary() const {
-  TuneResult out;
-  out.started = started_;
-  for (const auto& [n, t] : trials_) {
-    TrialSummary s;
-    s.number = n;
-    s.state = t.state;
-    s.config = t.config;
-    s.iterations = t.results.empty() ? 0 : t.results.back().first;
-    s.value = scoped_value(t);
-    s.log_path = t.log_path;
-    s.exit_status = t.exit_status;
-    s.error = t.error;
-    if (!std::isnan(s.value) && (!out.best || loss_of(s.value) < loss_of(out.best->value))) {
-      out.best = s;
-    }
-    out.trials.push_back(std::move(s));
-  }
-  return out;
 }
 
 }  // namespace

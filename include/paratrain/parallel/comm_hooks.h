@@ -8,7 +8,7 @@
 // the thread that runs backward, in the same bucket order on every rank, and must issue exactly
 // one sequence of collectives per call, the same on every rank.
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include <functional>
 #include <memory>

@@ -35,7 +35,7 @@
 // from the shared default generator, so masks depend on thread timing (as on GPUs, where each
 // device has its own generator, masks differ from a single-device run anyway).
 
-#include "paratrain/dist/devices.h"  // check_device_exists, declared here before
+#include "paratrain/comm/devices.h"  // check_device_exists, declared here before
 
 #include <c10/core/Device.h>
 #include <c10/util/Optional.h>

@@ -32,7 +32,7 @@
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 #include "paratrain/parallel/comm_hooks.h"
 
 #include <chrono>

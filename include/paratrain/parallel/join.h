@@ -28,7 +28,7 @@
 // The shadow step must call the same collectives as a real step: with a loss that averages over
 // rows, use a sum times zero (an empty mean is NaN).
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include <cstdint>
 #include <functional>

@@ -44,7 +44,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
 
 #include <chrono>

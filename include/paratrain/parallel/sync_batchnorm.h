@@ -25,7 +25,7 @@
 // Threads: the collectives run on the thread that runs forward and backward. Every rank must
 // run the same SyncBatchNorm layers in the same order (they are collectives).
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>

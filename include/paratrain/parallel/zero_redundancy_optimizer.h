@@ -29,7 +29,7 @@
 // Threads: step() and the state functions are collectives on the group; call them on every rank,
 // in the same order, from one thread.
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include <torch/optim/optimizer.h>
 #include <torch/types.h>

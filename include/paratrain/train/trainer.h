@@ -20,10 +20,10 @@
 #pragma once
 
 #include "paratrain/amp/mixed_precision.h"
+#include "paratrain/comm/process_group.h"
 #include "paratrain/data/dataset.h"
-#include "paratrain/dist/process_group.h"
+#include "paratrain/io/checkpoint.h"
 #include "paratrain/parallel/pipeline.h"
-#include "paratrain/train/checkpoint.h"
 #include "paratrain/train/lr_schedule.h"
 
 #include <torch/arg.h>

@@ -20,7 +20,7 @@
 
 #include <torch/arg.h>
 
-#include "paratrain/dist/launch.h"
+#include "paratrain/launch/launch.h"
 
 #include <functional>
 

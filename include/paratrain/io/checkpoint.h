@@ -22,7 +22,8 @@
 // one (a truncated file, a flipped byte) fails its checksum on load.
 #pragma once
 
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
+#include "paratrain/util/atomic_file.h"  // write_file_atomic, which checkpoints use
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -142,9 +143,5 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& s
 /// The CPU generator's state ("rng.cpu") and each CUDA device's ("rng.cuda.N").
 TensorMap rng_state();
 void set_rng_state(const TensorMap& state);
-
-/// Writes `size` bytes to `path` atomically: a temporary file in the same directory, fsync,
-/// rename, fsync of the directory. Throws c10::Error naming the path and errno's text.
-void write_file_atomic(const std::string& path, const void* data, size_t size);
 
 }  // namespace paratrain

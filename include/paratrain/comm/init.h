@@ -18,9 +18,9 @@
 #include <torch/cuda.h>
 #include <torch/types.h>
 
-#include "paratrain/dist/devices.h"  // local_device
-#include "paratrain/dist/env.h"
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/devices.h"  // local_device
+#include "paratrain/comm/env.h"
+#include "paratrain/comm/process_group.h"
 
 #include <chrono>
 #include <string>

@@ -1,6 +1,6 @@
-#include "paratrain/train/torch_load.h"
+#include "paratrain/io/torch_load.h"
 
-#include "paratrain/train/safetensors.h"
+#include "paratrain/io/safetensors.h"
 
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
@@ -75,182 +75,217 @@ class PickleCheck {
     while (true) {
       at_ = i_;
       const auto op = static_cast<PickleOpCode>(take_bytes(1)[0]);
-      switch (op) {
-        case PickleOpCode::PROTO:
-          take_bytes(1);
-          break;
-        case PickleOpCode::FRAME:
-          TORCH_CHECK(number(8) <= n_ - i_, damaged("a frame longer than the pickle"));
-          break;
-        case PickleOpCode::STOP:
-          need(1, "STOP");
-          return;
-        case PickleOpCode::MARK:
-          marks_.push_back(stack_.size());
-          break;
-        case PickleOpCode::POP:
-          need(1, "POP");
-          stack_.pop_back();
-          break;
-        case PickleOpCode::POP_MARK:
-          pop_to_mark("POP_MARK");
-          break;
-        case PickleOpCode::DUP:
-          need(1, "DUP");
-          stack_.push_back(stack_.back());
-          break;
-        // Scalars, strings and globals, after their argument.
-        case PickleOpCode::NONE:
-        case PickleOpCode::NEWTRUE:
-        case PickleOpCode::NEWFALSE:
-          push_new({});
-          break;
-        case PickleOpCode::BININT1:
-        case PickleOpCode::EXT1:
-          take_bytes(1);
-          push_new({});
-          break;
-        case PickleOpCode::BININT2:
-        case PickleOpCode::EXT2:
-          take_bytes(2);
-          push_new({});
-          break;
-        case PickleOpCode::BININT:
-        case PickleOpCode::EXT4:
-          take_bytes(4);
-          push_new({});
-          break;
-        case PickleOpCode::BINFLOAT:
-          take_bytes(8);
-          push_new({});
-          break;
-        case PickleOpCode::FLOAT:
-        case PickleOpCode::INT:
-        case PickleOpCode::LONG:
-        case PickleOpCode::STRING:
-        case PickleOpCode::UNICODE_:
-        case PickleOpCode::PERSID:
-          take_line();
-          push_new({});
-          break;
-        case PickleOpCode::GLOBAL:
-          take_line();
-          take_line();
-          push_new({});
-          break;
-        case PickleOpCode::SHORT_BINSTRING:
-        case PickleOpCode::SHORT_BINBYTES:
-        case PickleOpCode::SHORT_BINUNICODE:
-        case PickleOpCode::LONG1:
-          take_bytes(number(1));
-          push_new({});
-          break;
-        case PickleOpCode::BINSTRING:
-        case PickleOpCode::BINBYTES:
-        case PickleOpCode::BINUNICODE:
-        case PickleOpCode::LONG4:
-          take_bytes(number(4));
-          push_new({});
-          break;
-        case PickleOpCode::BINUNICODE8:
-        case PickleOpCode::BINBYTES8:
-          take_bytes(number(8));
-          push_new({});
-          break;
-        // New containers and objects made of the values they take off the stack.
-        case PickleOpCode::EMPTY_TUPLE:
-        case PickleOpCode::EMPTY_LIST:
-        case PickleOpCode::EMPTY_DICT:
-        case PickleOpCode::EMPTY_SET:
-          push_new({}, 1);
-          break;
-        case PickleOpCode::TUPLE1:
-          push_new(pop(1, "TUPLE1"));
-          break;
-        case PickleOpCode::TUPLE2:
-          push_new(pop(2, "TUPLE2"));
-          break;
-        case PickleOpCode::TUPLE3:
-          push_new(pop(3, "TUPLE3"));
-          break;
-        case PickleOpCode::BINPERSID:
-          push_new(pop(1, "BINPERSID"));
-          break;
-        case PickleOpCode::REDUCE:
-        case PickleOpCode::NEWOBJ:
-        case PickleOpCode::STACK_GLOBAL:
-          push_new(pop(2, "REDUCE"));
-          break;
-        case PickleOpCode::NEWOBJ_EX:
-          push_new(pop(3, "NEWOBJ_EX"));
-          break;
-        case PickleOpCode::TUPLE:
-        case PickleOpCode::LIST:
-        case PickleOpCode::FROZENSET:
-          push_new(pop_to_mark("TUPLE"));
-          break;
-        case PickleOpCode::DICT:
-          push_new(pop_pairs_to_mark("DICT"));
-          break;
-        case PickleOpCode::INST:
-          take_line();
-          take_line();
-          push_new(pop_to_mark("INST"));
-          break;
-        case PickleOpCode::OBJ: {
-          auto values = pop_to_mark("OBJ");
-          TORCH_CHECK(!values.empty(), damaged("OBJ without a class"));
-          push_new(values);
-        } break;
-        // Values put into the container (or object) below them.
-        case PickleOpCode::APPEND:
-        case PickleOpCode::BUILD: {
-          auto values = pop(2, op == PickleOpCode::APPEND ? "APPEND" : "BUILD");
-          push_into(values[0], {values[1]});
-        } break;
-        case PickleOpCode::SETITEM: {
-          auto values = pop(3, "SETITEM");
-          push_into(values[0], {values[1], values[2]});
-        } break;
-        case PickleOpCode::APPENDS:
-        case PickleOpCode::ADDITEMS: {
-          auto values = pop_to_mark("APPENDS");
-          push_into(pop(1, "APPENDS")[0], values);
-        } break;
-        case PickleOpCode::SETITEMS: {
-          auto values = pop_pairs_to_mark("SETITEMS");
-          push_into(pop(1, "SETITEMS")[0], values);
-        } break;
-        // The memo.
-        case PickleOpCode::BINPUT:
-          put(number(1));
-          break;
-        case PickleOpCode::LONG_BINPUT:
-          put(number(4));
-          break;
-        case PickleOpCode::PUT:
-          put(decimal_line());
-          break;
-        case PickleOpCode::MEMOIZE:
-          put(memo_.size());
-          break;
-        case PickleOpCode::BINGET:
-          get(number(1));
-          break;
-        case PickleOpCode::LONG_BINGET:
-          get(number(4));
-          break;
-        case PickleOpCode::GET:
-          get(decimal_line());
-          break;
-        default:
-          TORCH_CHECK(false, damaged("byte " + std::to_string(static_cast<unsigned char>(op)) +
-                                     " is not a pickle opcode libtorch reads"));
+      if (op == PickleOpCode::STOP) {
+        need(1, "STOP");
+        return;
       }
+      // Each family's handler says whether the opcode is one of its own.
+      if (stack_op(op) || scalar_op(op) || container_op(op) || fill_op(op) || memo_op(op)) {
+        continue;
+      }
+      TORCH_CHECK(false, damaged("byte " + std::to_string(static_cast<unsigned char>(op)) +
+                                 " is not a pickle opcode libtorch reads"));
     }
   }
 
  private:
+  // The stack itself: protocol, frames, marks, and values popped or duplicated.
+  bool stack_op(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::PROTO:
+        take_bytes(1);
+        return true;
+      case PickleOpCode::FRAME:
+        TORCH_CHECK(number(8) <= n_ - i_, damaged("a frame longer than the pickle"));
+        return true;
+      case PickleOpCode::MARK:
+        marks_.push_back(stack_.size());
+        return true;
+      case PickleOpCode::POP:
+        need(1, "POP");
+        stack_.pop_back();
+        return true;
+      case PickleOpCode::POP_MARK:
+        pop_to_mark("POP_MARK");
+        return true;
+      case PickleOpCode::DUP:
+        need(1, "DUP");
+        stack_.push_back(stack_.back());
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // Scalars, strings and globals, after their argument.
+  bool scalar_op(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::NONE:
+      case PickleOpCode::NEWTRUE:
+      case PickleOpCode::NEWFALSE:
+        break;
+      case PickleOpCode::BININT1:
+      case PickleOpCode::EXT1:
+        take_bytes(1);
+        break;
+      case PickleOpCode::BININT2:
+      case PickleOpCode::EXT2:
+        take_bytes(2);
+        break;
+      case PickleOpCode::BININT:
+      case PickleOpCode::EXT4:
+        take_bytes(4);
+        break;
+      case PickleOpCode::BINFLOAT:
+        take_bytes(8);
+        break;
+      case PickleOpCode::FLOAT:
+      case PickleOpCode::INT:
+      case PickleOpCode::LONG:
+      case PickleOpCode::STRING:
+      case PickleOpCode::UNICODE_:
+      case PickleOpCode::PERSID:
+        take_line();
+        break;
+      case PickleOpCode::GLOBAL:
+        take_line();
+        take_line();
+        break;
+      case PickleOpCode::SHORT_BINSTRING:
+      case PickleOpCode::SHORT_BINBYTES:
+      case PickleOpCode::SHORT_BINUNICODE:
+      case PickleOpCode::LONG1:
+        take_bytes(number(1));
+        break;
+      case PickleOpCode::BINSTRING:
+      case PickleOpCode::BINBYTES:
+      case PickleOpCode::BINUNICODE:
+      case PickleOpCode::LONG4:
+        take_bytes(number(4));
+        break;
+      case PickleOpCode::BINUNICODE8:
+      case PickleOpCode::BINBYTES8:
+        take_bytes(number(8));
+        break;
+      default:
+        return false;
+    }
+    push_new({});
+    return true;
+  }
+
+  // New containers and objects made of the values they take off the stack.
+  bool container_op(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::EMPTY_TUPLE:
+      case PickleOpCode::EMPTY_LIST:
+      case PickleOpCode::EMPTY_DICT:
+      case PickleOpCode::EMPTY_SET:
+        push_new({}, 1);
+        return true;
+      case PickleOpCode::TUPLE1:
+        push_new(pop(1, "TUPLE1"));
+        return true;
+      case PickleOpCode::TUPLE2:
+        push_new(pop(2, "TUPLE2"));
+        return true;
+      case PickleOpCode::TUPLE3:
+        push_new(pop(3, "TUPLE3"));
+        return true;
+      case PickleOpCode::BINPERSID:
+        push_new(pop(1, "BINPERSID"));
+        return true;
+      case PickleOpCode::REDUCE:
+      case PickleOpCode::NEWOBJ:
+      case PickleOpCode::STACK_GLOBAL:
+        push_new(pop(2, "REDUCE"));
+        return true;
+      case PickleOpCode::NEWOBJ_EX:
+        push_new(pop(3, "NEWOBJ_EX"));
+        return true;
+      case PickleOpCode::TUPLE:
+      case PickleOpCode::LIST:
+      case PickleOpCode::FROZENSET:
+        push_new(pop_to_mark("TUPLE"));
+        return true;
+      case PickleOpCode::DICT:
+        push_new(pop_pairs_to_mark("DICT"));
+        return true;
+      case PickleOpCode::INST:
+        take_line();
+        take_line();
+        push_new(pop_to_mark("INST"));
+        return true;
+      case PickleOpCode::OBJ: {
+        auto values = pop_to_mark("OBJ");
+        TORCH_CHECK(!values.empty(), damaged("OBJ without a class"));
+        push_new(values);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // Values put into the container (or object) below them.
+  bool fill_op(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::APPEND:
+      case PickleOpCode::BUILD: {
+        auto values = pop(2, op == PickleOpCode::APPEND ? "APPEND" : "BUILD");
+        push_into(values[0], {values[1]});
+        return true;
+      }
+      case PickleOpCode::SETITEM: {
+        auto values = pop(3, "SETITEM");
+        push_into(values[0], {values[1], values[2]});
+        return true;
+      }
+      case PickleOpCode::APPENDS:
+      case PickleOpCode::ADDITEMS: {
+        auto values = pop_to_mark("APPENDS");
+        push_into(pop(1, "APPENDS")[0], values);
+        return true;
+      }
+      case PickleOpCode::SETITEMS: {
+        auto values = pop_pairs_to_mark("SETITEMS");
+        push_into(pop(1, "SETITEMS")[0], values);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // The memo.
+  bool memo_op(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::BINPUT:
+        put(number(1));
+        return true;
+      case PickleOpCode::LONG_BINPUT:
+        put(number(4));
+        return true;
+      case PickleOpCode::PUT:
+        put(decimal_line());
+        return true;
+      case PickleOpCode::MEMOIZE:
+        put(memo_.size());
+        return true;
+      case PickleOpCode::BINGET:
+        get(number(1));
+        return true;
+      case PickleOpCode::LONG_BINGET:
+        get(number(4));
+        return true;
+      case PickleOpCode::GET:
+        get(decimal_line());
+        return true;
+      default:
+        return false;
+    }
+  }
+
   static constexpr int kMaxNesting = 100;
 
   struct Value {

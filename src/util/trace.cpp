@@ -1,6 +1,6 @@
-#include "paratrain/train/trace.h"
+#include "paratrain/util/trace.h"
 
-#include "paratrain/train/checkpoint.h"
+#include "paratrain/util/atomic_file.h"
 
 #include <c10/util/Exception.h>
 

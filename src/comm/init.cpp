@@ -1,4 +1,4 @@
-#include "paratrain/dist/init.h"
+#include "paratrain/comm/init.h"
 
 #include "backend_routes.h"
 #include "backends.h"
@@ -307,6 +307,126 @@ std::string resolve_backend(const InitOptions& options) {
   return one_engine && routes.size() > 1 ? routes.front().second : normal;
 }
 
+namespace {
+
+// Where the ranks meet: the job's store, how the store monitor opens a client of it (none for a
+// store without a server), and this rank's address toward the others.
+struct JobStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  detail::StoreClientFactory monitor_client;
+  std::string hostname;
+};
+
+JobStore open_file_store(const std::string& method, int world_size) {
+  JobStore js;
+  std::string path = method.substr(std::string("file://").size());
+  TORCH_CHECK(!path.empty() && path[0] == '/', "init_method '", method,
+              "' must name an absolute path, as file:///tmp/paratrain-store");
+  try {
+    js.store = c10::make_intrusive<c10d::FileStore>(path, world_size);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "cannot open the file store ", path, ": ", detail::error_message(e));
+  }
+  js.hostname = "127.0.0.1";
+  return js;
+}
+
+// tcp://host:port, or env:// (MASTER_ADDR and MASTER_PORT).
+JobStore open_tcp_job_store(const std::string& method,
+                            const RankInfo& info,
+                            int rank,
+                            int world_size,
+                            std::chrono::milliseconds timeout) {
+  JobStore js;
+  Endpoint e;
+  if (method == "env://") {
+    if (info.master_addr.empty()) {
+      TORCH_CHECK(info.single_node(),
+                  "MASTER_ADDR is not set, and this job spans several nodes (WORLD_SIZE=",
+                  world_size, ", LOCAL_WORLD_SIZE=", info.local_world_size,
+                  "): set MASTER_ADDR to the address of rank 0's node");
+      e.host = "127.0.0.1";
+    } else {
+      e.host = info.master_addr;
+    }
+    e.port = info.master_port;
+  } else {
+    e = parse_tcp(method);
+  }
+  if (world_size == 1 && method == "env://" && info.master_addr.empty()) {
+    js.store = c10::make_intrusive<c10d::HashStore>();  // a world of one needs no network
+  } else {
+    js.store = open_tcp_store(e, rank, timeout, rank == 0,
+                              info.source != "default" && !info.single_node());
+    js.monitor_client = [e, timeout]() {
+      return open_tcp_store(e, -1, std::min(timeout, std::chrono::milliseconds(10000)), false,
+                            false);
+    };
+  }
+  js.hostname = is_loopback(e.host) ? "127.0.0.1" : detail::route_source_address(e.host, e.port);
+  return js;
+}
+
+// What every engine's group is made with.
+struct EngineArgs {
+  const InitOptions& options;
+  int rank;
+  int world_size;
+  std::chrono::milliseconds timeout;
+  const std::string& hostname;
+  int device_index;
+};
+
+ProcessGroupPtr make_engine_group(const std::string& engine,
+                                  c10::intrusive_ptr<c10d::Store> s,
+                                  detail::StoreClientFactory client,
+                                  const EngineArgs& a) {
+  try {
+#ifdef PARATRAIN_WITH_GLOO
+    if (engine == "gloo") {
+      return detail::make_gloo_group(s, client, a.rank, a.world_size, a.timeout, a.hostname);
+    }
+#endif
+#ifdef PARATRAIN_WITH_NCCL
+    if (engine == "nccl") {
+      return detail::make_nccl_group(s, client, a.rank, a.world_size, a.timeout, a.device_index);
+    }
+#endif
+#ifdef PARATRAIN_WITH_MPI
+    if (engine == "mpi") {
+      return make_mpi(a.options, a.timeout);
+    }
+#endif
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, engine, " rendezvous failed on rank ", a.rank, " of ", a.world_size, ": ",
+                detail::error_message(e));
+  }
+  TORCH_INTERNAL_ASSERT(false, "backend ", engine, " resolved but not built");
+}
+
+// Each engine of a routed group meets under a prefix of its own, so their rendezvous keys and
+// heartbeats never mix.
+ProcessGroupPtr make_route_groups(const std::string& backend,
+                                  const JobStore& js,
+                                  const EngineArgs& a) {
+  std::vector<detail::Route> routes;
+  for (const auto& r : parse_backend_routes(backend)) {
+    const std::string prefix = "paratrain/route/" + r.second;
+    detail::StoreClientFactory client;
+    if (js.monitor_client) {
+      client = [f = js.monitor_client, prefix]() -> c10::intrusive_ptr<c10d::Store> {
+        return c10::make_intrusive<c10d::PrefixStore>(prefix, f());
+      };
+    }
+    ProcessGroupPtr group = make_engine_group(
+        r.second, c10::make_intrusive<c10d::PrefixStore>(prefix, js.store), std::move(client), a);
+    routes.push_back({r.first, std::move(group)});
+  }
+  return detail::make_routed_group(std::move(routes), backend);
+}
+
+}  // namespace
+
 ProcessGroupPtr init_process_group(const InitOptions& options) {
   ignore_broken_pipes();
   const std::string backend = resolve_backend(options);
@@ -327,47 +447,11 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
               world_size, ": it must be in [0, ", world_size - 1, "]");
 
   const std::string& method = options.init_method();
-  c10::intrusive_ptr<c10d::Store> store;
-  detail::StoreClientFactory monitor_client;
-  std::string hostname;
-
+  JobStore js;
   if (method.rfind("file://", 0) == 0) {
-    std::string path = method.substr(std::string("file://").size());
-    TORCH_CHECK(!path.empty() && path[0] == '/', "init_method '", method,
-                "' must name an absolute path, as file:///tmp/paratrain-store");
-    try {
-      store = c10::make_intrusive<c10d::FileStore>(path, world_size);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "cannot open the file store ", path, ": ", detail::error_message(e));
-    }
-    hostname = "127.0.0.1";
+    js = open_file_store(method, world_size);
   } else if (method.rfind("tcp://", 0) == 0 || method == "env://") {
-    Endpoint e;
-    if (method == "env://") {
-      if (info.master_addr.empty()) {
-        TORCH_CHECK(info.single_node(),
-                    "MASTER_ADDR is not set, and this job spans several nodes (WORLD_SIZE=",
-                    world_size, ", LOCAL_WORLD_SIZE=", info.local_world_size,
-                    "): set MASTER_ADDR to the address of rank 0's node");
-        e.host = "127.0.0.1";
-      } else {
-        e.host = info.master_addr;
-      }
-      e.port = info.master_port;
-    } else {
-      e = parse_tcp(method);
-    }
-    if (world_size == 1 && method == "env://" && info.master_addr.empty()) {
-      store = c10::make_intrusive<c10d::HashStore>();  // a world of one needs no network
-    } else {
-      store = open_tcp_store(e, rank, timeout, rank == 0,
-                             info.source != "default" && !info.single_node());
-      monitor_client = [e, timeout]() {
-        return open_tcp_store(e, -1, std::min(timeout, std::chrono::milliseconds(10000)), false,
-                              false);
-      };
-    }
-    hostname = is_loopback(e.host) ? "127.0.0.1" : detail::route_source_address(e.host, e.port);
+    js = open_tcp_job_store(method, info, rank, world_size, timeout);
   } else {
     TORCH_CHECK(false, "unknown init_method '", method,
                 "': use env://, tcp://host:port or file:///path");
@@ -375,56 +459,19 @@ ProcessGroupPtr init_process_group(const InitOptions& options) {
 
   if (world_size > 1) {
     const std::string node_address =
-        hostname == "127.0.0.1" || hostname.empty() ? std::string("127.0.0.1") : hostname;
-    join(*store, rank, world_size, timeout, node_address, info.local_world_size);
+        js.hostname == "127.0.0.1" || js.hostname.empty() ? std::string("127.0.0.1") : js.hostname;
+    join(*js.store, rank, world_size, timeout, node_address, info.local_world_size);
   }
   // The CUDA device of this rank for nccl: local_device()'s, cuda:LOCAL_RANK; -1 (none bound)
   // when this node's ranks outnumber its GPUs (local_device() refuses that job; a program that
   // routes only CPU tensors still runs).
-  [[maybe_unused]] const int device_index =
+  const int device_index =
       info.local_world_size <= static_cast<int>(torch::cuda::device_count()) ? info.local_rank : -1;
-  auto make = [&](const std::string& engine, c10::intrusive_ptr<c10d::Store> s,
-                  detail::StoreClientFactory client) -> ProcessGroupPtr {
-    try {
-#ifdef PARATRAIN_WITH_GLOO
-      if (engine == "gloo") {
-        return detail::make_gloo_group(s, client, rank, world_size, timeout, hostname);
-      }
-#endif
-#ifdef PARATRAIN_WITH_NCCL
-      if (engine == "nccl") {
-        return detail::make_nccl_group(s, client, rank, world_size, timeout, device_index);
-      }
-#endif
-#ifdef PARATRAIN_WITH_MPI
-      if (engine == "mpi") {
-        return make_mpi(options, timeout);
-      }
-#endif
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, engine, " rendezvous failed on rank ", rank, " of ", world_size, ": ",
-                  detail::error_message(e));
-    }
-    TORCH_INTERNAL_ASSERT(false, "backend ", engine, " resolved but not built");
-  };
+  const EngineArgs args{options, rank, world_size, timeout, js.hostname, device_index};
   if (backend.find(':') == std::string::npos) {
-    return make(backend, store, monitor_client);
+    return make_engine_group(backend, js.store, js.monitor_client, args);
   }
-  // Each engine of a routed group meets under a prefix of its own, so their rendezvous keys and
-  // heartbeats never mix.
-  std::vector<detail::Route> routes;
-  for (const auto& r : parse_backend_routes(backend)) {
-    const std::string prefix = "paratrain/route/" + r.second;
-    detail::StoreClientFactory client;
-    if (monitor_client) {
-      client = [f = monitor_client, prefix]() -> c10::intrusive_ptr<c10d::Store> {
-        return c10::make_intrusive<c10d::PrefixStore>(prefix, f());
-      };
-    }
-    routes.push_back({r.first, make(r.second, c10::make_intrusive<c10d::PrefixStore>(prefix, store),
-                                    std::move(client))});
-  }
-  return detail::make_routed_group(std::move(routes), backend);
+  return make_route_groups(backend, js, args);
 }
 
 }  // namespace dist

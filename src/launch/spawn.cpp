@@ -1,6 +1,6 @@
-#include "paratrain/dist/spawn.h"
+#include "paratrain/launch/spawn.h"
 
-#include "paratrain/dist/env.h"
+#include "paratrain/comm/env.h"
 
 #include <c10/util/Exception.h>
 

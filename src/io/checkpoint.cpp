@@ -1,7 +1,8 @@
-#include "paratrain/train/checkpoint.h"
+#include "paratrain/io/checkpoint.h"
 
-#include "paratrain/train/safetensors.h"
-#include "paratrain/train/trace.h"
+#include "paratrain/io/safetensors.h"
+#include "paratrain/util/atomic_file.h"
+#include "paratrain/util/trace.h"
 
 #include <ATen/Context.h>
 #include <torch/cuda.h>
@@ -36,78 +37,10 @@ std::string errno_text() {
   return std::strerror(errno);
 }
 
-std::string parent_of(const std::string& path) {
-  const auto slash = path.rfind('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
-void fsync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot open directory ", dir, ": ", errno_text());
-  const int rc = ::fsync(fd);
-  const int saved = errno;
-  ::close(fd);
-  TORCH_CHECK(rc == 0, "checkpoint: fsync of directory ", dir, " failed: ", std::strerror(saved));
-}
-
-struct Piece {
-  const void* data;
-  size_t size;
-};
-
-// Writes the pieces to a temporary name, fsyncs, renames over `path`, fsyncs the directory.
-// Returns the CRC-32 of what was written.
-uint32_t write_pieces_atomic(const std::string& path, const std::vector<Piece>& pieces) {
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "checkpoint: cannot create ", tmp, ": ", errno_text());
-  uLong crc = crc32(0L, Z_NULL, 0);
-  auto fail = [&](const char* what) {
-    const int saved = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "checkpoint: ", what, " ", tmp, " failed: ", std::strerror(saved));
-  };
-  for (const Piece& p : pieces) {
-    const char* at = static_cast<const char*>(p.data);
-    size_t left = p.size;
-    while (left > 0) {
-      // zlib's crc32 takes a uInt length: feed it at most 1 GiB at a time.
-      const size_t chunk = std::min<size_t>(left, size_t(1) << 30);
-      const ssize_t n = ::write(fd, at, chunk);
-      if (n < 0 && errno == EINTR) {
-        continue;
-      }
-      if (n <= 0) {
-        fail("writing");
-      }
-      crc = crc32(crc, reinterpret_cast<const Bytef*>(at), static_cast<uInt>(n));
-      at += n;
-      left -= static_cast<size_t>(n);
-    }
-  }
-  if (::fsync(fd) != 0) {
-    fail("fsync of");
-  }
-  if (::close(fd) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "checkpoint: closing ", tmp, " failed: ", std::strerror(saved));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "checkpoint: renaming ", tmp, " to ", path,
-                " failed: ", std::strerror(saved));
-  }
-  fsync_dir(parent_of(path));
-  return static_cast<uint32_t>(crc);
-}
-
 // A safetensors file written atomically; returns {"file", "bytes", "crc32"} for its manifest.
 Json write_tensors(const std::string& dir, const std::string& name, const TensorMap& tensors) {
   const SafetensorsParts parts = encode_safetensors(tensors);
-  std::vector<Piece> pieces{{parts.header.data(), parts.header.size()}};
+  std::vector<FilePiece> pieces{{parts.header.data(), parts.header.size()}};
   size_t bytes = parts.header.size();
   for (const auto& t : parts.tensors) {
     pieces.push_back({t.data_ptr(), t.nbytes()});
@@ -199,10 +132,6 @@ void make_dirs(const std::string& dir) {
 }
 
 }  // namespace
-
-void write_file_atomic(const std::string& path, const void* data, size_t size) {
-  write_pieces_atomic(path, {{data, size}});
-}
 
 Checkpoint::Checkpoint(CheckpointOptions options, dist::ProcessGroupPtr pg)
     : options_(std::move(options)), pg_(std::move(pg)), rank_(pg_ ? pg_->rank() : 0) {
@@ -409,7 +338,7 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
               " does not exist: give a ckpt-N.json manifest, or --resume auto");
-  const std::string dir = parent_of(path);
+  const std::string dir = parent_directory(path);
   const Json manifest = read_json(path);
   TORCH_CHECK(manifest.is_object() && manifest.value("format", "") == "paratrain-checkpoint-1",
               path, " is not a paratrain checkpoint manifest");
@@ -429,7 +358,7 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
 }
 
 TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, int world_size) {
-  const std::string own_path = parent_of(path) + "/" + rank_stem(step, rank) + ".json";
+  const std::string own_path = parent_directory(path) + "/" + rank_stem(step, rank) + ".json";
   try {
     const Json own = read_json(own_path);
     TORCH_CHECK(own.at("step").get<int64_t>() == step && own.at("rank").get<int>() == rank,
@@ -439,7 +368,7 @@ TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, 
     TORCH_CHECK(world_size < 0 || own_world == world_size, own_path, " was written by a job of ",
                 own_world, " ranks, but the checkpoint's manifest says ", world_size,
                 ": it is left over from another attempt");
-    return read_tensors(parent_of(path), own.at("tensors"));
+    return read_tensors(parent_directory(path), own.at("tensors"));
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, own_path, " is missing a field (", e.what(), "): the file is damaged");
   }

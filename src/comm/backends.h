@@ -4,7 +4,7 @@
 // needs to know which engines a build has.
 
 #include "../util/errors.h"
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

@@ -1,9 +1,9 @@
 #include "rendezvous.h"
 
-#include "socket_store.h"
+#include "../comm/socket_store.h"
 
 #include "../util/errors.h"
-#include "paratrain/dist/launch.h"  // pick_free_port
+#include "paratrain/launch/launch.h"  // pick_free_port
 
 #include <c10/util/Exception.h>
 

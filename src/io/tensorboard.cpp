@@ -1,4 +1,4 @@
-#include "paratrain/train/tensorboard.h"
+#include "paratrain/io/tensorboard.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "paratrain/train/safetensors.h"
+#include "paratrain/io/safetensors.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>

@@ -22,7 +22,7 @@
 // cannot form. After a store call fails once (the endpoint ended, or a
 // deadline passed), the connection is not used again: next() reports it.
 
-#include "socket_store.h"
+#include "../comm/socket_store.h"
 
 #include <chrono>
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "paratrain/dist/env.h"
+#include "paratrain/comm/env.h"
 
 #include <c10/util/Exception.h>
 

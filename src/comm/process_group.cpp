@@ -1,4 +1,4 @@
-#include "paratrain/dist/process_group.h"
+#include "paratrain/comm/process_group.h"
 
 #include "backend_routes.h"
 

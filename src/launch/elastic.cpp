@@ -1,0 +1,171 @@
+// The elastic launcher (--rdzv-endpoint host:port): torchrun's elastic agent on top of the dynamic
+// rendezvous of rendezvous.h. Each round gives this node its place; its workers then run until they
+// end, fail, or a new round opens.
+
+#include "paratrain/launch/launch.h"
+
+#include "launch_internal.h"
+#include "rendezvous.h"
+#include "supervisor.h"
+
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <exception>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace paratrain {
+namespace dist {
+namespace launch_internal {
+namespace {
+
+std::pair<std::string, int> parse_endpoint(const std::string& endpoint) {
+  const size_t colon = endpoint.rfind(':');
+  TORCH_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < endpoint.size() &&
+                  endpoint.find_first_not_of("0123456789", colon + 1) == std::string::npos &&
+                  endpoint.size() - colon <= 6,
+              "--rdzv-endpoint '", endpoint, "' is not host:port");
+  const int port = std::stoi(endpoint.substr(colon + 1));
+  TORCH_CHECK(port > 0 && port < 65536, "--rdzv-endpoint '", endpoint, "': port ", port,
+              " is not a TCP port");
+  return {endpoint.substr(0, colon), port};
+}
+
+// The rendezvous of `options`: its endpoint, id, node counts and timeouts, and the signature every
+// node of the job must share.
+detail::RendezvousOptions rendezvous_options(const LaunchOptions& options) {
+  const auto [host, port] = parse_endpoint(options.rdzv_endpoint());
+  detail::RendezvousOptions ro;
+  ro.host = host;
+  ro.port = port;
+  ro.id = options.rdzv_id();
+  ro.max_nodes = options.nnodes();
+  ro.min_nodes = options.min_nodes() > 0 ? options.min_nodes() : options.nnodes();
+  ro.join_timeout = options.rdzv_join_timeout();
+  ro.last_call = options.rdzv_last_call();
+  ro.keep_alive = options.rdzv_keep_alive();
+  std::string command;
+  for (const auto& a : options.command()) {
+    command += (command.empty() ? "" : " ") + a;
+  }
+  ro.signature = "--nnodes " + std::to_string(ro.min_nodes) + ":" + std::to_string(ro.max_nodes) +
+                 " --nproc-per-node " + std::to_string(resolved_nproc(options)) + " -- " + command;
+  return ro;
+}
+
+// The failures of an elastic job so far, and how many of them used a restart (max_restarts).
+struct ElasticRestarts {
+  std::vector<WorkerFailure> failures;
+  int used = 0;
+};
+
+// Runs this node's workers for the round `a` gave it (the `attempt`-th round it takes part in),
+// until they end or the rendezvous stops them for a new round.
+LaunchResult run_round(const LaunchOptions& options,
+                       const detail::RendezvousOptions& ro,
+                       detail::Rendezvous& rdzv,
+                       const detail::Assignment& a,
+                       int attempt) {
+  const int nproc = resolved_nproc(options);
+  std::cerr << options.name() << ": rendezvous " << ro.id << " round " << a.round << ": node "
+            << a.node_rank << " of " << a.nnodes << ", world size " << a.nnodes * nproc
+            << ", master " << a.master_addr << ":" << a.master_port << std::endl;
+  LaunchOptions o = options;
+  Environment env = o.env();
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+  env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
+  env["TORCHELASTIC_RUN_ID"] = ro.id;
+  if (ro.min_nodes < ro.max_nodes) {
+    env["PARATRAIN_ELASTIC"] = "1";  // the world may change: programs resume across sizes
+  }
+  o.rdzv_endpoint("")
+      .min_nodes(0)
+      .nnodes(a.nnodes)
+      .node_rank(a.node_rank)
+      .master_addr(a.master_addr)
+      .master_port(a.master_port)
+      .env(env);
+  LaunchResult r =
+      run_job(o, Placement{}, [&rdzv, &a](std::string* why) { return rdzv.must_restart(a, why); });
+  r.rounds = attempt + 1;
+  return r;
+}
+
+// After a round: true when this node joins the next one (a new round opened, the membership
+// changed, or a restart is left after a failure); false when `r` is the job's result.
+bool join_next_round(const LaunchOptions& options,
+                     const detail::RendezvousOptions& ro,
+                     detail::Rendezvous& rdzv,
+                     const detail::Assignment& a,
+                     LaunchResult& r,
+                     ElasticRestarts& restarts) {
+  if (!r.stopped_for.empty() && r.interrupted_by == 0 && r.signal_received == 0) {
+    std::cerr << options.name() << ": " << r.stopped_for
+              << "; stopped this node's workers to join the next round" << std::endl;
+    return true;
+  }
+  if (r.exit_code == 0 && r.stopped_for.empty()) {
+    rdzv.finish(a, std::chrono::seconds(30));
+    return false;
+  }
+  std::string why;
+  if (r.first_failure && r.interrupted_by == 0 && r.signal_received == 0 &&
+      rdzv.membership_changed(a, ro.keep_alive + std::chrono::seconds(1), &why)) {
+    std::cerr << options.name() << ": " << describe_failure(*r.first_failure) << ", as " << why
+              << "; joining the next round (a change of membership, not a restart)" << std::endl;
+    return true;
+  }
+  if (r.first_failure) {
+    restarts.failures.push_back(*r.first_failure);
+  }
+  const bool retry = r.interrupted_by == 0 && r.signal_received == 0 && r.first_failure &&
+                     restarts.used < options.max_restarts();
+  if (!retry) {
+    // The other nodes stop now with this reason, instead of waiting for a round that cannot
+    // form (or re-forming without a node that did not die).
+    rdzv.shut_down(
+        r.summary.empty() ? "node " + std::to_string(a.node_rank) + " stopped" : r.summary,
+        a.nnodes - 1);
+    r.failures = restarts.failures;
+    r.restarts = restarts.used;
+    return false;
+  }
+  try {
+    rdzv.open_next_round(a, "failure");  // the others stop at once
+  } catch (const std::exception&) {
+    // The store's node is gone: the others learn from their own failures.
+  }
+  ++restarts.used;
+  std::cerr << options.name() << ": " << describe_failure(*r.first_failure)
+            << "; stopped this node's workers, joining the next round (restart " << restarts.used
+            << " of " << options.max_restarts() << ")" << std::endl;
+  return true;
+}
+
+}  // namespace
+
+// torchrun's elastic agent: rendezvous, run this node's workers, and form a new round when a
+// worker fails (counted against max_restarts), when a node stops its heartbeat, or when nodes wait
+// to join (neither counted). See rendezvous.h.
+LaunchResult launch_elastic(const LaunchOptions& options) {
+  validate(options);
+  const detail::RendezvousOptions ro = rendezvous_options(options);
+  detail::Rendezvous rdzv(ro);
+  std::cerr << options.name() << ": rendezvous '" << ro.id << "' at " << ro.host << ":" << ro.port
+            << ": joining" << std::endl;
+  ElasticRestarts restarts;
+  for (int attempt = 0;; ++attempt) {
+    const detail::Assignment a = rdzv.next();
+    LaunchResult r = run_round(options, ro, rdzv, a, attempt);
+    if (!join_next_round(options, ro, rdzv, a, r, restarts)) {
+      return r;
+    }
+  }
+}
+
+}  // namespace launch_internal
+}  // namespace dist
+}  // namespace paratrain

@@ -1,0 +1,87 @@
+// Internal: the Trainer's state, shared by its files: trainer.cpp (the strategy, the loop, the
+// evaluation, the metrics) and trainer_state.cpp (capture, restore and resume of the training
+// state through checkpoints).
+#pragma once
+
+#include "paratrain/train/trainer.h"
+
+#include "paratrain/data/distributed_sampler.h"
+#include "paratrain/data/loader.h"
+#include "paratrain/io/tensorboard.h"
+#include "paratrain/parallel/data_parallel.h"
+#include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/util/trace.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+
+using Json = nlohmann::json;
+
+struct Trainer::Impl {
+  TrainerOptions o;
+  torch::nn::Sequential model;
+  data::DatasetPtr train;
+  data::DatasetPtr val;
+  int rank = 0;
+  int world = 1;
+  torch::Device device = torch::kCPU;  // where batches go
+  std::unique_ptr<amp::MixedPrecision> mp;
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<DataParallel> dp;
+  std::unique_ptr<pipeline::Pipeline> pipe;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  std::unique_ptr<LRSchedule> schedule;
+  std::shared_ptr<data::DistributedSampler> sampler;
+  std::unique_ptr<data::DataLoader> loader;
+  std::unique_ptr<data::DataLoader> val_loader;
+  std::unique_ptr<Checkpoint> ckpt;
+  std::ofstream metrics;
+  std::unique_ptr<tensorboard::SummaryWriter> tb;
+  std::chrono::steady_clock::time_point log_clock;  // since the last step row
+  int64_t log_samples = 0;                          // this rank's samples since then
+  std::vector<std::function<void(const StepInfo&)>> step_callbacks;
+  std::vector<std::function<void(const EpochResult&)>> epoch_callbacks;
+  int64_t epoch = 0;
+  int64_t batch = 0;  // batches of `epoch` done
+  // Samples of this epoch's order that an earlier world trained (elastic resume); 0 otherwise.
+  int64_t epoch_start = 0;
+  // Batches left in this epoch's steps_per_epoch budget after an elastic reshard; 0: no cap.
+  int64_t epoch_cap = 0;
+  void refresh_batches();
+  int64_t global_step = 0;
+  int64_t batches_per_epoch = 0;
+  std::string resumed_from;
+
+  void check_options() const;
+  void build_strategy();
+  void build_loaders();
+  torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& target) const;
+  void train_epoch(double& loss_sum, int64_t& samples);
+  torch::Tensor forward_backward(const data::Batch& b, bool last);
+  void check_finite(const torch::Tensor& loss) const;
+  void end_step(const torch::Tensor& loss);
+  void write_step_row(const StepInfo& info);
+  EpochResult run_epoch();
+  void write_epoch_row(const EpochResult& r, bool trained);
+  StepInfo optimizer_step(const torch::Tensor& loss, bool log);
+  double evaluate();
+  void resume();
+  void restore(const CheckpointState& s);
+  CheckpointState capture();
+  TensorMap weights() const;
+  void write_metrics(const Json& row);
+  void write_tensorboard(const Json& row);
+  void check_replicas();
+  void write_trace(const trace::Tracer& tracer);
+  bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
+};
+
+}  // namespace paratrain

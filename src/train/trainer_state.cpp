@@ -1,0 +1,245 @@
+// The Trainer's training state and checkpoints: capture() gathers the model, the optimizer (ZeRO's
+// shards consolidated or not), the schedule, the GradScaler, the O2 masters, every rank's RNG
+// states and where the sampler was in the epoch; restore() puts a checkpoint's back (an elastic
+// job: over another world size); resume() finds the checkpoint to resume from.
+
+#include "trainer_impl.h"
+
+#include "paratrain/io/safetensors.h"
+#include "paratrain/parallel/zero_redundancy_optimizer.h"
+
+#include <algorithm>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+
+namespace paratrain {
+
+CheckpointState Trainer::Impl::capture() {
+  CheckpointState s;
+  s.step = global_step;
+  Json scaler;
+  for (const auto& kv : mp->scaler().state_dict()) {
+    scaler[kv.first] = kv.second;
+  }
+  s.meta = Json{{"epoch", epoch},
+                {"batch", batch},
+                {"epoch_start", epoch_start},
+                {"epoch_cap", epoch_cap},
+                {"batches_per_epoch", batches_per_epoch},
+                {"world_size", world},
+                {"batch_size", o.batch_size()},
+                {"global_step", global_step},
+                {"schedule_steps", schedule->steps()},
+                {"scaler", scaler},
+                {"strategy", to_string(o.strategy())},
+                {"config", Json::parse(o.config())}}
+               .dump();
+  s.shared = with_prefix(module_state(*model), "model.");
+  s.own = rng_state();
+  // ZeRO, consolidated: every rank sends its shard to rank 0, which saves the state as the
+  // unsharded optimizer's. Sharded: each rank's shard goes to its own file, keyed the same way,
+  // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
+  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
+  const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
+  TensorMap& optim_home = sharded ? s.own : s.shared;
+  s.own_read_by_all = sharded;
+  for (const auto& kv : with_prefix(sharded ? zero->sharded_state()
+                                    : zero  ? zero->consolidate_state(0)
+                                            : optimizer_state(*opt),
+                                    "optim.")) {
+    optim_home[kv.first] = kv.second;
+  }
+  if (mp->opt_level() == amp::OptLevel::kO2) {
+    for (size_t i = 0; i < mp->masters().size(); ++i) {
+      s.shared["amp.master." + std::to_string(i)] = mp->masters()[i];
+    }
+  }
+  return s;
+}
+
+namespace {
+
+// The first key whose value differs, as one line; empty when equal.
+std::string first_difference(const Json& saved, const Json& now) {
+  std::set<std::string> keys;
+  for (const auto& kv : saved.items()) {
+    keys.insert(kv.key());
+  }
+  for (const auto& kv : now.items()) {
+    keys.insert(kv.key());
+  }
+  for (const auto& k : keys) {
+    const Json a = saved.contains(k) ? saved.at(k) : Json("(unset)");
+    const Json b = now.contains(k) ? now.at(k) : Json("(unset)");
+    if (a != b) {
+      return "'" + k + "' is " + a.dump() + " there and " + b.dump() + " in this run";
+    }
+  }
+  return "";
+}
+
+// The first parameter or buffer whose name or shape differs; empty when the same.
+std::string model_difference(const TensorMap& saved, const TensorMap& now) {
+  for (const auto& kv : now) {
+    auto it = saved.find(kv.first);
+    if (it == saved.end()) {
+      return "it has no '" + kv.first + "'";
+    }
+    if (it->second.sizes() != kv.second.sizes()) {
+      std::ostringstream line;
+      line << "'" << kv.first << "' has shape " << it->second.sizes() << " there and "
+           << kv.second.sizes() << " in this model";
+      return line.str();
+    }
+  }
+  for (const auto& kv : saved) {
+    if (!now.count(kv.first)) {
+      return "it has '" + kv.first + "', which this model lacks";
+    }
+  }
+  return "";
+}
+
+// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) in
+// the rank files. Under ZeRO with as many ranks as saved it, this rank's own shard is its part
+// (ZeRO splits the parameters the same way again). Otherwise its part need not be any one saving
+// rank's, so it reads them all (verified by load_latest) and ZeroRedundancyOptimizer::load_state,
+// or the unsharded optimizer, takes what it needs.
+TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) {
+  TensorMap optim = with_prefix(s.shared, "optim.", true);
+  if (!s.own_read_by_all) {  // what the Trainer sets for sharded ZeRO state
+    return optim;
+  }
+  if (zero && s.world_size == world) {
+    return with_prefix(s.own, "optim.", true);
+  }
+  for (int r = 0; r < s.world_size; ++r) {
+    for (auto& kv :
+         with_prefix(Checkpoint::load_own(s.path, r, s.step, s.world_size), "optim.", true)) {
+      optim[kv.first] = std::move(kv.second);
+    }
+  }
+  return optim;
+}
+
+}  // namespace
+
+void Trainer::Impl::restore(const CheckpointState& s) {
+  Json meta;
+  try {
+    meta = Json::parse(s.meta);
+    const std::string model_diff =
+        model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
+    TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
+    const std::string config_diff = first_difference(meta.at("config"), Json::parse(o.config()));
+    TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
+                " was made with another configuration: ", config_diff,
+                "; resume with the same settings, or use another --checkpoint-dir");
+    load_module_state(*model, with_prefix(s.shared, "model.", true));
+    if (mp->opt_level() == amp::OptLevel::kO2) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < mp->masters().size(); ++i) {
+        auto it = s.shared.find("amp.master." + std::to_string(i));
+        TORCH_CHECK(it != s.shared.end(), "checkpoint ", s.path,
+                    " has no O2 master weights: it was saved at another opt level");
+        mp->masters()[i].copy_(it->second);
+      }
+    }
+    auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
+    const TensorMap optim = saved_optimizer_state(s, world, zero != nullptr);
+    if (zero != nullptr) {
+      zero->load_state(optim);
+    } else {
+      load_optimizer_state(*opt, optim);
+    }
+    schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
+    std::map<std::string, double> scaler;
+    for (const auto& kv : meta.at("scaler").items()) {
+      scaler[kv.key()] = kv.value().get<double>();
+    }
+    if (!scaler.empty()) {
+      mp->scaler().load_state_dict(scaler);
+    }
+    epoch = meta.at("epoch").get<int64_t>();
+    batch = meta.at("batch").get<int64_t>();
+    global_step = meta.at("global_step").get<int64_t>();
+    epoch_start = meta.value("epoch_start", int64_t{0});
+    epoch_cap = meta.value("epoch_cap", int64_t{0});
+    if (s.world_size == world) {
+      set_rng_state(s.own);
+    } else {
+      // Another world (elastic): the saved ranks took, between them, the first
+      // world * batch_size * batch samples of the epoch's order after its start (the sampler
+      // interleaves them); the rest is shared out over this world from its first batch. The RNG
+      // streams belonged to ranks that no longer exist.
+      const int64_t saved_batch = meta.value("batch_size", o.batch_size());
+      const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
+      epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
+                                      epoch_start + s.world_size * saved_batch * batch);
+      if (saved_batches > 0 && batch >= saved_batches) {
+        epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
+      } else if (o.steps_per_epoch() > 0) {
+        // What is left of the epoch's step budget (the data may end first: refresh_batches
+        // takes the smaller).
+        const int64_t budget = epoch_cap > 0 ? epoch_cap : o.steps_per_epoch() * o.accumulate();
+        epoch_cap = std::max<int64_t>(1, budget - batch);
+      }
+      batch = 0;
+    }
+    sampler->set_start_index(static_cast<size_t>(epoch_start));
+    refresh_batches();
+  } catch (const Json::exception& e) {
+    TORCH_CHECK(false, "checkpoint ", s.path, " lacks a field (", e.what(),
+                "): it is damaged or from another program");
+  }
+  resumed_from = s.path;
+}
+
+void Trainer::Impl::resume() {
+  if (o.resume() == "auto") {
+    std::optional<CheckpointState> s = ckpt->load_latest();
+    if (!s) {
+      if (rank == 0) {
+        std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
+                  << " yet: starting from step 0" << std::endl;
+      }
+      write_metrics(Json{{"resumed_from", nullptr}, {"step", 0}});
+      return;
+    }
+    restore(*s);
+  } else {
+    // An elastic job may resume a checkpoint of another world size: ranks it did not have get
+    // no own files.
+    // Checked from the manifest, alike on every rank, before a rank beyond the saved world
+    // fails alone on its missing file while the others go on into training.
+    const int saved_world = Checkpoint::saved_world_size(o.resume());
+    TORCH_CHECK(o.elastic() || saved_world == world, "checkpoint ", o.resume(), " was made by ",
+                saved_world, " ranks and this job has ", world,
+                ": resume with as many ranks, or in an elastic job (--nnodes MIN:MAX)");
+    restore(o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
+                        : Checkpoint::load(o.resume(), rank));
+  }
+  // In the metrics, where this attempt starts: the steps logged after it repeat lost work.
+  write_metrics(Json{{"resumed_from", resumed_from}, {"step", global_step}});
+  if (rank == 0) {
+    std::cerr << "paratrain: resumed from " << resumed_from << " (step " << global_step
+              << ", epoch " << epoch + 1 << ", batch " << batch << ")" << std::endl;
+  }
+}
+
+void Trainer::save_checkpoint() {
+  TORCH_CHECK(impl_->ckpt, "save_checkpoint needs checkpoint_dir");
+  impl_->ckpt->save(impl_->capture());
+  impl_->ckpt->wait();
+}
+
+void Trainer::wait_for_checkpoint() {
+  if (impl_->ckpt) {
+    impl_->ckpt->wait();
+  }
+}
+
+}  // namespace paratrain
