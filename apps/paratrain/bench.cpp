@@ -1,20 +1,35 @@
-// paratrain bench: dispatches to the benchmark programs under bench/.
+// paratrain bench: the benchmarks are a program of their own, paratrain-bench (bench/main.cpp),
+// so the CLI neither carries nor depends on them; this command runs it in the CLI's place.
 
-#include "args.h"
 #include "commands.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <iostream>
+#include <stdexcept>
 
 namespace paratrain {
 namespace cli {
 
 int run_bench(const std::vector<std::string>& args) {
-  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    std::cout << help_text("paratrain bench <name> [options] [--json]", "benchmarks",
-                           bench_commands(), false);
-    return args.empty() ? 2 : 0;
+  const std::string self = self_path();
+  const std::string program = self.substr(0, self.rfind('/') + 1) + "paratrain-bench";
+  std::vector<std::string> words{program};
+  words.insert(words.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& w : words) {
+    argv.push_back(&w[0]);
   }
-  return dispatch(bench_commands(), args[0], {args.begin() + 1, args.end()}, "benchmark");
+  argv.push_back(nullptr);
+  std::cout.flush();
+  std::cerr.flush();
+  ::execv(program.c_str(), argv.data());
+  // Not TORCH_CHECK: its message would carry this file's path into the installed program.
+  throw std::runtime_error("cannot run " + program + ": " + std::strerror(errno) +
+                           "; the benchmarks are a program of their own, built and installed "
+                           "beside paratrain (CMake target paratrain_bench)");
 }
 
 }  // namespace cli

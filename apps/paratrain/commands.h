@@ -16,20 +16,12 @@ int run_launch(const std::vector<std::string>& args);
 int run_train(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
 int run_tune(const std::vector<std::string>& args);
-int run_bench_data(const std::vector<std::string>& args);
+/// Runs the paratrain-bench program beside this one (bench/main.cpp) in this process's place.
 int run_bench(const std::vector<std::string>& args);
-int run_bench_allreduce(const std::vector<std::string>& args);
-int run_bench_ddp(const std::vector<std::string>& args);
-int run_bench_strategies(const std::vector<std::string>& args);
-int run_bench_pipeline(const std::vector<std::string>& args);
-int run_bench_amp(const std::vector<std::string>& args);
-int run_bench_amp_accuracy(const std::vector<std::string>& args);
-int run_bench_faults(const std::vector<std::string>& args);
-int run_bench_tune(const std::vector<std::string>& args);
-int run_bench_cluster(const std::vector<std::string>& args);
 
 /// One subcommand: how it is called, what it does (one line), and its entry point. The help
-/// texts and the dispatch are generated from the tables below, so a new command is listed once.
+/// texts and the dispatch are generated from tables of these (command_table.cpp), so a new
+/// command is listed once.
 struct Command {
   const char* name;
   const char* synopsis;  // what follows the name in the help ("[opts] -- PROG"), may be ""
@@ -37,9 +29,8 @@ struct Command {
   int (*run)(const std::vector<std::string>& args);
 };
 
-/// `paratrain <command>` and `paratrain bench <name>`.
+/// `paratrain <command>`.
 const std::vector<Command>& commands();
-const std::vector<Command>& bench_commands();
 
 /// The entry of `table` called `name`; null when there is none.
 const Command* find_command(const std::vector<Command>& table, const std::string& name);
@@ -52,11 +43,10 @@ int dispatch(const std::vector<Command>& table,
              const char* what);
 
 /// The help of `table` under `usage`: one aligned row per entry under `heading` (plural, e.g.
-/// "commands"), and with `with_bench` the benchmarks as "bench NAME" rows too.
+/// "commands").
 std::string help_text(const std::string& usage,
                       const std::string& heading,
-                      const std::vector<Command>& table,
-                      bool with_bench);
+                      const std::vector<Command>& table);
 
 /// The whole command line after the program's name (`train --epochs 2`): dispatches to the
 /// command and turns its exceptions into one line on stderr and the exit code (run_guarded).
@@ -66,8 +56,8 @@ int run_command_line(std::vector<std::string> args);
 /// stderr and the exit code: 2 for a bad command line (UsageError), 1 for everything else.
 int run_guarded(const std::string& command, const std::function<int()>& run);
 
-/// Absolute path of the paratrain executable, which commands run again as workers or mpirun
-/// shims: by default this process's own file.
+/// Absolute path of this program (paratrain, or paratrain-bench), which commands run again as
+/// workers or mpirun shims: by default this process's own file.
 std::string self_path();
 /// Makes self_path() return `path`: for a program that runs command lines in-process (the tests)
 /// and is not itself the paratrain executable.

@@ -3,7 +3,7 @@
 #include "args.h"
 #include "commands.h"
 
-#include "paratrain/dist/launch.h"
+#include "paratrain/launch/launch.h"
 
 #include <chrono>
 #include <iostream>

@@ -4,16 +4,15 @@
 //
 // This program itself links only the launcher library, which needs no libtorch: `paratrain
 // launch` runs here and starts in a few milliseconds, where loading libtorch costs about a
-// CPU-second per process. Every other command lives in libparatrain_commands, loaded here on
-// first use (commands_main.cpp).
+// CPU-second per process. `paratrain bench` runs the paratrain-bench program. Every other command
+// lives in libparatrain_commands, loaded here on first use (commands_main.cpp).
 
 #include "commands.h"
 
 #include <dlfcn.h>
 #include <unistd.h>
 
-#include <climits>
-
+#include <algorithm>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -24,12 +23,7 @@ namespace {
 // installed (bin/ and lib/), and .. in the build tree (bin/ inside it). Never a search of the
 // library path, which might find another version's. "" when neither exists.
 std::string commands_library() {
-  char exe[PATH_MAX];
-  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) {
-    return "";
-  }
-  const std::string path(exe, static_cast<size_t>(n));
+  const std::string path = paratrain::cli::self_path();
   const std::string dir = path.substr(0, path.rfind('/'));
   for (const char* relative : {"/../" PARATRAIN_INSTALL_LIBDIR "/", "/../"}) {
     const std::string candidate = dir + relative + "libparatrain_commands.so";
@@ -64,9 +58,13 @@ int run_commands_library(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::string(argv[1]) == "launch") {
-    const std::vector<std::string> args(argv + 2, argv + argc);
+  const std::string command = argc > 1 ? argv[1] : "";
+  const std::vector<std::string> args(argv + std::min(argc, 2), argv + argc);
+  if (command == "launch") {
     return paratrain::cli::run_guarded("launch", [&] { return paratrain::cli::run_launch(args); });
+  }
+  if (command == "bench") {  // the paratrain-bench program, in this one's place
+    return paratrain::cli::run_guarded("bench", [&] { return paratrain::cli::run_bench(args); });
   }
   return run_commands_library(argc, argv);
 }

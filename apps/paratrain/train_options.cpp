@@ -1,0 +1,511 @@
+// paratrain train's option table, and the checks of its command line that run before anything is
+// loaded or launched.
+
+#include "train_options.h"
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace paratrain {
+namespace cli {
+namespace train_detail {
+
+namespace {
+
+// What is trained, on what, and how it is spread over processes and devices.
+std::vector<OptionSpec> setup_option_specs() {
+  return {
+      {"model", "NAME", "linear, mlp, cnn, resnet18..152 or resnet*_cifar (default mlp)"},
+      {"dataset", "NAME", "fashion-mnist (default) or imagefolder"},
+      {"data-dir", "DIR",
+       "the dataset's folder; an ImageFolder has DIR/train and DIR/val (default: Debian's "
+       "Fashion-MNIST)"},
+      {"strategy", "NAME", "single (default), ddp, dp or pipeline"},
+      {"nproc", "N", "with ddp: start N ranks through the launcher"},
+      {"backend", "NAME", "ddp's backend: auto (default), gloo, mpi or nccl"},
+      {"max-restarts", "N",
+       "with --nproc: when a rank fails, stop every rank and start them all again, up to N "
+       "times (torchrun's); add --resume auto to continue from the last checkpoint"},
+      {"device", "KIND",
+       "single and ddp: cuda (cuda:LOCAL_RANK, the default where CUDA is available) or cpu"},
+      {"devices", "LIST",
+       "dp: the devices the batch is scattered over; pipeline: one per stage (cpu,cpu)"},
+      {"stages", "P", "pipeline stages (default 2)"},
+      {"chunks", "M", "pipeline micro-batches per batch (default 4)"},
+      {"schedule", "NAME", "pipeline schedule: gpipe (default) or 1f1b"},
+      {"epochs", "E", "epochs (default 1)"},
+      {"steps", "S", "cap on the steps of each epoch (default 0: the whole epoch)"},
+      {"batch-size", "B",
+       "per rank (ddp), or the whole batch (dp scatters it, pipeline cuts it) (default 64)"},
+      {"workers", "K", "decoding threads; 0 decodes in the training thread (default 1)"},
+      {"image-size", "N", "the model's input side (default: the model's own)"},
+      {"channels", "C", "1 or 3 input channels (default: the model's own)"},
+      {"head", "custom", "replace the classifier by a Linear-BN-ReLU-Dropout head"},
+      {"freeze-backbone", "", "with --head custom: train the head only"},
+  };
+}
+
+// How the training loop runs, and what it writes.
+std::vector<OptionSpec> loop_option_specs() {
+  return {
+      {"amp", "LEVEL", "mixed precision O0 (default), O1, O2 or O3"},
+      {"amp-dtype", "TYPE", "with --amp: bf16 (default) or fp16"},
+      {"optimizer", "NAME", "sgd (default), adam or adamw"},
+      {"lr", "L", "learning rate (default 0.05)"},
+      {"momentum", "M", "SGD momentum (default 0.9)"},
+      {"weight-decay", "W", "weight decay (default 0)"},
+      {"lr-schedule", "NAME",
+       "constant (default), step, multistep or cosine, with PyTorch's StepLR, MultiStepLR and "
+       "CosineAnnealingLR semantics"},
+      {"lr-step-size", "N", "step: decay every N epochs (default 30)"},
+      {"lr-gamma", "G", "step, multistep: the decay factor (default 0.1)"},
+      {"lr-milestones", "A,B", "multistep: the epochs where the lr decays"},
+      {"lr-t-max", "T", "cosine: T_max (default: the epochs after the warm-up)"},
+      {"lr-eta-min", "E", "cosine: the lowest lr (default 0)"},
+      {"warmup", "N", "LinearLR warm-up over N epochs (or steps), before the schedule"},
+      {"warmup-start-factor", "F", "the warm-up's first factor (default 1/3)"},
+      {"schedule-per-step", "", "step the schedule per optimizer step, not per epoch"},
+      {"clip-grad-norm", "X", "clip the gradients' global norm to X (0: off)"},
+      {"accumulate", "K", "accumulate gradients over K batches per optimizer step"},
+      {"seed", "S", "the seed of the weights, the shuffling and the augmentations (default 0)"},
+      {"checkpoint-dir", "DIR", "write checkpoints there (per epoch unless --checkpoint-every)"},
+      {"checkpoint-every", "N", "a checkpoint every N optimizer steps"},
+      {"checkpoint-every-epoch", "", "a checkpoint at every epoch's end"},
+      {"keep", "K", "keep the newest K checkpoints (default 3)"},
+      {"resume", "auto|PATH",
+       "continue from the newest checkpoint that verifies (auto) or from PATH (ckpt-N.json)"},
+      {"metrics", "FILE", "write loss, accuracy, lr, images/s, grad norm, loss scale as JSONL"},
+      {"tensorboard", "DIR", "write the same metrics as TensorBoard event files into DIR"},
+      {"log-every", "N", "a metrics row every N steps (default 10 with --metrics)"},
+      {"check-replicas", "N",
+       "every N steps, compare the ranks' parameters and name a diverged one"},
+      {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
+      {"sync-bn", "", "ddp: BatchNorm over the whole batch of all ranks (SyncBatchNorm)"},
+      {"zero", "", "ddp: shard the optimizer state over the ranks (ZeroRedundancyOptimizer)"},
+      {"zero-checkpoint", "consolidated|sharded",
+       "with --zero: checkpoints hold the optimizer state gathered on rank 0 (default) or "
+       "each rank's shard"},
+      {"save-weights", "FILE", "write the trained weights as safetensors"},
+      {"load-weights", "FILE", "start from these weights (safetensors or torch.save files)"},
+      {"json", "", "print each epoch as a JSON object"},
+  };
+}
+
+// The help lists them in this order.
+std::vector<OptionSpec> train_option_specs() {
+  std::vector<OptionSpec> options = setup_option_specs();
+  const std::vector<OptionSpec> loop = loop_option_specs();
+  options.insert(options.end(), loop.begin(), loop.end());
+  return options;
+}
+
+// "cpu,cpu" or "cuda:0,cuda:1": each must parse and exist.
+std::vector<torch::Device> parse_devices(const std::string& list) {
+  std::vector<torch::Device> out;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) {
+      continue;
+    }
+    try {
+      out.emplace_back(item);
+    } catch (const c10::Error&) {
+      throw UsageError("bad device '" + item + "' in --devices: write cpu or cuda:N");
+    }
+    try {
+      check_device_exists(out.back());
+    } catch (const c10::Error& e) {
+      throw UsageError(std::string("--devices: ") + e.what_without_backtrace());
+    }
+  }
+  if (out.empty()) {
+    throw UsageError("--devices is empty: name at least one device, e.g. cpu,cpu");
+  }
+  return out;
+}
+
+// Every value is read before any is checked, so a malformed number is reported first.
+TrainSettings read_basics(const Args& args) {
+  TrainSettings s;
+  s.model_name = args.get("model", "mlp");
+  s.dataset = args.get("dataset", "fashion-mnist");
+  s.strategy = args.get("strategy", "single");
+  s.epochs = args.get_int("epochs", 1);
+  s.steps = args.get_int("steps", 0);
+  s.batch_size = args.get_int("batch-size", 64);
+  s.lr = args.get_double("lr", 0.05);
+  s.momentum = args.get_double("momentum", 0.9);
+  s.weight_decay = args.get_double("weight-decay", 0.0);
+  s.seed = args.get_int("seed", 0);
+  s.workers = args.get_int("workers", 1);
+  s.nproc = args.get_int("nproc", 0);
+  s.json = args.has("json");
+  s.data_dir = args.get("data-dir", data::kFashionMnistDir);
+  return s;
+}
+
+// The model, the input it is fed and its head.
+void check_model(const Args& args, TrainSettings& s) {
+  {
+    const auto known = models::names();
+    if (std::find(known.begin(), known.end(), s.model_name) == known.end()) {
+      std::string list;
+      for (const auto& n : known) {
+        list += (list.empty() ? "" : ", ") + n;
+      }
+      throw UsageError("unknown --model '" + s.model_name + "': choose " + list);
+    }
+  }
+  const std::vector<int64_t> expects = models::input_shape(s.model_name);
+  s.image_size = args.get_int("image-size", static_cast<int>(expects[1]));
+  s.channels = args.get_int("channels", static_cast<int>(expects[0]));
+  if (s.image_size < 1 || (s.channels != 1 && s.channels != 3)) {
+    throw UsageError("--image-size must be >= 1 and --channels 1 or 3");
+  }
+  s.head = args.get("head", "");
+  if (!s.head.empty() && s.head != "custom") {
+    throw UsageError("unknown --head '" + s.head +
+                     "': the one head is 'custom' (a "
+                     "Linear-BN-ReLU-Dropout classifier)");
+  }
+  if (args.has("freeze-backbone") && s.head.empty()) {
+    throw UsageError("--freeze-backbone goes with --head custom");
+  }
+}
+
+// The dataset, the strategy, and the flags that only some strategies take.
+void check_data_and_strategy(const Args& args, TrainSettings& s) {
+  if (s.dataset != "fashion-mnist" && s.dataset != "imagefolder") {
+    throw UsageError("unknown --dataset '" + s.dataset + "': choose fashion-mnist or imagefolder");
+  }
+  if (s.dataset == "imagefolder" && !args.has("data-dir")) {
+    throw UsageError("--dataset imagefolder needs --data-dir D (with D/train and D/val)");
+  }
+  const std::string& strategy = s.strategy;
+  if (strategy != "single" && strategy != "ddp" && strategy != "dp" && strategy != "pipeline") {
+    throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp, dp or pipeline");
+  }
+  for (const char* flag : {"sync-bn", "zero"}) {
+    if (args.has(flag) && strategy != "ddp") {
+      throw UsageError(std::string("--") + flag + " works across DDP's ranks: add --strategy ddp " +
+                       "(got --strategy " + strategy + ")");
+    }
+  }
+  if (strategy == "dp" && !args.has("devices")) {
+    throw UsageError("--strategy dp needs --devices (e.g. --devices cpu,cpu)");
+  }
+  if (args.has("devices") && strategy != "dp" && strategy != "pipeline") {
+    throw UsageError("--devices goes with --strategy dp or pipeline");
+  }
+  if (strategy == "dp") {
+    s.dp_devices = parse_devices(args.get("devices"));
+  }
+}
+
+amp::AmpOptions read_amp(const Args& args) {
+  amp::AmpOptions amp_options;
+  if (args.has("amp-dtype") && !args.has("amp")) {
+    throw UsageError("--amp-dtype goes with --amp O1|O2|O3");
+  }
+  if (args.has("amp")) {
+    try {
+      amp_options.opt_level(amp::parse_opt_level(args.get("amp")));
+      if (args.has("amp-dtype")) {
+        amp_options.dtype(amp::parse_dtype(args.get("amp-dtype")));
+      }
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
+  return amp_options;
+}
+
+// --stages, --chunks, --schedule and the stages' --devices.
+void read_pipeline(const Args& args, TrainSettings& s) {
+  s.piped = s.strategy == "pipeline";
+  if (!s.piped && (args.has("stages") || args.has("chunks") || args.has("schedule"))) {
+    throw UsageError("--stages, --chunks and --schedule go with --strategy pipeline");
+  }
+  s.stages = args.get_int("stages", 2);
+  s.chunks = args.get_int("chunks", 4);
+  if (!s.piped) {
+    return;
+  }
+  if (s.stages < 1) {
+    throw UsageError("--stages must be >= 1, got " + std::to_string(s.stages));
+  }
+  if (s.chunks < 1) {
+    throw UsageError("--chunks must be >= 1, got " + std::to_string(s.chunks));
+  }
+  if (s.chunks > s.batch_size) {
+    throw UsageError("--chunks (" + std::to_string(s.chunks) + ") is larger than --batch-size (" +
+                     std::to_string(s.batch_size) + "): a micro-batch needs a sample");
+  }
+  try {
+    s.schedule = pipeline::parse_schedule(args.get("schedule", "gpipe"));
+  } catch (const c10::Error& e) {
+    throw UsageError(e.what_without_backtrace());
+  }
+  s.stage_devices = args.has("devices")
+                        ? parse_devices(args.get("devices"))
+                        : std::vector<torch::Device>(static_cast<size_t>(s.stages), torch::kCPU);
+  if (s.stage_devices.size() != static_cast<size_t>(s.stages)) {
+    throw UsageError("--devices names " + std::to_string(s.stage_devices.size()) + " devices for " +
+                     std::to_string(s.stages) + " stages; give one per stage");
+  }
+}
+
+void check_counts(const TrainSettings& s) {
+  if (s.epochs <= 0) {
+    throw UsageError("--epochs must be positive, got " + std::to_string(s.epochs));
+  }
+  if (s.batch_size <= 0) {
+    throw UsageError("--batch-size must be positive, got " + std::to_string(s.batch_size));
+  }
+  if (s.workers < 0) {
+    throw UsageError("--workers must be >= 0, got " + std::to_string(s.workers) +
+                     " (0 loads data in the training thread)");
+  }
+  if (s.steps < 0 || s.lr <= 0 || s.momentum < 0 || s.weight_decay < 0) {
+    throw UsageError("--steps, --momentum and --weight-decay must be >= 0, --lr > 0");
+  }
+  if (s.nproc < 0 || (s.nproc > 0 && s.strategy != "ddp")) {
+    throw UsageError("--nproc needs --strategy ddp and a positive count");
+  }
+}
+
+// --device, checked against the GPUs there are (the ranks a launcher would start included).
+std::string read_device_kind(const Args& args, const TrainSettings& s) {
+  const std::string device_kind = args.get("device", torch::cuda::is_available() ? "cuda" : "cpu");
+  if (device_kind != "cpu" && device_kind != "cuda") {
+    throw UsageError("unknown --device '" + device_kind + "': choose cpu or cuda");
+  }
+  if (args.has("device") && (s.strategy == "dp" || s.strategy == "pipeline")) {
+    throw UsageError("--device goes with --strategy single or ddp; dp and pipeline take --devices");
+  }
+  if (device_kind == "cuda") {
+    try {
+      check_device_exists(torch::Device(torch::kCUDA));
+      if (becomes_launcher(s)) {
+        dist::check_ranks_fit_gpus(s.nproc, static_cast<int>(torch::cuda::device_count()));
+      }
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
+  return device_kind;
+}
+
+OptimizerOptions optimizer_options(const Args& args) {
+  const OptimizerOptions opt = OptimizerOptions()
+                                   .kind(args.get("optimizer", "sgd"))
+                                   .lr(args.get_double("lr", 0.05))
+                                   .momentum(args.get_double("momentum", 0.9))
+                                   .weight_decay(args.get_double("weight-decay", 0.0));
+  const std::string& kind = opt.kind();
+  if (kind != "sgd" && kind != "adam" && kind != "adamw") {
+    throw UsageError("unknown --optimizer '" + kind + "': choose sgd, adam or adamw");
+  }
+  return opt;
+}
+
+std::vector<int64_t> parse_milestones(const std::string& text) {
+  std::vector<int64_t> milestones;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      size_t used = 0;
+      milestones.push_back(std::stoll(item, &used));
+      if (used != item.size()) {
+        throw std::invalid_argument(item);
+      }
+    } catch (const std::exception&) {
+      throw UsageError("bad --lr-milestones entry '" + item + "': give numbers like 30,60,80");
+    }
+  }
+  return milestones;
+}
+
+LRScheduleOptions lr_schedule_options(const Args& args, int epochs) {
+  LRScheduleOptions ls;
+  ls.kind(args.get("lr-schedule", "constant"))
+      .step_size(args.get_int("lr-step-size", 30))
+      .gamma(args.get_double("lr-gamma", 0.1))
+      .eta_min(args.get_double("lr-eta-min", 0.0))
+      .warmup(args.get_int("warmup", 0))
+      .warmup_start_factor(args.get_double("warmup-start-factor", 1.0 / 3.0));
+  ls.milestones(parse_milestones(args.get("lr-milestones", "")));
+  // CosineAnnealingLR's T_max: by default the whole run after the warm-up, in epochs; stepped per
+  // optimizer step it must be given in steps.
+  if (ls.kind() == "cosine" && args.has("schedule-per-step") && !args.has("lr-t-max")) {
+    throw UsageError("--lr-schedule cosine with --schedule-per-step needs --lr-t-max in steps");
+  }
+  ls.t_max(args.get_int("lr-t-max", std::max(1, epochs - static_cast<int>(ls.warmup()))));
+  try {
+    check_lr_schedule(ls);
+  } catch (const c10::Error& e) {
+    throw UsageError(std::string("--lr-schedule: ") + e.what_without_backtrace());
+  }
+  return ls;
+}
+
+// The checkpoint, metrics, replica-check, trace and ZeRO flags, as given.
+void read_outputs(const Args& args, TrainerOptions& o) {
+  o.checkpoint_dir(args.get("checkpoint-dir", ""))
+      .checkpoint_every(args.get_int("checkpoint-every", 0))
+      .checkpoint_every_epoch(args.has("checkpoint-every-epoch"))
+      .keep(args.get_int("keep", 3))
+      .resume(args.get("resume", ""))
+      .metrics(args.get("metrics", ""))
+      .tensorboard(args.get("tensorboard", ""))
+      .log_every(args.get_int("log-every", args.has("metrics") || args.has("tensorboard") ? 10 : 0))
+      .check_replicas(args.get_int("check-replicas", 0))
+      .trace(args.get("trace", ""))
+      .sync_batchnorm(args.has("sync-bn"))
+      .zero(args.has("zero"))
+      .zero_checkpoint(args.get("zero-checkpoint", "consolidated"));
+}
+
+void check_outputs(const Args& args, TrainerOptions& o) {
+  if (o.zero_checkpoint() != "consolidated" && o.zero_checkpoint() != "sharded") {
+    throw UsageError("--zero-checkpoint is '" + o.zero_checkpoint() +
+                     "': use consolidated or sharded");
+  }
+  if (args.has("zero-checkpoint") && !args.has("zero")) {
+    throw UsageError("--zero-checkpoint says how --zero's shards are saved: add --zero");
+  }
+  if (o.check_replicas() < 0) {
+    throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
+  }
+  if (o.keep() < 1) {
+    throw UsageError("--keep must be >= 1, got " + std::to_string(o.keep()) +
+                     ": keeping no checkpoint could never resume");
+  }
+  if (o.checkpoint_every() < 0 || o.log_every() < 0) {
+    throw UsageError("--checkpoint-every and --log-every must be >= 0");
+  }
+  if ((o.checkpoint_every() > 0 || o.checkpoint_every_epoch() || args.has("keep")) &&
+      o.checkpoint_dir().empty()) {
+    throw UsageError(
+        "--checkpoint-every, --checkpoint-every-epoch and --keep need --checkpoint-dir");
+  }
+  if (!o.checkpoint_dir().empty() && o.checkpoint_every() == 0 && !o.checkpoint_every_epoch()) {
+    o.checkpoint_every_epoch(true);  // a directory alone: one checkpoint per epoch
+  }
+  if (o.resume() == "auto" && o.checkpoint_dir().empty()) {
+    throw UsageError("--resume auto needs --checkpoint-dir (where to look)");
+  }
+}
+
+// The files and folders the run will write or read, tried now so that a bad path fails before
+// the run rather than after it.
+void probe_outputs(const TrainerOptions& o) {
+  if (!o.checkpoint_dir().empty()) {
+    try {
+      Checkpoint probe(CheckpointOptions(o.checkpoint_dir()).keep(o.keep()));  // made, writable
+    } catch (const c10::Error& e) {
+      throw UsageError(e.what_without_backtrace());
+    }
+  }
+  if (!o.tensorboard().empty()) {
+    if (!tensorboard::available()) {
+      throw UsageError(
+          "--tensorboard: this paratrain was built without Protocol Buffers; install "
+          "libprotobuf-dev and protobuf-compiler and build it again, or use --metrics");
+    }
+    std::error_code ec;
+    std::filesystem::create_directories(o.tensorboard(), ec);
+    if (ec || ::access(o.tensorboard().c_str(), W_OK) != 0) {
+      throw UsageError("cannot write the --tensorboard directory " + o.tensorboard() + ": " +
+                       (ec ? ec.message() : std::strerror(errno)));
+    }
+  }
+  if (!o.trace().empty()) {
+    std::ofstream probe(o.trace(), std::ios::app);  // found unwritable now, not after the run
+    if (!probe) {
+      throw UsageError("cannot write the --trace file " + o.trace() + ": " + std::strerror(errno));
+    }
+  }
+  if (!o.resume().empty() && o.resume() != "auto" && ::access(o.resume().c_str(), R_OK) != 0) {
+    throw UsageError("--resume " + o.resume() +
+                     " does not exist: give a checkpoint's ckpt-N.json, or --resume auto");
+  }
+}
+
+}  // namespace
+
+const CommandSpec& train_spec() {
+  static const CommandSpec spec{
+      "paratrain train",
+      "Trains a zoo model on Fashion-MNIST or an ImageFolder: in one process, with DDP over\n"
+      "several, with DataParallel over --devices, or as a pipeline of --stages.",
+      train_option_specs(),
+      "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
+      "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto\n"
+      "continues from the newest one that verifies and ends with the weights an uninterrupted run\n"
+      "ends with. --dataset imagefolder reads D/train and D/val as torchvision's ImageFolder\n"
+      "(JPEG, PNG, WebP), training on RandomResizedCrop(--image-size) + horizontal flips and\n"
+      "validating on Resize(size * 8 / 7) + CenterCrop(size), normalized with ImageNet's mean and\n"
+      "std. With --strategy ddp, --nproc N starts N ranks; under `paratrain launch` or mpirun it\n"
+      "joins the job. Example config: --config run.toml holding `model = \"resnet18\"`,\n"
+      "`lr = 0.1`, `checkpoint-dir = \"ckpt\"`; later flags override it."};
+  return spec;
+}
+
+// Started by a launcher that already made the ranks: paratrain launch / torchrun, mpirun, or srun
+// with several tasks (a plain sbatch shell has SLURM_PROCID too, but one task).
+bool inside_a_job() {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_SIZE"}) {
+    const char* value = std::getenv(v);
+    if (value != nullptr && value[0] != '\0') {
+      return true;
+    }
+  }
+  const char* tasks = std::getenv("SLURM_NTASKS");
+  return tasks != nullptr && std::atoi(tasks) > 1;
+}
+
+bool becomes_launcher(const TrainSettings& s) {
+  return s.strategy == "ddp" && s.nproc > 0 && !inside_a_job();
+}
+
+TrainSettings read_settings(const Args& args) {
+  TrainSettings s = read_basics(args);
+  check_model(args, s);
+  check_data_and_strategy(args, s);
+  s.amp_options = read_amp(args);
+  read_pipeline(args, s);
+  check_counts(s);
+  s.device_kind = read_device_kind(args, s);
+  return s;
+}
+
+TrainerOptions loop_options(const Args& args, int epochs) {
+  TrainerOptions o;
+  o.optimizer(optimizer_options(args));
+  o.lr_schedule(lr_schedule_options(args, epochs)).schedule_per_step(args.has("schedule-per-step"));
+  o.clip_grad_norm(args.get_double("clip-grad-norm", 0.0));
+  o.accumulate(args.get_int("accumulate", 1));
+  if (o.clip_grad_norm() < 0 || o.accumulate() < 1) {
+    throw UsageError("--clip-grad-norm must be >= 0 and --accumulate >= 1");
+  }
+  read_outputs(args, o);
+  check_outputs(args, o);
+  probe_outputs(o);
+  return o;
+}
+
+}  // namespace train_detail
+}  // namespace cli
+}  // namespace paratrain
