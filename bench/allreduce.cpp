@@ -11,7 +11,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 
 #include "paratrain/paratrain.h"
 
@@ -64,28 +66,47 @@ struct AllreduceRow {
   int iterations = 0;
 };
 
-std::string to_json(const AllreduceRow& r) {
-  return json_line({{"benchmark", "allreduce"},
-                    {"backend", r.backend},
-                    {"ranks", r.ranks},
-                    {"bytes", r.bytes},
-                    {"seconds", r.seconds},
-                    {"busbw_gbps", r.busbw_gbps},
-                    {"iterations", r.iterations}});
+JsonRow allreduce_json(const AllreduceRow& r) {
+  return {{"benchmark", "allreduce"},  {"backend", r.backend}, {"ranks", r.ranks},
+          {"bytes", r.bytes},          {"seconds", r.seconds}, {"busbw_gbps", r.busbw_gbps},
+          {"iterations", r.iterations}};
+}
+
+AllreduceRow allreduce_row_of(const JsonRow& row) {
+  AllreduceRow r;
+  r.backend = string_field(row, "backend");
+  r.ranks = static_cast<int>(number_field(row, "ranks"));
+  r.bytes = static_cast<long long>(number_field(row, "bytes"));
+  r.seconds = number_field(row, "seconds");
+  r.busbw_gbps = number_field(row, "busbw_gbps");
+  r.iterations = static_cast<int>(number_field(row, "iterations"));
+  return r;
+}
+
+const BenchSpec& allreduce_spec() {
+  static const BenchSpec spec{
+      "allreduce",
+      "Times allreduce per message size and backend, and prints the bus bandwidth.",
+      {
+          {"backends", "LIST", "the backends to compare (default: gloo and mpi where built)"},
+          {"ranks", "N", "processes (default 2)"},
+          {"min-bytes", "SIZE", "the smallest message (default 1K)", "1K"},
+          {"max-bytes", "SIZE", "the largest message (default 64M)", "4K"},
+          {"factor", "F", "the step between sizes (default 4)"},
+          {"iters", "N", "allreduces per size (default: by size)", "2"},
+      },
+      "print JSON",
+      /*workers=*/true};
+  return spec;
 }
 
 // One rank of one backend's job.
-int run_allreduce_worker(const Args& args) {
+int run_allreduce_worker(const Bench& bench) {
   auto pg = dist::init_process_group();
-  const long long min_bytes = args.get_bytes("min-bytes", 1 << 10);
-  const long long max_bytes = args.get_bytes("max-bytes", 64 << 20);
-  const int factor = args.get_int("factor", 4);
-  const int requested = args.get_int("iters", 0);
-  const std::string out_path = args.get("out");
-  std::ofstream out;
-  if (pg->rank() == 0) {
-    out.open(out_path, std::ios::app);
-  }
+  const long long min_bytes = bench.get_bytes("min-bytes", 1 << 10);
+  const long long max_bytes = bench.get_bytes("max-bytes", 64 << 20);
+  const int factor = bench.get_int("factor", 4);
+  const int requested = bench.get_int("iters", 0);
   for (long long bytes = min_bytes; bytes <= max_bytes; bytes *= factor) {
     at::Tensor t = torch::ones({std::max(1LL, bytes / 4)}, torch::kFloat);
     const int iters = iterations_for(bytes, requested);
@@ -111,7 +132,7 @@ int run_allreduce_worker(const Args& args) {
       const double n = pg->size();
       r.busbw_gbps = r.bytes / r.seconds * 2.0 * (n - 1) / n / 1e9;
       r.iterations = iters;
-      out << to_json(r) << std::endl;
+      append_row(bench.get("out"), allreduce_json(r));
     }
   }
   return 0;
@@ -129,23 +150,6 @@ double memcpy_gbps(long long bytes) {
   return bytes / median(times) / 1e9;
 }
 
-std::vector<AllreduceRow> read_rows(const std::string& path) {
-  std::vector<AllreduceRow> rows;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    AllreduceRow r;
-    r.backend = json_field(line, "backend");
-    r.ranks = std::stoi(json_field(line, "ranks"));
-    r.bytes = std::stoll(json_field(line, "bytes"));
-    r.seconds = std::stod(json_field(line, "seconds"));
-    r.busbw_gbps = std::stod(json_field(line, "busbw_gbps"));
-    r.iterations = std::stoi(json_field(line, "iterations"));
-    rows.push_back(r);
-  }
-  return rows;
-}
-
 // (mpi row, gloo row) for each size both backends measured.
 std::vector<std::pair<AllreduceRow, AllreduceRow>> mpi_gloo_pairs(
     const std::vector<AllreduceRow>& rows) {
@@ -160,112 +164,76 @@ std::vector<std::pair<AllreduceRow, AllreduceRow>> mpi_gloo_pairs(
   return pairs;
 }
 
-}  // namespace
-
-int run_bench_allreduce(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench allreduce",
-      "Times allreduce per message size and backend, and prints the bus bandwidth.",
-      {
-          {"backends", "LIST", "the backends to compare (default: gloo and mpi where built)"},
-          {"ranks", "N", "processes (default 2)"},
-          {"min-bytes", "SIZE", "the smallest message (default 1K)"},
-          {"max-bytes", "SIZE", "the largest message (default 64M)"},
-          {"factor", "F", "the step between sizes (default 4)"},
-          {"iters", "N", "allreduces per size (default: by size)"},
-          {"json", "", "print JSON"},
-          {"worker", "", ""},
-          {"out", "FILE", ""},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  if (args.has("worker")) {
-    return run_allreduce_worker(args);
-  }
-  const int ranks = args.get_int("ranks", 2);
-  if (ranks < 2) {
-    throw UsageError("--ranks must be at least 2 to measure communication, got " +
-                     std::to_string(ranks));
-  }
-  if (args.get_int("factor", 4) < 2) {
-    throw UsageError("--factor must be at least 2");
-  }
-  const long long min_bytes = args.get_bytes("min-bytes", 1 << 10);
-  const long long max_bytes = args.get_bytes("max-bytes", 64 << 20);
-  if (min_bytes < 4 || max_bytes < min_bytes) {
-    throw UsageError("need 4 <= --min-bytes <= --max-bytes");
-  }
-  std::vector<std::string> backends;
-  {
-    std::string list = args.get("backends", "");
-    if (list.empty()) {
-      backends = dist::available_backends();
-      backends.erase(std::remove(backends.begin(), backends.end(), "nccl"), backends.end());
-    } else {
-      std::stringstream s(list);
-      std::string b;
-      while (std::getline(s, b, ',')) {
-        backends.push_back(b);
-      }
+// --backends, else every CPU backend this build has.
+std::vector<std::string> allreduce_backends(const Bench& bench) {
+  const std::string list = bench.get("backends", "");
+  if (!list.empty()) {
+    std::vector<std::string> backends;
+    std::stringstream s(list);
+    for (std::string b; std::getline(s, b, ',');) {
+      backends.push_back(b);
     }
+    return backends;
   }
-  const bool json = args.has("json");
+  std::vector<std::string> backends = dist::available_backends();
+  backends.erase(std::remove(backends.begin(), backends.end(), "nccl"), backends.end());
+  return backends;
+}
+
+// One job per backend, `ranks` processes each; their rows, in order.
+std::vector<AllreduceRow> measure_backends(const Bench& bench,
+                                           const std::vector<std::string>& backends,
+                                           int ranks) {
   const std::string out_path = results_file("allreduce");
-
-  std::vector<std::string> worker_args{self_path(), "bench", "allreduce",
-                                       "--worker",  "--out", out_path};
-  for (const char* name : {"min-bytes", "max-bytes", "factor", "iters"}) {
-    if (args.has(name)) {
-      worker_args.push_back(std::string("--") + name);
-      worker_args.push_back(args.get(name));
-    }
-  }
+  const std::vector<std::string> worker_args = bench.worker_command(
+      out_path, bench.forwarded({"min-bytes", "max-bytes", "factor", "iters"}));
   for (const auto& backend : backends) {
     dist::LaunchOptions o;
     o.nproc_per_node(ranks)
         .standalone(true)
         .backend(backend)
         .command(worker_args)
-        .mpi_shim({self_path(), "launch", "--from-mpirun"});
-    if (!json) {
-      std::cerr << "running " << backend << " with " << ranks << " ranks..." << std::endl;
-    }
+        .mpi_shim({paratrain_program(), "launch", "--from-mpirun"});
+    bench.progress("running " + backend + " with " + std::to_string(ranks) + " ranks...");
     dist::LaunchResult r = dist::launch(o);
     if (r.exit_code != 0) {
       std::remove(out_path.c_str());
       throw std::runtime_error("the " + backend + " job failed: " + r.summary);
     }
   }
-  std::vector<AllreduceRow> rows = read_rows(out_path);
-  std::remove(out_path.c_str());
-
-  const long long ref_bytes = std::min<long long>(max_bytes, 16LL << 20);
-  const double memcpy_bw = memcpy_gbps(ref_bytes);
-  if (json) {
-    for (const auto& r : rows) {
-      std::cout << to_json(r) << "\n";
-    }
-    std::cout << json_line({{"benchmark", "allreduce"},
-                            {"backend", "memcpy"},
-                            {"ranks", 1},
-                            {"bytes", ref_bytes},
-                            {"seconds", ref_bytes / memcpy_bw / 1e9},
-                            {"busbw_gbps", memcpy_bw}})
-              << "\n";
-    for (const auto& [a, b] : mpi_gloo_pairs(rows)) {
-      std::cout << json_line({{"benchmark", "allreduce"},
-                              {"comparison", "mpi/gloo"},
-                              {"ranks", a.ranks},
-                              {"bytes", a.bytes},
-                              {"busbw_ratio", a.busbw_gbps / b.busbw_gbps}})
-                << "\n";
-    }
-    std::cout.flush();
-    return 0;
+  std::vector<AllreduceRow> rows;
+  for (const auto& row : read_rows(out_path)) {
+    rows.push_back(allreduce_row_of(row));
   }
+  std::remove(out_path.c_str());
+  return rows;
+}
+
+void print_allreduce_json(const std::vector<AllreduceRow>& rows,
+                          long long ref_bytes,
+                          double memcpy_bw) {
+  for (const auto& r : rows) {
+    print_row(allreduce_json(r));
+  }
+  print_row({{"benchmark", "allreduce"},
+             {"backend", "memcpy"},
+             {"ranks", 1},
+             {"bytes", ref_bytes},
+             {"seconds", ref_bytes / memcpy_bw / 1e9},
+             {"busbw_gbps", memcpy_bw}});
+  for (const auto& [a, b] : mpi_gloo_pairs(rows)) {
+    print_row({{"benchmark", "allreduce"},
+               {"comparison", "mpi/gloo"},
+               {"ranks", a.ranks},
+               {"bytes", a.bytes},
+               {"busbw_ratio", a.busbw_gbps / b.busbw_gbps}});
+  }
+  std::cout.flush();
+}
+
+void print_allreduce_table(const std::vector<AllreduceRow>& rows,
+                           long long ref_bytes,
+                           double memcpy_bw) {
   std::cout << std::left << std::setw(8) << "backend" << std::right << std::setw(7) << "ranks"
             << std::setw(11) << "size" << std::setw(14) << "time (ms)" << std::setw(15)
             << "busbw (GB/s)" << std::setw(8) << "iters"
@@ -283,7 +251,37 @@ int run_bench_allreduce(const std::vector<std::string>& argv) {
     std::cout << "mpi/gloo busbw at " << human_bytes(a.bytes) << ": " << std::setprecision(2)
               << a.busbw_gbps / b.busbw_gbps << "x\n";
   }
+}
+
+int run_allreduce(const Bench& bench) {
+  const int ranks = bench.get_int("ranks", 2);
+  if (ranks < 2) {
+    throw UsageError("--ranks must be at least 2 to measure communication, got " +
+                     std::to_string(ranks));
+  }
+  if (bench.get_int("factor", 4) < 2) {
+    throw UsageError("--factor must be at least 2");
+  }
+  const long long min_bytes = bench.get_bytes("min-bytes", 1 << 10);
+  const long long max_bytes = bench.get_bytes("max-bytes", 64 << 20);
+  if (min_bytes < 4 || max_bytes < min_bytes) {
+    throw UsageError("need 4 <= --min-bytes <= --max-bytes");
+  }
+  const std::vector<AllreduceRow> rows = measure_backends(bench, allreduce_backends(bench), ranks);
+  const long long ref_bytes = std::min<long long>(max_bytes, 16LL << 20);
+  const double memcpy_bw = memcpy_gbps(ref_bytes);
+  if (bench.json()) {
+    print_allreduce_json(rows, ref_bytes, memcpy_bw);
+  } else {
+    print_allreduce_table(rows, ref_bytes, memcpy_bw);
+  }
   return 0;
+}
+
+}  // namespace
+
+int run_bench_allreduce(const std::vector<std::string>& argv) {
+  return run_benchmark(allreduce_spec(), argv, run_allreduce, run_allreduce_worker);
 }
 
 }  // namespace cli

@@ -12,7 +12,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 
 #include "paratrain/paratrain.h"
 
@@ -113,15 +115,15 @@ void print_summary(const std::vector<Run>& runs, bool json) {
     const Spread a = spread_of(kv.second);
     const Spread d = spread_of(diff[kv.first]);
     if (json) {
-      std::cout << row_json({{"summary", quoted(kv.first.first)},
-                             {"level", quoted(kv.first.second)},
-                             {"runs", std::to_string(kv.second.size())},
-                             {"mean", std::to_string(a.mean)},
-                             {"sd", std::to_string(a.sd)},
-                             {"diff_mean", std::to_string(d.mean)},
-                             {"diff_sd", std::to_string(d.sd)},
-                             {"diff_min", std::to_string(d.min)},
-                             {"diff_max", std::to_string(d.max)}})
+      std::cout << json_line({{"summary", kv.first.first},
+                              {"level", kv.first.second},
+                              {"runs", kv.second.size()},
+                              {"mean", a.mean},
+                              {"sd", a.sd},
+                              {"diff_mean", d.mean},
+                              {"diff_sd", d.sd},
+                              {"diff_min", d.min},
+                              {"diff_max", d.max}})
                 << std::endl;
       continue;
     }
@@ -136,37 +138,38 @@ void print_summary(const std::vector<Run>& runs, bool json) {
   }
 }
 
-}  // namespace
-
-int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench amp-accuracy",
+const BenchSpec& amp_accuracy_spec() {
+  static const BenchSpec spec{
+      "amp-accuracy",
       "Test accuracy at opt levels O0-O3 (bf16) across seeds, paratrain and PyTorch side by side.",
       {
           {"levels", "LIST", "opt levels (default O0,O1,O2,O3)"},
-          {"seeds", "LIST", "seeds (default 0,1,2,3)"},
-          {"steps", "N", "SGD steps of 64 images (default 900)"},
-          {"test-images", "N", "test images scored (default 10000)"},
+          {"seeds", "LIST", "seeds (default 0,1,2,3)", "0"},
+          {"steps", "N", "SGD steps of 64 images (default 900)", "2"},
+          {"test-images", "N", "test images scored (default 10000)", "64"},
           {"no-pytorch", "", "skip PyTorch's runs"},
           {"python", "P", "the Python with torch (default as in bench ddp)"},
-          {"json", "", "print JSON"},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  // Each level as to_string writes it ("o1" is O1), so that both systems and the summary's O0
-  // baseline name it alike; an unknown level is refused before the first run.
+      },
+      "print JSON"};
+  return spec;
+}
+
+// Each level as to_string writes it ("o1" is O1), so that both systems and the summary's O0
+// baseline name it alike; an unknown level is refused before the first run.
+std::vector<std::string> accuracy_levels(const Bench& bench) {
   std::vector<std::string> levels;
-  for (const auto& l : split_list(args.get("levels", "O0,O1,O2,O3"))) {
+  for (const auto& l : split_list(bench.get("levels", "O0,O1,O2,O3"))) {
     levels.push_back(amp::to_string(amp::parse_opt_level(l)));
   }
   if (levels.empty()) {
     throw UsageError("--levels names no opt level: give some of O0,O1,O2,O3");
   }
+  return levels;
+}
+
+std::vector<int> accuracy_seeds(const Bench& bench) {
   std::vector<int> seeds;
-  for (const auto& s : split_list(args.get("seeds", "0,1,2,3"))) {
+  for (const auto& s : split_list(bench.get("seeds", "0,1,2,3"))) {
     size_t end = 0;
     int seed = -1;
     try {
@@ -181,58 +184,85 @@ int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
   if (seeds.empty()) {
     throw UsageError("--seeds names no seed: give some, like 0,1,2,3");
   }
-  const int steps = args.get_int("steps", 900);
-  const int test_images = args.get_int("test-images", 10000);
-  if (steps < 1 || steps * 64 > 60000 || test_images < 1 || test_images > 10000) {
+  return seeds;
+}
+
+// What every run trains and scores.
+struct AccuracyPlan {
+  std::vector<std::string> levels;
+  std::vector<int> seeds;
+  int steps = 0;
+  int test_images = 0;
+};
+
+// paratrain's runs, each printed as a row when it ends.
+void run_paratrain_side(const Bench& bench, const AccuracyPlan& plan, std::vector<Run>& runs) {
+  for (int seed : plan.seeds) {
+    for (const auto& level : plan.levels) {
+      const auto start = std::chrono::steady_clock::now();
+      const double acc =
+          train_and_score(amp::parse_opt_level(level), seed, plan.steps, plan.test_images);
+      runs.push_back({"paratrain", level, seed, acc});
+      JsonRow row{{"system", "paratrain"}, {"level", level},  {"seed", seed},
+                  {"steps", plan.steps},   {"accuracy", acc}, {"seconds", seconds_since(start)}};
+      note_smoke_skip(bench, row);
+      std::cout << json_line(row) << std::endl;
+    }
+  }
+}
+
+// PyTorch's runs (bench/amp_accuracy_pytorch.py), each row printed as it came.
+void run_pytorch_side(const std::string& python, const AccuracyPlan& plan, std::vector<Run>& runs) {
+  std::string seed_list;
+  for (int s : plan.seeds) {
+    seed_list += (seed_list.empty() ? "" : ",") + std::to_string(s);
+  }
+  std::string levels_list;
+  for (const auto& l : plan.levels) {
+    levels_list += (levels_list.empty() ? "" : ",") + l;
+  }
+  const std::string out = results_file("amp-accuracy");
+  const std::string command = "'" + python + "' '" + bench_script("amp_accuracy_pytorch.py") +
+                              "' --levels " + levels_list + " --seeds " + seed_list + " --steps " +
+                              std::to_string(plan.steps) + " --test-images " +
+                              std::to_string(plan.test_images) + " > '" + out + "'";
+  if (std::system(command.c_str()) != 0) {
+    std::remove(out.c_str());
+    throw std::runtime_error("the PyTorch runs failed: " + command);
+  }
+  const std::vector<JsonRow> rows = read_rows(out);
+  std::remove(out.c_str());
+  for (const JsonRow& row : rows) {
+    std::cout << json_line(row) << std::endl;
+    runs.push_back({"pytorch", string_field(row, "level"),
+                    static_cast<int>(number_field(row, "seed")), number_field(row, "accuracy")});
+  }
+}
+
+int run_amp_accuracy(const Bench& bench) {
+  AccuracyPlan plan;
+  plan.levels = accuracy_levels(bench);
+  plan.seeds = accuracy_seeds(bench);
+  plan.steps = bench.get_int("steps", 900);
+  plan.test_images = bench.get_int("test-images", 10000);
+  if (plan.steps < 1 || plan.steps * 64 > 60000 || plan.test_images < 1 ||
+      plan.test_images > 10000) {
     throw UsageError("--steps must be 1 to 937 (64 images each) and --test-images 1 to 10000");
   }
-  const bool json = args.has("json");
   std::vector<Run> runs;
-  for (int seed : seeds) {
-    for (const auto& level : levels) {
-      const auto start = std::chrono::steady_clock::now();
-      const double acc = train_and_score(amp::parse_opt_level(level), seed, steps, test_images);
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      runs.push_back({"paratrain", level, seed, acc});
-      std::cout << row_json({{"system", quoted("paratrain")},
-                             {"level", quoted(level)},
-                             {"seed", std::to_string(seed)},
-                             {"steps", std::to_string(steps)},
-                             {"accuracy", std::to_string(acc)},
-                             {"seconds", std::to_string(seconds)}})
-                << std::endl;
-    }
+  run_paratrain_side(bench, plan, runs);
+  const std::string python = comparison_python(bench);
+  if (!python.empty()) {
+    run_pytorch_side(python, plan, runs);
   }
-  if (!args.has("no-pytorch")) {
-    std::string seed_list;
-    for (int s : seeds) {
-      seed_list += (seed_list.empty() ? "" : ",") + std::to_string(s);
-    }
-    std::string levels_list;
-    for (const auto& l : levels) {
-      levels_list += (levels_list.empty() ? "" : ",") + l;
-    }
-    const std::string out = results_file("amp-accuracy");
-    const std::string command = "'" + torch_python(args.get("python", "")) + "' '" +
-                                bench_script("amp_accuracy_pytorch.py") + "' --levels " +
-                                levels_list + " --seeds " + seed_list + " --steps " +
-                                std::to_string(steps) + " --test-images " +
-                                std::to_string(test_images) + " > '" + out + "'";
-    if (std::system(command.c_str()) != 0) {
-      std::remove(out.c_str());
-      throw std::runtime_error("the PyTorch runs failed: " + command);
-    }
-    std::ifstream in(out);
-    for (std::string line; std::getline(in, line);) {
-      std::cout << line << std::endl;
-      runs.push_back({"pytorch", json_field(line, "level"), std::stoi(json_field(line, "seed")),
-                      std::stod(json_field(line, "accuracy"))});
-    }
-    std::remove(out.c_str());
-  }
-  print_summary(runs, json);
+  print_summary(runs, bench.json());
   return 0;
+}
+
+}  // namespace
+
+int run_bench_amp_accuracy(const std::vector<std::string>& argv) {
+  return run_benchmark(amp_accuracy_spec(), argv, run_amp_accuracy);
 }
 
 }  // namespace cli

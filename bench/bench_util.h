@@ -1,14 +1,17 @@
 #pragma once
 
-// Shared by the benchmark programs: medians, and reading back the JSON rows that their worker
-// processes append to a results file (one object per line, read with nlohmann-json).
+// Shared by the benchmarks: medians, the workloads of the DDP benchmarks, results files, running
+// a job of workers, and the Python of the PyTorch comparisons. The frame they run in (options,
+// --smoke, workers' command lines, JSON rows) is bench/harness.h.
 
 #include "args.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 #include "json_line.h"
 
-#include "paratrain/dist/init.h"
-#include "paratrain/dist/launch.h"
+#include "paratrain/comm/init.h"
+#include "paratrain/launch/launch.h"
 
 #include <unistd.h>
 
@@ -38,24 +41,6 @@ inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-/// The value of "key" in a JSON row written by a benchmark worker, as text (a string's
-/// characters, a number's digits); "" when absent. Throws std::runtime_error for a line that is
-/// not a JSON object (a worker's row got mixed with other output).
-inline std::string json_field(const std::string& line, const std::string& key) {
-  const nlohmann::json row = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-  if (!row.is_object()) {
-    throw std::runtime_error("a benchmark worker wrote a row that is not a JSON object: " + line);
-  }
-  const auto it = row.find(key);
-  if (it == row.end()) {
-    return "";
-  }
-  if (it->is_null()) {
-    return "nan";  // row_json's null: a non-finite number
-  }
-  return it->is_string() ? it->get<std::string>() : it->dump();
 }
 
 // The workloads of `bench ddp` and `bench strategies`: the model, its batch per rank (per
@@ -96,31 +81,27 @@ inline std::vector<std::string> split_list(const std::string& text) {
   return out;
 }
 
+/// Workload `name` as a benchmark's run takes it: --steps overrides the timed steps; under --smoke
+/// a batch of 4 per rank or replica (BatchNorm trains on no fewer than 2) and one warm-up step,
+/// so that a step costs little next to a process's start-up.
+inline Workload bench_workload(const std::string& name, const Bench& bench) {
+  Workload w = workload(name, bench.get_int("steps", 0));
+  if (bench.smoke()) {
+    w.batch = 4;
+    w.shape[0] = 4;
+    w.warmup = 1;
+  }
+  return w;
+}
+
 /// --workloads (default mlp,resnet18), each one checked.
-inline std::vector<std::string> bench_workloads(const Args& args) {
+inline std::vector<std::string> bench_workloads(const Bench& bench) {
   std::vector<std::string> out;
-  std::stringstream s(args.get("workloads", "mlp,resnet18"));
-  for (std::string w; std::getline(s, w, ',');) {
+  for (const auto& w : split_list(bench.get("workloads", "mlp,resnet18"))) {
     workload(w, 0);  // throws UsageError for an unknown one
     out.push_back(w);
   }
   return out;
-}
-
-/// A row of `fields` whose values are JSON texts (numbers from std::to_string, quoted()).
-inline std::string row_json(const std::map<std::string, std::string>& fields) {
-  JsonRow row = JsonRow::object();
-  for (const auto& kv : fields) {
-    JsonRow value = JsonRow::parse(kv.second, nullptr, /*allow_exceptions=*/false);
-    row[kv.first] = value.is_discarded() ? JsonRow() : value;  // "nan", "inf": null, as JSON has
-                                                               // no such numbers
-  }
-  return json_line(row);
-}
-
-/// `s` as a JSON string, escaped.
-inline std::string quoted(const std::string& s) {
-  return JsonRow(s).dump();
 }
 
 /// A fresh empty file for the rows of a benchmark's workers: /tmp/paratrain-bench-NAME-XXXXXX.
@@ -137,11 +118,11 @@ inline std::string results_file(const std::string& name) {
 }
 
 /// --backend, else mpi when this build has it (the fast path on CPU), else gloo.
-inline std::string bench_backend(const Args& args) {
+inline std::string bench_backend(const Bench& bench) {
   auto backends = dist::available_backends();
-  return args.get("backend", std::find(backends.begin(), backends.end(), "mpi") != backends.end()
-                                 ? "mpi"
-                                 : "gloo");
+  return bench.get("backend", std::find(backends.begin(), backends.end(), "mpi") != backends.end()
+                                  ? "mpi"
+                                  : "gloo");
 }
 
 /// Runs `command` as `nproc` processes of one intra-op thread each through the launcher (through
@@ -154,7 +135,7 @@ inline void run_bench_job(const std::vector<std::string>& command,
   dist::LaunchOptions o;
   o.nproc_per_node(nproc).standalone(true).command(command).env({{"OMP_NUM_THREADS", "1"}});
   if (!backend.empty()) {
-    o.backend(backend).mpi_shim({self_path(), "launch", "--from-mpirun"});
+    o.backend(backend).mpi_shim({paratrain_program(), "launch", "--from-mpirun"});
   }
   dist::LaunchResult r = dist::launch(o);
   if (r.exit_code != 0) {
@@ -196,6 +177,23 @@ inline std::string bench_script(const std::string& name) {
                              " is missing: reinstall paratrain, or skip PyTorch with --no-pytorch");
   }
   return path;
+}
+
+/// The Python of a benchmark's PyTorch side (torch_python), or "" where it is skipped: with
+/// --no-pytorch, and under --smoke unless --python names it (harness.h).
+inline std::string comparison_python(const Bench& bench) {
+  if (bench.has("no-pytorch") || (bench.smoke() && !bench.has("python"))) {
+    return "";
+  }
+  return torch_python(bench.get("python", ""));
+}
+
+/// Marks `row` when --smoke skipped the comparison side, so that its missing rows and ratios read
+/// as a choice, not as a failure. `field`: what was skipped ("pytorch", "optuna").
+inline void note_smoke_skip(const Bench& bench, JsonRow& row, const char* field = "pytorch") {
+  if (bench.smoke() && !bench.has("python") && !bench.has("no-pytorch")) {
+    row[field] = kSkippedUnderSmoke;
+  }
 }
 
 }  // namespace cli

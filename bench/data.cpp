@@ -11,7 +11,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 #include "util/files.h"
 
 #include "paratrain/data/dataset.h"
@@ -75,9 +77,9 @@ double decode_ceiling(const std::string& dir) {
   return static_cast<double>(files.size()) / seconds_since(start);
 }
 
-std::vector<int64_t> worker_counts(const Args& args) {
+std::vector<int64_t> worker_counts(const Bench& bench) {
   std::vector<int64_t> out;
-  std::stringstream s(args.get("workers", "1,2"));
+  std::stringstream s(bench.get("workers", "1,2"));
   for (std::string w; std::getline(s, w, ',');) {
     try {
       out.push_back(std::stoll(w));
@@ -91,47 +93,139 @@ std::vector<int64_t> worker_counts(const Args& args) {
   return out;
 }
 
-}  // namespace
-
-int run_bench_data(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench data",
+const BenchSpec& data_spec() {
+  static const BenchSpec spec{
+      "data",
       "ImageFolder images/s: paratrain's loader against PyTorch's DataLoader with PIL.",
       {
           {"dir", "IMAGEFOLDER", "an ImageFolder to read (default: one made of Fashion-MNIST)"},
-          {"images", "N", "images in the made ImageFolder (default 2000)"},
-          {"size", "N", "their side (default 64)"},
-          {"workers", "LIST", "the loader threads to compare (default 1,2)"},
-          {"repeats", "N", "passes per setting (default 3)"},
-          {"batch", "B", "batch size (default 64)"},
-          {"crop", "N", "RandomResizedCrop's size (default 224)"},
+          {"images", "N", "images in the made ImageFolder (default 2000)", "100"},
+          {"size", "N", "their side (default 64)", "16"},
+          {"workers", "LIST", "the loader threads to compare (default 1,2)", "1"},
+          {"repeats", "N", "passes per setting (default 3)", "1"},
+          {"batch", "B", "batch size (default 64)", "16"},
+          {"crop", "N", "RandomResizedCrop's size (default 224)", "32"},
           {"no-pytorch", "", "skip PyTorch's DataLoader"},
           {"python", "P", "the Python with torch (default: python3 or /usr/bin/python3)"},
-          {"json", "", "print JSON"},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  const bool json = args.has("json");
-  const bool pytorch = !args.has("no-pytorch");
-  const int repeats = args.get_int("repeats", 3);
-  const int batch = args.get_int("batch", 64);
-  const int crop = args.get_int("crop", 224);
-  const int images = args.get_int("images", 2000);
-  const int size = args.get_int("size", 64);
-  if (repeats < 1 || batch < 1 || crop < 1 || images < 100 || size < 8) {
+      },
+      "print JSON"};
+  return spec;
+}
+
+// What every round reads, and how.
+struct DataPlan {
+  int repeats = 0, batch = 0, crop = 0, images = 0, size = 0;
+  std::vector<int64_t> workers;
+  std::string python;  // "" when PyTorch's loader is skipped
+  std::string script;
+};
+
+DataPlan data_plan(const Bench& bench) {
+  DataPlan p;
+  p.repeats = bench.get_int("repeats", 3);
+  p.batch = bench.get_int("batch", 64);
+  p.crop = bench.get_int("crop", 224);
+  p.images = bench.get_int("images", 2000);
+  p.size = bench.get_int("size", 64);
+  if (p.repeats < 1 || p.batch < 1 || p.crop < 1 || p.images < 100 || p.size < 8) {
     throw UsageError(
         "--repeats, --batch and --crop must be >= 1, --images >= 100 (every class "
         "then has images), --size >= 8");
   }
-  const auto workers = worker_counts(args);
-  const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
-  const std::string script = pytorch ? bench_script("data_pytorch.py") : "";
-  std::ostream& log = json ? std::cerr : std::cout;
+  p.workers = worker_counts(bench);
+  p.python = comparison_python(bench);
+  p.script = p.python.empty() ? "" : bench_script("data_pytorch.py");
+  return p;
+}
 
-  std::string dir = args.get("dir", "");
+// An ImageFolder of the first `images` Fashion-MNIST training images, side `size`, at `path`.
+void make_folder(const Bench& bench, const DataPlan& p, const std::string& path) {
+  bench.info() << "making an ImageFolder of " << p.images << " Fashion-MNIST images (side "
+               << p.size << ") in " << path << std::endl;
+  const std::string prefix = std::string(data::kFashionMnistDir) + "/train-";
+  torch::Tensor raw = data::read_idx_file(prefix + "images-idx3-ubyte.gz", true);
+  torch::Tensor labels = data::read_idx_file(prefix + "labels-idx1-ubyte.gz", false);
+  data::write_image_folder(raw.slice(0, 0, p.images), labels.slice(0, 0, p.images),
+                           data::fashion_mnist_class_folders(), path,
+                           data::MakeImageFolderOptions().size(p.size));
+}
+
+using Rates = std::map<std::pair<std::string, int64_t>, std::vector<double>>;
+
+// The rounds, paratrain and PyTorch alternating at each worker count: images/s by (system,
+// workers), one entry per round.
+Rates measure_rates(const Bench& bench, const DataPlan& p, const std::string& dir) {
+  const std::string out = results_file("data-rows");
+  Rates rates;
+  try {
+    for (int r = 0; r < p.repeats; ++r) {
+      for (int64_t w : p.workers) {
+        rates[{"paratrain", w}].push_back(
+            paratrain_epoch(dir, w, p.batch, p.crop, static_cast<uint64_t>(r)));
+        if (!p.python.empty()) {
+          const std::string cmd = "'" + p.python + "' '" + p.script + "' --dir '" + dir +
+                                  "' --workers " + std::to_string(w) + " --batch " +
+                                  std::to_string(p.batch) + " --crop " + std::to_string(p.crop) +
+                                  " --repeat " + std::to_string(r) + " --out '" + out + "'";
+          if (std::system(cmd.c_str()) != 0) {
+            throw std::runtime_error("the PyTorch loader failed: " + cmd);
+          }
+        }
+        bench.info() << "round " << r + 1 << "/" << p.repeats << ", " << w << " worker(s) done"
+                     << std::endl;
+      }
+    }
+    for (const JsonRow& row : read_rows(out)) {
+      rates[{"pytorch", static_cast<int64_t>(number_field(row, "workers"))}].push_back(
+          number_field(row, "images_per_second"));
+    }
+  } catch (...) {
+    std::remove(out.c_str());
+    throw;
+  }
+  std::remove(out.c_str());
+  return rates;
+}
+
+void print_rates(const Bench& bench, const DataPlan& p, Rates& rates, double ceiling) {
+  for (int64_t w : p.workers) {
+    for (const std::string system : {"paratrain", "pytorch"}) {
+      if (!rates.count({system, w})) {
+        continue;
+      }
+      const double ips = median(rates[{system, w}]);
+      JsonRow row{
+          {"system", system}, {"workers", w}, {"images_per_second", ips}, {"repeats", p.repeats}};
+      std::string ratio;  // as the table shows it: "1.23"
+      if (system == "paratrain" && rates.count({"pytorch", w})) {
+        row["ratio_to_pytorch"] = ips / median(rates[{"pytorch", w}]);
+        ratio = std::to_string(ips / median(rates[{"pytorch", w}])).substr(0, 4);
+      } else if (system == "paratrain") {
+        note_smoke_skip(bench, row);
+      }
+      if (bench.json()) {
+        std::cout << json_line(row) << std::endl;
+      } else {
+        std::cout << std::left << std::setw(10) << system << " workers " << w << ": " << std::fixed
+                  << std::setprecision(0) << ips << " images/s"
+                  << (ratio.empty() ? "" : " (" + ratio + "x PyTorch)") << std::endl;
+      }
+    }
+  }
+  if (bench.json()) {
+    std::cout << json_line({{"system", "turbojpeg-decode"},
+                            {"workers", 1},
+                            {"images_per_second", ceiling}})
+              << std::endl;
+  } else {
+    std::cout << "decode alone (1 thread, files in memory): " << std::fixed << std::setprecision(0)
+              << ceiling << " images/s" << std::endl;
+  }
+}
+
+int run_data_bench(const Bench& bench) {
+  const DataPlan p = data_plan(bench);
+  std::string dir = bench.get("dir", "");
   std::string made;
   // Removes the folder made here on every way out.
   struct RemoveMade {
@@ -145,81 +239,18 @@ int run_bench_data(const std::vector<std::string>& argv) {
   if (dir.empty()) {
     made = results_file("data");  // a unique name; the folder replaces the file
     fs::remove(made);
-    log << "making an ImageFolder of " << images << " Fashion-MNIST images (side " << size
-        << ") in " << made << std::endl;
-    const std::string prefix = std::string(data::kFashionMnistDir) + "/train-";
-    torch::Tensor raw = data::read_idx_file(prefix + "images-idx3-ubyte.gz", true);
-    torch::Tensor labels = data::read_idx_file(prefix + "labels-idx1-ubyte.gz", false);
-    data::write_image_folder(raw.slice(0, 0, images), labels.slice(0, 0, images),
-                             data::fashion_mnist_class_folders(), made,
-                             data::MakeImageFolderOptions().size(size));
+    make_folder(bench, p, made);
     dir = made;
   }
-  const std::string out = results_file("data-rows");
-  std::map<std::pair<std::string, int64_t>, std::vector<double>> rates;
-  try {
-    for (int r = 0; r < repeats; ++r) {
-      for (int64_t w : workers) {
-        rates[{"paratrain", w}].push_back(
-            paratrain_epoch(dir, w, batch, crop, static_cast<uint64_t>(r)));
-        if (pytorch) {
-          const std::string cmd = "'" + python + "' '" + script + "' --dir '" + dir +
-                                  "' --workers " + std::to_string(w) + " --batch " +
-                                  std::to_string(batch) + " --crop " + std::to_string(crop) +
-                                  " --repeat " + std::to_string(r) + " --out '" + out + "'";
-          if (std::system(cmd.c_str()) != 0) {
-            throw std::runtime_error("the PyTorch loader failed: " + cmd);
-          }
-        }
-        log << "round " << r + 1 << "/" << repeats << ", " << w << " worker(s) done" << std::endl;
-      }
-    }
-    std::ifstream in(out);
-    for (std::string line; std::getline(in, line);) {
-      rates[{"pytorch", std::stoll(json_field(line, "workers"))}].push_back(
-          std::stod(json_field(line, "images_per_second")));
-    }
-  } catch (...) {
-    std::remove(out.c_str());
-    throw;
-  }
-  std::remove(out.c_str());
-  const double ceiling = decode_ceiling(dir);
-  for (int64_t w : workers) {
-    for (const std::string system : {"paratrain", "pytorch"}) {
-      if (!rates.count({system, w})) {
-        continue;
-      }
-      const double ips = median(rates[{system, w}]);
-      std::map<std::string, std::string> row{{"system", quoted(system)},
-                                             {"workers", std::to_string(w)},
-                                             {"images_per_second", std::to_string(ips)},
-                                             {"repeats", std::to_string(repeats)}};
-      if (system == "paratrain" && rates.count({"pytorch", w})) {
-        row["ratio_to_pytorch"] = std::to_string(ips / median(rates[{"pytorch", w}]));
-      }
-      if (json) {
-        std::cout << row_json(row) << std::endl;
-      } else {
-        std::cout << std::left << std::setw(10) << system << " workers " << w << ": " << std::fixed
-                  << std::setprecision(0) << ips << " images/s"
-                  << (row.count("ratio_to_pytorch")
-                          ? " (" + row["ratio_to_pytorch"].substr(0, 4) + "x PyTorch)"
-                          : "")
-                  << std::endl;
-      }
-    }
-  }
-  if (json) {
-    std::cout << row_json({{"system", quoted("turbojpeg-decode")},
-                           {"workers", "1"},
-                           {"images_per_second", std::to_string(ceiling)}})
-              << std::endl;
-  } else {
-    std::cout << "decode alone (1 thread, files in memory): " << std::fixed << std::setprecision(0)
-              << ceiling << " images/s" << std::endl;
-  }
+  Rates rates = measure_rates(bench, p, dir);
+  print_rates(bench, p, rates, decode_ceiling(dir));
   return 0;
+}
+
+}  // namespace
+
+int run_bench_data(const std::vector<std::string>& argv) {
+  return run_benchmark(data_spec(), argv, run_data_bench);
 }
 
 }  // namespace cli

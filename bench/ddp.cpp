@@ -20,7 +20,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 
 #include "paratrain/paratrain.h"
 
@@ -95,29 +97,65 @@ TracedBackward backward_in_trace(const std::string& path) {
   return {median(backward), median(exposed)};
 }
 
-// One process of a measured system.
-int run_ddp_worker(const Args& args) {
-  torch::set_num_threads(1);
-  const std::string mode = args.get("mode");
-  const Workload w = workload(args.get("workload"), args.get_int("steps", 0));
-  const std::string out_path = args.get("out");
-  dist::ProcessGroupPtr pg;
-  if (mode == "ddp") {
-    pg = dist::init_process_group();
+const BenchSpec& ddp_spec() {
+  static const BenchSpec spec{
+      "ddp",
+      "DDP step time against independent trainers and PyTorch's DDP, on the same kernels.",
+      {
+          {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)", "mlp"},
+          {"backend", "NAME", "mpi or gloo"},
+          {"steps", "N", "timed steps per workload", "1"},
+          {"gradient-as-bucket-view", "", "DDP's gradient_as_bucket_view"},
+          {"no-pytorch", "", "skip PyTorch's DDP row"},
+          {"python", "P",
+           "the Python with torch for the PyTorch row (default: python3 on PATH or "
+           "/usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)"},
+          {"trace", "FILE",
+           "also write a Chrome trace of paratrain's DDP steps and print how much of the "
+           "allreduce time backward hides; with several workloads, one file each "
+           "(trace.json: trace.mlp.json, trace.resnet18.json)"},
+          {"mode", "M", ""},
+          {"workload", "W", ""},
+      },
+      "print JSON",
+      /*workers=*/true};
+  return spec;
+}
+
+// Merges every rank's trace of the timed steps into `file` (rank 0 writes it).
+void write_merged_trace(trace::Tracer& tracer,
+                        const dist::ProcessGroupPtr& pg,
+                        const std::string& file) {
+  trace::set_current(nullptr);
+  tracer.write(file + ".rank-" + std::to_string(pg->rank()));
+  pg->barrier()->wait();
+  if (pg->rank() == 0) {
+    std::vector<std::string> parts;
+    for (int r = 0; r < pg->size(); ++r) {
+      parts.push_back(file + ".rank-" + std::to_string(r));
+    }
+    trace::merge(parts, file);
+    for (const auto& part : parts) {
+      std::remove(part.c_str());
+    }
   }
-  torch::manual_seed(0);
-  auto model = models::make(w.model);
-  std::unique_ptr<DistributedDataParallel> ddp;
-  if (pg) {
-    ddp = std::make_unique<DistributedDataParallel>(
-        model, pg, DDPOptions().gradient_as_bucket_view(args.has("gradient-as-bucket-view")));
-  }
+}
+
+// The timed steps of one process: each one's seconds, and DDP's exposed wait in each.
+struct StepTimes {
+  std::vector<double> seconds;
+  std::vector<double> exposed;
+};
+
+StepTimes timed_steps(const Workload& w,
+                      torch::nn::Sequential& model,
+                      DistributedDataParallel* ddp,
+                      const dist::ProcessGroupPtr& pg,
+                      const std::string& trace_file) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   torch::Tensor x = torch::randn(w.shape);
   torch::Tensor y = torch::randint(0, 10, {w.batch});
-  std::vector<double> times;
-  std::vector<double> exposed;
-  const std::string trace_file = ddp ? args.get("trace", "") : "";
+  StepTimes out;
   std::unique_ptr<trace::Tracer> tracer;
   for (int step = 0; step < w.warmup + w.steps; ++step) {
     if (pg) {
@@ -132,8 +170,8 @@ int run_ddp_worker(const Args& args) {
     torch::Tensor loss;
     {
       trace::Span span("forward", "compute");
-      auto out = ddp ? ddp->forward(x) : model->forward(x);
-      loss = torch::nn::functional::cross_entropy(out, y);
+      auto logits = ddp ? ddp->forward(x) : model->forward(x);
+      loss = torch::nn::functional::cross_entropy(logits, y);
     }
     {
       trace::Span span("backward", "compute");
@@ -145,253 +183,284 @@ int run_ddp_worker(const Args& args) {
     }
     const double seconds = seconds_since(t0);
     if (step >= w.warmup) {
-      times.push_back(seconds);
+      out.seconds.push_back(seconds);
       if (ddp) {
-        exposed.push_back(ddp->last_exposed_comm_seconds());
+        out.exposed.push_back(ddp->last_exposed_comm_seconds());
       }
     }
   }
   if (tracer) {
-    trace::set_current(nullptr);
-    const std::string mine = trace_file + ".rank-" + std::to_string(pg->rank());
-    tracer->write(mine);
-    pg->barrier()->wait();
-    if (pg->rank() == 0) {
-      std::vector<std::string> parts;
-      for (int r = 0; r < pg->size(); ++r) {
-        parts.push_back(trace_file + ".rank-" + std::to_string(r));
-      }
-      trace::merge(parts, trace_file);
-      for (const auto& part : parts) {
-        std::remove(part.c_str());
-      }
+    write_merged_trace(*tracer, pg, trace_file);
+  }
+  return out;
+}
+
+// DDP's bucket reductions with nothing else running: the median time of all of them, and how
+// many buckets there are.
+struct BucketComm {
+  double seconds;
+  size_t buckets;
+};
+
+BucketComm comm_alone(const torch::nn::Sequential& model,
+                      const DistributedDataParallel& ddp,
+                      const dist::ProcessGroupPtr& pg) {
+  std::vector<double> alone;
+  std::vector<at::Tensor> buckets;
+  std::vector<torch::Tensor> trainable;  // the parameters DDP indexes: those needing a gradient
+  for (const auto& p : model->parameters()) {
+    if (p.requires_grad()) {
+      trainable.push_back(p);
     }
   }
+  for (const auto& b : ddp.bucket_assignment()) {
+    int64_t n = 0;
+    for (size_t i : b) {
+      n += trainable[i].numel();
+    }
+    buckets.push_back(torch::ones({n}));
+  }
+  for (int rep = 0; rep < 5; ++rep) {
+    pg->barrier()->wait();
+    auto t0 = Clock::now();
+    std::vector<dist::WorkPtr> works;
+    for (auto& b : buckets) {
+      works.push_back(pg->allreduce(b));
+    }
+    for (auto& work : works) {
+      work->wait();
+    }
+    alone.push_back(seconds_since(t0));
+  }
+  return {median(alone), buckets.size()};
+}
+
+// One process of a measured system.
+int run_ddp_worker(const Bench& bench) {
+  torch::set_num_threads(1);
+  const std::string mode = bench.get("mode");
+  const Workload w = bench_workload(bench.get("workload"), bench);
+  dist::ProcessGroupPtr pg;
+  if (mode == "ddp") {
+    pg = dist::init_process_group();
+  }
+  torch::manual_seed(0);
+  auto model = models::make(w.model);
+  std::unique_ptr<DistributedDataParallel> ddp;
+  if (pg) {
+    ddp = std::make_unique<DistributedDataParallel>(
+        model, pg, DDPOptions().gradient_as_bucket_view(bench.has("gradient-as-bucket-view")));
+  }
+  const StepTimes steps = timed_steps(w, model, ddp.get(), pg, ddp ? bench.get("trace", "") : "");
   // Each process's median step, then the slowest process: the same statistic for every system
   // (the independent trainers cannot be timed step by step together).
-  double step_seconds = median(times);
+  double step_seconds = median(steps.seconds);
   if (pg) {
     at::Tensor t = torch::tensor({step_seconds}, torch::kDouble);
     pg->allreduce(t, dist::ReduceOp::kMax)->wait();
     step_seconds = t.item<double>();
   }
-  std::map<std::string, std::string> row{
-      {"workload", quoted(w.name)},
-      {"system", quoted(mode == "ddp" ? "paratrain" : "independent")},
-      {"ranks", "2"},
-      {"step_seconds", std::to_string(step_seconds)},
-      {"steps", std::to_string(times.size())}};
+  JsonRow row{{"workload", w.name},
+              {"system", mode == "ddp" ? "paratrain" : "independent"},
+              {"ranks", 2},
+              {"step_seconds", step_seconds},
+              {"steps", steps.seconds.size()}};
   if (ddp) {
-    // The same bucket reductions with nothing else running.
-    std::vector<double> alone;
-    std::vector<at::Tensor> buckets;
-    std::vector<torch::Tensor> trainable;  // the parameters DDP indexes: those needing a gradient
-    for (const auto& p : model->parameters()) {
-      if (p.requires_grad()) {
-        trainable.push_back(p);
-      }
-    }
-    for (const auto& b : ddp->bucket_assignment()) {
-      int64_t n = 0;
-      for (size_t i : b) {
-        n += trainable[i].numel();
-      }
-      buckets.push_back(torch::ones({n}));
-    }
-    for (int rep = 0; rep < 5; ++rep) {
-      pg->barrier()->wait();
-      auto t0 = Clock::now();
-      std::vector<dist::WorkPtr> works;
-      for (auto& b : buckets) {
-        works.push_back(pg->allreduce(b));
-      }
-      for (auto& work : works) {
-        work->wait();
-      }
-      alone.push_back(seconds_since(t0));
-    }
-    const double comm = median(alone);
-    const double hidden = comm > 0 ? std::clamp(1.0 - median(exposed) / comm, 0.0, 1.0) : 1.0;
-    row["backend"] = quoted(pg->backend_name());
-    row["comm_seconds"] = std::to_string(comm);
-    row["exposed_comm_seconds"] = std::to_string(median(exposed));
-    row["hidden_comm_fraction"] = std::to_string(hidden);
-    row["buckets"] = std::to_string(buckets.size());
+    const BucketComm comm = comm_alone(model, *ddp, pg);
+    const double exposed = median(steps.exposed);
+    row["backend"] = pg->backend_name();
+    row["comm_seconds"] = comm.seconds;
+    row["exposed_comm_seconds"] = exposed;
+    row["hidden_comm_fraction"] =
+        comm.seconds > 0 ? std::clamp(1.0 - exposed / comm.seconds, 0.0, 1.0) : 1.0;
+    row["buckets"] = comm.buckets;
   } else {
     const char* rank = std::getenv("RANK");
-    row["process"] = rank ? rank : "0";
+    row["process"] = rank ? std::atoi(rank) : 0;
   }
   if (!pg || pg->rank() == 0) {
-    std::ofstream out(out_path, std::ios::app);
-    out << row_json(row) << std::endl;
+    append_row(bench.get("out"), row);
   }
+  return 0;
+}
+
+// --trace names a file this process can write: said now, not after the measurements.
+void check_trace_file(const Bench& bench) {
+  if (!bench.has("trace")) {
+    return;
+  }
+  const std::filesystem::path path(bench.get("trace"));
+  if (path.filename().empty()) {
+    throw UsageError("--trace '" + bench.get("trace") + "' names no file: give e.g. trace.json");
+  }
+  const std::string dir = path.parent_path().string();
+  if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0) {
+    throw UsageError("cannot write the --trace file " + bench.get("trace") + ": " +
+                     std::strerror(errno));
+  }
+}
+
+// Where the systems run and write their rows.
+struct DdpJobs {
+  std::vector<std::string> workloads;
+  std::string backend;
+  std::string python;  // "" when the PyTorch row is skipped
+  std::string script;
+  std::string out;
+};
+
+// Workload `name` on the three systems, one job after the other.
+void measure_workload(const Bench& bench, const DdpJobs& jobs, const std::string& name) {
+  const Workload w = bench_workload(name, bench);
+  std::vector<std::string> extra{"--workload", name};
+  for (const auto& word : bench.forwarded({"steps", "gradient-as-bucket-view"})) {
+    extra.push_back(word);
+  }
+  bench.progress("measuring " + name + ": paratrain DDP (" + jobs.backend + ")...");
+  auto ddp_cmd = bench.worker_command(jobs.out, extra);
+  ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
+  if (bench.has("trace")) {
+    ddp_cmd.insert(ddp_cmd.end(),
+                   {"--trace", trace_path(bench.get("trace"), name, jobs.workloads.size())});
+  }
+  run_bench_job(ddp_cmd, 2, jobs.backend, jobs.out);
+  bench.progress("measuring " + name + ": two independent trainers...");
+  auto single_cmd = bench.worker_command(jobs.out, extra);
+  single_cmd.insert(single_cmd.end(), {"--mode", "single"});
+  run_bench_job(single_cmd, 2, "", jobs.out);
+  if (!jobs.python.empty()) {
+    bench.progress("measuring " + name + ": PyTorch DDP (gloo)...");
+    run_bench_job({jobs.python, jobs.script, "--workload", name, "--batch", std::to_string(w.batch),
+                   "--steps", std::to_string(w.steps), "--warmup", std::to_string(w.warmup),
+                   "--out", jobs.out},
+                  2, "", jobs.out);
+  }
+}
+
+// One row per (workload, system): the independent trainers' is the slower of their two.
+using DdpRows = std::map<std::pair<std::string, std::string>, JsonRow>;
+
+DdpRows collect_rows(const std::string& out) {
+  DdpRows rows;
+  for (const JsonRow& row : read_rows(out)) {
+    const auto key = std::make_pair(string_field(row, "workload"), string_field(row, "system"));
+    if (!rows.count(key) ||
+        number_field(row, "step_seconds") > number_field(rows[key], "step_seconds")) {
+      rows[key] = row;
+    }
+  }
+  std::remove(out.c_str());
+  return rows;
+}
+
+// What the report of one workload says beyond its rows.
+struct DdpSummary {
+  std::string name;
+  double ours = 0, indep = 0, theirs = 0;  // step seconds: paratrain, independent, PyTorch
+  bool have_pt = false;
+  std::string traced;  // the trace file, "" without --trace
+  TracedBackward tb{0, 0};
+  double trace_hidden = 1;
+};
+
+DdpSummary summarize(const Bench& bench, DdpRows& rows, const std::string& name, size_t workloads) {
+  DdpSummary s;
+  s.name = name;
+  auto step = [&](const char* system) {
+    return number_field(rows[{name, system}], "step_seconds");
+  };
+  s.ours = step("paratrain");
+  s.indep = step("independent");
+  s.have_pt = rows.count({name, "pytorch"}) > 0;
+  s.theirs = s.have_pt ? step("pytorch") : 0;
+  s.traced = bench.has("trace") ? trace_path(bench.get("trace"), name, workloads) : "";
+  if (!s.traced.empty()) {
+    s.tb = backward_in_trace(s.traced);
+    const double alone = number_field(rows[{name, "paratrain"}], "comm_seconds");
+    s.trace_hidden = alone > 0 ? std::clamp(1.0 - s.tb.exposed_seconds / alone, 0.0, 1.0) : 1.0;
+  }
+  return s;
+}
+
+void print_ddp_json(const Bench& bench, DdpRows& rows, const DdpSummary& s) {
+  for (const char* sys : {"paratrain", "independent", "pytorch"}) {
+    auto key = std::make_pair(s.name, std::string(sys));
+    if (!rows.count(key)) {
+      continue;
+    }
+    JsonRow row = rows[key];
+    if (std::string(sys) == "paratrain") {
+      row["ratio_to_independent"] = s.ours / s.indep;
+      if (s.have_pt) {
+        row["ratio_to_pytorch"] = s.ours / s.theirs;
+      }
+      note_smoke_skip(bench, row);
+      if (!s.traced.empty()) {
+        row["trace"] = s.traced;
+        row["trace_backward_seconds"] = s.tb.backward_seconds;
+        row["trace_exposed_seconds"] = s.tb.exposed_seconds;
+        row["trace_hidden_fraction"] = s.trace_hidden;
+      }
+    }
+    print_row(row);
+  }
+}
+
+void print_ddp_text(DdpRows& rows, const DdpSummary& s) {
+  const JsonRow& ddp_row = rows[{s.name, "paratrain"}];
+  std::cout << std::fixed << std::setprecision(1) << s.name << " (2 ranks x 1 thread):\n"
+            << "  paratrain DDP (" << string_field(ddp_row, "backend") << ")  " << s.ours * 1e3
+            << " ms/step\n"
+            << "  independent x2        " << s.indep * 1e3 << " ms/step\n";
+  if (s.have_pt) {
+    std::cout << "  PyTorch DDP (gloo)    " << s.theirs * 1e3 << " ms/step\n";
+  }
+  std::cout << std::setprecision(2) << "  paratrain / independent = " << s.ours / s.indep << "x";
+  if (s.have_pt) {
+    std::cout << ", paratrain / PyTorch = " << s.ours / s.theirs << "x";
+  }
+  std::cout << "\n  communication hidden behind backward: " << std::setprecision(0)
+            << 100 * number_field(ddp_row, "hidden_comm_fraction") << "% ("
+            << static_cast<int64_t>(number_field(ddp_row, "buckets"))
+            << " buckets, allreduce alone " << std::setprecision(2)
+            << 1e3 * number_field(ddp_row, "comm_seconds") << " ms, exposed "
+            << 1e3 * number_field(ddp_row, "exposed_comm_seconds") << " ms)\n";
+  if (!s.traced.empty()) {
+    std::cout << std::setprecision(2) << "  in the trace (" << s.traced << "): backward "
+              << s.tb.backward_seconds * 1e3 << " ms, of which waiting for allreduce after its "
+              << "compute " << s.tb.exposed_seconds * 1e3 << " ms: " << std::setprecision(0)
+              << 100 * s.trace_hidden << "% of the allreduce time hidden (medians)\n";
+  }
+}
+
+int run_ddp(const Bench& bench) {
+  DdpJobs jobs;
+  jobs.workloads = bench_workloads(bench);
+  jobs.backend = bench_backend(bench);
+  jobs.python = comparison_python(bench);
+  jobs.script = jobs.python.empty() ? "" : bench_script("ddp_pytorch.py");
+  check_trace_file(bench);
+  jobs.out = results_file("ddp");
+  for (const auto& name : jobs.workloads) {
+    measure_workload(bench, jobs, name);
+  }
+  DdpRows rows = collect_rows(jobs.out);
+  for (const auto& name : jobs.workloads) {
+    const DdpSummary s = summarize(bench, rows, name, jobs.workloads.size());
+    if (bench.json()) {
+      print_ddp_json(bench, rows, s);
+    } else {
+      print_ddp_text(rows, s);
+    }
+  }
+  std::cout.flush();
   return 0;
 }
 
 }  // namespace
 
 int run_bench_ddp(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench ddp",
-      "DDP step time against independent trainers and PyTorch's DDP, on the same kernels.",
-      {
-          {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)"},
-          {"backend", "NAME", "mpi or gloo"},
-          {"steps", "N", "timed steps per workload"},
-          {"gradient-as-bucket-view", "", "DDP's gradient_as_bucket_view"},
-          {"no-pytorch", "", "skip PyTorch's DDP row"},
-          {"python", "P",
-           "the Python with torch for the PyTorch row (default: python3 on PATH or "
-           "/usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)"},
-          {"trace", "FILE",
-           "also write a Chrome trace of paratrain's DDP steps and print how much of the "
-           "allreduce time backward hides; with several workloads, one file each "
-           "(trace.json: trace.mlp.json, trace.resnet18.json)"},
-          {"json", "", "print JSON"},
-          {"worker", "", ""},
-          {"mode", "M", ""},
-          {"workload", "W", ""},
-          {"out", "FILE", ""},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  if (args.has("worker")) {
-    return run_ddp_worker(args);
-  }
-  const std::vector<std::string> workloads = bench_workloads(args);
-  const std::string backend = bench_backend(args);
-  const bool json = args.has("json");
-  const bool pytorch = !args.has("no-pytorch");
-  const std::string python = pytorch ? torch_python(args.get("python", "")) : "";
-  const std::string script = pytorch ? bench_script("ddp_pytorch.py") : "";
-  if (args.has("trace")) {  // an unwritable place is said now, not after the measurements
-    const std::filesystem::path path(args.get("trace"));
-    if (path.filename().empty()) {
-      throw UsageError("--trace '" + args.get("trace") + "' names no file: give e.g. trace.json");
-    }
-    const std::string dir = path.parent_path().string();
-    if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0) {
-      throw UsageError("cannot write the --trace file " + args.get("trace") + ": " +
-                       std::strerror(errno));
-    }
-  }
-  const std::string out = results_file("ddp");
-
-  auto run = [&](const std::vector<std::string>& command, const std::string& be) {
-    run_bench_job(command, 2, be, out);
-  };
-  for (const auto& name : workloads) {
-    const Workload w = workload(name, args.get_int("steps", 0));
-    std::vector<std::string> base{self_path(),  "bench", "ddp",   "--worker",
-                                  "--workload", name,    "--out", out};
-    if (args.has("steps")) {
-      base.insert(base.end(), {"--steps", args.get("steps")});
-    }
-    if (args.has("gradient-as-bucket-view")) {
-      base.push_back("--gradient-as-bucket-view");
-    }
-    if (!json) {
-      std::cerr << "measuring " << name << ": paratrain DDP (" << backend << ")..." << std::endl;
-    }
-    auto ddp_cmd = base;
-    ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
-    if (args.has("trace")) {
-      ddp_cmd.insert(ddp_cmd.end(),
-                     {"--trace", trace_path(args.get("trace"), name, workloads.size())});
-    }
-    run(ddp_cmd, backend);
-    if (!json) {
-      std::cerr << "measuring " << name << ": two independent trainers..." << std::endl;
-    }
-    auto single_cmd = base;
-    single_cmd.insert(single_cmd.end(), {"--mode", "single"});
-    run(single_cmd, "");
-    if (pytorch) {
-      if (!json) {
-        std::cerr << "measuring " << name << ": PyTorch DDP (gloo)..." << std::endl;
-      }
-      run({python, script, "--workload", name, "--batch", std::to_string(w.batch), "--steps",
-           std::to_string(w.steps), "--warmup", std::to_string(w.warmup), "--out", out},
-          "");
-    }
-  }
-  // Collect: one row per (workload, system); independent = the slower of its two processes.
-  std::ifstream in(out);
-  std::map<std::pair<std::string, std::string>, std::string> rows;
-  std::map<std::pair<std::string, std::string>, double> step;
-  for (std::string line; std::getline(in, line);) {
-    auto key = std::make_pair(json_field(line, "workload"), json_field(line, "system"));
-    double s = std::stod(json_field(line, "step_seconds"));
-    if (!step.count(key) || s > step[key]) {
-      step[key] = s;
-      rows[key] = line;
-    }
-  }
-  std::remove(out.c_str());
-  for (const auto& name : workloads) {
-    const double ours = step[{name, "paratrain"}];
-    const double indep = step[{name, "independent"}];
-    const bool have_pt = step.count({name, "pytorch"}) > 0;
-    const double theirs = have_pt ? step[{name, "pytorch"}] : 0;
-    const std::string& ddp_row = rows[{name, "paratrain"}];
-    const std::string traced =
-        args.has("trace") ? trace_path(args.get("trace"), name, workloads.size()) : "";
-    const TracedBackward tb = traced.empty() ? TracedBackward{0, 0} : backward_in_trace(traced);
-    const double alone = traced.empty() ? 0.0 : std::stod(json_field(ddp_row, "comm_seconds"));
-    const double trace_hidden =
-        alone > 0 ? std::clamp(1.0 - tb.exposed_seconds / alone, 0.0, 1.0) : 1.0;
-    if (json) {
-      for (const char* sys : {"paratrain", "independent", "pytorch"}) {
-        auto key = std::make_pair(name, std::string(sys));
-        if (!rows.count(key)) {
-          continue;
-        }
-        JsonRow row = JsonRow::parse(rows[key]);
-        if (std::string(sys) == "paratrain") {
-          row["ratio_to_independent"] = ours / indep;
-          if (have_pt) {
-            row["ratio_to_pytorch"] = ours / theirs;
-          }
-          if (!traced.empty()) {
-            row["trace"] = traced;
-            row["trace_backward_seconds"] = tb.backward_seconds;
-            row["trace_exposed_seconds"] = tb.exposed_seconds;
-            row["trace_hidden_fraction"] = trace_hidden;
-          }
-        }
-        std::cout << json_line(row) << "\n";
-      }
-      continue;
-    }
-    std::cout << std::fixed << std::setprecision(1) << name << " (2 ranks x 1 thread):\n"
-              << "  paratrain DDP (" << json_field(ddp_row, "backend") << ")  " << ours * 1e3
-              << " ms/step\n"
-              << "  independent x2        " << indep * 1e3 << " ms/step\n";
-    if (have_pt) {
-      std::cout << "  PyTorch DDP (gloo)    " << theirs * 1e3 << " ms/step\n";
-    }
-    std::cout << std::setprecision(2) << "  paratrain / independent = " << ours / indep << "x";
-    if (have_pt) {
-      std::cout << ", paratrain / PyTorch = " << ours / theirs << "x";
-    }
-    std::cout << "\n  communication hidden behind backward: " << std::setprecision(0)
-              << 100 * std::stod(json_field(ddp_row, "hidden_comm_fraction")) << "% ("
-              << json_field(ddp_row, "buckets") << " buckets, allreduce alone "
-              << std::setprecision(2) << 1e3 * std::stod(json_field(ddp_row, "comm_seconds"))
-              << " ms, exposed " << 1e3 * std::stod(json_field(ddp_row, "exposed_comm_seconds"))
-              << " ms)\n";
-    if (!traced.empty()) {
-      std::cout << std::setprecision(2) << "  in the trace (" << traced << "): backward "
-                << tb.backward_seconds * 1e3 << " ms, of which waiting for allreduce after its "
-                << "compute " << tb.exposed_seconds * 1e3 << " ms: " << std::setprecision(0)
-                << 100 * trace_hidden << "% of the allreduce time hidden (medians)\n";
-    }
-  }
-  std::cout.flush();
-  return 0;
+  return run_benchmark(ddp_spec(), argv, run_ddp, run_ddp_worker);
 }
 
 }  // namespace cli

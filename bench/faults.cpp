@@ -18,10 +18,13 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 #include "util/files.h"
 
 #include "paratrain/paratrain.h"
+#include "paratrain/util/child_process.h"
 
 #include <torch/torch.h>
 
@@ -30,12 +33,12 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -43,8 +46,6 @@
 #include <set>
 #include <sstream>
 #include <thread>
-
-extern char** environ;
 
 namespace paratrain {
 namespace cli {
@@ -85,31 +86,24 @@ std::vector<int> children_of(int parent) {
   return out;
 }
 
-// Starts argv with stdout and stderr into `log`; returns the pid.
-int start(const std::vector<std::string>& argv, const std::string& log) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  std::vector<char*> args;
-  for (const auto& a : argv) {
-    args.push_back(const_cast<char*>(a.c_str()));
+// Starts argv with stdout and stderr into `log`, as posix_spawn started it before: in this
+// process's group, so that a Ctrl-C stops the job with the benchmark, and without a death signal.
+ChildProcess start(const std::vector<std::string>& argv, const std::string& log) {
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw std::runtime_error("bench faults: cannot write the log " + log + ": " +
+                             std::strerror(errno));
   }
-  args.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0].c_str(), &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) {
-    throw std::runtime_error("bench faults: cannot start " + argv[0] + ": " + std::strerror(rc));
+  try {
+    ChildProcess child(
+        ChildOptions(argv).stdout_fd(fd).stderr_fd(fd).own_process_group(false).die_with_parent(
+            false));
+    ::close(fd);
+    return child;
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
-  return pid;
-}
-
-int wait_exit(int pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 std::string read_text(const std::string& path) {
@@ -158,7 +152,7 @@ JobResult run_job(const std::vector<std::string>& argv,
                   double max_gap,
                   uint64_t seed) {
   const auto t0 = Clock::now();
-  const int launcher = start(argv, log);
+  ChildProcess launcher = start(argv, log);
   std::mt19937_64 rng(seed);
   JobResult r;
   std::set<int> killed;
@@ -167,13 +161,13 @@ JobResult run_job(const std::vector<std::string>& argv,
     std::vector<int> workers;
     while (true) {
       int status = 0;
-      if (::waitpid(launcher, &status, WNOHANG) == launcher) {
-        r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (launcher.try_wait(&status)) {
+        r.exit_code = exit_code(status);
         r.seconds = seconds_since(t0);
         r.log = read_text(log);
         return r;  // the job ended before every kill was made
       }
-      workers = children_of(launcher);
+      workers = children_of(launcher.pid());
       bool fresh = workers.size() == 2;
       for (int w : workers) {
         fresh = fresh && killed.count(w) == 0;
@@ -191,7 +185,7 @@ JobResult run_job(const std::vector<std::string>& argv,
       ++r.kills;
     }
   }
-  r.exit_code = wait_exit(launcher);
+  r.exit_code = exit_code(launcher.wait());
   r.seconds = seconds_since(t0);
   r.log = read_text(log);
   return r;
@@ -303,47 +297,180 @@ ResnetNumbers resnet_checkpoint(
   return n;
 }
 
-}  // namespace
-int run_bench_faults(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench faults",
+const BenchSpec& faults_spec() {
+  // --smoke: one kill, soon after the workers start (so usually in their start-up: a restart
+  // that loses no step), of a job of 4 steps checkpointed every 2; ResNet-50's numbers once, over
+  // the 20 steps that one checkpoint's block of steps needs, at batch 2 (1x1 maps in its last
+  // stage: BatchNorm needs 2 values).
+  static const BenchSpec spec{
+      "faults",
       "Kills a random rank of a 2-rank DDP run at random times under --max-restarts and\n"
       "--resume auto: restarts, lost steps, overhead, and whether the weights stay bitwise equal;\n"
       "then a ResNet-50 checkpoint's save time and step overhead.",
       {
-          {"kills", "N", "kills (default 20)"},
+          {"kills", "N", "kills (default 20)", "1"},
           {"max-restarts", "N", "the run's --max-restarts (default: --kills)"},
-          {"epochs", "E", "epochs of the mlp run (default 5)"},
-          {"steps", "S", "cap on the steps per epoch (default 0: all)"},
-          {"checkpoint-every", "N", "steps between checkpoints (default 20)"},
-          {"min-gap", "SECONDS", "the shortest time between kills (default 2.0)"},
-          {"max-gap", "SECONDS", "the longest time between kills (default 6.0)"},
+          {"epochs", "E", "epochs of the mlp run (default 3)", "1"},
+          {"steps", "S", "cap on the steps per epoch (default 0: all)", "4"},
+          {"checkpoint-every", "N", "steps between checkpoints (default 20)", "2"},
+          {"min-gap", "SECONDS", "the shortest time between kills (default 2.0)", "0"},
+          {"max-gap", "SECONDS", "the longest time between kills (default 6.0)", "0.5"},
           {"seed", "S", "the seed of the kill times"},
-          {"repeats", "N", "repeats of the ResNet-50 timings (default 3)"},
-          {"resnet-steps", "N", "steps of the step-overhead run (default 300)"},
+          {"repeats", "N", "repeats of the ResNet-50 timings (default 3)", "1"},
+          {"resnet-steps", "N", "steps of the step-overhead run (default 300)", "20"},
           {"resnet-image", "N", "its image side (default 32)"},
-          {"resnet-batch", "B", "its batch (default 16)"},
+          {"resnet-batch", "B", "its batch (default 16)", "2"},
           {"dir", "DIR", "where the runs write (default /tmp)"},
-          {"json", "", "print one JSON object"},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
+      },
+      "print one JSON object"};
+  return spec;
+}
+
+// The kill schedule of the job with kills.
+struct KillPlan {
+  int kills = 0;
+  double min_gap = 0, max_gap = 0;
+  uint64_t seed = 0;
+};
+
+// `paratrain train` of the mlp on 2 ranks, resuming from its checkpoints, writing its checkpoints,
+// metrics and final weights under `dir` as NAME-ckpt, NAME.jsonl and NAME.safetensors.
+std::vector<std::string> train_job(const Bench& bench,
+                                   int restarts,
+                                   const std::string& dir,
+                                   const std::string& name) {
+  std::vector<std::string> job{paratrain_program(),
+                               "train",
+                               "--model",
+                               "mlp",
+                               "--strategy",
+                               "ddp",
+                               "--nproc",
+                               "2",
+                               "--backend",
+                               "gloo",
+                               "--device",
+                               "cpu",
+                               "--epochs",
+                               bench.get("epochs", "3"),
+                               "--steps",
+                               bench.get("steps", "0"),
+                               "--batch-size",
+                               "64",
+                               "--log-every",
+                               "1",
+                               "--checkpoint-every",
+                               std::to_string(bench.get_int("checkpoint-every", 20)),
+                               "--resume",
+                               "auto",
+                               "--max-restarts",
+                               std::to_string(restarts)};
+  job.insert(job.end(),
+             {"--checkpoint-dir", dir + "/" + name + "-ckpt", "--metrics",
+              dir + "/" + name + ".jsonl", "--save-weights", dir + "/" + name + ".safetensors"});
+  return job;
+}
+
+// The mlp job run whole, then with kills, and what the kills cost.
+struct FaultNumbers {
+  JobResult clean, faulty;
+  int restarts_made = 0;
+  std::vector<int64_t> lost;
+  int64_t lost_total = 0;
+  bool equal = false;
+  double overhead = 0;
+};
+
+FaultNumbers measure_faults(const Bench& bench,
+                            const KillPlan& plan,
+                            int restarts,
+                            const std::string& dir) {
+  FaultNumbers n;
+  bench.info() << "bench faults: the uninterrupted job ..." << std::endl;
+  n.clean =
+      run_job(train_job(bench, restarts, dir, "clean"), dir + "/clean.log", 0, 0, 0, plan.seed);
+  if (n.clean.exit_code != 0) {
+    throw std::runtime_error("bench faults: the uninterrupted job failed:\n" + n.clean.log);
   }
-  const int kills = args.get_int("kills", 20);
-  const int restarts = args.get_int("max-restarts", kills);
-  const int every = args.get_int("checkpoint-every", 20);
-  const double min_gap = args.get_double("min-gap", 2.0);
-  const double max_gap = args.get_double("max-gap", 6.0);
-  if (kills < 0 || restarts < kills || every < 1 || min_gap < 0 || max_gap < min_gap) {
+  bench.info() << "bench faults: the job with " << plan.kills << " kills ..." << std::endl;
+  n.faulty = run_job(train_job(bench, restarts, dir, "faulty"), dir + "/faulty.log", plan.kills,
+                     plan.min_gap, plan.max_gap, plan.seed);
+  if (n.faulty.exit_code != 0) {
+    throw std::runtime_error("bench faults: the job with kills failed:\n" + n.faulty.log);
+  }
+  for (size_t p = n.faulty.log.find("restarting all"); p != std::string::npos;
+       p = n.faulty.log.find("restarting all", p + 1)) {
+    ++n.restarts_made;
+  }
+  n.lost = lost_steps(dir + "/faulty.jsonl");
+  for (int64_t l : n.lost) {
+    n.lost_total += l;
+  }
+  n.equal = read_text(dir + "/clean.safetensors") == read_text(dir + "/faulty.safetensors");
+  n.overhead = (n.faulty.seconds - n.clean.seconds) / n.clean.seconds;
+  return n;
+}
+
+void print_faults_json(const FaultNumbers& f, const ResnetNumbers& rn) {
+  const double save_ratio = rn.fsync_seconds > 0 ? rn.save_seconds / rn.fsync_seconds : 0;
+  // A checkpoint every 100 steps: its cost spread over 100 steps.
+  const double step_overhead = rn.step_plain > 0 ? rn.checkpoint_cost / (100 * rn.step_plain) : 0;
+  std::cout << json_line(
+                   {{"kills", f.faulty.kills},
+                    {"restarts", f.restarts_made},
+                    {"lost_steps", f.lost},
+                    {"lost_steps_total", f.lost_total},
+                    {"restarts_killed_in_startup",
+                     std::max<int64_t>(0, f.restarts_made - static_cast<int64_t>(f.lost.size()))},
+                    {"clean_seconds", f.clean.seconds},
+                    {"faulty_seconds", f.faulty.seconds},
+                    {"overhead_fraction", f.overhead},
+                    {"bitwise_equal", f.equal},
+                    {"resnet50_checkpoint_bytes", rn.bytes},
+                    {"resnet50_save_seconds", rn.save_seconds},
+                    {"resnet50_fsync_seconds", rn.fsync_seconds},
+                    {"resnet50_save_vs_fsync", save_ratio},
+                    {"resnet50_step_seconds", rn.step_plain},
+                    {"resnet50_checkpoint_cost_seconds", rn.checkpoint_cost},
+                    {"resnet50_checkpoint_step_overhead", step_overhead}})
+            << std::endl;
+}
+
+void print_faults_text(const FaultNumbers& f, const ResnetNumbers& rn) {
+  const double save_ratio = rn.fsync_seconds > 0 ? rn.save_seconds / rn.fsync_seconds : 0;
+  const double step_overhead = rn.step_plain > 0 ? rn.checkpoint_cost / (100 * rn.step_plain) : 0;
+  std::cout << std::fixed << std::setprecision(2) << "kills " << f.faulty.kills << ", restarts "
+            << f.restarts_made << ", steps lost " << f.lost_total << " (";
+  for (size_t i = 0; i < f.lost.size(); ++i) {
+    std::cout << (i ? " " : "") << f.lost[i];
+  }
+  std::cout << "), wall " << f.clean.seconds << " s uninterrupted vs " << f.faulty.seconds
+            << " s with kills (overhead " << 100 * f.overhead << "%), final weights "
+            << (f.equal ? "bitwise equal" : "DIFFERENT") << "\n";
+  if (rn.bytes > 0) {
+    std::cout << std::setprecision(3) << "ResNet-50 checkpoint " << rn.bytes / 1e6 << " MB: save "
+              << rn.save_seconds << " s vs write+fsync " << rn.fsync_seconds << " s (" << save_ratio
+              << "x); step " << rn.step_plain << " s, checkpoint every 100 steps adds "
+              << 100 * step_overhead << "%\n";
+  }
+}
+
+int run_faults(const Bench& bench) {
+  KillPlan plan;
+  plan.kills = bench.get_int("kills", 20);
+  const int restarts = bench.get_int("max-restarts", plan.kills);
+  const int every = bench.get_int("checkpoint-every", 20);
+  plan.min_gap = bench.get_double("min-gap", 2.0);
+  plan.max_gap = bench.get_double("max-gap", 6.0);
+  if (plan.kills < 0 || restarts < plan.kills || every < 1 || plan.min_gap < 0 ||
+      plan.max_gap < plan.min_gap) {
     throw UsageError(
         "need --kills >= 0, --max-restarts >= --kills, --checkpoint-every >= 1 and "
         "0 <= --min-gap <= --max-gap");
   }
-  const uint64_t seed = static_cast<uint64_t>(args.get_int("seed", static_cast<int>(::getpid())));
+  plan.seed = static_cast<uint64_t>(bench.get_int("seed", static_cast<int>(::getpid())));
   const std::string dir =
-      args.get("dir", "/tmp") + "/paratrain-bench-faults-" + std::to_string(::getpid());
+      bench.get("dir", "/tmp") + "/paratrain-bench-faults-" + std::to_string(::getpid());
   // No TORCH_CHECK in the CLI: its __FILE__ would put a source path in the installed binary.
   if (::mkdir(dir.c_str(), 0755) != 0) {
     throw std::runtime_error("bench faults: cannot create " + dir);
@@ -352,117 +479,27 @@ int run_bench_faults(const std::vector<std::string>& argv) {
     std::string dir;
     ~Cleanup() { detail::remove_tree(dir); }  // best effort, on the way out
   } cleanup{dir};
-  std::ostream& info = args.has("json") ? std::cerr : std::cout;
-
-  const std::vector<std::string> job{self_path(),
-                                     "train",
-                                     "--model",
-                                     "mlp",
-                                     "--strategy",
-                                     "ddp",
-                                     "--nproc",
-                                     "2",
-                                     "--backend",
-                                     "gloo",
-                                     "--device",
-                                     "cpu",
-                                     "--epochs",
-                                     args.get("epochs", "3"),
-                                     "--steps",
-                                     args.get("steps", "0"),
-                                     "--batch-size",
-                                     "64",
-                                     "--log-every",
-                                     "1",
-                                     "--checkpoint-every",
-                                     std::to_string(every),
-                                     "--resume",
-                                     "auto",
-                                     "--max-restarts",
-                                     std::to_string(restarts)};
-  auto with = [&](const std::string& name) {
-    std::vector<std::string> a = job;
-    for (const std::string flag : {"--checkpoint-dir", "--metrics", "--save-weights"}) {
-      a.push_back(flag);
-      a.push_back(dir + "/" + name +
-                  (flag == std::string("--checkpoint-dir") ? "-ckpt"
-                   : flag == std::string("--metrics")      ? ".jsonl"
-                                                           : ".safetensors"));
-    }
-    return a;
-  };
-  info << "bench faults: the uninterrupted job ..." << std::endl;
-  const JobResult clean = run_job(with("clean"), dir + "/clean.log", 0, 0, 0, seed);
-  if (clean.exit_code != 0) {
-    throw std::runtime_error("bench faults: the uninterrupted job failed:\n" + clean.log);
-  }
-  info << "bench faults: the job with " << kills << " kills ..." << std::endl;
-  const JobResult faulty =
-      run_job(with("faulty"), dir + "/faulty.log", kills, min_gap, max_gap, seed);
-  if (faulty.exit_code != 0) {
-    throw std::runtime_error("bench faults: the job with kills failed:\n" + faulty.log);
-  }
-  int restarts_made = 0;
-  for (size_t p = faulty.log.find("restarting all"); p != std::string::npos;
-       p = faulty.log.find("restarting all", p + 1)) {
-    ++restarts_made;
-  }
-  const std::vector<int64_t> lost = lost_steps(dir + "/faulty.jsonl");
-  int64_t lost_total = 0;
-  for (int64_t l : lost) {
-    lost_total += l;
-  }
-  const bool equal =
-      read_text(dir + "/clean.safetensors") == read_text(dir + "/faulty.safetensors");
-  const double overhead = (faulty.seconds - clean.seconds) / clean.seconds;
-
+  const FaultNumbers f = measure_faults(bench, plan, restarts, dir);
   ResnetNumbers rn;
-  const int resnet_steps = args.get_int("resnet-steps", 300);
-  if (resnet_steps >= 0 && args.get_int("repeats", 3) > 0) {
-    info << "bench faults: ResNet-50 checkpoints ..." << std::endl;
-    rn = resnet_checkpoint(dir, args.get_int("repeats", 3), resnet_steps,
-                           args.get_int("resnet-image", 32), args.get_int("resnet-batch", 16));
+  const int resnet_steps = bench.get_int("resnet-steps", 300);
+  const int repeats = bench.get_int("repeats", 3);
+  if (resnet_steps >= 0 && repeats > 0) {
+    bench.info() << "bench faults: ResNet-50 checkpoints ..." << std::endl;
+    rn = resnet_checkpoint(dir, repeats, resnet_steps, bench.get_int("resnet-image", 32),
+                           bench.get_int("resnet-batch", 16));
   }
-  const double save_ratio = rn.fsync_seconds > 0 ? rn.save_seconds / rn.fsync_seconds : 0;
-  // A checkpoint every 100 steps: its cost spread over 100 steps.
-  const double step_overhead = rn.step_plain > 0 ? rn.checkpoint_cost / (100 * rn.step_plain) : 0;
-  if (args.has("json")) {
-    std::cout << json_line(
-                     {{"kills", faulty.kills},
-                      {"restarts", restarts_made},
-                      {"lost_steps", lost},
-                      {"lost_steps_total", lost_total},
-                      {"restarts_killed_in_startup",
-                       std::max<int64_t>(0, restarts_made - static_cast<int64_t>(lost.size()))},
-                      {"clean_seconds", clean.seconds},
-                      {"faulty_seconds", faulty.seconds},
-                      {"overhead_fraction", overhead},
-                      {"bitwise_equal", equal},
-                      {"resnet50_checkpoint_bytes", rn.bytes},
-                      {"resnet50_save_seconds", rn.save_seconds},
-                      {"resnet50_fsync_seconds", rn.fsync_seconds},
-                      {"resnet50_save_vs_fsync", save_ratio},
-                      {"resnet50_step_seconds", rn.step_plain},
-                      {"resnet50_checkpoint_cost_seconds", rn.checkpoint_cost},
-                      {"resnet50_checkpoint_step_overhead", step_overhead}})
-              << std::endl;
+  if (bench.json()) {
+    print_faults_json(f, rn);
   } else {
-    std::cout << std::fixed << std::setprecision(2) << "kills " << faulty.kills << ", restarts "
-              << restarts_made << ", steps lost " << lost_total << " (";
-    for (size_t i = 0; i < lost.size(); ++i) {
-      std::cout << (i ? " " : "") << lost[i];
-    }
-    std::cout << "), wall " << clean.seconds << " s uninterrupted vs " << faulty.seconds
-              << " s with kills (overhead " << 100 * overhead << "%), final weights "
-              << (equal ? "bitwise equal" : "DIFFERENT") << "\n";
-    if (rn.bytes > 0) {
-      std::cout << std::setprecision(3) << "ResNet-50 checkpoint " << rn.bytes / 1e6 << " MB: save "
-                << rn.save_seconds << " s vs write+fsync " << rn.fsync_seconds << " s ("
-                << save_ratio << "x); step " << rn.step_plain
-                << " s, checkpoint every 100 steps adds " << 100 * step_overhead << "%\n";
-    }
+    print_faults_text(f, rn);
   }
-  return equal ? 0 : 1;
+  return f.equal ? 0 : 1;
+}
+
+}  // namespace
+
+int run_bench_faults(const std::vector<std::string>& argv) {
+  return run_benchmark(faults_spec(), argv, run_faults);
 }
 
 }  // namespace cli

@@ -20,7 +20,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 
 #include "paratrain/paratrain.h"
 
@@ -46,143 +48,194 @@ struct PipelineRow {
   double ideal_bubble;
 };
 
-}  // namespace
+const BenchSpec& pipeline_spec() {
+  // --smoke: ResNet-18's ImageNet stem at 32x32 leaves 1x1 maps in layer4, so its steps cost
+  // little; the smallest batch whose time-balancing micro-batch (batch / 8) still trains its
+  // BatchNorm there is 16.
+  static const BenchSpec spec{
+      "pipeline",
+      "GPipe and 1F1B micro-batching against plain model parallelism.",
+      {
+          {"chunks", "LIST", "the micro-batch counts (default 2,4,8)", "2"},
+          {"steps", "N", "timed steps (default 3)", "1"},
+          {"batch", "B", "batch size (default 64)", "16"},
+          {"balance", "MODE", "time or layer2 (default time)"},
+          {"model", "NAME", "the zoo model (default resnet50_cifar)", "resnet18"},
+      },
+      "print JSON"};
+  return spec;
+}
 
-int run_bench_pipeline(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{"paratrain bench pipeline",
-                                "GPipe and 1F1B micro-batching against plain model parallelism.",
-                                {
-                                    {"chunks", "LIST", "the micro-batch counts (default 2,4,8)"},
-                                    {"steps", "N", "timed steps (default 3)"},
-                                    {"batch", "B", "batch size (default 64)"},
-                                    {"balance", "MODE", "time or layer2 (default time)"},
-                                    {"model", "NAME", "the zoo model (default resnet50_cifar)"},
-                                    {"json", "", "print JSON"},
-                                }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  const int steps = args.get_int("steps", 3);
-  const int64_t batch = args.get_int("batch", 64);
-  const std::string balance_mode = args.get("balance", "time");
-  const std::string model_name = args.get("model", "resnet50_cifar");
-  const bool json = args.has("json");
-  if (steps <= 0 || batch <= 0) {
-    throw UsageError("--steps and --batch must be positive");
-  }
-  if (balance_mode != "time" && balance_mode != "layer2") {
-    throw UsageError("unknown --balance '" + balance_mode + "': choose time or layer2");
-  }
+// The model, cut in two stages, and what every row trains it on.
+struct PipelineSetup {
+  std::string model_name;
+  torch::nn::Sequential model;  // flattened to its blocks
+  std::vector<int64_t> balance;
+  int64_t batch = 0;
+  int steps = 0;
   std::vector<int64_t> chunk_counts;
-  {
-    std::stringstream s(args.get("chunks", "2,4,8"));
-    for (std::string c; std::getline(s, c, ',');) {
-      chunk_counts.push_back(std::stoll(c));
-      if (chunk_counts.back() < 1 || chunk_counts.back() > batch) {
-        throw UsageError("--chunks entries must be between 1 and the batch (" +
-                         std::to_string(batch) + ")");
-      }
+  torch::Tensor x, y;
+};
+
+const int64_t kStages = 2;
+
+torch::Tensor pipeline_loss(const torch::Tensor& out, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+std::vector<int64_t> chunk_counts(const Bench& bench, int64_t batch) {
+  std::vector<int64_t> counts;
+  std::stringstream s(bench.get("chunks", "2,4,8"));
+  for (std::string c; std::getline(s, c, ',');) {
+    counts.push_back(std::stoll(c));
+    if (counts.back() < 1 || counts.back() > batch) {
+      throw UsageError("--chunks entries must be between 1 and the batch (" +
+                       std::to_string(batch) + ")");
     }
   }
-  torch::set_num_threads(1);
-  set_blas_threads(1);  // every row on one thread per stage, the unsplit one included
-  torch::manual_seed(0);
-  auto nested = models::make(model_name);
-  auto model = pipeline::flatten(nested);
-  const int64_t stages = 2;
-  std::vector<int64_t> balance;
-  if (balance_mode == "layer2") {
+  return counts;
+}
+
+// The stages' sizes: cut after layer2 (PyTorch's model-parallel tutorial), or where the measured
+// forward + backward time balances.
+std::vector<int64_t> stage_balance(const PipelineSetup& p, const std::string& mode) {
+  if (mode == "layer2") {
     int64_t upto = 0;  // children through layer2's last block
-    auto names = model->named_children();
+    auto names = p.model->named_children();
     for (size_t i = 0; i < names.size(); ++i) {
       if (names[i].key().rfind("layer2_", 0) == 0) {
         upto = static_cast<int64_t>(i) + 1;
       }
     }
-    balance = {upto, static_cast<int64_t>(model->size()) - upto};
-  } else {
-    balance = pipeline::balance_by_time(model, stages, torch::randn({batch / 8, 3, 32, 32}));
+    return {upto, static_cast<int64_t>(p.model->size()) - upto};
   }
-  auto loss = [](const torch::Tensor& out, const torch::Tensor& y) {
-    return torch::nn::functional::cross_entropy(out, y);
-  };
-  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  torch::Tensor x = torch::randn({batch, 3, 32, 32});
-  torch::Tensor y = torch::randint(0, 10, {batch});
-  if (!json) {
-    std::cerr << model_name << ", batch " << batch << ", " << model->size()
-              << " layers after flattening, balance " << c10::IntArrayRef(balance) << " ("
-              << balance_mode << "), " << steps << " timed steps after 1 warm-up" << std::endl;
-  }
+  return pipeline::balance_by_time(p.model, kStages, torch::randn({p.batch / 8, 3, 32, 32}));
+}
 
+PipelineSetup pipeline_setup(const Bench& bench) {
+  PipelineSetup p;
+  p.steps = bench.get_int("steps", 3);
+  p.batch = bench.get_int("batch", 64);
+  const std::string balance_mode = bench.get("balance", "time");
+  p.model_name = bench.get("model", "resnet50_cifar");
+  if (p.steps <= 0 || p.batch <= 0) {
+    throw UsageError("--steps and --batch must be positive");
+  }
+  if (balance_mode != "time" && balance_mode != "layer2") {
+    throw UsageError("unknown --balance '" + balance_mode + "': choose time or layer2");
+  }
+  p.chunk_counts = chunk_counts(bench, p.batch);
+  torch::set_num_threads(1);
+  set_blas_threads(1);  // every row on one thread per stage, the unsplit one included
+  torch::manual_seed(0);
+  p.model = pipeline::flatten(models::make(p.model_name));
+  p.balance = stage_balance(p, balance_mode);
+  p.x = torch::randn({p.batch, 3, 32, 32});
+  p.y = torch::randint(0, 10, {p.batch});
+  if (!bench.json()) {
+    std::cerr << p.model_name << ", batch " << p.batch << ", " << p.model->size()
+              << " layers after flattening, balance " << c10::IntArrayRef(p.balance) << " ("
+              << balance_mode << "), " << p.steps << " timed steps after 1 warm-up" << std::endl;
+  }
+  return p;
+}
+
+// The unsplit model on one thread, `m` micro-batches one after the other (gradient accumulation).
+PipelineRow measure_single(PipelineSetup& p, torch::optim::SGD& opt, int64_t m) {
+  auto xs = torch::tensor_split(p.x, m);
+  auto ys = torch::tensor_split(p.y, m);
+  std::vector<double> times;
+  for (int s = 0; s <= p.steps; ++s) {
+    auto t0 = Clock::now();
+    opt.zero_grad();
+    for (size_t i = 0; i < static_cast<size_t>(m); ++i) {
+      (pipeline_loss(p.model->forward(xs[i]), ys[i]) *
+       (static_cast<double>(xs[i].size(0)) / static_cast<double>(p.batch)))
+          .backward();
+    }
+    opt.step();
+    if (s > 0) {
+      times.push_back(seconds_since(t0));
+    }
+  }
+  const double t = median(times);
+  return {"single", m, t, p.batch / t, 0, 0};
+}
+
+// The two stages under `schedule` with `chunks` micro-batches.
+PipelineRow measure_pipeline(PipelineSetup& p,
+                             torch::optim::SGD& opt,
+                             const std::string& schedule,
+                             int64_t chunks) {
+  pipeline::Pipeline pipe(p.model, p.balance, std::vector<torch::Device>(kStages, torch::kCPU),
+                          pipeline_loss,
+                          pipeline::PipelineOptions().chunks(chunks).schedule(
+                              pipeline::parse_schedule(schedule == "1f1b" ? "1f1b" : "gpipe")));
+  std::vector<double> times;
+  std::vector<double> bubbles;
+  for (int s = 0; s <= p.steps; ++s) {
+    auto t0 = Clock::now();
+    opt.zero_grad();
+    pipe.step(p.x, p.y);
+    opt.step();
+    const double t = seconds_since(t0);
+    if (s > 0) {
+      times.push_back(t);
+      double busy = 0;
+      for (const auto& st : pipe.last_stats()) {
+        busy += st.busy_seconds;
+      }
+      bubbles.push_back(1.0 - busy / (static_cast<double>(kStages) * pipe.last_step_seconds()));
+    }
+  }
+  const double t = median(times);
+  const double ideal = static_cast<double>(kStages - 1) / static_cast<double>(chunks + kStages - 1);
+  return {schedule, chunks, t, p.batch / t, median(bubbles), ideal};
+}
+
+// Every row, one after the other on the same model: the unsplit model on the whole batch and on
+// the largest chunk count's micro-batches in sequence (which isolates what overlapping the stages
+// gains from what smaller tensors alone gain), then model_parallel, gpipe and 1f1b.
+std::vector<PipelineRow> measure_rows(const Bench& bench, PipelineSetup& p) {
+  torch::optim::SGD opt(p.model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   std::vector<PipelineRow> rows;
-  // The unsplit model on one thread: the whole batch, and the largest chunk count's micro-batches
-  // one after the other (gradient accumulation). The second isolates what overlapping the stages
-  // gains from what smaller tensors alone gain.
-  const int64_t most = *std::max_element(chunk_counts.begin(), chunk_counts.end());
+  const int64_t most = *std::max_element(p.chunk_counts.begin(), p.chunk_counts.end());
   for (int64_t m : {int64_t{1}, most}) {
-    if (!json) {
-      std::cerr << "measuring single " << m << "..." << std::endl;
-    }
-    auto xs = torch::tensor_split(x, m);
-    auto ys = torch::tensor_split(y, m);
-    std::vector<double> times;
-    for (int s = 0; s <= steps; ++s) {
-      auto t0 = Clock::now();
-      opt.zero_grad();
-      for (int64_t i = 0; i < m; ++i) {
-        (loss(model->forward(xs[static_cast<size_t>(i)]), ys[static_cast<size_t>(i)]) *
-         (static_cast<double>(xs[static_cast<size_t>(i)].size(0)) / static_cast<double>(batch)))
-            .backward();
-      }
-      opt.step();
-      if (s > 0) {
-        times.push_back(seconds_since(t0));
-      }
-    }
-    const double t = median(times);
-    rows.push_back({"single", m, t, batch / t, 0, 0});
+    bench.progress("measuring single " + std::to_string(m) + "...");
+    rows.push_back(measure_single(p, opt, m));
   }
   std::vector<std::pair<std::string, int64_t>> modes{{"model_parallel", 1}};
   for (const char* schedule : {"gpipe", "1f1b"}) {
-    for (int64_t m : chunk_counts) {
+    for (int64_t m : p.chunk_counts) {
       modes.emplace_back(schedule, m);
     }
   }
   for (const auto& mode : modes) {
-    if (!json) {
-      std::cerr << "measuring " << mode.first << " " << mode.second << "..." << std::endl;
-    }
-    pipeline::Pipeline pipe(
-        model, balance, std::vector<torch::Device>(stages, torch::kCPU), loss,
-        pipeline::PipelineOptions()
-            .chunks(mode.second)
-            .schedule(pipeline::parse_schedule(mode.first == "1f1b" ? "1f1b" : "gpipe")));
-    std::vector<double> times;
-    std::vector<double> bubbles;
-    for (int s = 0; s <= steps; ++s) {
-      auto t0 = Clock::now();
-      opt.zero_grad();
-      pipe.step(x, y);
-      opt.step();
-      const double t = seconds_since(t0);
-      if (s > 0) {
-        times.push_back(t);
-        double busy = 0;
-        for (const auto& st : pipe.last_stats()) {
-          busy += st.busy_seconds;
-        }
-        bubbles.push_back(1.0 - busy / (static_cast<double>(stages) * pipe.last_step_seconds()));
-      }
-    }
-    const double t = median(times);
-    const double ideal =
-        static_cast<double>(stages - 1) / static_cast<double>(mode.second + stages - 1);
-    rows.push_back({mode.first, mode.second, t, batch / t, median(bubbles), ideal});
+    bench.progress("measuring " + mode.first + " " + std::to_string(mode.second) + "...");
+    rows.push_back(measure_pipeline(p, opt, mode.first, mode.second));
   }
+  return rows;
+}
 
+void print_pipeline_json(const PipelineSetup& p, const std::vector<PipelineRow>& rows) {
+  const double mp = rows[2].images_per_second;
+  const double sequential_chunks = rows[1].images_per_second;
+  for (const auto& r : rows) {
+    print_row({{"workload", p.model_name},
+               {"mode", r.mode},
+               {"stages", r.mode == "single" ? 1 : kStages},
+               {"chunks", r.chunks},
+               {"batch", p.batch},
+               {"step_seconds", r.step_seconds},
+               {"images_per_second", r.images_per_second},
+               {"bubble_fraction", r.bubble},
+               {"ideal_bubble_fraction", r.ideal_bubble},
+               {"speedup_vs_model_parallel", r.images_per_second / mp},
+               {"speedup_vs_sequential_chunks", r.images_per_second / sequential_chunks}});
+  }
+}
+
+void print_pipeline_table(const PipelineSetup& p, const std::vector<PipelineRow>& rows) {
   const double mp = rows[2].images_per_second;
   const double sequential_chunks = rows[1].images_per_second;
   double best8 = 0;
@@ -191,27 +244,8 @@ int run_bench_pipeline(const std::vector<std::string>& argv) {
       best8 = std::max(best8, r.images_per_second);
     }
   }
-  if (json) {
-    for (const auto& r : rows) {
-      std::cout << row_json(
-                       {{"workload", quoted(model_name)},
-                        {"mode", quoted(r.mode)},
-                        {"stages", r.mode == "single" ? "1" : std::to_string(stages)},
-                        {"chunks", std::to_string(r.chunks)},
-                        {"batch", std::to_string(batch)},
-                        {"step_seconds", std::to_string(r.step_seconds)},
-                        {"images_per_second", std::to_string(r.images_per_second)},
-                        {"bubble_fraction", std::to_string(r.bubble)},
-                        {"ideal_bubble_fraction", std::to_string(r.ideal_bubble)},
-                        {"speedup_vs_model_parallel", std::to_string(r.images_per_second / mp)},
-                        {"speedup_vs_sequential_chunks",
-                         std::to_string(r.images_per_second / sequential_chunks)}})
-                << "\n";
-    }
-    return 0;
-  }
-  std::cout << model_name << ", batch " << batch << ", 2 stages x 1 thread, balance "
-            << c10::IntArrayRef(balance) << ":\n"
+  std::cout << p.model_name << ", batch " << p.batch << ", 2 stages x 1 thread, balance "
+            << c10::IntArrayRef(p.balance) << ":\n"
             << "  mode            chunks  s/step  images/s  vs model-parallel  bubble (ideal)\n";
   for (const auto& r : rows) {
     std::cout << "  " << std::left << std::setw(15) << r.mode << std::right << std::setw(7)
@@ -228,14 +262,30 @@ int run_bench_pipeline(const std::vector<std::string>& argv) {
     std::cout << std::setprecision(2)
               << "  8-chunk pipelining / plain model parallelism = " << best8 / mp
               << "x (target >= 1.5x)\n";
-    if (most == 8) {
+    if (rows[1].chunks == 8) {
       std::cout << "  8-chunk pipelining / the same 8 micro-batches on one thread = "
                 << best8 / sequential_chunks << "x (the overlap alone; at most "
-                << static_cast<double>(stages) * 8 / (8 + stages - 1) << "x)\n";
+                << static_cast<double>(kStages) * 8 / (8 + kStages - 1) << "x)\n";
     }
   }
+}
+
+int run_pipeline(const Bench& bench) {
+  PipelineSetup p = pipeline_setup(bench);
+  const std::vector<PipelineRow> rows = measure_rows(bench, p);
+  if (bench.json()) {
+    print_pipeline_json(p, rows);
+    return 0;
+  }
+  print_pipeline_table(p, rows);
   std::cout.flush();
   return 0;
+}
+
+}  // namespace
+
+int run_bench_pipeline(const std::vector<std::string>& argv) {
+  return run_benchmark(pipeline_spec(), argv, run_pipeline);
 }
 
 }  // namespace cli

@@ -26,7 +26,9 @@
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 
 #include "paratrain/paratrain.h"
 
@@ -110,13 +112,80 @@ class ReplicaMemory : public c10::MemoryReportingInfoBase {
   std::vector<int64_t> peak_;
 };
 
-int run_strategy_worker(const Args& args) {
+const BenchSpec& strategies_spec() {
+  static const BenchSpec spec{
+      "strategies",
+      "One process against DataParallel against DDP: step time and peak memory.",
+      {
+          {"workloads", "LIST", "mlp, resnet18, cnn (default mlp,resnet18)", "mlp"},
+          {"steps", "N", "timed steps per workload", "1"},
+          {"backend", "NAME", "mpi or gloo"},
+          {"strategy", "S", ""},
+          {"workload", "W", ""},
+      },
+      "print JSON",
+      /*workers=*/true};
+  return spec;
+}
+
+// DataParallel over {cpu, cpu}, each replica thread keeping its own memory account; the clone's
+// parameters and buffers, allocated here, move to replica 1's (Note [Memory per replica]).
+std::unique_ptr<DataParallel> make_data_parallel(torch::nn::Sequential& model,
+                                                 ReplicaMemory& memory) {
+  auto dp = std::make_unique<DataParallel>(
+      model.ptr(),
+      [&model](torch::nn::Module& m, const torch::Tensor& input) {
+        t_replica = &m == model.ptr().get() ? 0 : 1;  // this thread's account
+        return dynamic_cast<torch::nn::SequentialImpl&>(m).forward(input);
+      },
+      std::vector<torch::Device>{torch::kCPU, torch::kCPU},
+      DataParallelOptions().threads_per_replica(1));
+  int64_t clone_bytes = 0;
+  for (const auto& t : model->parameters()) {
+    clone_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  for (const auto& t : model->buffers()) {
+    clone_bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  memory.transfer(0, 1, clone_bytes);
+  return dp;
+}
+
+// What one strategy measured: the median step (the slowest rank's for ddp), the largest replica's
+// (or rank's) peak tensor memory, each replica's, and the peak resident memory.
+struct StrategyNumbers {
+  double step_seconds = 0;
+  double peak = 0;
+  double rss = 0;
+  std::vector<int64_t> peaks;
+  size_t steps = 0;
+};
+
+JsonRow strategy_row(const Workload& w, const std::string& strategy, const StrategyNumbers& n) {
+  JsonRow row{{"workload", w.name},
+              {"strategy", strategy},
+              {"processes", strategy == "ddp" ? 2 : 1},
+              {"replicas", strategy == "single" ? 1 : 2},
+              {"global_batch", w.batch * 2},
+              {"step_seconds", n.step_seconds},
+              {"seconds_per_20_iterations", 20 * n.step_seconds},
+              {"peak_memory_bytes", static_cast<int64_t>(n.peak)},
+              {"peak_rss_bytes", static_cast<int64_t>(n.rss)},
+              {"steps", n.steps}};
+  if (n.peaks.size() > 1) {
+    for (size_t i = 0; i < n.peaks.size(); ++i) {
+      row["peak_memory_replica" + std::to_string(i) + "_bytes"] = n.peaks[i];
+    }
+  }
+  return row;
+}
+
+int run_strategy_worker(const Bench& bench) {
   torch::set_num_threads(1);
-  const int replicas_here = args.get("strategy") == "dp" ? 2 : 1;
-  auto memory = std::make_shared<ReplicaMemory>(replicas_here);
+  const std::string strategy = bench.get("strategy");
+  auto memory = std::make_shared<ReplicaMemory>(strategy == "dp" ? 2 : 1);
   c10::DebugInfoGuard track(c10::DebugInfoKind::PROFILER_STATE, memory);
-  const std::string strategy = args.get("strategy");
-  const Workload w = workload(args.get("workload"), args.get_int("steps", 0));
+  const Workload w = bench_workload(bench.get("workload"), bench);
   dist::ProcessGroupPtr pg;
   if (strategy == "ddp") {
     pg = dist::init_process_group();
@@ -131,22 +200,7 @@ int run_strategy_worker(const Args& args) {
   } else {
     shape[0] *= 2;  // single and dp take the global batch
     if (strategy == "dp") {
-      dp = std::make_unique<DataParallel>(
-          model.ptr(),
-          [&model](torch::nn::Module& m, const torch::Tensor& input) {
-            t_replica = &m == model.ptr().get() ? 0 : 1;  // this thread's account
-            return dynamic_cast<torch::nn::SequentialImpl&>(m).forward(input);
-          },
-          std::vector<torch::Device>{torch::kCPU, torch::kCPU},
-          DataParallelOptions().threads_per_replica(1));
-      int64_t clone_bytes = 0;
-      for (const auto& t : model->parameters()) {
-        clone_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-      }
-      for (const auto& t : model->buffers()) {
-        clone_bytes += t.numel() * static_cast<int64_t>(t.element_size());
-      }
-      memory->transfer(0, 1, clone_bytes);
+      dp = make_data_parallel(model, *memory);
     }
   }
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -166,131 +220,103 @@ int run_strategy_worker(const Args& args) {
       times.push_back(seconds_since(t0));
     }
   }
-  double step_seconds = median(times);
-  const std::vector<int64_t> peaks = memory->peaks();
-  double rss = static_cast<double>(peak_rss_bytes());
-  double peak = static_cast<double>(*std::max_element(peaks.begin(), peaks.end()));
+  StrategyNumbers n{median(times), 0, static_cast<double>(peak_rss_bytes()), memory->peaks(),
+                    times.size()};
+  n.peak = static_cast<double>(*std::max_element(n.peaks.begin(), n.peaks.end()));
   if (pg) {
-    at::Tensor t = torch::tensor({step_seconds, peak, rss}, torch::kDouble);
+    at::Tensor t = torch::tensor({n.step_seconds, n.peak, n.rss}, torch::kDouble);
     pg->allreduce(t, dist::ReduceOp::kMax)->wait();
-    step_seconds = t[0].item<double>();
-    peak = t[1].item<double>();
-    rss = t[2].item<double>();
+    n.step_seconds = t[0].item<double>();
+    n.peak = t[1].item<double>();
+    n.rss = t[2].item<double>();
   }
-
   if (!pg || pg->rank() == 0) {
-    std::ofstream out(args.get("out"), std::ios::app);
-    std::map<std::string, std::string> row{
-        {"workload", quoted(w.name)},
-        {"strategy", quoted(strategy)},
-        {"processes", strategy == "ddp" ? "2" : "1"},
-        {"replicas", strategy == "single" ? "1" : "2"},
-        {"global_batch", std::to_string(w.batch * 2)},
-        {"step_seconds", std::to_string(step_seconds)},
-        {"seconds_per_20_iterations", std::to_string(20 * step_seconds)},
-        {"peak_memory_bytes", std::to_string(static_cast<int64_t>(peak))},
-        {"peak_rss_bytes", std::to_string(static_cast<int64_t>(rss))},
-        {"steps", std::to_string(times.size())}};
-    if (peaks.size() > 1) {
-      for (size_t i = 0; i < peaks.size(); ++i) {
-        row["peak_memory_replica" + std::to_string(i) + "_bytes"] = std::to_string(peaks[i]);
-      }
-    }
-    out << row_json(row) << std::endl;
+    append_row(bench.get("out"), strategy_row(w, strategy, n));
   }
+  return 0;
+}
+
+const std::vector<std::string> kStrategies{"single", "dp", "ddp"};
+
+// Every (workload, strategy), one job after the other: the rows by (workload, strategy).
+std::map<std::pair<std::string, std::string>, JsonRow> measure_strategies(
+    const Bench& bench, const std::vector<std::string>& workloads) {
+  const std::string backend = bench_backend(bench);
+  const std::string out = results_file("strategies");
+  for (const auto& name : workloads) {
+    for (const auto& strategy : kStrategies) {
+      bench.progress("measuring " + name + ": " + strategy + "...");
+      std::vector<std::string> extra{"--workload", name, "--strategy", strategy};
+      for (const auto& word : bench.forwarded({"steps"})) {
+        extra.push_back(word);
+      }
+      run_bench_job(bench.worker_command(out, extra), strategy == "ddp" ? 2 : 1,
+                    strategy == "ddp" ? backend : "", out);
+    }
+  }
+  std::map<std::pair<std::string, std::string>, JsonRow> rows;
+  for (const JsonRow& row : read_rows(out)) {
+    rows[{string_field(row, "workload"), string_field(row, "strategy")}] = row;
+  }
+  std::remove(out.c_str());
+  return rows;
+}
+
+// One strategy's line of the table: its step, speedups, and peak memory per replica or rank.
+void print_strategy_line(const std::string& strategy,
+                         const JsonRow& row,
+                         double single,
+                         double ddp) {
+  const double s = number_field(row, "step_seconds");
+  const double mib = 1 << 20;
+  std::ostringstream mem;
+  mem << std::fixed << std::setprecision(0);
+  if (strategy == "dp") {
+    mem << number_field(row, "peak_memory_replica0_bytes") / mib << " + "
+        << number_field(row, "peak_memory_replica1_bytes") / mib << " MiB (replica 0 + 1)";
+  } else {
+    mem << number_field(row, "peak_memory_bytes") / mib << " MiB"
+        << (strategy == "ddp" ? " per rank" : "");
+  }
+  mem << " (" << number_field(row, "peak_rss_bytes") / mib << " MiB)";
+  std::cout << "  " << std::left << std::setw(8) << strategy << std::right << std::fixed
+            << std::setprecision(1) << std::setw(9) << s * 1e3 << std::setprecision(2)
+            << std::setw(11) << 20 * s << std::setw(8) << single / s << "x" << std::setw(7)
+            << s / ddp << "x  " << mem.str() << "\n";
+}
+
+int run_strategies(const Bench& bench) {
+  const std::vector<std::string> workloads = bench_workloads(bench);
+  auto rows = measure_strategies(bench, workloads);
+  for (const auto& name : workloads) {
+    const double single = number_field(rows[{name, "single"}], "step_seconds");
+    const double ddp = number_field(rows[{name, "ddp"}], "step_seconds");
+    if (bench.json()) {
+      for (const auto& strategy : kStrategies) {
+        JsonRow row = rows[{name, strategy}];
+        const double s = number_field(row, "step_seconds");
+        row["speedup_vs_single"] = single / s;
+        row["ratio_to_ddp"] = s / ddp;
+        print_row(row);
+      }
+      continue;
+    }
+    const Workload w = bench_workload(name, bench);
+    std::cout << name << " (global batch " << 2 * w.batch << ", 1 thread per replica/rank):\n"
+              << "  strategy  ms/step  s/20 iter  speedup  vs ddp  peak tensor memory "
+                 "(process RSS)\n";
+    for (const auto& strategy : kStrategies) {
+      print_strategy_line(strategy, rows[{name, strategy}], single, ddp);
+    }
+  }
+  std::cout.flush();
   return 0;
 }
 
 }  // namespace
 
 int run_bench_strategies(const std::vector<std::string>& argv) {
-  static const CommandSpec spec{
-      "paratrain bench strategies",
-      "One process against DataParallel against DDP: step time and peak memory.",
-      {
-          {"workloads", "LIST", "mlp, resnet18, cnn (default mlp,resnet18)"},
-          {"steps", "N", "timed steps per workload"},
-          {"backend", "NAME", "mpi or gloo"},
-          {"json", "", "print JSON"},
-          {"worker", "", ""},
-          {"strategy", "S", ""},
-          {"workload", "W", ""},
-          {"out", "FILE", ""},
-      }};
-  Args args(argv, spec);
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
-  }
-  if (args.has("worker")) {
-    return run_strategy_worker(args);
-  }
-  const std::vector<std::string> workloads = bench_workloads(args);
-  const std::string backend = bench_backend(args);
-  const bool json = args.has("json");
-  const std::string out = results_file("strategies");
-  const std::vector<std::string> strategies{"single", "dp", "ddp"};
-  for (const auto& name : workloads) {
-    for (const auto& strategy : strategies) {
-      if (!json) {
-        std::cerr << "measuring " << name << ": " << strategy << "..." << std::endl;
-      }
-      std::vector<std::string> command{self_path(),  "bench", "strategies", "--worker",
-                                       "--workload", name,    "--strategy", strategy,
-                                       "--out",      out};
-      if (args.has("steps")) {
-        command.insert(command.end(), {"--steps", args.get("steps")});
-      }
-      run_bench_job(command, strategy == "ddp" ? 2 : 1, strategy == "ddp" ? backend : "", out);
-    }
-  }
-  std::ifstream in(out);
-  std::map<std::pair<std::string, std::string>, std::string> rows;
-  for (std::string line; std::getline(in, line);) {
-    rows[{json_field(line, "workload"), json_field(line, "strategy")}] = line;
-  }
-  std::remove(out.c_str());
-  for (const auto& name : workloads) {
-    const double single = std::stod(json_field(rows[{name, "single"}], "step_seconds"));
-    const double ddp = std::stod(json_field(rows[{name, "ddp"}], "step_seconds"));
-    if (json) {
-      for (const auto& strategy : strategies) {
-        std::string line = rows[{name, strategy}];
-        const double s = std::stod(json_field(line, "step_seconds"));
-        line.pop_back();
-        line += ", \"speedup_vs_single\": " + std::to_string(single / s) +
-                ", \"ratio_to_ddp\": " + std::to_string(s / ddp) + "}";
-        std::cout << line << "\n";
-      }
-      continue;
-    }
-    const Workload w = workload(name, 0);
-    std::cout << name << " (global batch " << 2 * w.batch << ", 1 thread per replica/rank):\n"
-              << "  strategy  ms/step  s/20 iter  speedup  vs ddp  peak tensor memory "
-                 "(process RSS)\n";
-    for (const auto& strategy : strategies) {
-      const std::string& line = rows[{name, strategy}];
-      const double s = std::stod(json_field(line, "step_seconds"));
-      const double mib = 1 << 20;
-      std::ostringstream mem;
-      mem << std::fixed << std::setprecision(0);
-      if (strategy == "dp") {
-        mem << std::stod(json_field(line, "peak_memory_replica0_bytes")) / mib << " + "
-            << std::stod(json_field(line, "peak_memory_replica1_bytes")) / mib
-            << " MiB (replica 0 + 1)";
-      } else {
-        mem << std::stod(json_field(line, "peak_memory_bytes")) / mib << " MiB"
-            << (strategy == "ddp" ? " per rank" : "");
-      }
-      mem << " (" << std::stod(json_field(line, "peak_rss_bytes")) / mib << " MiB)";
-      std::cout << "  " << std::left << std::setw(8) << strategy << std::right << std::fixed
-                << std::setprecision(1) << std::setw(9) << s * 1e3 << std::setprecision(2)
-                << std::setw(11) << 20 * s << std::setw(8) << single / s << "x" << std::setw(7)
-                << s / ddp << "x  " << mem.str() << "\n";
-    }
-  }
-  std::cout.flush();
-  return 0;
+  return run_benchmark(strategies_spec(), argv, run_strategies, run_strategy_worker);
 }
 
 }  // namespace cli

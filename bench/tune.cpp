@@ -10,11 +10,14 @@
 // Rows: system (paratrain-bohb, paratrain-asha, paratrain-random, optuna-tpe-hyperband,
 // optuna-random), seed, best_accuracy (the best trial that ran to max_t, at its last report, as
 // Optuna's best_value), epochs_used, wall_seconds; then one mean row per system with its ratios
-// to optuna-tpe-hyperband.
+// to optuna-tpe-hyperband. Where no Python here imports torch and optuna, the Optuna systems are
+// left out, said in one line; a build without SQLite has no tuner, and says so.
 
 #include "args.h"
 #include "bench_util.h"
+#include "benchmarks.h"
 #include "commands.h"
+#include "harness.h"
 #include "json_line.h"
 #include "util/files.h"
 
@@ -40,11 +43,37 @@
 namespace paratrain {
 namespace cli {
 
+namespace {
+
+const BenchSpec& tune_spec() {
+  // --smoke: each system once, 2 trials of one epoch over the first 1024 training images (every
+  // batch choice fits in them), scored on 256 test images.
+  static const BenchSpec spec{
+      "tune",
+      "paratrain tune (BOHB, ASHA, random) against Optuna (TPE with its Hyperband pruner, random)\n"
+      "on the same search over the mlp on Fashion-MNIST, in one run.",
+      {
+          {"seeds", "N", "seeds 0..N-1 (default 3)", "1"},
+          {"trials", "N", "trials per search (default 20)", "2"},
+          {"epochs", "E", "epochs a trial runs at most (default 2)", "1"},
+          {"max-concurrent", "K", "paratrain's concurrent trials (default: one per core)"},
+          {"systems", "LIST", "a comma-separated subset of the five systems"},
+          {"python", "PATH", "the Python with torch and optuna (default /usr/bin/python3)"},
+          {"train-images", "N", "the training images trials draw from (default 60000: all)",
+           "1024"},
+          {"test-images", "N", "the test images trials are scored on (default 10000: all)", "256"},
+      },
+      "print JSON rows"};
+  return spec;
+}
+
+}  // namespace
+
 #ifndef PARATRAIN_WITH_TUNE
-int run_bench_tune(const std::vector<std::string>&) {
-  std::cerr << "paratrain bench tune: this build has no SQLite (install libsqlite3-dev)"
-            << std::endl;
-  return 1;
+int run_bench_tune(const std::vector<std::string>& argv) {
+  return run_benchmark(tune_spec(), argv, [](const Bench& bench) {
+    return not_available(bench, "this build has no SQLite (install libsqlite3-dev)");
+  });
 }
 #else
 namespace {
@@ -55,13 +84,16 @@ struct Data {
   torch::Tensor train_x, train_y, test_x, test_y;
 };
 
-Data load_data() {
+// The first `train_images` training and `test_images` test images.
+Data load_data(int64_t train_images, int64_t test_images) {
   // images() are already normalized as torchvision's Normalize((0.2860,), (0.3530,)) would
-  auto flat = [](const data::FashionMNIST& d) { return d.images().reshape({-1, 784}); };
+  auto flat = [](const data::FashionMNIST& d, int64_t n) {
+    return d.images().reshape({-1, 784}).slice(0, 0, n);
+  };
   data::FashionMNIST train(data::kFashionMnistDir, data::FashionMNIST::Split::kTrain);
   data::FashionMNIST test(data::kFashionMnistDir, data::FashionMNIST::Split::kTest);
-  return {flat(train), train.targets().to(torch::kLong), flat(test),
-          test.targets().to(torch::kLong)};
+  return {flat(train, train_images), train.targets().to(torch::kLong).slice(0, 0, train_images),
+          flat(test, test_images), test.targets().to(torch::kLong).slice(0, 0, test_images)};
 }
 
 nn::Sequential mlp(int64_t hidden, double dropout) {
@@ -173,13 +205,22 @@ Outcome run_paratrain(const std::string& system,
   return o;
 }
 
-Outcome run_optuna(
-    const std::string& system, uint64_t seed, int trials, int quarters, const std::string& python) {
+// What every search runs: the search's size, and the data its trials see.
+struct TunePlan {
+  int seeds = 0, trials = 0, quarters = 0, concurrent = 0;
+  int train_images = 0, test_images = 0;
+  std::vector<std::string> systems;
+  std::string python;  // of the Optuna systems; "" when they are left out
+};
+
+Outcome run_optuna(const std::string& system, uint64_t seed, const TunePlan& plan) {
   const bool tpe = system == "optuna-tpe-hyperband";
-  const std::string cmd = "'" + python + "' '" + bench_script("tune_optuna.py") + "' --seed " +
-                          std::to_string(seed) + " --sampler " + (tpe ? "tpe" : "random") +
-                          " --pruner " + (tpe ? "hyperband" : "none") + " --trials " +
-                          std::to_string(trials) + " --quarters " + std::to_string(quarters);
+  const std::string cmd =
+      "'" + plan.python + "' '" + bench_script("tune_optuna.py") + "' --seed " +
+      std::to_string(seed) + " --sampler " + (tpe ? "tpe" : "random") + " --pruner " +
+      (tpe ? "hyperband" : "none") + " --trials " + std::to_string(plan.trials) + " --quarters " +
+      std::to_string(plan.quarters) + " --train-images " + std::to_string(plan.train_images) +
+      " --test-images " + std::to_string(plan.test_images);
   FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) {
     throw std::runtime_error("cannot run " + cmd);
@@ -192,110 +233,150 @@ Outcome run_optuna(
   if (::pclose(p) != 0 || last.empty()) {
     throw std::runtime_error("the Optuna side failed (is python3-optuna installed?): " + cmd);
   }
+  const JsonRow row = parse_row(last);
   Outcome o;
-  o.best_accuracy = std::stod(json_field(last, "best_accuracy"));
-  o.epochs_used = std::stod(json_field(last, "epochs_used"));
-  o.wall_seconds = std::stod(json_field(last, "wall_seconds"));
+  o.best_accuracy = number_field(row, "best_accuracy");
+  o.epochs_used = number_field(row, "epochs_used");
+  o.wall_seconds = number_field(row, "wall_seconds");
   return o;
 }
 
-const CommandSpec& tune_bench_spec() {
-  static const CommandSpec spec{
-      "paratrain bench tune",
-      "paratrain tune (BOHB, ASHA, random) against Optuna (TPE with its Hyperband pruner, random)\n"
-      "on the same search over the mlp on Fashion-MNIST, in one run.",
-      {
-          {"seeds", "N", "seeds 0..N-1 (default 3)"},
-          {"trials", "N", "trials per search (default 20)"},
-          {"epochs", "E", "epochs a trial runs at most (default 2)"},
-          {"max-concurrent", "K", "paratrain's concurrent trials (default: one per core)"},
-          {"systems", "LIST", "a comma-separated subset of the five systems"},
-          {"python", "PATH", "the Python with torch and optuna (default /usr/bin/python3)"},
-          {"json", "", "print JSON rows"},
-      }};
-  return spec;
+// The Python of the Optuna systems, or "" where they are left out: under --smoke without
+// --python (the rows say so), or where no Python here has torch and optuna (said in one line).
+std::string optuna_python(const Bench& bench) {
+  if (bench.smoke() && !bench.has("python")) {
+    return "";
+  }
+  std::string python;
+  try {
+    python = torch_python(bench.get("python", ""));
+  } catch (const std::exception& e) {
+    std::cerr << "paratrain bench tune: the Optuna systems are left out: " << e.what() << std::endl;
+    return "";
+  }
+  if (std::system(("'" + python + "' -c 'import optuna' >/dev/null 2>&1").c_str()) != 0) {
+    std::cerr << "paratrain bench tune: the Optuna systems are left out: " << python
+              << " cannot import optuna (install python3-optuna)" << std::endl;
+    return "";
+  }
+  return python;
 }
 
-}  // namespace
+bool is_optuna(const std::string& system) {
+  return system.rfind("optuna", 0) == 0;
+}
 
-int run_bench_tune(const std::vector<std::string>& argv) {
-  Args args(argv, tune_bench_spec());
-  if (args.has("help")) {
-    std::cout << args.help();
-    return 0;
+// --systems (default all five).
+std::vector<std::string> tune_systems(const Bench& bench) {
+  const std::vector<std::string> all{"paratrain-bohb", "paratrain-asha", "paratrain-random",
+                                     "optuna-tpe-hyperband", "optuna-random"};
+  if (!bench.has("systems")) {
+    return all;
   }
-  const int seeds = args.get_int("seeds", 3), trials = args.get_int("trials", 20);
-  const int quarters = 4 * args.get_int("epochs", 2);
-  const int concurrent = args.get_int(
-      "max-concurrent", static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  if (seeds < 1 || trials < 1 || quarters < 4 || concurrent < 1) {
+  const std::vector<std::string> systems = split_list(bench.get("systems"));
+  for (const auto& s : systems) {
+    if (std::find(all.begin(), all.end(), s) == all.end()) {
+      throw UsageError("unknown system '" + s + "' in --systems");
+    }
+  }
+  return systems;
+}
+
+TunePlan tune_plan(const Bench& bench) {
+  TunePlan p;
+  p.seeds = bench.get_int("seeds", 3);
+  p.trials = bench.get_int("trials", 20);
+  p.quarters = 4 * bench.get_int("epochs", 2);
+  p.concurrent = bench.get_int("max-concurrent",
+                               static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  if (p.seeds < 1 || p.trials < 1 || p.quarters < 4 || p.concurrent < 1) {
     throw UsageError("--seeds, --trials, --epochs and --max-concurrent must be >= 1");
   }
-  std::vector<std::string> systems{"paratrain-bohb", "paratrain-asha", "paratrain-random",
-                                   "optuna-tpe-hyperband", "optuna-random"};
-  if (args.has("systems")) {
-    std::vector<std::string> picked;
-    std::stringstream list(args.get("systems"));
-    for (std::string s; std::getline(list, s, ',');) {
-      if (std::find(systems.begin(), systems.end(), s) == systems.end()) {
-        throw UsageError("unknown system '" + s + "' in --systems");
-      }
-      picked.push_back(s);
-    }
-    systems = picked;
+  p.train_images = bench.get_int("train-images", 60000);
+  p.test_images = bench.get_int("test-images", 10000);
+  // Above the largest batch choice (256): a trial's batches are drawn from the first images.
+  if (p.train_images < 512 || p.train_images > 60000 || p.test_images < 1 ||
+      p.test_images > 10000) {
+    throw UsageError("--train-images must be 512 to 60000 and --test-images 1 to 10000, got " +
+                     std::to_string(p.train_images) + " and " + std::to_string(p.test_images));
   }
-  const bool json = args.has("json");
-  const std::string python = torch_python(args.get("python", ""));
+  p.systems = tune_systems(bench);
+  if (std::any_of(p.systems.begin(), p.systems.end(), is_optuna)) {
+    p.python = optuna_python(bench);
+  }
+  if (p.python.empty()) {
+    p.systems.erase(std::remove_if(p.systems.begin(), p.systems.end(), is_optuna), p.systems.end());
+  }
+  return p;
+}
+
+// One row per system and seed, printed as each search ends; the outcomes by system.
+std::map<std::string, std::vector<Outcome> > run_searches(const Bench& bench, const TunePlan& p) {
   torch::set_num_threads(1);
   // OpenBLAS keeps its own pool, which set_num_threads does not reach: two trials sharing its
   // spinning threads each ran at a fraction of their speed.
   set_blas_threads(1);
-  const Data d = load_data();
+  const Data d = load_data(p.train_images, p.test_images);
   const std::string dir = results_file("tune");
   std::filesystem::remove(dir);
   std::filesystem::create_directories(dir);
   std::map<std::string, std::vector<Outcome> > all;
-  for (int seed = 0; seed < seeds; ++seed) {
-    for (const auto& system : systems) {
-      const Outcome o =
-          system.rfind("optuna", 0) == 0
-              ? run_optuna(system, static_cast<uint64_t>(seed), trials, quarters, python)
-              : run_paratrain(system, static_cast<uint64_t>(seed), d, trials, quarters, concurrent,
-                              dir);
+  for (int seed = 0; seed < p.seeds; ++seed) {
+    for (const auto& system : p.systems) {
+      const Outcome o = is_optuna(system) ? run_optuna(system, static_cast<uint64_t>(seed), p)
+                                          : run_paratrain(system, static_cast<uint64_t>(seed), d,
+                                                          p.trials, p.quarters, p.concurrent, dir);
       all[system].push_back(o);
       JsonRow row{{"system", system},
                   {"seed", seed},
                   {"best_accuracy", o.best_accuracy},
                   {"epochs_used", o.epochs_used},
                   {"wall_seconds", o.wall_seconds}};
-      std::cout << (json ? json_line(row) : row.dump()) << std::endl;
+      note_smoke_skip(bench, row, "optuna");
+      std::cout << (bench.json() ? json_line(row) : row.dump()) << std::endl;
     }
-  }
-  auto mean = [](const std::vector<Outcome>& v, double Outcome::*f) {
-    double s = 0;
-    for (const auto& o : v) {
-      s += o.*f;
-    }
-    return s / static_cast<double>(v.size());
-  };
-  const auto ref = all.find("optuna-tpe-hyperband");
-  for (const auto& system : systems) {
-    const auto& v = all[system];
-    JsonRow row{{"system", system},
-                {"seeds", seeds},
-                {"mean_best_accuracy", mean(v, &Outcome::best_accuracy)},
-                {"mean_epochs_used", mean(v, &Outcome::epochs_used)},
-                {"mean_wall_seconds", mean(v, &Outcome::wall_seconds)}};
-    if (ref != all.end()) {
-      row["accuracy_minus_optuna_tpe"] =
-          mean(v, &Outcome::best_accuracy) - mean(ref->second, &Outcome::best_accuracy);
-      row["wall_ratio_to_optuna_tpe"] =
-          mean(v, &Outcome::wall_seconds) / mean(ref->second, &Outcome::wall_seconds);
-    }
-    std::cout << (json ? json_line(row) : row.dump()) << std::endl;
   }
   detail::remove_tree(dir);
+  return all;
+}
+
+double mean_of(const std::vector<Outcome>& v, double Outcome::*f) {
+  double s = 0;
+  for (const auto& o : v) {
+    s += o.*f;
+  }
+  return s / static_cast<double>(v.size());
+}
+
+int run_tune_bench(const Bench& bench) {
+  const TunePlan p = tune_plan(bench);
+  if (p.systems.empty()) {
+    return not_available(bench, "no system of --systems can run here");
+  }
+  std::map<std::string, std::vector<Outcome> > all = run_searches(bench, p);
+  const auto ref = all.find("optuna-tpe-hyperband");
+  for (const auto& system : p.systems) {
+    const auto& v = all[system];
+    JsonRow row{{"system", system},
+                {"seeds", p.seeds},
+                {"mean_best_accuracy", mean_of(v, &Outcome::best_accuracy)},
+                {"mean_epochs_used", mean_of(v, &Outcome::epochs_used)},
+                {"mean_wall_seconds", mean_of(v, &Outcome::wall_seconds)}};
+    if (ref != all.end()) {
+      row["accuracy_minus_optuna_tpe"] =
+          mean_of(v, &Outcome::best_accuracy) - mean_of(ref->second, &Outcome::best_accuracy);
+      row["wall_ratio_to_optuna_tpe"] =
+          mean_of(v, &Outcome::wall_seconds) / mean_of(ref->second, &Outcome::wall_seconds);
+    }
+    std::cout << (bench.json() ? json_line(row) : row.dump()) << std::endl;
+  }
   return 0;
+}
+
+}  // namespace
+
+int run_bench_tune(const std::vector<std::string>& argv) {
+  return run_benchmark(tune_spec(), argv, run_tune_bench);
 }
 #endif
 

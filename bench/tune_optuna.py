@@ -50,10 +50,15 @@ def main():
     p.add_argument("--pruner", choices=["hyperband", "none"], default="hyperband")
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--quarters", type=int, default=8, help="quarter epochs a trial runs at most")
+    # The first N images only (paratrain bench tune --smoke): an epoch is then a pass over them.
+    p.add_argument("--train-images", type=int, default=60000)
+    p.add_argument("--test-images", type=int, default=10000)
     a = p.parse_args()
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     xtr, ytr, xte, yte = load(a.data_dir)
+    xtr, ytr = xtr[:a.train_images], ytr[:a.train_images]
+    xte, yte = xte[:a.test_images], yte[:a.test_images]
     used = [0]
 
     def objective(trial):
