@@ -29,7 +29,12 @@ int main() {
     for (const auto& p : model->parameters()) {
       sum += p.detach().to(torch::kDouble).sum();
     }
-    std::vector<torch::Tensor> all(static_cast<size_t>(pg->size()), torch::zeros_like(sum));
+    // One tensor per rank (a vector of n copies of one tensor would alias them all, and every
+    // comparison below would compare a tensor with itself).
+    std::vector<torch::Tensor> all;
+    for (int r = 0; r < pg->size(); ++r) {
+      all.push_back(torch::full_like(sum, -1.0));
+    }
     pg->allgather(all, sum)->wait();
     for (const auto& t : all) {
       if (!t.equal(all[0])) {

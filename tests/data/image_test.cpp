@@ -6,7 +6,7 @@
 #include "paratrain/data/image.h"
 #include "paratrain/data/fashion_mnist.h"
 #include "paratrain/data/transforms.h"
-#include "paratrain/train/torch_load.h"
+#include "paratrain/io/torch_load.h"
 
 #include "test_util.h"
 

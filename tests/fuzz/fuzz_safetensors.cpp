@@ -1,7 +1,7 @@
 // libFuzzer target: the safetensors reader on raw bytes. Rejected input must throw; the tensors
 // it returns must be contiguous and no larger than the input, their bools 0 or 1.
 
-#include "paratrain/train/safetensors.h"
+#include "paratrain/io/safetensors.h"
 
 #include <ATen/Parallel.h>
 

@@ -9,7 +9,7 @@
 // reads its first and last element, which AddressSanitizer checks, and its bools, which
 // UBSan checks are 0 or 1.
 
-#include "paratrain/train/torch_load.h"
+#include "paratrain/io/torch_load.h"
 
 #include <ATen/Parallel.h>
 #include <caffe2/serialize/inline_container.h>

@@ -7,9 +7,9 @@
 
 #include "paratrain/amp/grad_scaler.h"
 #include "paratrain/amp/mixed_precision.h"
+#include "paratrain/comm/init.h"
 #include "paratrain/data/device_prefetcher.h"
 #include "paratrain/data/fashion_mnist.h"
-#include "paratrain/dist/init.h"
 #include "paratrain/models/registry.h"
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/pipeline.h"

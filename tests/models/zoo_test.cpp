@@ -4,9 +4,9 @@
 
 #include "test_util.h"
 
+#include "paratrain/io/safetensors.h"
+#include "paratrain/io/torch_load.h"
 #include "paratrain/models/registry.h"
-#include "paratrain/train/safetensors.h"
-#include "paratrain/train/torch_load.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

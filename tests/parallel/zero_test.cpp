@@ -4,7 +4,7 @@
 
 #include "test_util.h"
 
-#include <paratrain/dist/init.h>
+#include <paratrain/comm/init.h>
 #include <paratrain/parallel/zero_redundancy_optimizer.h>
 
 #include <torch/torch.h>

@@ -4,14 +4,14 @@
 
 #include "test_util.h"
 
+#include "paratrain/comm/init.h"
 #include "paratrain/data/dataset.h"
-#include "paratrain/dist/init.h"
+#include "paratrain/io/checkpoint.h"
+#include "paratrain/io/safetensors.h"
 #include "paratrain/models/registry.h"
-#include "paratrain/train/checkpoint.h"
 #include "paratrain/train/lr_schedule.h"
-#include "paratrain/train/safetensors.h"
-#include "paratrain/train/trace.h"
 #include "paratrain/train/trainer.h"
+#include "paratrain/util/trace.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -28,12 +28,6 @@
 namespace paratrain {
 namespace testing {
 namespace {
-
-std::string temp_dir(const std::string& name) {
-  std::string dir = "/tmp/" + unique_token(name);
-  ::mkdir(dir.c_str(), 0755);
-  return dir;
-}
 
 // 512 samples of 784 features in 10 linearly separable-ish classes.
 data::DatasetPtr toy_data(int64_t n = 512, uint64_t seed = 1) {
@@ -63,22 +57,6 @@ std::string exact(double v) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "%.17g", v);
   return buf;
-}
-
-TensorMap copies(const TensorMap& m) {
-  TensorMap out;
-  for (const auto& kv : m) {
-    out[kv.first] = kv.second.detach().clone();
-  }
-  return out;
-}
-
-void expect_bitwise(const TensorMap& a, const TensorMap& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (const auto& kv : a) {
-    ASSERT_TRUE(b.count(kv.first)) << kv.first;
-    EXPECT_TRUE(torch::equal(kv.second.cpu(), b.at(kv.first).cpu())) << kv.first << " differs";
-  }
 }
 
 // ---- learning-rate schedules ----------------------------------------------------------------
@@ -141,123 +119,6 @@ TEST(LRSchedule, BadOptions) {
               make_optimizer({}, OptimizerOptions().kind("lamb"));
             }).find("unknown optimizer 'lamb': choose sgd, adam or adamw"),
             std::string::npos);
-}
-
-// ---- checkpoints ------------------------------------------------------------------------------
-
-TEST(Checkpoint, OptimizerStateRoundTripsBitwise) {
-  for (const std::string kind : {"sgd", "adam", "adamw"}) {
-    auto model = fresh("mlp");
-    auto opt = make_optimizer(model->parameters(), OptimizerOptions().kind(kind).lr(0.01));
-    auto step = [&](torch::optim::Optimizer& o, torch::nn::Sequential& m, int i) {
-      torch::manual_seed(100 + i);
-      o.zero_grad();
-      m->forward(torch::randn({8, 1, 28, 28})).pow(2).mean().backward();
-      o.step();
-    };
-    for (int i = 0; i < 3; ++i) {
-      step(*opt, model, i);
-    }
-    const TensorMap saved_opt = copies(optimizer_state(*opt));
-    const TensorMap saved_model = copies(module_state(*model));
-    EXPECT_FALSE(saved_opt.empty()) << kind;
-    step(*opt, model, 3);
-    // A second model and optimizer restored from the copies take the same step.
-    auto model2 = fresh("mlp");
-    load_module_state(*model2, saved_model);
-    auto opt2 = make_optimizer(model2->parameters(), OptimizerOptions().kind(kind).lr(0.01));
-    load_optimizer_state(*opt2, saved_opt);
-    step(*opt2, model2, 3);
-    expect_bitwise(module_state(*model), module_state(*model2));
-  }
-}
-
-TEST(Checkpoint, AtomicFilesFallbackAndPruning) {
-  const std::string dir = temp_dir("ckpt");
-  {
-    Checkpoint ckpt(CheckpointOptions(dir).keep(3));
-    for (int64_t step : {10, 20, 30, 40}) {
-      CheckpointState s;
-      s.step = step;
-      s.meta = "{\"step\": " + std::to_string(step) + "}";
-      s.shared["w"] = torch::full({4}, static_cast<float>(step));
-      s.own = rng_state();
-      ckpt.save(std::move(s));
-    }
-    ckpt.wait();
-    EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{40, 30, 20}));  // keep 3
-  }
-  // No temporary file is left, and the oldest checkpoint's files are gone.
-  auto r = run_process({"ls", dir}, {}, 10);
-  EXPECT_EQ(r.output.find(".tmp-"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("ckpt-0000000010"), std::string::npos) << r.output;
-
-  // Truncate the newest: resume falls back to the one before, with a warning naming the file.
-  const std::string newest = dir + "/ckpt-0000000040.safetensors";
-  ASSERT_EQ(::truncate(newest.c_str(), 20), 0);
-  // Flip a byte in the next: its CRC-32 fails.
-  {
-    std::fstream f(dir + "/ckpt-0000000030.safetensors",
-                   std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(-2, std::ios::end);
-    f.put('\x55');
-  }
-  Checkpoint ckpt(CheckpointOptions(dir).keep(3));
-  std::vector<std::string> warnings;
-  auto s = ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); });
-  ASSERT_TRUE(s.has_value());
-  EXPECT_EQ(s->step, 20);
-  EXPECT_TRUE(torch::equal(s->shared.at("w"), torch::full({4}, 20.0f)));
-  ASSERT_EQ(warnings.size(), 2u);
-  EXPECT_NE(warnings[0].find("ckpt-0000000040.safetensors has 20 bytes"), std::string::npos)
-      << warnings[0];
-  EXPECT_NE(warnings[1].find("ckpt-0000000030.safetensors fails its CRC-32 check"),
-            std::string::npos)
-      << warnings[1];
-  remove_tree(dir);
-
-  EXPECT_NE(error_of([] {
-              Checkpoint c(CheckpointOptions("/proc/paratrain-ckpt"));
-            }).find("cannot create the checkpoint directory /proc/paratrain-ckpt"),
-            std::string::npos);
-  EXPECT_NE(error_of([] {
-              Checkpoint c(CheckpointOptions("/tmp").keep(0));
-            }).find("the number of checkpoints to keep must be >= 1, got 0"),
-            std::string::npos);
-  EXPECT_NE(error_of([] {
-              Checkpoint::load("/nonexistent/ckpt-0000000001.json");
-            }).find("does not exist"),
-            std::string::npos);
-}
-
-TEST(Checkpoint, RngStateRestoresTheSameDraws) {
-  torch::manual_seed(7);
-  torch::randn({3});
-  const TensorMap state = rng_state();
-  const torch::Tensor a = torch::randn({5});
-  torch::randn({11});
-  set_rng_state(state);
-  EXPECT_TRUE(torch::equal(a, torch::randn({5})));
-}
-
-TEST(Trace, KeepsAtMostMaxEventsAndSaysHowManyItDropped) {
-  trace::Tracer tracer(3, /*max_events=*/3);
-  const auto t0 = trace::Clock::now();
-  for (int i = 0; i < 5; ++i) {
-    tracer.complete("span " + std::to_string(i), "compute", t0, t0 + std::chrono::microseconds(i));
-  }
-  EXPECT_EQ(tracer.size(), 3u);
-  EXPECT_EQ(tracer.dropped(), 2u);
-  const std::string path = "/tmp/" + unique_token("trace") + ".json";
-  tracer.write(path);
-  std::ifstream in(path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_NE(text.find("\"span 2\""), std::string::npos) << text;
-  EXPECT_EQ(text.find("\"span 3\""), std::string::npos) << text;
-  EXPECT_NE(text.find("trace full: 2 later spans left out (max_events 3)"), std::string::npos)
-      << text;
-  EXPECT_NE(text.find("\"rank 3\""), std::string::npos) << text;
-  std::remove(path.c_str());
 }
 
 // ---- the Trainer ------------------------------------------------------------------------------
@@ -347,11 +208,11 @@ TEST(Trainer, ResumeAfterAFailureIsBitwiseEqual) {
         .checkpoint_every(2)
         .resume("auto");
   };
-  const std::string a = temp_dir("uninterrupted");
+  const std::string a = make_temp_dir("uninterrupted");
   Trainer whole(fresh("mlp"), data, data, options(a));
   whole.fit();
 
-  const std::string b = temp_dir("resumed");
+  const std::string b = make_temp_dir("resumed");
   {
     Trainer t(fresh("mlp"), data, data, options(b));
     t.on_step_end([](const StepInfo& s) {

@@ -3,7 +3,7 @@
 
 #include "paratrain/tune/report.h"
 #include "paratrain/data/image.h"
-#include "paratrain/dist/launch.h"
+#include "paratrain/launch/launch.h"
 #include "paratrain/tune/tuner.h"
 #include "test_util.h"
 

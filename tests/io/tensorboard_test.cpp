@@ -5,8 +5,8 @@
 #include "test_util.h"
 
 #include "paratrain/data/dataset.h"
+#include "paratrain/io/tensorboard.h"
 #include "paratrain/models/registry.h"
-#include "paratrain/train/tensorboard.h"
 #include "paratrain/train/trainer.h"
 
 #include <gtest/gtest.h>

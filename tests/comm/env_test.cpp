@@ -1,7 +1,7 @@
 // Rank discovery and the launcher's argument checks, in process.
 
-#include "paratrain/dist/env.h"
-#include "paratrain/dist/launch.h"
+#include "paratrain/comm/env.h"
+#include "paratrain/launch/launch.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 
-#include "paratrain/dist/init.h"
+#include "paratrain/comm/init.h"
 
 #include <torch/torch.h>
 

@@ -1,8 +1,8 @@
-// paratrain's store (src/dist/socket_store.h), through its c10d::Store face: c10d::Store's
+// paratrain's store (src/comm/socket_store.h), through its c10d::Store face: c10d::Store's
 // semantics, the addresses its server binds, and a deadline on every call. Real sockets on
 // loopback.
 
-#include "dist/c10d_socket_store.h"
+#include "comm/c10d_socket_store.h"
 #include "test_util.h"  // error_of
 
 #include <gtest/gtest.h>

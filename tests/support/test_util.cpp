@@ -2,6 +2,7 @@
 
 #include "commands.h"  // apps/paratrain: run_cli
 #include "paratrain/util/allocator.h"
+#include "paratrain/util/child_process.h"
 #include "util/files.h"
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,8 +32,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-
-extern char** environ;
 
 namespace paratrain {
 namespace testing {
@@ -60,53 +60,25 @@ RunningProcess start_process(const std::vector<std::string>& argv,
     ADD_FAILURE() << "this test is labelled unit but starts " << (argv.empty() ? "" : argv[0])
                   << ": label it multiprocess in tests/labels.cmake";
   }
-  std::map<std::string, std::string> all;
-  for (char** e = environ; *e; ++e) {
-    std::string kv = *e;
-    auto eq = kv.find('=');
-    all[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
+  // A value "<unset>" removes the variable (world_of_one_env).
+  std::map<std::string, std::string> set;
+  std::vector<std::string> unset;
   for (const auto& kv : env) {
     if (kv.second == "<unset>") {
-      all.erase(kv.first);
+      unset.push_back(kv.first);
     } else {
-      all[kv.first] = kv.second;
+      set.insert(kv);
     }
   }
-  std::vector<std::string> env_strings;
-  for (const auto& kv : all) {
-    env_strings.push_back(kv.first + "=" + kv.second);
-  }
-  std::vector<char*> envp;
-  for (auto& s : env_strings) {
-    envp.push_back(&s[0]);
-  }
-  envp.push_back(nullptr);
-  std::vector<std::string> args = argv;
-  std::vector<char*> cargv;
-  for (auto& a : args) {
-    cargv.push_back(&a[0]);
-  }
-  cargv.push_back(nullptr);
-
-  int fds[2];
-  EXPECT_EQ(::pipe(fds), 0);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    ::signal(SIGPIPE, SIG_DFL);  // ignored in this process after a process group was made
-    ::dup2(fds[1], 1);
-    ::dup2(fds[1], 2);
-    ::close(fds[0]);
-    ::close(fds[1]);
-    ::execve(cargv[0], cargv.data(), envp.data());
-    ::_exit(127);
-  }
-  ::close(fds[1]);
-  ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  // Not die_with_parent: a test may start a process from a thread that ends before it does.
+  ChildProcess child(ChildOptions(argv)
+                         .environment(environment_with(set, unset))
+                         .inherit_environment(false)
+                         .die_with_parent(false)
+                         .capture_output(true));
   RunningProcess p;
-  p.pid = pid;
-  p.output_fd = fds[0];
+  p.pid = child.pid();
+  p.output_fd = child.release_stdout();
   return p;
 }
 
@@ -293,6 +265,29 @@ std::vector<int> processes_with(const std::string& token) {
   }
   ::closedir(dir);
   return pids;
+}
+
+std::map<std::string, at::Tensor> clone_tensors(const std::map<std::string, at::Tensor>& tensors) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& kv : tensors) {
+    out[kv.first] = kv.second.detach().clone();
+  }
+  return out;
+}
+
+void expect_bitwise(const std::map<std::string, at::Tensor>& a,
+                    const std::map<std::string, at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& kv : a) {
+    ASSERT_TRUE(b.count(kv.first)) << kv.first;
+    EXPECT_TRUE(at::equal(kv.second.cpu(), b.at(kv.first).cpu())) << kv.first << " differs";
+  }
+}
+
+std::string make_temp_dir(const std::string& name) {
+  const std::string dir = "/tmp/" + unique_token(name);
+  EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0) << dir << ": " << std::strerror(errno);
+  return dir;
 }
 
 std::string unique_token(const std::string& prefix) {

@@ -4,8 +4,8 @@
 
 #include "test_util.h"
 
-#include "paratrain/dist/devices.h"
-#include "paratrain/dist/init.h"
+#include "paratrain/comm/devices.h"
+#include "paratrain/comm/init.h"
 
 #include <gtest/gtest.h>
 

@@ -85,6 +85,16 @@ inline const std::pair<const std::string, std::string> kCpuOnly{"CUDA_VISIBLE_DE
 /// PIDs of live processes whose command line contains `token`.
 std::vector<int> processes_with(const std::string& token);
 
+/// Deep copies of `tensors` (detached clones), to compare with later.
+std::map<std::string, at::Tensor> clone_tensors(const std::map<std::string, at::Tensor>& tensors);
+
+/// Expects `a` and `b` to hold the same names and bitwise-equal tensors (compared on the CPU).
+void expect_bitwise(const std::map<std::string, at::Tensor>& a,
+                    const std::map<std::string, at::Tensor>& b);
+
+/// A new directory /tmp/NAME-PID-N (unique_token), for a test's files.
+std::string make_temp_dir(const std::string& name);
+
 /// Unique token for marking the processes of one test.
 std::string unique_token(const std::string& prefix);
 

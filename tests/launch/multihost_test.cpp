@@ -4,7 +4,7 @@
 // Needs root (network namespaces); without it each test skips and says so.
 
 #include "fake_hosts.h"
-#include "paratrain/dist/launch.h"  // find_program
+#include "paratrain/launch/launch.h"  // find_program
 #include "test_util.h"
 
 #include <gtest/gtest.h>

@@ -1,0 +1,128 @@
+// Checkpoint files: optimizer state and RNG state round trips, atomic writes, the fallback to the
+// previous checkpoint, and pruning.
+
+#include "test_util.h"
+
+#include "paratrain/io/checkpoint.h"
+#include "paratrain/models/registry.h"
+#include "paratrain/train/trainer.h"  // make_optimizer, OptimizerOptions
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+torch::nn::Sequential seeded_model(const std::string& name) {
+  torch::manual_seed(0);
+  return models::make(name, 10);
+}
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+TEST(Checkpoint, OptimizerStateRoundTripsBitwise) {
+  for (const std::string kind : {"sgd", "adam", "adamw"}) {
+    auto model = seeded_model("mlp");
+    auto opt = make_optimizer(model->parameters(), OptimizerOptions().kind(kind).lr(0.01));
+    auto step = [&](torch::optim::Optimizer& o, torch::nn::Sequential& m, int i) {
+      torch::manual_seed(100 + i);
+      o.zero_grad();
+      m->forward(torch::randn({8, 1, 28, 28})).pow(2).mean().backward();
+      o.step();
+    };
+    for (int i = 0; i < 3; ++i) {
+      step(*opt, model, i);
+    }
+    const TensorMap saved_opt = clone_tensors(optimizer_state(*opt));
+    const TensorMap saved_model = clone_tensors(module_state(*model));
+    EXPECT_FALSE(saved_opt.empty()) << kind;
+    step(*opt, model, 3);
+    // A second model and optimizer restored from the copies take the same step.
+    auto model2 = seeded_model("mlp");
+    load_module_state(*model2, saved_model);
+    auto opt2 = make_optimizer(model2->parameters(), OptimizerOptions().kind(kind).lr(0.01));
+    load_optimizer_state(*opt2, saved_opt);
+    step(*opt2, model2, 3);
+    expect_bitwise(module_state(*model), module_state(*model2));
+  }
+}
+
+TEST(Checkpoint, AtomicFilesFallbackAndPruning) {
+  const std::string dir = make_temp_dir("ckpt");
+  {
+    Checkpoint ckpt(CheckpointOptions(dir).keep(3));
+    for (int64_t step : {10, 20, 30, 40}) {
+      CheckpointState s;
+      s.step = step;
+      s.meta = "{\"step\": " + std::to_string(step) + "}";
+      s.shared["w"] = torch::full({4}, static_cast<float>(step));
+      s.own = rng_state();
+      ckpt.save(std::move(s));
+    }
+    ckpt.wait();
+    EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{40, 30, 20}));  // keep 3
+  }
+  // No temporary file is left, and the oldest checkpoint's files are gone.
+  auto r = run_process({"ls", dir}, {}, 10);
+  EXPECT_EQ(r.output.find(".tmp-"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("ckpt-0000000010"), std::string::npos) << r.output;
+
+  // Truncate the newest: resume falls back to the one before, with a warning naming the file.
+  const std::string newest = dir + "/ckpt-0000000040.safetensors";
+  ASSERT_EQ(::truncate(newest.c_str(), 20), 0);
+  // Flip a byte in the next: its CRC-32 fails.
+  {
+    std::fstream f(dir + "/ckpt-0000000030.safetensors",
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-2, std::ios::end);
+    f.put('\x55');
+  }
+  Checkpoint ckpt(CheckpointOptions(dir).keep(3));
+  std::vector<std::string> warnings;
+  auto s = ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->step, 20);
+  EXPECT_TRUE(torch::equal(s->shared.at("w"), torch::full({4}, 20.0f)));
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("ckpt-0000000040.safetensors has 20 bytes"), std::string::npos)
+      << warnings[0];
+  EXPECT_NE(warnings[1].find("ckpt-0000000030.safetensors fails its CRC-32 check"),
+            std::string::npos)
+      << warnings[1];
+  remove_tree(dir);
+
+  EXPECT_NE(error_of([] {
+              Checkpoint c(CheckpointOptions("/proc/paratrain-ckpt"));
+            }).find("cannot create the checkpoint directory /proc/paratrain-ckpt"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Checkpoint c(CheckpointOptions("/tmp").keep(0));
+            }).find("the number of checkpoints to keep must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              Checkpoint::load("/nonexistent/ckpt-0000000001.json");
+            }).find("does not exist"),
+            std::string::npos);
+}
+
+TEST(Checkpoint, RngStateRestoresTheSameDraws) {
+  torch::manual_seed(7);
+  torch::randn({3});
+  const TensorMap state = rng_state();
+  const torch::Tensor a = torch::randn({5});
+  torch::randn({11});
+  set_rng_state(state);
+  EXPECT_TRUE(torch::equal(a, torch::randn({5})));
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
