@@ -71,7 +71,7 @@ for f in $changed; do
       for macro in $(sed -n -E "s/.*(PARATRAIN_TEST_[A-Z_]+)=\"($path)\".*/\1/p" tests/CMakeLists.txt); do
         # The tests name it by the macro, or by test_util.cpp's function that returns it.
         uses="$macro"
-        accessor=$(grep -B1 "return $macro;" tests/test_util.cpp | sed -n -E 's/^std::string ([a-z_]+)\(\).*/\1/p')
+        accessor=$(grep -B1 "return $macro;" tests/support/test_util.cpp | sed -n -E 's/^std::string ([a-z_]+)\(\).*/\1/p')
         [ -n "$accessor" ] && uses="$macro|$accessor\\(\\)"
         while IFS= read -r t; do test_files+=("$t"); done < <(grep -rlE "$uses" tests \
           --include='*_test.cpp')
