@@ -1,44 +1,37 @@
-// The tuner's loop: one thread owns the study. It polls the trials' stdout pipes (and a wake-up
-// pipe for function trials and signals), turns metric rows into scheduler decisions, and starts
-// trials while cores, GPUs and --max-concurrent allow. What it prints (events, the live table) and
-// the summary it returns are in tuner_output.cpp.
+// The tuner's state machine: one thread owns the study. It syncs with storage, starts trials
+// while cores, GPUs and --max-concurrent allow, turns their metric rows into searcher and
+// scheduler decisions (rungs, pruning, promotions, retries) and records each trial's state in
+// storage. Running a trial (its process or thread, its output, stopping and reaping it) is in
+// trial_runner.cpp, a process trial's command line in trial_command.cpp, the checked options and
+// resources in tuner_setup.cpp, and what it prints (events, the live table) and the summary it
+// returns in tuner_output.cpp.
 
 #include "paratrain/tune/tuner.h"
 #include "limits.h"
 
-#include "paratrain/launch/launch.h"
-#include "paratrain/parallel/threads.h"
-#include "trial_process.h"
+#include "trial_command.h"
+#include "trial_runner.h"
 #include "trial_value.h"
 #include "tuner_output.h"
+#include "tuner_setup.h"
 
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <torch/cuda.h>
 #include <nlohmann/json.hpp>
 
-#include <fcntl.h>
-#include <poll.h>
-#include <sched.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
-#include <condition_variable>
-#include <cstring>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <mutex>
 #include <random>
 #include <set>
-#include <sstream>
-#include <thread>
 
 namespace paratrain {
 namespace tune {
@@ -50,137 +43,16 @@ double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// The wake-up pipe: signal handlers and function-trial threads write a byte to end poll().
-std::atomic<int> g_wake_write{-1};
-std::atomic<int> g_signal{0};
-
-extern "C" void on_tuner_signal(int sig) {
-  g_signal.store(sig);
-  const int fd = g_wake_write.load();
-  if (fd >= 0) {
-    const char c = 's';
-    ssize_t ignored = ::write(fd, &c, 1);
-    (void)ignored;
-  }
-}
-
-void wake() {
-  const int fd = g_wake_write.load();
-  if (fd >= 0) {
-    const char c = 'w';
-    ssize_t ignored = ::write(fd, &c, 1);
-    (void)ignored;
-  }
-}
-
-// A function trial's context: report() hands the row to the tuner's thread and waits for its
-// decision, so the scheduler sees rows in order and can stop the trial at once.
-class FunctionContext : public TrialContext {
- public:
-  FunctionContext(int64_t number, Config config, std::string dir, bool resumed)
-      : number_(number), config_(std::move(config)), dir_(std::move(dir)), resumed_(resumed) {}
-  int64_t number() const override { return number_; }
-  const Config& config() const override { return config_; }
-  const std::string& dir() const override { return dir_; }
-  std::string checkpoint_dir() const override { return dir_ + "/checkpoints"; }
-  bool resumed() const override { return resumed_; }
-
-  void report(const std::map<std::string, double>& metrics) override {
-    nlohmann::json row = nlohmann::json::object();
-    for (const auto& [k, v] : metrics) {
-      row[k] = v;
-    }
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stop_) {
-      throw TrialStopped();
-    }
-    rows_.push_back(row.dump());
-    answered_ = false;
-    wake();
-    cv_.wait(lock, [&] { return answered_ || stop_; });
-    if (stop_) {
-      throw TrialStopped();
-    }
-  }
-
-  // The tuner's side.
-  std::vector<std::string> take_rows() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return std::exchange(rows_, {});
-  }
-  void answer(bool stop) {
-    std::lock_guard<std::mutex> lock(mu_);
-    answered_ = answered_ || rows_.empty();  // a row that came after take_rows waits its turn
-    stop_ = stop_ || stop;
-    cv_.notify_all();
-  }
-  void finish(int status, std::string error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    status_ = status;
-    error_ = std::move(error);
-    wake();
-  }
-  bool done(int* status, std::string* error) {
-    std::lock_guard<std::mutex> lock(mu_);
-    *status = status_;
-    *error = error_;
-    return done_ && rows_.empty();
-  }
-
- private:
-  int64_t number_;
-  Config config_;
-  std::string dir_;
-  bool resumed_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::string> rows_;
-  bool answered_ = true, stop_ = false, done_ = false;
-  int status_ = 0;
-  std::string error_;
-};
-
-// A trial that is executing: a process or a function on its own thread.
+// A trial that is executing: a process or a function on its own thread (trial_runner.h), and
+// what the state machine knows of it.
 struct Running {
   int64_t number = 0;
-  detail::Process proc;
-  std::string partial;  // stdout bytes after the last newline
-  std::shared_ptr<FunctionContext> fn;
-  std::thread thread;
-  int64_t rows = 0;  // rows this run reported (numbers rows without an iteration)
-  bool stopping = false;
-  Decision why = Decision::kContinue;
-  Clock::time_point term_at, kill_at;
-  bool term_sent = false, killed = false;
-  bool lost = false;  // another tuner took it over: its end is not recorded here
+  detail::TrialRun run;                // its process or thread: output, stopping, reaping
+  int64_t rows = 0;                    // rows this run reported (numbers rows without an iteration)
+  Decision why = Decision::kContinue;  // the scheduler's, once run.stopping()
+  bool lost = false;                   // another tuner took it over: its end is not recorded here
   std::vector<int> cores, gpus;
 };
-
-std::vector<int> machine_cores(int wanted) {
-  std::vector<int> cores;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &set)) {
-        cores.push_back(c);
-      }
-    }
-  }
-  if (cores.empty()) {
-    cores.push_back(0);
-  }
-  if (wanted > 0) {
-    // A number given by the user: that many slots, pinned only when the machine has them.
-    std::vector<int> out;
-    for (int i = 0; i < wanted; ++i) {
-      out.push_back(i < static_cast<int>(cores.size()) ? cores[i] : -1);
-    }
-    return out;
-  }
-  return cores;
-}
 
 class Tuner {
  public:
@@ -191,7 +63,6 @@ class Tuner {
 
  private:
   void prepare();
-  void check_options();
   void main_loop();
   void sync(bool first);
   bool worker_dead(const TrialRecord& t, double now) const;
@@ -200,10 +71,7 @@ class Tuner {
   Config suggest(int64_t number);
   void start_possible();
   bool start(int64_t number, bool resume);
-  void start_process(Running& r, TrialRecord& t, bool resume);
-  void start_function(Running& r, TrialRecord& t, bool resume);
   void poll_once();
-  void drain(Running& r, bool all);
   void handle_row(Running& r, const std::string& line);
   void apply(Running& r, Decision d);
   void reap();
@@ -245,62 +113,20 @@ class Tuner {
   bool metric_seen_ = false;
   int64_t started_ = 0;
   std::string program_;
-  int wake_read_ = -1;
+  detail::WakePipe wake_;  // ends poll() for function trials' reports and for signals
   bool detached_ = false;
   std::string host_, worker_id_;
   std::set<int64_t> notified_;              // trials whose end the searcher and scheduler were told
   std::map<int64_t, TrialState> verdicts_;  // promotions (kPending) and drops of stopping trials
 };
 
-void Tuner::check_options() {
-  TORCH_CHECK(!o_.study().empty(), "tune: --study is empty; name the study");
-  TORCH_CHECK(!o_.metric().empty(), "tune: --metric is empty; name the metric to optimize");
-  TORCH_CHECK(o_.mode() == "min" || o_.mode() == "max", "tune: --mode must be min or max, got '",
-              o_.mode(), "'");
-  TORCH_CHECK(o_.scope() == "last" || o_.scope() == "best",
-              "tune: the scope must be last or best, got '", o_.scope(), "'");
-  TORCH_CHECK(o_.num_samples() >= 1, "tune: --num-samples must be >= 1, got ", o_.num_samples());
-  TORCH_CHECK(o_.max_concurrent() >= 0, "tune: --max-concurrent must be >= 0, got ",
-              o_.max_concurrent());
-  TORCH_CHECK(o_.max_failures() >= 0, "tune: max_failures must be >= 0, got ", o_.max_failures());
-  const Resources& res = o_.resources();
-  TORCH_CHECK(res.ranks() >= 1 && res.threads() >= 1 && res.gpus() >= 0,
-              "tune: a trial's ranks and threads must be >= 1 and its GPUs >= 0; got ranks ",
-              res.ranks(), ", threads ", res.threads(), ", gpus ", res.gpus());
-  free_cores_ = machine_cores(o_.cpus());
-  const int machine_gpus =
-      o_.gpus() >= 0 ? o_.gpus() : static_cast<int>(torch::cuda::device_count());
-  for (int g = 0; g < machine_gpus; ++g) {
-    free_gpus_.push_back(g);
-  }
-  const int need = res.ranks() * res.threads();
-  TORCH_CHECK(need <= static_cast<int>(free_cores_.size()), "tune: a trial needs ", need,
-              " cores (", res.ranks(), " ranks x ", res.threads(),
-              " threads) but this machine has ", free_cores_.size(),
-              "; lower --ranks or --threads");
-  TORCH_CHECK(res.gpus() <= machine_gpus, "tune: a trial needs ", res.gpus(),
-              " GPUs but this machine has ", machine_gpus, "; lower --gpus");
-  if (o_.train()) {
-    TORCH_CHECK(!o_.paratrain_cli().empty(), "tune: a train trial needs the paratrain CLI's path");
-    program_ = o_.paratrain_cli();
-  } else if (!o_.command().empty()) {
-    program_ = dist::find_program(o_.command()[0]);
-    TORCH_CHECK(!program_.empty(), "tune: trial command '", o_.command()[0],
-                "' not found (not a path, nor on PATH)");
-  } else {
-    TORCH_CHECK(static_cast<bool>(fn_), "tune: give a trial: a command, a train job or a function");
-    // Function trials share this process: each computes on its own thread with `threads`
-    // intra-op threads, and OpenBLAS's own pool (which set_num_threads does not reach) is capped
-    // too, or concurrent trials contend for its spinning threads.
-    at::set_num_threads(res.threads());
-    set_blas_threads(res.threads());
-  }
-}
-
 // Checks the options, opens the study (its searcher, scheduler and storage) and the trial
 // directory, names this tuner, and takes in what storage already holds.
 void Tuner::prepare() {
-  check_options();
+  detail::TunerResources given = detail::check_tuner_options(o_, fn_);
+  free_cores_ = std::move(given.cores);
+  free_gpus_ = std::move(given.gpus);
+  program_ = std::move(given.program);
   SearcherOptions so = o_.searcher();
   so.num_samples(o_.num_samples());
   searcher_ = make_searcher(space_, so);
@@ -327,26 +153,10 @@ void Tuner::prepare() {
 TuneResult Tuner::run() {
   prepare();
 
-  int wake_fds[2];
-  TORCH_CHECK(::pipe2(wake_fds, O_CLOEXEC | O_NONBLOCK) == 0, "tune: pipe failed");
-  g_wake_write = wake_fds[1];
-  g_signal.store(0);
-  struct sigaction sa {
-  }, old_int{}, old_term{};
-  sa.sa_handler = on_tuner_signal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, &old_int);
-  ::sigaction(SIGTERM, &sa, &old_term);
+  wake_.open();
   auto restore = [&] {
-    ::sigaction(SIGINT, &old_int, nullptr);
-    ::sigaction(SIGTERM, &old_term, nullptr);
-    g_wake_write = -1;
-    if (!detached_) {  // a detached trial thread may still write to it: leave it open
-      ::close(wake_fds[0]);
-      ::close(wake_fds[1]);
-    }
+    wake_.close(detached_);  // a detached trial thread may still write to it: leave it open
   };
-  wake_read_ = wake_fds[0];
   TuneResult result;
   try {
     main_loop();
@@ -361,7 +171,7 @@ TuneResult Tuner::run() {
   restore();
   print_table(true);
   result = summary();
-  result.interrupted_by = g_signal.load();
+  result.interrupted_by = detail::WakePipe::signal();
   return result;
 }
 
@@ -370,7 +180,7 @@ TuneResult Tuner::run() {
 void Tuner::main_loop() {
   auto last_sync = Clock::now(), last_beat = Clock::now();
   while (true) {
-    if (g_signal.load() != 0) {
+    if (detail::WakePipe::signal() != 0) {
       stop_all();
       break;
     }
@@ -582,9 +392,12 @@ bool Tuner::start(int64_t number, bool resume) {
   running_[number] = std::move(r);
   ++started_;
   if (o_.train() || !o_.command().empty()) {
-    start_process(ref, t, resume);
+    const bool gpus_visible = !free_gpus_.empty() || !ref.gpus.empty();
+    ref.run.start_process(
+        detail::trial_process_spec(o_, program_, t, ref.cores, ref.gpus, gpus_visible, resume),
+        t.number, t.attempts, resume);
   } else {
-    start_function(ref, t, resume);
+    ref.run.start_function(fn_, t.number, t.config, dir, resume);
   }
   out_.say("trial " + std::to_string(number) + (resume ? " resumed" : " started") + ": " +
                to_string(t.config),
@@ -592,157 +405,22 @@ bool Tuner::start(int64_t number, bool resume) {
   return true;
 }
 
-void Tuner::start_process(Running& r, TrialRecord& t, bool resume) {
-  const std::string dir = t.log_path.substr(0, t.log_path.rfind('/'));
-  detail::ProcessSpec spec;
-  spec.program = program_;
-  spec.log_path = t.log_path;
-  for (int c : r.cores) {
-    if (c >= 0) {
-      spec.cores.push_back(c);
-    }
-  }
-  if (o_.train()) {
-    spec.argv = {program_, "train"};
-    spec.argv.insert(spec.argv.end(), o_.train_args().begin(), o_.train_args().end());
-    spec.argv.insert(spec.argv.end(), {"--json", "--checkpoint-dir", dir + "/checkpoints",
-                                       "--checkpoint-every-epoch", "--resume", "auto"});
-    const int64_t max_t = effective_max_t(o_.scheduler());
-    const auto& ta = o_.train_args();
-    const bool has_epochs = std::any_of(ta.begin(), ta.end(), [](const std::string& w) {
-      return w == "--epochs" || w.rfind("--epochs=", 0) == 0;
-    });
-    if (max_t > 0 && !has_epochs) {
-      spec.argv.insert(spec.argv.end(), {"--epochs", std::to_string(max_t)});
-    }
-    for (const auto& [name, v] : t.config) {
-      spec.argv.push_back("--" + name);
-      spec.argv.push_back(to_string(v));
-    }
-  } else {
-    for (std::string word : o_.command()) {
-      for (const auto& [name, v] : t.config) {
-        const std::string key = "{" + name + "}";
-        for (size_t at = word.find(key); at != std::string::npos;
-             at = word.find(key, at + to_string(v).size())) {
-          word.replace(at, key.size(), to_string(v));
-        }
-      }
-      spec.argv.push_back(word);
-    }
-  }
-  for (const auto& [name, v] : t.config) {
-    spec.env[name] = to_string(v);
-  }
-  spec.env["PARATRAIN_TRIAL_NUMBER"] = std::to_string(t.number);
-  spec.env["PARATRAIN_TRIAL_DIR"] = dir;
-  spec.env["PARATRAIN_CHECKPOINT_DIR"] = dir + "/checkpoints";
-  spec.env["PARATRAIN_TRIAL_RESUME"] = resume ? "1" : "0";
-  spec.env["OMP_NUM_THREADS"] = std::to_string(o_.resources().threads());
-  if (!free_gpus_.empty() || !r.gpus.empty()) {
-    // The tuner's GPU i is the i-th of its own CUDA_VISIBLE_DEVICES, when it has one (Slurm).
-    std::vector<std::string> visible;
-    if (const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES")) {
-      std::stringstream list(cvd);
-      for (std::string g; std::getline(list, g, ',');) {
-        visible.push_back(g);
-      }
-    }
-    std::string value;
-    for (int g : r.gpus) {
-      value += (value.empty() ? "" : ",") +
-               (g < static_cast<int>(visible.size()) ? visible[g] : std::to_string(g));
-    }
-    spec.env["CUDA_VISIBLE_DEVICES"] = value;
-  }
-  {
-    std::ofstream log(t.log_path, std::ios::app);
-    log << "== paratrain tune: trial " << t.number << (resume ? " resumed" : " started")
-        << " (failures so far " << t.attempts << "):";
-    for (const auto& w : spec.argv) {
-      log << " " << w;
-    }
-    log << "\n";
-  }
-  r.proc = detail::start_process(spec);
-}
-
-void Tuner::start_function(Running& r, TrialRecord& t, bool resume) {
-  const std::string dir = t.log_path.substr(0, t.log_path.rfind('/'));
-  r.fn = std::make_shared<FunctionContext>(t.number, t.config, dir, resume);
-  auto ctx = r.fn;
-  auto fn = fn_;
-  r.thread = std::thread([ctx, fn] {
-    try {
-      fn(*ctx);
-      ctx->finish(0, "");
-    } catch (const TrialStopped&) {
-      ctx->finish(0, "");
-    } catch (const c10::Error& e) {
-      ctx->finish(1, e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      ctx->finish(1, e.what());
-    } catch (...) {
-      ctx->finish(1, "an exception that is not a std::exception");
-    }
-  });
-}
-
+// Waits for the trials' output (or a wake-up) and hands their rows to handle_row; a function
+// trial then gets its answer.
 void Tuner::poll_once() {
-  std::vector<pollfd> fds{{wake_read_, POLLIN, 0}};
-  std::vector<Running*> owners{nullptr};
+  std::vector<Running*> trials;
+  std::vector<detail::TrialRun*> runs;
   for (auto& [n, r] : running_) {
-    if (r->proc.out_fd >= 0) {
-      fds.push_back({r->proc.out_fd, POLLIN, 0});
-      owners.push_back(r.get());
-    }
+    trials.push_back(r.get());
+    runs.push_back(&r->run);
   }
-  ::poll(fds.data(), fds.size(), 200);  // 200 ms: also the pace of kill deadlines and reaping
-  if (fds[0].revents) {
-    char buf[256];
-    while (::read(wake_read_, buf, sizeof(buf)) > 0) {
-    }
-  }
-  for (size_t i = 1; i < fds.size(); ++i) {
-    if (fds[i].revents) {
-      drain(*owners[i], false);
-    }
+  for (size_t i : detail::wait_for_output(wake_, runs)) {
+    Running& r = *trials[i];
+    r.run.read(false, [&](const std::string& line) { handle_row(r, line); });
   }
   for (auto& [n, r] : running_) {
-    if (r->fn) {
-      for (const auto& row : r->fn->take_rows()) {
-        handle_row(*r, row);
-      }
-      r->fn->answer(r->stopping);
-    }
-  }
-}
-
-// Reads what the trial printed: one read while it runs (a trial that prints without pause must
-// not keep the loop from its other duties), everything once it has exited.
-void Tuner::drain(Running& r, bool all) {
-  char buf[65536];
-  for (bool more = true; more && r.proc.out_fd >= 0; more = all) {
-    const ssize_t got = ::read(r.proc.out_fd, buf, sizeof(buf));
-    if (got < 0 && errno == EINTR) {
-      continue;
-    }
-    if (got <= 0) {
-      if (got == 0 || errno != EAGAIN) {
-        ::close(r.proc.out_fd);  // end of its output
-        r.proc.out_fd = -1;
-      }
-      break;
-    }
-    r.partial.append(buf, static_cast<size_t>(got));
-    for (size_t nl = r.partial.find('\n'); nl != std::string::npos; nl = r.partial.find('\n')) {
-      const std::string line = r.partial.substr(0, nl);
-      r.partial.erase(0, nl + 1);
-      const std::string with_nl = line + "\n";
-      ssize_t ignored = ::write(r.proc.log_fd, with_nl.data(), with_nl.size());
-      (void)ignored;
-      handle_row(r, line);
-    }
+    Running& ref = *r;
+    ref.run.take_reports([&](const std::string& row) { handle_row(ref, row); });
   }
 }
 
@@ -752,7 +430,7 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     return;  // not a metric row: only logged
   }
   const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
-  if (row.is_discarded() || !row.is_object() || r.stopping || r.lost) {
+  if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }
   TrialRecord& t = trials_.at(r.number);
@@ -809,21 +487,12 @@ void Tuner::apply(Running& r, Decision d) {
   if (d == Decision::kContinue) {
     return;
   }
-  r.stopping = true;
   r.why = d;
   // A trial at max_t usually ends by itself (a train trial runs max_t epochs): a second before
   // it is told to, so that its exit status stays its own.
   const auto term_delay =
       d == Decision::kComplete ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(0);
-  r.term_at = Clock::now() + term_delay;
-  r.kill_at = r.term_at + o_.kill_grace();
-  if (r.proc.pid > 0 && term_delay.count() == 0) {
-    ::kill(-r.proc.pid, SIGTERM);  // its whole process group: a train trial's ranks too
-    r.term_sent = true;
-  }
-  if (r.fn) {
-    r.fn->answer(true);
-  }
+  r.run.stop(term_delay, o_.kill_grace());
 }
 
 void Tuner::reap() {
@@ -831,38 +500,10 @@ void Tuner::reap() {
   for (auto& [n, r] : running_) {
     int status = 0;
     std::string error;
-    if (r->fn) {
-      if (!r->fn->done(&status, &error)) {
-        continue;
-      }
-      r->thread.join();
-      on_exit(*r, status == 0 ? 0 : 1 << 8, error);
+    Running& ref = *r;
+    if (r->run.reap([&](const std::string& line) { handle_row(ref, line); }, &status, &error)) {
+      on_exit(*r, status, error);
       ended.push_back(n);
-      continue;
-    }
-    const pid_t got = ::waitpid(r->proc.pid, &status, WNOHANG);
-    if (got == r->proc.pid) {
-      ::kill(-r->proc.pid, SIGKILL);  // anything it left behind in its group
-      r->proc.pid = -1;               // reaped: never signal its group again
-      drain(*r, true);
-      if (!r->partial.empty()) {
-        handle_row(*r, std::exchange(r->partial, {}));
-      }
-      if (r->proc.out_fd >= 0) {
-        ::close(r->proc.out_fd);
-        r->proc.out_fd = -1;
-      }
-      ::close(r->proc.log_fd);
-      r->proc.log_fd = -1;
-      r->proc.pid = -1;
-      on_exit(*r, status, "");
-      ended.push_back(n);
-    } else if (r->stopping && !r->term_sent && Clock::now() >= r->term_at) {
-      ::kill(-r->proc.pid, SIGTERM);
-      r->term_sent = true;
-    } else if (r->stopping && !r->killed && Clock::now() >= r->kill_at) {
-      ::kill(-r->proc.pid, SIGKILL);
-      r->killed = true;
     }
   }
   for (int64_t n : ended) {
@@ -881,7 +522,7 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
   }
   t.exit_status = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
   const std::string id = "trial " + std::to_string(t.number);
-  if (r.stopping) {
+  if (r.run.stopping()) {
     if (r.why == Decision::kPause) {
       t.state = TrialState::kPaused;
       write(t, TrialState::kRunning);
@@ -1023,60 +664,19 @@ void Tuner::beat() {
       r->lost = true;
       out_.say("trial " + std::to_string(n) + " was taken over by another tuner; stopping it here",
                {{"event", "lost"}, {"trial", n}});
-      if (r->proc.pid > 0) {
-        ::kill(-r->proc.pid, SIGKILL);
-      }
-      if (r->fn) {
-        r->fn->answer(true);
-      }
+      r->run.signal_now(SIGKILL);
     }
   }
 }
 
 void Tuner::stop_all() {
   for (auto& [n, r] : running_) {
-    if (r->proc.pid > 0) {
-      ::kill(-r->proc.pid, SIGTERM);
-    }
-    if (r->fn) {
-      r->fn->answer(true);
-    }
+    r->run.signal_now(SIGTERM);
   }
   const auto deadline = Clock::now() + o_.kill_grace();
   for (auto& [n, r] : running_) {
-    int status = 0;
-    if (r->proc.pid > 0) {
-      while (::waitpid(r->proc.pid, &status, WNOHANG) == 0) {
-        if (Clock::now() >= deadline) {
-          ::kill(-r->proc.pid, SIGKILL);
-          ::waitpid(r->proc.pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      ::kill(-r->proc.pid, SIGKILL);
-      if (r->proc.out_fd >= 0) {
-        ::close(r->proc.out_fd);
-      }
-      if (r->proc.log_fd >= 0) {
-        ::close(r->proc.log_fd);
-      }
-    }
-    if (r->fn) {
-      std::string error;
-      while (!r->fn->done(&status, &error) && Clock::now() < deadline) {
-        r->fn->take_rows();
-        r->fn->answer(true);
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      if (!r->thread.joinable()) {
-        // reap() joined it already
-      } else if (r->fn->done(&status, &error)) {
-        r->thread.join();
-      } else {
-        r->thread.detach();  // it never reports again; its context stays alive with it
-        detached_ = true;
-      }
+    if (r->run.end_by(deadline)) {
+      detached_ = true;
     }
   }
   for (auto& [n, r] : running_) {
@@ -1087,7 +687,7 @@ void Tuner::stop_all() {
     // a trial the scheduler had already decided keeps that decision.
     TrialRecord& t = trials_.at(n);
     t.state = TrialState::kPending;
-    if (r->stopping) {
+    if (r->run.stopping()) {
       const auto verdict = verdicts_.find(n);
       t.state = r->why == Decision::kStop       ? TrialState::kStopped
                 : r->why == Decision::kComplete ? TrialState::kComplete
