@@ -31,6 +31,7 @@ std::atomic<int> g_wake_write{-1};
 std::atomic<int> g_signal{0};
 
 extern "C" void on_tuner_signal(int sig) {
+  const int saved_errno = errno;  // the interrupted code may be about to read it
   g_signal.store(sig);
   const int fd = g_wake_write.load();
   if (fd >= 0) {
@@ -38,6 +39,7 @@ extern "C" void on_tuner_signal(int sig) {
     ssize_t ignored = ::write(fd, &c, 1);
     (void)ignored;
   }
+  errno = saved_errno;
 }
 
 void wake() {
@@ -58,6 +60,9 @@ void WakePipe::open() {
   struct sigaction sa {};
   sa.sa_handler = on_tuner_signal;
   sigemptyset(&sa.sa_mask);
+  // Restarted, so that a blocking write (the event lines into a full pipe) does not fail with
+  // EINTR and lose the output; poll() is never restarted on Linux, and the wake byte ends it.
+  sa.sa_flags = SA_RESTART;
   ::sigaction(SIGINT, &sa, &old_int_);
   ::sigaction(SIGTERM, &sa, &old_term_);
 }
@@ -249,20 +254,21 @@ bool TrialRun::reap(const LineHandler& on_line, int* status, std::string* error)
     return true;
   }
   const pid_t got = ::waitpid(proc_.pid, status, WNOHANG);
-  if (got == proc_.pid) {
+  if (got < 0 && errno == ECHILD) {
+    *status = 1 << 8;  // reaped elsewhere (SIGCHLD ignored by the program): ended, status lost
+  }
+  if (got == proc_.pid || (got < 0 && errno == ECHILD)) {
     ::kill(-proc_.pid, SIGKILL);  // anything it left behind in its group
     proc_.pid = -1;               // reaped: never signal its group again
+    // Closed also when a line's handler throws (a row without the metric, a storage error).
+    struct Closer {
+      TrialRun* run;
+      ~Closer() { run->close_fds(); }
+    } closer{this};
     read(true, on_line);
     if (!partial_.empty()) {
       on_line(std::exchange(partial_, {}));
     }
-    if (proc_.out_fd >= 0) {
-      ::close(proc_.out_fd);
-      proc_.out_fd = -1;
-    }
-    ::close(proc_.log_fd);
-    proc_.log_fd = -1;
-    proc_.pid = -1;
     return true;
   }
   if (stopping_ && !term_sent_ && Clock::now() >= term_at_) {
@@ -273,6 +279,15 @@ bool TrialRun::reap(const LineHandler& on_line, int* status, std::string* error)
     killed_ = true;
   }
   return false;
+}
+
+void TrialRun::close_fds() {
+  for (int* fd : {&proc_.out_fd, &proc_.log_fd}) {
+    if (*fd >= 0) {
+      ::close(*fd);
+      *fd = -1;
+    }
+  }
 }
 
 bool TrialRun::end_by(Clock::time_point deadline) {
@@ -287,13 +302,9 @@ bool TrialRun::end_by(Clock::time_point deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     ::kill(-proc_.pid, SIGKILL);
-    if (proc_.out_fd >= 0) {
-      ::close(proc_.out_fd);
-    }
-    if (proc_.log_fd >= 0) {
-      ::close(proc_.log_fd);
-    }
+    proc_.pid = -1;
   }
+  close_fds();
   if (fn_) {
     std::string error;
     while (!fn_->done(&status, &error) && Clock::now() < deadline) {

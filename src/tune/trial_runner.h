@@ -85,6 +85,9 @@ class TrialRun {
   bool end_by(std::chrono::steady_clock::time_point deadline);
 
  private:
+  /// Closes the process's stdout and log (each once), whatever happened to the process.
+  void close_fds();
+
   Process proc_;
   std::string partial_;  // stdout bytes after the last newline
   std::shared_ptr<FunctionContext> fn_;

@@ -73,13 +73,25 @@ void write_errno(int error) {
   write_error(text);
 }
 
+// Ends the child with one line when a redirection failed: running with the parent's streams
+// instead would send its output where nobody reads it.
+[[noreturn]] void redirect_failed() {
+  const int error = errno;
+  write_error("paratrain: cannot redirect the child's standard streams (");
+  write_errno(error);
+  write_error(")\n");
+  ::_exit(127);
+}
+
 // Makes `from` the child's descriptor `to`. A source that already is `to` only loses
 // close-on-exec (dup2 onto itself would keep it).
 void redirect(int from, int to) {
   if (from == to) {
-    ::fcntl(to, F_SETFD, 0);
-  } else if (from >= 0) {
-    ::dup2(from, to);
+    if (::fcntl(to, F_SETFD, 0) != 0) {
+      redirect_failed();
+    }
+  } else if (from >= 0 && ::dup2(from, to) != to) {
+    redirect_failed();
   }
 }
 
@@ -109,6 +121,9 @@ void redirect(int from, int to) {
     int& from = *sources[target];
     if (from >= 0 && from <= 2 && from != target) {
       from = ::fcntl(from, F_DUPFD_CLOEXEC, 3);
+      if (from < 0) {
+        redirect_failed();
+      }
     }
   }
   redirect(plan.in, 0);

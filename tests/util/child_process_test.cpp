@@ -12,7 +12,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 namespace paratrain {
@@ -32,13 +34,17 @@ TEST(ChildProcess, CapturesOutputAndExitCode) {
 
 TEST(ChildProcess, SeparateStreamsEnvironmentAndProgramPath) {
   // argv[0] is what the program sees; `program` is the file run.
-  ChildProcess child(ChildOptions({"shown-name", "-c", "echo \"$0 $HOME $GONE $SET\" >&2"})
-                         .program("/bin/sh")
-                         .environment(environment_with({{"SET", "yes"}}, {"GONE"}))
-                         .inherit_environment(false)
-                         .die_with_parent(false)
-                         .capture_stdout(true)
-                         .capture_stderr(true));
+  ::setenv("PARATRAIN_CHILD_KEPT", "kept", 1);
+  ::setenv("PARATRAIN_CHILD_GONE", "gone", 1);
+  ChildProcess child(
+      ChildOptions(
+          {"shown-name", "-c", "echo \"$0 $PARATRAIN_CHILD_KEPT $PARATRAIN_CHILD_GONE $SET\" >&2"})
+          .program("/bin/sh")
+          .environment(environment_with({{"SET", "yes"}}, {"PARATRAIN_CHILD_GONE"}))
+          .inherit_environment(false)
+          .die_with_parent(false)
+          .capture_stdout(true)
+          .capture_stderr(true));
   std::string err;
   char buf[256];
   for (;;) {
@@ -53,8 +59,9 @@ TEST(ChildProcess, SeparateStreamsEnvironmentAndProgramPath) {
   }
   EXPECT_EQ(child.read_all(), "");
   EXPECT_EQ(exit_code(child.wait()), 0);
-  const char* kept = std::getenv("HOME");
-  EXPECT_EQ(err, std::string("shown-name ") + (kept ? kept : "") + "  yes\n");
+  ::unsetenv("PARATRAIN_CHILD_KEPT");
+  ::unsetenv("PARATRAIN_CHILD_GONE");
+  EXPECT_EQ(err, "shown-name kept  yes\n");
 }
 
 TEST(ChildProcess, SignalReachesTheGroupAndExecFailureIs127) {
@@ -63,7 +70,8 @@ TEST(ChildProcess, SignalReachesTheGroupAndExecFailureIs127) {
   ChildProcess child(
       ChildOptions({"/bin/sh", "-c", "sleep 30 & echo started; wait"}).capture_output(true));
   char c;
-  while (::read(child.stdout_fd(), &c, 1) != 1) {
+  for (ssize_t n; (n = ::read(child.stdout_fd(), &c, 1)) != 1;) {
+    ASSERT_TRUE(n < 0 && errno == EAGAIN) << "the shell ended before it printed 'started'";
     ::usleep(1000);
   }
   child.signal(SIGTERM);
