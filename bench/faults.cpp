@@ -219,11 +219,15 @@ double write_fsync(const std::string& path, const std::vector<char>& bytes) {
   return seconds_since(t);
 }
 
-ResnetNumbers resnet_checkpoint(
-    const std::string& dir, int repeats, int steps, int image, int batch) {
+ResnetNumbers resnet_checkpoint(const std::string& model_name,
+                                const std::string& dir,
+                                int repeats,
+                                int steps,
+                                int image,
+                                int batch) {
   ResnetNumbers n;
   torch::manual_seed(0);
-  auto model = models::make("resnet50", 1000);
+  auto model = models::make(model_name, 1000);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   auto x = torch::randn({batch, 3, image, image});
   auto y = torch::randint(0, 1000, {batch});
@@ -299,9 +303,10 @@ ResnetNumbers resnet_checkpoint(
 
 const BenchSpec& faults_spec() {
   // --smoke: one kill, soon after the workers start (so usually in their start-up: a restart
-  // that loses no step), of a job of 4 steps checkpointed every 2; ResNet-50's numbers once, over
-  // the 20 steps that one checkpoint's block of steps needs, at batch 2 (1x1 maps in its last
-  // stage: BatchNorm needs 2 values).
+  // that loses no step), of a job of 4 steps checkpointed every 2; the checkpoint's numbers once,
+  // of ResNet-18 (the same path as ResNet-50's with a quarter of the bytes), over the 20 steps that
+  // one checkpoint's block of steps needs, at batch 2 (1x1 maps in its last stage: BatchNorm needs
+  // 2 values).
   static const BenchSpec spec{
       "faults",
       "Kills a random rank of a 2-rank DDP run at random times under --max-restarts and\n"
@@ -320,6 +325,9 @@ const BenchSpec& faults_spec() {
           {"resnet-steps", "N", "steps of the step-overhead run (default 300)", "20"},
           {"resnet-image", "N", "its image side (default 32)"},
           {"resnet-batch", "B", "its batch (default 16)", "2"},
+          // The checkpoint's model: ResNet-50, whose numbers the rows name; the smoke run takes the
+          // same path with ResNet-18's quarter of the bytes.
+          {"resnet-model", "NAME", "", "resnet18"},
           {"dir", "DIR", "where the runs write (default /tmp)"},
       },
       "print one JSON object"};
@@ -485,8 +493,8 @@ int run_faults(const Bench& bench) {
   const int repeats = bench.get_int("repeats", 3);
   if (resnet_steps >= 0 && repeats > 0) {
     bench.info() << "bench faults: ResNet-50 checkpoints ..." << std::endl;
-    rn = resnet_checkpoint(dir, repeats, resnet_steps, bench.get_int("resnet-image", 32),
-                           bench.get_int("resnet-batch", 16));
+    rn = resnet_checkpoint(bench.get("resnet-model", "resnet50"), dir, repeats, resnet_steps,
+                           bench.get_int("resnet-image", 32), bench.get_int("resnet-batch", 16));
   }
   if (bench.json()) {
     print_faults_json(f, rn);
