@@ -29,7 +29,7 @@ set(paratrain_slow_tests
     Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision
     Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 16 12)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites
