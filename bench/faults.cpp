@@ -40,6 +40,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <random>
@@ -219,6 +220,42 @@ double write_fsync(const std::string& path, const std::vector<char>& bytes) {
   return seconds_since(t);
 }
 
+// Blocks of 100 steps, each starting with a checkpoint written in the background. The
+// checkpoint's cost is the extra time of the block's first 10 steps (the copy to host memory on
+// this thread, then the writer competing for the cores) over the median step of the same block
+// after them; comparing within a block keeps the machine's drift out of it.
+void background_cost(Checkpoint& bg,
+                     int steps,
+                     const std::function<CheckpointState(int64_t)>& capture,
+                     const std::function<void()>& step,
+                     ResnetNumbers& n) {
+  std::vector<double> costs, medians;
+  for (int block = 0; block * 100 < steps; ++block) {
+    std::vector<double> times;
+    for (int i = 0; i < 100 && block * 100 + i < steps; ++i) {
+      const auto t = Clock::now();
+      if (i == 0) {
+        bg.save(capture(block));
+      }
+      step();
+      times.push_back(seconds_since(t));
+    }
+    if (times.size() < 20) {
+      continue;
+    }
+    const double m = median(std::vector<double>(times.begin() + 10, times.end()));
+    double cost = 0;
+    for (size_t i = 0; i < 10; ++i) {
+      cost += times[i] - m;
+    }
+    costs.push_back(cost);
+    medians.push_back(m);
+  }
+  bg.wait();
+  n.step_plain = median(medians);
+  n.checkpoint_cost = median(costs);
+}
+
 ResnetNumbers resnet_checkpoint(const std::string& model_name,
                                 const std::string& dir,
                                 int repeats,
@@ -268,36 +305,8 @@ ResnetNumbers resnet_checkpoint(const std::string& model_name,
   if (steps <= 0) {
     return n;
   }
-  // Blocks of 100 steps, each starting with a checkpoint written in the background. The
-  // checkpoint's cost is the extra time of the block's first 10 steps (the copy to host memory on
-  // this thread, then the writer competing for the cores) over the median step of the same block
-  // after them; comparing within a block keeps the machine's drift out of it.
   Checkpoint bg(CheckpointOptions(dir + "/bg").keep(1));
-  std::vector<double> costs, medians;
-  for (int block = 0; block * 100 < steps; ++block) {
-    std::vector<double> times;
-    for (int i = 0; i < 100 && block * 100 + i < steps; ++i) {
-      const auto t = Clock::now();
-      if (i == 0) {
-        bg.save(capture(block));
-      }
-      step();
-      times.push_back(seconds_since(t));
-    }
-    if (times.size() < 20) {
-      continue;
-    }
-    const double m = median(std::vector<double>(times.begin() + 10, times.end()));
-    double cost = 0;
-    for (size_t i = 0; i < 10; ++i) {
-      cost += times[i] - m;
-    }
-    costs.push_back(cost);
-    medians.push_back(m);
-  }
-  bg.wait();
-  n.step_plain = median(medians);
-  n.checkpoint_cost = median(costs);
+  background_cost(bg, steps, capture, step, n);
   return n;
 }
 
