@@ -169,9 +169,7 @@ inline std::string torch_python(const std::string& flag) {
 /// A PyTorch comparison script installed with the CLI: bin/../share/paratrain/NAME, in the build
 /// tree as in an install.
 inline std::string bench_script(const std::string& name) {
-  std::string dir = self_path();
-  dir = dir.substr(0, dir.rfind('/'));
-  const std::string path = dir + "/../share/paratrain/" + name;
+  const std::string path = beside_self("../share/paratrain/" + name);
   if (::access(path.c_str(), R_OK) != 0) {
     throw std::runtime_error("the PyTorch comparison script " + path +
                              " is missing: reinstall paratrain, or skip PyTorch with --no-pytorch");

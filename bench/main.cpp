@@ -39,8 +39,7 @@ const std::vector<Command>& benchmarks() {
 }  // namespace
 
 std::string paratrain_program() {
-  const std::string self = self_path();
-  return self.substr(0, self.rfind('/') + 1) + "paratrain";
+  return beside_self("paratrain");
 }
 
 }  // namespace cli

@@ -14,8 +14,7 @@ namespace paratrain {
 namespace cli {
 
 int run_bench(const std::vector<std::string>& args) {
-  const std::string self = self_path();
-  const std::string program = self.substr(0, self.rfind('/') + 1) + "paratrain-bench";
+  const std::string program = beside_self("paratrain-bench");
   std::vector<std::string> words{program};
   words.insert(words.end(), args.begin(), args.end());
   std::vector<char*> argv;

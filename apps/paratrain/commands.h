@@ -59,6 +59,10 @@ int run_guarded(const std::string& command, const std::function<int()>& run);
 /// Absolute path of this program (paratrain, or paratrain-bench), which commands run again as
 /// workers or mpirun shims: by default this process's own file.
 std::string self_path();
+/// `relative` (a file name, or a path like "../share/paratrain/x.py") taken from the directory of
+/// self_path(): the programs, libraries and scripts installed with this one, found from its own
+/// file rather than from PATH or the library path, which might find another version's.
+std::string beside_self(const std::string& relative);
 /// Makes self_path() return `path`: for a program that runs command lines in-process (the tests)
 /// and is not itself the paratrain executable.
 void set_self_path(const std::string& path);

@@ -23,10 +23,9 @@ namespace {
 // installed (bin/ and lib/), and .. in the build tree (bin/ inside it). Never a search of the
 // library path, which might find another version's. "" when neither exists.
 std::string commands_library() {
-  const std::string path = paratrain::cli::self_path();
-  const std::string dir = path.substr(0, path.rfind('/'));
-  for (const char* relative : {"/../" PARATRAIN_INSTALL_LIBDIR "/", "/../"}) {
-    const std::string candidate = dir + relative + "libparatrain_commands.so";
+  for (const char* relative : {"../" PARATRAIN_INSTALL_LIBDIR "/", "../"}) {
+    const std::string candidate =
+        paratrain::cli::beside_self(std::string(relative) + "libparatrain_commands.so");
     if (::access(candidate.c_str(), R_OK) == 0) {
       return candidate;
     }

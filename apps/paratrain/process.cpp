@@ -30,6 +30,11 @@ std::string self_path() {
   return n > 0 ? std::string(exe, static_cast<size_t>(n)) : "paratrain";
 }
 
+std::string beside_self(const std::string& relative) {
+  const std::string self = self_path();
+  return self.substr(0, self.rfind('/') + 1) + relative;
+}
+
 void set_self_path(const std::string& path) {
   self_path_override() = path;
 }
