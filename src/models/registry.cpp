@@ -1,9 +1,12 @@
 #include "paratrain/models/registry.h"
 
+#include "paratrain/models/gpt.h"
 #include "paratrain/parallel/sync_batchnorm.h"
 #include "paratrain/util/cpu_kernels.h"
 
 #include <torch/torch.h>
+
+#include <algorithm>
 
 namespace paratrain {
 namespace models {
@@ -13,6 +16,9 @@ std::vector<std::string> names() {
   for (const char* depth : {"18", "34", "50", "101", "152"}) {
     out.push_back(std::string("resnet") + depth);
     out.push_back(std::string("resnet") + depth + "_cifar");
+  }
+  for (auto& preset : gpt_presets()) {
+    out.push_back(std::move(preset));
   }
   return out;
 }
@@ -248,6 +254,10 @@ void freeze_backbone(const torch::nn::Sequential& model) {
 }
 
 std::vector<int64_t> input_shape(const std::string& name) {
+  const auto presets = gpt_presets();
+  if (std::find(presets.begin(), presets.end(), name) != presets.end()) {
+    return {gpt_options(name).context()};
+  }
   if (name == "linear" || name == "mlp" || name == "cnn") {
     return {1, 28, 28};
   }
@@ -260,6 +270,10 @@ std::vector<int64_t> input_shape(const std::string& name) {
 torch::nn::Sequential make(const std::string& name, int64_t num_classes) {
   namespace nn = torch::nn;
   cpu::ensure_usable_kernels();  // Note [CPU kernels that do not run]
+  const auto presets = gpt_presets();
+  if (std::find(presets.begin(), presets.end(), name) != presets.end()) {
+    return gpt(gpt_options(name));  // a language model: its outputs are the vocabulary
+  }
   TORCH_CHECK(num_classes >= 1, "a model needs at least one class, got ", num_classes);
   if (name == "linear") {
     nn::Sequential net;

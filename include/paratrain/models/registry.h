@@ -18,6 +18,9 @@
 //   resnetNN_cifar  the same with a CIFAR stem (3x3 stride-1 conv, no max-pool) for 3x32x32;
 //           examples/model_parallel_resnet50.cpp splits resnet50_cifar after layer2, as the
 //           ModelParallelResNet50 of PyTorch's model-parallel tutorial splits ResNet-50
+//   gpt2, gpt2-medium, gpt2-large, gpt2-xl
+//           GPT-2 language models (models/gpt.h: gpt(gpt_options(name))), 124M to 1.5B
+//           parameters, context 1024: int64 token ids [B, T] in, logits [B, T, 50257] out
 
 #include <torch/nn/modules/container/sequential.h>
 
@@ -28,7 +31,8 @@ namespace paratrain {
 namespace models {
 
 /// Builds model `name` for `num_classes` outputs; throws c10::Error listing the known names for an
-/// unknown one. `paratrain train` offers the Fashion-MNIST models (linear, mlp).
+/// unknown one. The GPT-2 presets ignore `num_classes`: their outputs are the vocabulary's 50257
+/// logits. `paratrain train` offers the Fashion-MNIST models (linear, mlp).
 torch::nn::Sequential make(const std::string& name, int64_t num_classes = 10);
 
 std::vector<std::string> names();
@@ -51,7 +55,8 @@ torch::nn::Sequential with_head(const torch::nn::Sequential& backbone,
 /// Freezes every parameter outside "fc" (requires_grad false): fine-tuning the head only.
 void freeze_backbone(const torch::nn::Sequential& model);
 
-/// The input a model of the registry expects, as {channels, height, width}.
+/// The input a model of the registry expects, as {channels, height, width}; for a GPT-2 preset,
+/// {context}: the longest sequence of token ids it takes (1024).
 std::vector<int64_t> input_shape(const std::string& name);
 
 }  // namespace models

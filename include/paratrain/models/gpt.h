@@ -1,0 +1,82 @@
+#pragma once
+
+// GPT-2: a decoder-only transformer with the architecture of Radford et al. (2019) and of Hugging
+// Face's GPT2LMHeadModel: learned position embeddings, pre-LayerNorm blocks (eps 1e-5), causal
+// self-attention, a 4x MLP with the tanh GELU, a final LayerNorm, and the output head tied to the
+// token embedding (no weights of its own).
+//
+//   auto model = paratrain::models::gpt(paratrain::models::gpt_options("gpt2").context(256));
+//   torch::Tensor logits = model->forward(tokens);   // [B, T] int64 -> [B, T, vocab]
+//
+// The model is a torch::nn::Sequential, so every strategy that takes one (DDP, pipelines, the
+// Trainer, FullyShardedDataParallel with one unit per block) takes it. Its children:
+//   embed   token and position embeddings (embed.wte.weight [vocab, width], embed.wpe.weight
+//           [context, width]) and the embedding dropout
+//   h0..hN  the blocks: ln_1, attn.c_attn (width -> 3 width), attn.c_proj, ln_2, mlp.c_fc
+//           (width -> 4 width), mlp.c_proj; every projection is Hugging Face's Conv1D, weight
+//           [in, out], so a checkpoint's tensors load as they are
+//   ln_f    the final LayerNorm
+//   head    logits = x @ embed.wte.weight^T; it registers no parameter (the weight is the
+//           embedding's), so parameters() lists each tensor once, as libtorch's optimizers need
+//
+// Names map to Hugging Face's by hf_gpt2_name(): "h3.attn.c_attn.weight" is
+// "transformer.h.3.attn.c_attn.weight". Initialisation is GPT-2's: normal(0, 0.02) weights and
+// embeddings, zero biases, and the residual projections (attn.c_proj, mlp.c_proj) at
+// 0.02 / sqrt(2 * layers).
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace models {
+
+struct GptOptions {
+  TORCH_ARG(int64_t, layers) = 12;
+  TORCH_ARG(int64_t, width) = 768;  // n_embd
+  TORCH_ARG(int64_t, heads) = 12;
+  TORCH_ARG(int64_t, vocab) = 50257;
+  /// The longest input (n_positions): the position embedding's rows.
+  TORCH_ARG(int64_t, context) = 1024;
+  /// Embedding, attention and residual dropout (GPT-2 trained with 0.1; 0 is nanoGPT's default).
+  TORCH_ARG(double, dropout) = 0.0;
+};
+
+/// The shapes of "gpt2" (124M), "gpt2-medium" (350M), "gpt2-large" (774M), "gpt2-xl" (1.5B);
+/// c10::Error listing them for another name.
+GptOptions gpt_options(const std::string& preset);
+/// The preset names, smallest first.
+std::vector<std::string> gpt_presets();
+
+/// A GPT-2 of these shapes. Throws c10::Error with one line for a shape that does not make one
+/// (width not divisible by heads, any size below 1, dropout outside [0, 1)).
+torch::nn::Sequential gpt(const GptOptions& options);
+
+/// The number of parameters a model of these shapes has (the tied head counted once), without
+/// building it: (vocab + context) * width + layers * (12 width^2 + 13 width) + 2 width. Throws as
+/// gpt() does for shapes that make no model.
+int64_t gpt_parameter_count(const GptOptions& options);
+
+/// Hugging Face's name of one of gpt()'s parameters ("embed.wte.weight" ->
+/// "transformer.wte.weight", "h0.ln_1.bias" -> "transformer.h.0.ln_1.bias").
+std::string hf_gpt2_name(const std::string& name);
+
+/// Loads a Hugging Face GPT-2 safetensors file (model.safetensors, or one saved with
+/// hf_gpt2_name's names) into `model`. Names with or without the "transformer." prefix are found
+/// (GPT2LMHeadModel saves them with it, GPT2Model, as the hub's gpt2 files, without). Tensors
+/// Hugging Face stores besides the weights (the attention's "bias" masks, a "lm_head.weight" equal
+/// to wte) are ignored. Throws c10::Error naming the first missing tensor or the first shape that
+/// differs (both shapes), before copying anything.
+void load_gpt2_safetensors(const torch::nn::Sequential& model, const std::string& path);
+
+/// The context a gpt() model takes (its position embedding's rows); 0 for another model.
+int64_t gpt_context(const torch::nn::Sequential& model);
+
+/// The names of the model's blocks ("h0", "h1", ...): the units FullyShardedDataParallel wraps.
+std::vector<std::string> gpt_block_names(const torch::nn::Sequential& model);
+
+}  // namespace models
+}  // namespace paratrain
