@@ -1,18 +1,27 @@
 // paratrain data: dataset tools. make-imagefolder writes Fashion-MNIST as a real ImageFolder
 // (JPEG, PNG and WebP files in class folders, train/ and val/), for trying ImageFolder training
-// and for the data benchmark.
+// and for the data benchmark; tokenize writes a file's bytes as the token files a GPT trains on
+// (train.bin and val.bin, nanoGPT's or llm.c's format).
 
 #include "args.h"
 #include "commands.h"
 
 #include "paratrain/data/fashion_mnist.h"
 #include "paratrain/data/make_image_folder.h"
+#include "paratrain/data/tokens.h"
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstddef>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <tuple>
 
 namespace paratrain {
@@ -92,19 +101,101 @@ int make_imagefolder(const std::vector<std::string>& argv) {
   return 0;
 }
 
+const CommandSpec& tokenize_spec() {
+  static const CommandSpec spec{
+      "paratrain data tokenize",
+      "Writes DIR/train.bin and DIR/val.bin from the bytes of FILE, one token per byte (a\n"
+      "vocabulary of 256), the last --val-fraction of the file going to val.bin, as nanoGPT's\n"
+      "shakespeare_char/prepare.py splits its text 90/10. Train a GPT on them with\n"
+      "`paratrain train --model gpt ... --vocab 256 --dataset tokens --data-dir DIR`.",
+      {
+          {"bytes", "FILE", "the file to tokenize, any bytes (required)"},
+          {"out", "DIR", "where train.bin and val.bin go (made if missing; required)"},
+          {"val-fraction", "F", "the share of the file, from its end, for val.bin (default 0.1)"},
+          {"format", "NAME", "nanogpt (raw uint16, the default) or llmc (llm.c's header first)"},
+      }};
+  return spec;
+}
+
+// The whole of `path`; c10::Error naming it when it cannot be read.
+std::vector<uint16_t> byte_tokens(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot read ", path, ": ", std::strerror(errno));
+  std::vector<uint16_t> tokens;
+  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) {
+    tokens.push_back(static_cast<unsigned char>(*it));
+  }
+  TORCH_CHECK(!in.bad(), "cannot read ", path, ": ", std::strerror(errno));
+  TORCH_CHECK(!tokens.empty(), path, " is empty: there is nothing to tokenize");
+  return tokens;
+}
+
+// --out, made if missing, and found writable before anything is written into it.
+void make_out_dir(const std::string& out) {
+  std::error_code ec;
+  std::filesystem::create_directories(out, ec);
+  if (ec || ::access(out.c_str(), W_OK) != 0) {
+    throw UsageError("cannot write --out " + out + ": " +
+                     (ec ? ec.message() : std::string(std::strerror(errno))));
+  }
+}
+
+int tokenize(const std::vector<std::string>& argv) {
+  Args args(argv, tokenize_spec());
+  if (args.has("help")) {
+    std::cout << args.help();
+    return 0;
+  }
+  if (!args.has("bytes") || !args.has("out")) {
+    throw UsageError("--bytes FILE and --out DIR are required");
+  }
+  const double val_fraction = args.get_double("val-fraction", 0.1);
+  if (!(val_fraction > 0 && val_fraction < 1)) {
+    throw UsageError("--val-fraction must be in (0, 1), got " + args.get("val-fraction"));
+  }
+  const std::string format = args.get("format", "nanogpt");
+  if (format != "nanogpt" && format != "llmc") {
+    throw UsageError("unknown --format '" + format + "': choose nanogpt or llmc");
+  }
+  std::vector<uint16_t> tokens = byte_tokens(args.get("bytes"));
+  const std::string out = args.get("out");
+  make_out_dir(out);
+  const size_t n = tokens.size();
+  // nanoGPT's split: train = data[:int(n * 0.9)], val = data[int(n * 0.9):].
+  const auto n_train = static_cast<size_t>(static_cast<double>(n) * (1.0 - val_fraction));
+  TORCH_CHECK(n_train > 0 && n_train < n, args.get("bytes"), "'s ", n, " bytes leave ",
+              n_train == 0 ? "train" : "val", " empty at --val-fraction ", val_fraction,
+              ": give a larger file or another fraction");
+  const std::vector<uint16_t> val(tokens.begin() + static_cast<std::ptrdiff_t>(n_train),
+                                  tokens.end());
+  tokens.resize(n_train);
+  data::write_tokens(out + "/train.bin", tokens, format);
+  data::write_tokens(out + "/val.bin", val, format);
+  std::cout << "paratrain data: wrote " << tokens.size() << " train and " << val.size()
+            << " val tokens (bytes, vocab 256, " << format << ") to " << out << "/{train,val}.bin"
+            << std::endl;
+  return 0;
+}
+
+// `paratrain data <command>`.
+const std::vector<Command>& data_commands() {
+  static const std::vector<Command> table{
+      {"make-imagefolder", "[opts]", "write Fashion-MNIST as an ImageFolder of JPEG/PNG/WebP",
+       make_imagefolder},
+      {"tokenize", "--bytes FILE --out DIR [opts]",
+       "write a file's bytes as token files (train.bin, val.bin) for a GPT", tokenize},
+  };
+  return table;
+}
+
 }  // namespace
 
 int run_data(const std::vector<std::string>& args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h") {
-    std::cout << "usage: paratrain data make-imagefolder [options]\n\n"
-              << data_spec().description
-              << "\n\nrun `paratrain data make-imagefolder --help` for its options\n";
+    std::cout << help_text("paratrain data <command> [options]", "commands", data_commands());
     return args.empty() ? 2 : 0;
   }
-  if (args[0] != "make-imagefolder") {
-    throw UsageError("unknown data command '" + args[0] + "'; available: make-imagefolder");
-  }
-  return make_imagefolder({args.begin() + 1, args.end()});
+  return dispatch(data_commands(), args[0], {args.begin() + 1, args.end()}, "data command");
 }
 
 }  // namespace cli
