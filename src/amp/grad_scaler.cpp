@@ -79,7 +79,8 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
       }
     }
   }
-  if (cuda_groups.empty() && cpu_grads.empty()) {
+  const auto& group = options_.process_group();
+  if (cuda_groups.empty() && cpu_grads.empty() && !group) {
     state.found_inf = torch::Tensor();  // step() then says no inf checks were recorded
     state.stage = Stage::kUnscaled;
     return;
@@ -95,6 +96,12 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     torch::Tensor here = torch::zeros({1}, torch::TensorOptions(torch::kFloat).device(device));
     at::_amp_foreach_non_finite_check_and_unscale_(kv.second, here, inv_scale.to(device));
     found_inf.add_(here.to(found_inf.device()));
+  }
+  if (group && group->size() > 1) {
+    torch::Tensor sum =
+        found_inf.to(group->moves(found_inf.device().type()) ? found_inf.device() : torch::kCPU);
+    group->allreduce(sum, dist::ReduceOp::kSum)->wait();
+    found_inf.copy_(sum);
   }
   state.found_inf = found_inf;
   state.stage = Stage::kUnscaled;

@@ -19,6 +19,7 @@ namespace paratrain_test_programs {
 PARATRAIN_TEST_PROGRAM(collective_worker)
 PARATRAIN_TEST_PROGRAM(ddp_worker)
 PARATRAIN_TEST_PROGRAM(elastic_worker)
+PARATRAIN_TEST_PROGRAM(fsdp_worker)
 PARATRAIN_TEST_PROGRAM(join_worker)
 PARATRAIN_TEST_PROGRAM(pipeline_worker)
 PARATRAIN_TEST_PROGRAM(spawn_probe)
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   static const Program programs[] = {{"collective_worker", p::collective_worker::run},
                                      {"ddp_worker", p::ddp_worker::run},
                                      {"elastic_worker", p::elastic_worker::run},
+                                     {"fsdp_worker", p::fsdp_worker::run},
                                      {"join_worker", p::join_worker::run},
                                      {"pipeline_worker", p::pipeline_worker::run},
                                      {"spawn_probe", p::spawn_probe::run},

@@ -27,6 +27,8 @@
 // (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_); libtorch 1.13 has no CPU
 // kernels for them, so on the CPU the same arithmetic runs as ordinary tensor operations.
 
+#include "paratrain/comm/process_group.h"
+
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
@@ -46,6 +48,11 @@ struct GradScalerOptions {
   TORCH_ARG(int64_t, growth_interval) = 2000;
   /// Disabled: scale() returns its input, step() just steps, the rest does nothing.
   TORCH_ARG(bool, enabled) = true;
+  /// For gradients sharded over a group's ranks (FullyShardedDataParallel): unscale_ sums the
+  /// ranks' inf/NaN findings over the group, so that every rank skips or steps together, as
+  /// PyTorch's ShardedGradScaler does. unscale_ and step are then collectives. nullptr: the
+  /// gradients are whole on every rank (one process, DDP).
+  TORCH_ARG(dist::ProcessGroupPtr, process_group) = nullptr;
 };
 
 class GradScaler {

@@ -1,0 +1,171 @@
+#pragma once
+
+// FullyShardedDataParallel: PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard) for libtorch.
+// Where DDP keeps a whole copy of the weights, the gradients and the optimizer's state on every
+// rank, FSDP keeps 1/world of each: the model's units (one per transformer block, plus the root,
+// which holds every parameter outside the blocks) each own one flat parameter, padded to a
+// multiple of the world size and sharded across the ranks. Only the shard lives between uses.
+//
+//   auto model = paratrain::models::gpt(paratrain::models::gpt_options("gpt2"));
+//   paratrain::FullyShardedDataParallel fsdp(model, pg,
+//       paratrain::FsdpOptions().units(paratrain::models::gpt_block_names(model)));
+//   torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
+//   auto logits = fsdp.forward(tokens);              // every rank its own batch
+//   loss.backward();                                 // gradients reduce-scattered into shards
+//   fsdp.clip_grad_norm(1.0);                        // optional: the global norm
+//   opt.step();
+//
+// How a step flows:
+//  - forward: the root's flat parameter is all-gathered and the module's parameters become views
+//    of it; each unit is all-gathered just before it runs (the next unit's all-gather already in
+//    flight: prefetch) and freed after it (reshard_after_forward). libtorch modules have no
+//    forward hooks, so a unit runs inside a custom autograd function that does this.
+//  - backward: the function all-gathers the unit again (prefetching the unit before it), runs
+//    the unit's backward, and reduce-scatters the unit's gradient (averaged over the ranks, as
+//    DDP averages) into the shard's .grad; the root's gradient is reduce-scattered when the whole
+//    backward ends.
+//  - the optimizer steps on the shards (parameters()): any torch::optim optimizer, since they
+//    update each element from its own gradient and state. The padding stays zero.
+//
+// With FsdpOptions::activation_checkpointing, a unit's forward keeps only its input, and its
+// backward gathers the weights once for both the recompute and the backward.
+//
+// Mixed precision (FsdpMixedPrecision, as FSDP2's MixedPrecisionPolicy): the shards stay fp32
+// (the master weights); the units compute with weights gathered in param_dtype (the shard is
+// cast before the all-gather, which halves its traffic), take their inputs cast to it, and
+// gradients are reduce-scattered in reduce_dtype, then added to the fp32 shards' .grad.
+//
+// Backends: every collective goes through paratrain's process group: gloo, mpi or nccl. Gloo has
+// no reduce-scatter; the gloo group all-reduces the whole flat gradient and keeps its slice,
+// which moves world times the data of a true reduce-scatter (mpi and nccl have one).
+//
+// Between steps the module's own parameters are empty tensors: read the weights through
+// full_state() (a collective), not through the module.
+//
+// Threads: forward, backward and the state functions are collectives on the group; call them on
+// every rank, in the same order, from one thread.
+
+#include "paratrain/comm/process_group.h"
+
+#include <torch/arg.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+
+/// FSDP2's MixedPrecisionPolicy.
+struct FsdpMixedPrecision {
+  /// The dtype units compute with (nullopt: the parameters' own).
+  TORCH_ARG(std::optional<torch::ScalarType>, param_dtype) = std::nullopt;
+  /// The dtype gradients are reduce-scattered in (nullopt: param_dtype's).
+  TORCH_ARG(std::optional<torch::ScalarType>, reduce_dtype) = std::nullopt;
+  /// The dtype forward() returns (nullopt: as the last layer computes it).
+  TORCH_ARG(std::optional<torch::ScalarType>, output_dtype) = std::nullopt;
+};
+
+struct FsdpOptions {
+  /// The children of the Sequential that become units, by name; the other children's
+  /// parameters form the root unit. Empty: every child with parameters except the first and the
+  /// last (a language model's embedding and head, a classifier's stem and head stay in the root).
+  TORCH_ARG(std::vector<std::string>, units) = {};
+  /// Free a unit's gathered weights after its forward (gathered again for backward). false keeps
+  /// them until backward, trading memory for an all-gather.
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Issue the next unit's all-gather before the current unit computes.
+  TORCH_ARG(bool, prefetch) = true;
+  TORCH_ARG(FsdpMixedPrecision, mixed_precision) = {};
+  /// Recompute each unit's activations in backward instead of keeping them (checkpoint()).
+  TORCH_ARG(bool, activation_checkpointing) = false;
+};
+
+class FullyShardedDataParallel {
+ public:
+  /// Shards `module`'s units over `group`'s ranks. Every rank must pass the same architecture;
+  /// the weights of rank 0 are the ones kept (as DDP broadcasts them). Throws c10::Error with
+  /// one line for a unit that is not a child, a unit with no parameters, a unit whose
+  /// parameters have different dtypes, a parameter shared by two units (naming both), a model
+  /// with no unit to shard, and a null group.
+  FullyShardedDataParallel(torch::nn::Sequential module,
+                           dist::ProcessGroupPtr group,
+                           FsdpOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  /// Runs the module on this rank's batch (a collective).
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// The shards, one flat fp32 tensor per unit (root first): what the optimizer steps.
+  std::vector<torch::Tensor> parameters() const;
+
+  /// FSDP2's set_requires_gradient_sync: false makes backward add each unit's whole gradient to
+  /// a local sum instead of reduce-scattering it (no_sync accumulation; it costs the unsharded
+  /// gradients' memory); the next backward with true reduce-scatters the sum.
+  void set_requires_gradient_sync(bool sync);
+  bool requires_gradient_sync() const;
+
+  /// Clips the gradients to a global L2 norm of max_norm (a collective: the shards' squared
+  /// norms are summed over the ranks) and returns the norm before clipping, as
+  /// torch.nn.utils.clip_grad_norm_. max_norm <= 0 only measures.
+  double clip_grad_norm(double max_norm);
+
+  /// Each unit as it is sharded: the child names it covers ("" for the root's name), its
+  /// parameters' names (as module->named_parameters() gives them), shapes and offsets in the
+  /// flat parameter, the flat size and the padded size.
+  struct Unit {
+    std::string name;
+    std::vector<std::string> params;
+    std::vector<std::vector<int64_t>> shapes;
+    std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    int64_t padded = 0;
+  };
+  std::vector<Unit> units() const;
+  int world_size() const;
+  int rank() const;
+
+  /// The whole model's weights by parameter name, in fp32 (a collective: every rank gathers
+  /// every unit, one at a time).
+  std::map<std::string, torch::Tensor> full_state();
+  /// Takes each parameter of a whole state (by name; from full_state(), a checkpoint or an
+  /// unsharded model) into the shards: every rank keeps its slices. No communication. Throws
+  /// c10::Error naming the first missing parameter or differing shape.
+  void load_full_state(const std::map<std::string, torch::Tensor>& state);
+
+  /// This rank's shards, one flat tensor per unit, by unit name ("root" for the root): what a
+  /// sharded checkpoint saves. No communication.
+  std::map<std::string, torch::Tensor> sharded_state() const;
+  /// Shards saved by a world of shards.size() ranks (shards[r] is rank r's sharded_state(), any
+  /// world size): each unit's flat parameter is put back together and this rank takes its slice
+  /// for the current world. No communication. Throws c10::Error naming a missing unit or a flat
+  /// size that differs (a checkpoint of another model or shape).
+  void load_sharded_state(const std::vector<std::map<std::string, torch::Tensor>>& shards);
+  /// This rank's own shards, saved by this rank in a job of the same world size (its
+  /// sharded_state()): copied back bit for bit. Throws c10::Error naming a missing unit or a
+  /// size that differs.
+  void load_own_shards(const std::map<std::string, torch::Tensor>& shards);
+  /// The same resharding for any tensors laid out as the shards (an optimizer's exp_avg):
+  /// pieces[r] is rank r's piece of unit `unit`'s flat tensor; returns this rank's.
+  torch::Tensor reshard(size_t unit, const std::vector<torch::Tensor>& pieces) const;
+
+  torch::nn::Sequential& module();
+  const dist::ProcessGroupPtr& process_group() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;  // shared: autograd nodes hold it weakly
+};
+
+/// How `units` flatten and shard over `world` ranks, without a process group: the layout a
+/// checkpoint made by that world has. Also used to reshard on another world size.
+int64_t fsdp_padded_size(int64_t numel, int world);
+
+}  // namespace paratrain

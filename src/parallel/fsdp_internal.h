@@ -1,0 +1,69 @@
+#pragma once
+
+// FullyShardedDataParallel's state, shared by fully_sharded_data_parallel.cpp (construction,
+// forward, state) and fsdp_units.cpp (gathering, freeing and reducing one unit, and the autograd
+// functions that run units).
+
+#include "paratrain/parallel/fully_sharded_data_parallel.h"
+
+#include <torch/nn/modules/container/any.h>
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace fsdp_detail {
+
+// One flat parameter and its shard. Units are numbered in the order they run; unit 0 is the
+// root (possibly without parameters).
+struct UnitState {
+  FullyShardedDataParallel::Unit layout;
+  std::vector<size_t> children;       // the Sequential's entries this unit covers
+  std::vector<torch::Tensor> params;  // the module's own variables, pointed at `full` when gathered
+  torch::ScalarType dtype = torch::kFloat;  // the parameters' (and the shard's)
+  torch::Tensor shard;                      // [padded / world], a leaf the optimizer steps
+  torch::Tensor full;     // [padded] in the compute dtype; its storage is freed between uses
+  bool gathered = false;  // full's storage holds the weights, or a gather into it is in flight
+  bool views = false;     // params point at full
+  dist::WorkPtr gather;
+  torch::Tensor gather_input;  // the cast shard, alive while the gather runs
+  dist::WorkPtr reduce;
+  torch::Tensor reduce_input, reduce_output;
+  torch::Tensor
+      unsynced;  // fp32 [padded]: gradients summed under set_requires_gradient_sync(false)
+  bool has_params() const { return layout.padded > 0; }
+};
+
+}  // namespace fsdp_detail
+
+struct FullyShardedDataParallel::Impl {
+  torch::nn::Sequential module;
+  std::vector<torch::nn::AnyModule> entries;  // module's children, in order
+  std::vector<int> unit_of_entry;             // -1: the root's
+  dist::ProcessGroupPtr group;
+  FsdpOptions options;
+  std::vector<fsdp_detail::UnitState> units;  // [0] is the root
+  torch::ScalarType compute_dtype = torch::kFloat;
+  torch::ScalarType reduce_dtype = torch::kFloat;
+  bool sync = true;
+  bool backward_queued = false;
+  std::weak_ptr<Impl> self;  // what autograd nodes and the end-of-backward callback hold
+
+  // fsdp_units.cpp
+  void issue_gather(fsdp_detail::UnitState& u);
+  void use_gathered(fsdp_detail::UnitState& u);
+  void release(fsdp_detail::UnitState& u);
+  void release_all();
+  void prefetch(int index);
+  torch::Tensor run_entries(const fsdp_detail::UnitState& u, torch::Tensor x);
+  void reduce_gradient(fsdp_detail::UnitState& u, const std::vector<torch::Tensor>& grads);
+  void finish_reduce(fsdp_detail::UnitState& u);
+  void queue_finalize();
+  void finalize_backward();
+  torch::Tensor run_unit(int index, const torch::Tensor& input, bool graph);
+  torch::Tensor mark_backward_start(const torch::Tensor& output);
+};
+
+}  // namespace paratrain

@@ -1,0 +1,353 @@
+// One FSDP unit's life: gathered, run, freed, gathered again for backward, its gradient
+// reduce-scattered into the shard. The two autograd functions that give libtorch modules the
+// hooks FSDP needs live here too.
+
+#include "fsdp_internal.h"
+
+#include "recompute.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+
+namespace paratrain {
+
+using fsdp_detail::UnitState;
+using torch::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The gathered buffer's storage is freed and refilled in place, the way PyTorch's FSDP resizes
+// its unsharded flat parameter's storage to zero: tensors that autograd saved during forward
+// (a weight's transposed view, say) alias this storage, and see the weights again once backward
+// gathers them into it. No ATen call frees a storage while tensors view it, hence StorageImpl.
+void free_storage(const Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_storage(const Tensor& t) {
+  const c10::DeviceGuard guard(t.device());  // the CUDA allocator allocates on the current device
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (storage->nbytes() >= nbytes) {
+    return;
+  }
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+using Impl = FullyShardedDataParallel::Impl;
+
+// An autograd node's hold on the FSDP object: weak, so a graph that outlives the object (a loss
+// kept after the wrapper is gone) fails with a line instead of using freed memory.
+struct ImplRef : torch::CustomClassHolder {
+  explicit ImplRef(std::weak_ptr<Impl> i) : impl(std::move(i)) {}
+  std::weak_ptr<Impl> impl;
+};
+
+c10::IValue hold(const std::weak_ptr<Impl>& impl) {
+  return c10::IValue::make_capsule(c10::make_intrusive<ImplRef>(impl));
+}
+
+std::shared_ptr<Impl> held(const c10::IValue& v) {
+  auto capsule = v.toCapsule();
+  std::shared_ptr<Impl> impl = static_cast<ImplRef*>(capsule.get())->impl.lock();
+  TORCH_CHECK(impl != nullptr,
+              "FullyShardedDataParallel was destroyed before a backward through its forward; "
+              "keep it alive until backward has run");
+  return impl;
+}
+
+}  // namespace
+
+void FullyShardedDataParallel::Impl::issue_gather(UnitState& u) {
+  if (u.gathered || !u.has_params()) {
+    return;
+  }
+  allocate_storage(u.full);
+  u.gather_input = u.shard.detach().to(u.full.scalar_type()).contiguous();
+  std::vector<Tensor> outputs = u.full.chunk(group->size());
+  u.gather = group->allgather(outputs, u.gather_input);
+  u.gathered = true;
+}
+
+void FullyShardedDataParallel::Impl::use_gathered(UnitState& u) {
+  issue_gather(u);
+  if (u.gather) {
+    u.gather->wait();
+    u.gather.reset();
+    u.gather_input = Tensor();
+  }
+  if (u.views) {
+    return;
+  }
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
+    u.params[i].set_data(u.full.narrow(0, u.layout.offsets[i], n).view(u.layout.shapes[i]));
+  }
+  u.views = u.has_params();
+}
+
+// Between uses the module's parameters are empty tensors of their dtype: reading one then fails
+// with a shape error instead of reading freed memory.
+void FullyShardedDataParallel::Impl::release(UnitState& u) {
+  if (u.gather) {
+    u.gather->wait();  // the engine may still be writing into the storage
+    u.gather.reset();
+    u.gather_input = Tensor();
+  }
+  for (auto& p : u.params) {
+    p.set_data(torch::empty({0}, u.shard.options().requires_grad(false)));
+  }
+  u.views = false;
+  if (u.gathered) {
+    free_storage(u.full);
+    u.gathered = false;
+  }
+}
+
+void FullyShardedDataParallel::Impl::release_all() {
+  for (auto& u : units) {
+    release(u);
+  }
+}
+
+void FullyShardedDataParallel::Impl::prefetch(int index) {
+  if (options.prefetch() && index > 0 && index < static_cast<int>(units.size())) {
+    issue_gather(units[static_cast<size_t>(index)]);
+  }
+}
+
+Tensor FullyShardedDataParallel::Impl::run_entries(const UnitState& u, Tensor x) {
+  for (size_t e : u.children) {
+    x = entries[e].forward(x);
+  }
+  return x;
+}
+
+// The unit's whole gradient, flat and padded, in the reduce dtype; reduce-scattered (averaged)
+// into the shard, or added to the unsynced sum under set_requires_gradient_sync(false). At most
+// two reductions are in flight: the previous unit's is finished first, which bounds the
+// gradients held to two units'.
+void FullyShardedDataParallel::Impl::reduce_gradient(UnitState& u,
+                                                     const std::vector<Tensor>& grads) {
+  torch::NoGradGuard no_grad;
+  Tensor flat = torch::zeros({u.layout.padded}, u.shard.options());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (grads[i].defined()) {
+      const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
+      flat.narrow(0, u.layout.offsets[i], n).copy_(grads[i].reshape({-1}));
+    }
+  }
+  if (u.unsynced.defined()) {
+    flat.add_(u.unsynced);
+    u.unsynced = Tensor();
+  }
+  if (!sync) {
+    u.unsynced = flat;
+    return;
+  }
+  for (auto& other : units) {
+    finish_reduce(other);  // this unit's own too: a second backward through it before a step
+  }
+  u.reduce_input = flat.to(reduce_dtype);
+  u.reduce_output = torch::empty({u.shard.numel()}, u.reduce_input.options());
+  std::vector<Tensor> inputs = u.reduce_input.chunk(group->size());
+  u.reduce = group->reduce_scatter(u.reduce_output, inputs, dist::ReduceOp::kAvg);
+}
+
+void FullyShardedDataParallel::Impl::finish_reduce(UnitState& u) {
+  if (!u.reduce) {
+    return;
+  }
+  u.reduce->wait();
+  u.reduce.reset();
+  torch::NoGradGuard no_grad;
+  Tensor g = u.reduce_output.to(u.shard.scalar_type());
+  Tensor& grad = u.shard.mutable_grad();
+  if (grad.defined()) {
+    grad.add_(g);
+  } else {
+    grad = g;
+  }
+  u.reduce_input = Tensor();
+  u.reduce_output = Tensor();
+}
+
+// Runs once when a backward through forward()'s output ends: the reductions still in flight
+// finish, the root's gradient (accumulated by autograd into its parameters' .grad) is reduced,
+// and every gathered buffer is freed.
+void FullyShardedDataParallel::Impl::finalize_backward() {
+  backward_queued = false;
+  for (auto& u : units) {
+    finish_reduce(u);
+  }
+  UnitState& root = units[0];
+  if (root.has_params()) {
+    std::vector<Tensor> grads;
+    for (auto& p : root.params) {
+      grads.push_back(p.grad());
+      p.mutable_grad() = Tensor();
+    }
+    reduce_gradient(root, grads);
+    finish_reduce(root);
+  }
+  release_all();
+}
+
+// Once per backward. The callback holds the object weakly: a backward that outlives it fails in
+// held() first.
+void FullyShardedDataParallel::Impl::queue_finalize() {
+  if (!backward_queued) {
+    backward_queued = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([weak = self] {
+      if (auto impl = weak.lock()) {
+        impl->finalize_backward();
+      }
+    });
+  }
+}
+
+namespace {
+
+// A unit's forward and backward. Forward gathers the unit, runs it with grad on a detached
+// input (its own graph, kept in the context), and frees the weights; backward gathers them into
+// the same storage, backpropagates through that graph with torch::autograd::grad (which hands
+// back the parameters' gradients instead of accumulating them), and reduce-scatters them. With
+// activation checkpointing forward keeps no graph, and backward rebuilds it first, replaying
+// the RNG. `shard` is an input only so that the node is in the graph when `input` needs no
+// gradient (a first unit fed with data); it receives its gradient through the reduction.
+struct UnitFunction : public torch::autograd::Function<UnitFunction> {
+  using Impl = FullyShardedDataParallel::Impl;
+
+  static variable_list forward(
+      AutogradContext* ctx, Tensor input, Tensor shard, Impl* impl, int64_t index) {
+    (void)shard;
+    UnitState& u = impl->units[static_cast<size_t>(index)];
+    impl->use_gathered(u);
+    impl->prefetch(static_cast<int>(index) + 1);
+    ctx->saved_data["impl"] = hold(impl->self);
+    ctx->saved_data["index"] = index;
+    ctx->saved_data["input_requires_grad"] = input.requires_grad();
+    Tensor x = input.detach();
+    Tensor out;
+    if (impl->options.activation_checkpointing()) {
+      recompute::save(ctx);
+      out = impl->run_entries(u, x);
+      ctx->saved_data["input"] = x;
+      impl->release(u);
+      return {out};
+    }
+    x.requires_grad_(input.requires_grad());
+    {
+      torch::AutoGradMode enable(true);
+      out = impl->run_entries(u, x);
+    }
+    ctx->saved_data["input"] = x;
+    ctx->saved_data["output"] = out;
+    if (impl->options.reshard_after_forward()) {
+      impl->release(u);
+    }
+    return {out.detach()};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::shared_ptr<Impl> impl = held(ctx->saved_data["impl"]);
+    const int index = static_cast<int>(ctx->saved_data["index"].toInt());
+    TORCH_CHECK(ctx->saved_data.count("input"),
+                "FullyShardedDataParallel: a backward ran a second time through one forward; "
+                "backpropagate once per forward (retain_graph is not supported)");
+    UnitState& u = impl->units[static_cast<size_t>(index)];
+    impl->queue_finalize();
+    impl->use_gathered(u);
+    impl->prefetch(index - 1);
+    Tensor x = ctx->saved_data["input"].toTensor();
+    Tensor out;
+    if (impl->options.activation_checkpointing()) {
+      x = x.detach().requires_grad_(ctx->saved_data["input_requires_grad"].toBool());
+      out = recompute::replay(ctx, [&] { return impl->run_entries(u, x); });
+    } else {
+      out = ctx->saved_data["output"].toTensor();
+      ctx->saved_data.erase("output");
+    }
+    std::vector<Tensor> inputs, param_grads(u.params.size());
+    std::vector<size_t> which;
+    if (x.requires_grad()) {
+      inputs.push_back(x);
+    }
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      if (u.params[i].requires_grad()) {
+        inputs.push_back(u.params[i]);
+        which.push_back(i);
+      }
+    }
+    Tensor grad_input;
+    if (out.requires_grad() && !inputs.empty()) {
+      auto got = torch::autograd::grad({out}, inputs, {grads[0]}, /*retain_graph=*/false,
+                                       /*create_graph=*/false, /*allow_unused=*/true);
+      size_t k = 0;
+      if (x.requires_grad()) {
+        grad_input = got[k++];
+      }
+      for (size_t i : which) {
+        param_grads[i] = got[k++];
+      }
+    }
+    ctx->saved_data.erase("input");
+    // Gradients that reached the parameters' .grad instead (a checkpoint() inside the unit
+    // backpropagates into .grad itself) belong to the unit's gradient too.
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      if (u.params[i].grad().defined()) {
+        param_grads[i] =
+            param_grads[i].defined() ? param_grads[i] + u.params[i].grad() : u.params[i].grad();
+        u.params[i].mutable_grad() = Tensor();
+      }
+    }
+    impl->reduce_gradient(u, param_grads);
+    impl->release(u);
+    return {grad_input, Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// Identity on forward()'s output: its backward is the first node a backward through the output
+// runs, which is where the end-of-backward work is queued. The root is gathered again here in case
+// something released it since the forward (a forward without grad in between, another backward's
+// end): the storage is refilled in place, so what this graph saved of the root's weights sees them
+// again.
+struct BackwardStart : public torch::autograd::Function<BackwardStart> {
+  static variable_list forward(AutogradContext* ctx, Tensor output, Impl* impl) {
+    ctx->saved_data["impl"] = hold(impl->self);
+    return {output};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const std::shared_ptr<Impl> impl = held(ctx->saved_data["impl"]);
+    impl->queue_finalize();
+    impl->use_gathered(impl->units[0]);
+    return {grads[0], Tensor()};
+  }
+};
+
+}  // namespace
+
+Tensor FullyShardedDataParallel::Impl::run_unit(int index, const Tensor& input, bool graph) {
+  UnitState& u = units[static_cast<size_t>(index)];
+  if (!graph) {
+    use_gathered(u);
+    prefetch(index + 1);
+    Tensor out = run_entries(u, input);
+    release(u);
+    return out;
+  }
+  return UnitFunction::apply(input, u.shard, this, static_cast<int64_t>(index))[0];
+}
+
+Tensor FullyShardedDataParallel::Impl::mark_backward_start(const Tensor& output) {
+  return BackwardStart::apply(output, this)[0];
+}
+
+}  // namespace paratrain
