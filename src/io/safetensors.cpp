@@ -142,11 +142,13 @@ class HeaderFilter {
   int items_ = 0;       // values read in that field's array
 };
 
-// The header's tensors by name (its __metadata__ aside), read with nlohmann-json.
-std::map<std::string, Entry> read_header(const std::string& text, const std::string& path) {
+// The header as a JSON object, read with nlohmann-json through `filter` (which drops what the
+// reader does not need).
+template <typename Filter>
+nlohmann::json parse_header(const std::string& text, const std::string& path, Filter filter) {
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text, HeaderFilter(path));
+    header = nlohmann::json::parse(text, filter);
   } catch (const nlohmann::json::exception& e) {
     const std::string what = e.what();  // "[json.exception.parse_error.101] parse error at ..."
     invalid(path, "the header is not JSON (" + what.substr(what.find("] ") + 2) + ")");
@@ -154,6 +156,12 @@ std::map<std::string, Entry> read_header(const std::string& text, const std::str
   if (!header.is_object()) {
     invalid(path, "the header is not a JSON object");
   }
+  return header;
+}
+
+// The header's tensors by name (its __metadata__ aside).
+std::map<std::string, Entry> read_header(const std::string& text, const std::string& path) {
+  const nlohmann::json header = parse_header(text, path, HeaderFilter(path));
   std::map<std::string, Entry> out;
   for (const auto& item : header.items()) {
     out[item.key()] = entry(item.key(), item.value(), path);
@@ -161,21 +169,80 @@ std::map<std::string, Entry> read_header(const std::string& text, const std::str
   return out;
 }
 
-// `name` as a JSON string, quotes included. The format's names are UTF-8, as JSON's strings are:
-// another name would make a file that no reader (this one included) accepts.
-std::string json_string(const std::string& name) {
-  try {
-    return nlohmann::json(name).dump();
-  } catch (const nlohmann::json::exception&) {
-    TORCH_CHECK(false, "safetensors: the tensor name '", name, "' is not valid UTF-8");
+// The header's __metadata__; the tensors' entries are read past (to the nesting limit) and
+// dropped.
+std::map<std::string, std::string> read_metadata(const std::string& text, const std::string& path) {
+  using Event = nlohmann::json::parse_event_t;
+  auto only_metadata = [&path](int depth, Event event, nlohmann::json& parsed) {
+    if (depth > kMaxNesting) {
+      invalid(path, "values nested more than " + std::to_string(kMaxNesting) + " deep");
+    }
+    return !(event == Event::key && depth == 1 && parsed.get<std::string>() != "__metadata__");
+  };
+  const nlohmann::json header = parse_header(text, path, only_metadata);
+  std::map<std::string, std::string> out;
+  const auto metadata = header.find("__metadata__");
+  if (metadata == header.end()) {
+    return out;
   }
+  if (!metadata->is_object()) {
+    invalid(path, "__metadata__ is not an object");
+  }
+  for (const auto& item : metadata->items()) {
+    out[item.key()] =
+        item.value().is_string() ? item.value().get<std::string>() : item.value().dump();
+  }
+  return out;
+}
+
+// `text` as a JSON string, quotes included. The format's names are UTF-8, as JSON's strings are:
+// another name would make a file that no reader (this one included) accepts.
+std::string json_string(const std::string& text, const char* what = "tensor name") {
+  try {
+    return nlohmann::json(text).dump();
+  } catch (const nlohmann::json::exception&) {
+    TORCH_CHECK(false, "safetensors: the ", what, " '", text, "' is not valid UTF-8");
+  }
+}
+
+// The header's length from a file's first 8 bytes, checked against the file's size.
+uint64_t header_length(const unsigned char* first8, uint64_t size, const std::string& name) {
+  TORCH_CHECK(size >= 8, "safetensors: ", name,
+              " is not a valid safetensors file: shorter than its 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) {
+    n |= static_cast<uint64_t>(first8[i]) << (8 * i);
+  }
+  TORCH_CHECK(n >= 2 && n <= size - 8 && n < (100u << 20), "safetensors: ", name,
+              " is not a valid safetensors file: its header length ", n, " does not fit a file of ",
+              size, " bytes");
+  return n;
+}
+
+// The header's text (after its length), which must be a JSON object.
+std::string header_text(const unsigned char* bytes, size_t size, const std::string& name) {
+  const uint64_t n = header_length(bytes, size, name);
+  std::string header(reinterpret_cast<const char*>(bytes) + 8, n);
+  TORCH_CHECK(header[0] == '{', "safetensors: ", name,
+              " is not a valid safetensors file: the header is not a JSON object");
+  return header;
 }
 
 }  // namespace
 
-SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors) {
+SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors,
+                                    const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, std::string> all{{"format", "pt"}};
+  for (const auto& kv : metadata) {
+    all[kv.first] = kv.second;
+  }
   std::ostringstream header;
-  header << "{\"__metadata__\":{\"format\":\"pt\"}";
+  header << "{\"__metadata__\":{";
+  for (auto it = all.begin(); it != all.end(); ++it) {
+    header << (it == all.begin() ? "" : ",") << json_string(it->first, "metadata name") << ":"
+           << json_string(it->second, "metadata value");
+  }
+  header << "}";
   SafetensorsParts parts;
   int64_t offset = 0;
   for (const auto& kv : tensors) {
@@ -216,26 +283,18 @@ void save_safetensors(const std::map<std::string, torch::Tensor>& tensors,
 
 std::map<std::string, torch::Tensor> load_safetensors_bytes(const void* data,
                                                             size_t size,
-                                                            const std::string& name) {
+                                                            const std::string& name,
+                                                            const SafetensorsFilter& keep) {
   const auto* bytes = static_cast<const unsigned char*>(data);
-  TORCH_CHECK(size >= 8, "safetensors: ", name,
-              " is not a valid safetensors file: shorter than its 8-byte header length");
-  const int64_t file_size = static_cast<int64_t>(size);
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) {
-    n |= static_cast<uint64_t>(bytes[i]) << (8 * i);
-  }
-  TORCH_CHECK(n >= 2 && n <= size - 8 && n < (100u << 20), "safetensors: ", name,
-              " is not a valid safetensors file: its header length ", n, " does not fit a file of ",
-              size, " bytes");
-  const std::string header(reinterpret_cast<const char*>(bytes) + 8, n);
-  TORCH_CHECK(header[0] == '{', "safetensors: ", name,
-              " is not a valid safetensors file: the header is not a JSON object");
+  const std::string header = header_text(bytes, size, name);
   const auto entries = read_header(header, name);
-  const unsigned char* payload = bytes + 8 + n;
-  const int64_t data_size = file_size - 8 - static_cast<int64_t>(n);
+  const unsigned char* payload = bytes + 8 + header.size();
+  const int64_t data_size = static_cast<int64_t>(size - 8 - header.size());
   std::map<std::string, torch::Tensor> out;
   for (const auto& kv : entries) {
+    if (keep && !keep(kv.first)) {
+      continue;
+    }
     const auto& e = kv.second;
     at::ScalarType type = at::kFloat;
     bool known = false;
@@ -276,7 +335,8 @@ std::map<std::string, torch::Tensor> load_safetensors_bytes(const void* data,
   return out;
 }
 
-std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path,
+                                                      const SafetensorsFilter& keep) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   const std::streamoff size = in.tellg();
   TORCH_CHECK(in.good() && size >= 0, "safetensors: cannot open ", path);
@@ -284,7 +344,30 @@ std::map<std::string, torch::Tensor> load_safetensors(const std::string& path) {
   in.seekg(0);
   TORCH_CHECK(in.read(bytes.data(), static_cast<std::streamsize>(bytes.size())),
               "safetensors: cannot read ", path);
-  return load_safetensors_bytes(bytes.data(), bytes.size(), path);
+  return load_safetensors_bytes(bytes.data(), bytes.size(), path, keep);
+}
+
+std::map<std::string, std::string> safetensors_metadata_bytes(const void* data,
+                                                              size_t size,
+                                                              const std::string& name) {
+  return read_metadata(header_text(static_cast<const unsigned char*>(data), size, name), name);
+}
+
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  const std::streamoff size = in.tellg();
+  TORCH_CHECK(in.good() && size >= 0, "safetensors: cannot open ", path);
+  // Only the header: the length first, then as many bytes as it says (checked against the size).
+  unsigned char first8[8] = {};
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(first8), std::min<std::streamoff>(size, 8));
+  const uint64_t n = header_length(first8, static_cast<uint64_t>(size), path);
+  std::vector<unsigned char> head(8 + n);
+  in.seekg(0);
+  TORCH_CHECK(
+      in.read(reinterpret_cast<char*>(head.data()), static_cast<std::streamsize>(head.size())),
+      "safetensors: cannot read ", path);
+  return read_metadata(header_text(head.data(), head.size(), path), path);
 }
 
 std::map<std::string, torch::Tensor> module_state(const torch::nn::Module& module) {

@@ -1,5 +1,5 @@
-// The safetensors files that checkpoints and weights use: a round trip, a mis-shaped tensor, and a
-// header read as JSON (escapes, key order, unknown keys, nesting and size limits).
+// The safetensors files that checkpoints and weights use: a round trip, a mis-shaped tensor, a
+// header read as JSON (escapes, key order, unknown keys, nesting and size limits), and metadata.
 
 #include "test_util.h"
 
@@ -137,6 +137,40 @@ TEST(Safetensors, HeaderIsReadAsJson) {
               save_safetensors({{"bad\xff", torch::ones({1})}}, path);
             }).find("the tensor name 'bad\xff' is not valid UTF-8"),
             std::string::npos);
+}
+
+// The header's __metadata__: written with the tensors, read back alone (without the tensors) or
+// from memory, and a filter that reads only some tensors.
+TEST(Safetensors, MetadataAndFilteredReads) {
+  const std::string path = "/tmp/" + unique_token("meta") + ".safetensors";
+  const std::map<std::string, torch::Tensor> tensors{{"a.x", torch::ones({2})},
+                                                     {"b.y", torch::arange(3)}};
+  const SafetensorsParts parts =
+      encode_safetensors(tensors, {{"step", "7"}, {"json", "{\"k\":1}"}});
+  {
+    std::ofstream f(path, std::ios::binary);
+    f << parts.header;
+    for (const auto& t : parts.tensors) {
+      f.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    }
+  }
+  const std::map<std::string, std::string> want{
+      {"format", "pt"}, {"json", "{\"k\":1}"}, {"step", "7"}};
+  EXPECT_EQ(load_safetensors_metadata(path), want);
+  EXPECT_EQ(load_safetensors(path).size(), 2u);
+  const auto only_a = load_safetensors(path, [](const std::string& n) { return n[0] == 'a'; });
+  ASSERT_EQ(only_a.size(), 1u);
+  EXPECT_TRUE(torch::equal(only_a.at("a.x"), tensors.at("a.x")));
+  // A file without metadata has none; a value that is not text comes back as its JSON.
+  const auto bare = safetensors_bytes(R"({"__metadata__":{"n":[1,2]}})");
+  EXPECT_EQ(safetensors_metadata_bytes(bare.data(), bare.size()).at("n"), "[1,2]");
+  const auto none = safetensors_bytes("{}");
+  EXPECT_TRUE(safetensors_metadata_bytes(none.data(), none.size()).empty());
+  EXPECT_NE(error_of([&] {
+              encode_safetensors(tensors, {{"k", "bad\xff"}});
+            }).find("the metadata value 'bad\xff' is not valid UTF-8"),
+            std::string::npos);
+  std::remove(path.c_str());
 }
 
 }  // namespace

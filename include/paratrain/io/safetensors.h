@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -21,18 +22,35 @@ struct SafetensorsParts {
   std::string header;
   std::vector<torch::Tensor> tensors;
 };
-SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors);
+/// `metadata` goes to the header's "__metadata__" (text to text, as the format has it), after
+/// "format": "pt" (which it may replace); names and values must be UTF-8.
+SafetensorsParts encode_safetensors(const std::map<std::string, torch::Tensor>& tensors,
+                                    const std::map<std::string, std::string>& metadata = {});
 
 void save_safetensors(const std::map<std::string, torch::Tensor>& tensors, const std::string& path);
 
-/// Reads every tensor of a safetensors file. Throws c10::Error naming the file for anything that
-/// is not a well-formed safetensors file (bad length, bad JSON, unknown dtype, out-of-range
-/// offsets).
-std::map<std::string, torch::Tensor> load_safetensors(const std::string& path);
+/// Which tensors of a file to read, by name (null: all of them).
+using SafetensorsFilter = std::function<bool(const std::string& name)>;
+
+/// Reads every tensor of a safetensors file (those `keep` accepts). Throws c10::Error naming the
+/// file for anything that is not a well-formed safetensors file (bad length, bad JSON, unknown
+/// dtype, out-of-range offsets).
+std::map<std::string, torch::Tensor> load_safetensors(const std::string& path,
+                                                      const SafetensorsFilter& keep = nullptr);
 
 /// The same for the `size` bytes of a safetensors file already in memory. `name` stands for the
 /// file in error messages.
 std::map<std::string, torch::Tensor> load_safetensors_bytes(
+    const void* data,
+    size_t size,
+    const std::string& name = "safetensors data",
+    const SafetensorsFilter& keep = nullptr);
+
+/// The header's "__metadata__" of a safetensors file, reading only the header (empty when it has
+/// none; a value that is not text comes back as its JSON). Throws c10::Error as load_safetensors.
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path);
+/// The same for a safetensors file already in memory.
+std::map<std::string, std::string> safetensors_metadata_bytes(
     const void* data, size_t size, const std::string& name = "safetensors data");
 
 /// A module's parameters and buffers by their libtorch names ("fc1.weight", "bn.running_mean").

@@ -1,0 +1,284 @@
+// Sharded FSDP checkpoints (fsdp_checkpoint.h). Through programs/fsdp_worker on real ranks: a
+// resumed job ends bit for bit where an uninterrupted one does; a checkpoint of 3 ranks resumes
+// on 2 (the same weights bit for bit once loaded, then the same training); `paratrain checkpoint
+// consolidate` writes the whole model, under Hugging Face's names too; a checkpoint of another
+// model is refused in one line. In this process, on a world of one: the round trip bit for bit,
+// and the directories that hold no checkpoint, each refused in one line.
+
+#include "test_util.h"
+
+#include <paratrain/comm/init.h>
+#include <paratrain/io/checkpoint.h>
+#include <paratrain/io/safetensors.h>
+#include <paratrain/models/gpt.h>
+#include <paratrain/parallel/fsdp_checkpoint.h>
+#include <paratrain/parallel/fully_sharded_data_parallel.h>
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+const std::string kWorker = PARATRAIN_TEST_FSDP_WORKER;
+
+// The worker compares every step with one process: within 1e-6, and under Adam here within 1e-4.
+// Adam moves each weight by about lr * g / (|g| + eps); where the gradient is zero but for
+// rounding (the attention's key bias, which softmax ignores), that ratio is rounding noise, and
+// over 3 ranks, whose sums the reference does not group as FSDP does, such weights differ by up to
+// about 1e-4 (3.7e-5 seen). The equivalence suite follows Adam's trajectory; these tests check
+// the checkpoints, bit for bit.
+std::vector<std::string> adam(std::vector<std::string> args) {
+  args.insert(args.end(), {"--optimizer", "adam", "--tolerance", "1e-4"});
+  return args;
+}
+
+std::vector<std::string> sgd(std::vector<std::string> args) {
+  args.insert(args.end(), {"--optimizer", "sgd"});
+  return args;
+}
+
+ProcessResult run_worker(int ranks, const std::vector<std::string>& args) {
+  std::vector<std::string> argv{
+      cli_path(), "launch", "--standalone", "--nproc-per-node", std::to_string(ranks), "--backend",
+      "gloo",     "--",     kWorker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}}, 240);
+}
+
+int64_t total_numel(const std::map<std::string, torch::Tensor>& tensors,
+                    const std::string& prefix) {
+  int64_t n = 0;
+  for (const auto& kv : tensors) {
+    if (kv.first.compare(0, prefix.size(), prefix) == 0) {
+      n += kv.second.numel();
+    }
+  }
+  return n;
+}
+
+// 6 steps without a break, and 3 steps, a save, and 3 more in a new job: the same bytes. Each rank
+// file holds only that rank's shards and their optimizer state, with the layout as metadata.
+TEST(FsdpCheckpoint, ExactResumeIsBitwise) {
+  const std::string dir = make_temp_dir("fsdp-exact");
+  const std::string ckpt = dir + "/ckpt";
+  expect_every_rank_ok(kWorker, "gloo", 2,
+                       adam({"--steps", "6", "--final-out", dir + "/straight"}));
+  expect_every_rank_ok(kWorker, "gloo", 2, adam({"--steps", "3", "--save-checkpoint", ckpt}));
+  expect_every_rank_ok(kWorker, "gloo", 2,
+                       adam({"--steps", "3", "--resume", ckpt, "--final-out", dir + "/resumed"}));
+  expect_bitwise(load_safetensors(dir + "/straight"), load_safetensors(dir + "/resumed"));
+
+  const auto rank0 = load_safetensors(ckpt + "/rank-0-of-2.safetensors");
+  const auto rank1 = load_safetensors(ckpt + "/rank-1-of-2.safetensors");
+  const int64_t whole = total_numel(load_safetensors(dir + "/straight"), "");
+  EXPECT_EQ(total_numel(rank0, "model."), total_numel(rank1, "model."));
+  EXPECT_GE(2 * total_numel(rank0, "model."), whole);
+  EXPECT_LT(2 * total_numel(rank0, "model."), whole + 2 * 4);  // 4 units, padded to 2
+  for (const char* key :
+       {"model.root", "model.h2", "optim.0.0.exp_avg", "optim.0.3.exp_avg_sq", "optim.0.0.step"}) {
+    EXPECT_TRUE(rank0.count(key)) << key;
+  }
+  EXPECT_EQ(rank0.at("optim.0.3.exp_avg").sizes(), rank0.at("model.h2").sizes());
+  const auto metadata = load_safetensors_metadata(ckpt + "/rank-1-of-2.safetensors");
+  EXPECT_EQ(metadata.at("step"), "3");
+  EXPECT_NE(metadata.at("fsdp.layout").find("\"rank\":1"), std::string::npos)
+      << metadata.at("fsdp.layout");
+  remove_tree(dir);
+}
+
+// 3 ranks save at step 3 and 2 ranks load it. Under SGD with momentum: the same weights, bit for
+// bit, once loaded, and 3 more steps on the same global batch of 12 sequences train as 3 ranks
+// training 6 steps straight, within the rounding of sums over another split. Under Adam: its
+// moments resharded and its step counts, bit for bit.
+TEST(FsdpCheckpoint, ResumesOnAnotherWorldSize) {
+  const std::string dir = make_temp_dir("fsdp-reshard");
+  auto on_12 = [](std::vector<std::string> args) {
+    args.insert(args.end(), {"--global-batch", "12"});
+    return args;
+  };
+  expect_every_rank_ok(kWorker, "gloo", 3,
+                       sgd(on_12({"--steps", "6", "--final-out", dir + "/straight"})));
+  expect_every_rank_ok(kWorker, "gloo", 3,
+                       sgd(on_12({"--steps", "3", "--save-checkpoint", dir + "/sgd", "--full-out",
+                                  dir + "/saved"})));
+  expect_every_rank_ok(kWorker, "gloo", 2,
+                       sgd(on_12({"--steps", "3", "--resume", dir + "/sgd", "--loaded-out",
+                                  dir + "/loaded", "--final-out", dir + "/resumed"})));
+  expect_bitwise(load_safetensors(dir + "/saved"), load_safetensors(dir + "/loaded"));
+  const auto straight = load_safetensors(dir + "/straight");
+  const auto resumed = load_safetensors(dir + "/resumed");
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (const auto& kv : straight) {
+    ASSERT_TRUE(resumed.count(kv.first)) << kv.first;
+    expect_close(kv.second, resumed.at(kv.first), kv.first, 1e-6);
+  }
+
+  expect_every_rank_ok(kWorker, "gloo", 3,
+                       adam(on_12({"--steps", "3", "--save-checkpoint", dir + "/adam",
+                                   "--optim-out", dir + "/adam-saved"})));
+  expect_every_rank_ok(kWorker, "gloo", 2,
+                       adam(on_12({"--steps", "0", "--resume", dir + "/adam", "--loaded-optim-out",
+                                   dir + "/adam-loaded"})));
+  const auto saved = load_safetensors(dir + "/adam-saved");
+  EXPECT_EQ(saved.at("0.0.step").item<int64_t>(), 3);
+  EXPECT_EQ(saved.size(), 4u * 3);  // step, exp_avg and exp_avg_sq of each unit
+  expect_bitwise(saved, load_safetensors(dir + "/adam-loaded"));
+  remove_tree(dir);
+}
+
+TEST(FsdpCheckpoint, ConsolidateWritesTheWholeModel) {
+  const std::string dir = make_temp_dir("fsdp-consolidate");
+  const std::string ckpt = dir + "/ckpt";
+  expect_every_rank_ok(
+      kWorker, "gloo", 2,
+      sgd({"--steps", "2", "--save-checkpoint", ckpt, "--full-out", dir + "/full"}));
+  const auto full = load_safetensors(dir + "/full");
+  auto r = run_process({cli_path(), "checkpoint", "consolidate", ckpt, "--out", dir + "/one"},
+                       {kCpuOnly}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("paratrain checkpoint: wrote " + std::to_string(total_numel(full, "")) +
+                          " parameters (" + std::to_string(full.size()) + " tensors) of " + ckpt +
+                          " to " + dir + "/one"),
+            std::string::npos)
+      << r.output;
+  expect_bitwise(full, load_safetensors(dir + "/one"));
+  EXPECT_EQ(load_safetensors_metadata(dir + "/one").at("step"), "2");
+
+  r = run_process(
+      {cli_path(), "checkpoint", "consolidate", "--out", dir + "/hf", "--names", "hf", ckpt},
+      {kCpuOnly}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto hf = load_safetensors(dir + "/hf");
+  ASSERT_EQ(hf.size(), full.size());
+  for (const auto& kv : full) {
+    ASSERT_TRUE(hf.count(models::hf_gpt2_name(kv.first))) << kv.first;
+    EXPECT_TRUE(torch::equal(hf.at(models::hf_gpt2_name(kv.first)), kv.second)) << kv.first;
+  }
+  EXPECT_TRUE(hf.count("transformer.h.0.attn.c_attn.weight"));
+  EXPECT_TRUE(hf.count("transformer.wte.weight"));
+  remove_tree(dir);
+}
+
+TEST(FsdpCheckpoint, RefusesACheckpointOfAnotherModel) {
+  const std::string dir = make_temp_dir("fsdp-other");
+  expect_every_rank_ok(kWorker, "gloo", 2, sgd({"--steps", "1", "--save-checkpoint", dir}));
+  const auto r = run_worker(2, sgd({"--layers", "2", "--steps", "1", "--resume", dir}));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  // Every rank fails alike, but the launcher may stop the others once the first has: one line
+  // suffices.
+  const std::string line = "]: error: the checkpoint in " + dir +
+                           " is of another model: it has 4 units and this model 3: its unit 'h2' "
+                           "is not in this model; load it into a model built as the one that "
+                           "saved it\n";
+  EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n" << r.output;
+  remove_tree(dir);
+}
+
+dist::ProcessGroupPtr checkpoint_world_of_one() {
+  const std::string path = "/tmp/" + unique_token("paratrain-fsdp-ckpt-store");
+  return dist::init_process_group(
+      dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+}
+
+torch::nn::Sequential small_gpt(int64_t width) {
+  torch::manual_seed(3);
+  return models::gpt(models::GptOptions().layers(2).width(width).heads(2).vocab(29).context(8));
+}
+
+// One Adam step of FSDP over a small GPT on a world of one, on tokens drawn from `seed`.
+struct Trained {
+  Trained(const dist::ProcessGroupPtr& pg, int seed, int64_t width = 16)
+      : fsdp(small_gpt(width), pg), adam(fsdp.parameters(), torch::optim::AdamOptions(1e-2)) {
+    torch::manual_seed(seed);
+    fsdp.forward(torch::randint(0, 29, {2, 8})).pow(2).mean().backward();
+    adam.step();
+  }
+  FullyShardedDataParallel fsdp;
+  torch::optim::Adam adam;
+};
+
+TEST(FsdpCheckpoint, WorldOfOneRoundTripsBitwise) {
+  auto pg = checkpoint_world_of_one();
+  const std::string dir = make_temp_dir("fsdp-one");
+  Trained a(pg, 1);
+  save_sharded_checkpoint(dir, a.fsdp, &a.adam, {{"note", "x"}});
+  Trained b(pg, 2);  // a step on other tokens: every weight and moment differs
+  ASSERT_FALSE(torch::equal(a.fsdp.parameters()[1], b.fsdp.parameters()[1]));
+  EXPECT_EQ(load_sharded_checkpoint(dir, b.fsdp, &b.adam).at("note"), "x");
+  expect_bitwise(a.fsdp.sharded_state(), b.fsdp.sharded_state());
+  expect_bitwise(optimizer_state(a.adam), optimizer_state(b.adam));
+  // Saved again into the same directory: still one checkpoint, still the same.
+  save_sharded_checkpoint(dir, b.fsdp, nullptr);
+  Trained c(pg, 3);
+  EXPECT_TRUE(load_sharded_checkpoint(dir, c.fsdp, nullptr).empty());
+  expect_bitwise(a.fsdp.sharded_state(), c.fsdp.sharded_state());
+  remove_tree(dir);
+}
+
+TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
+  auto pg = checkpoint_world_of_one();
+  const std::string dir = make_temp_dir("fsdp-bad");
+  Trained a(pg, 1);
+  save_sharded_checkpoint(dir, a.fsdp, &a.adam);
+  auto expect_error = [&](Trained& t, const std::string& what) {
+    const std::string e = error_of([&] { load_sharded_checkpoint(dir, t.fsdp, &t.adam); });
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  };
+  Trained wider(pg, 1, 24);
+  expect_error(wider, "the checkpoint in " + dir +
+                          " is of another model: unit 'root' has 'embed.wte.weight' of shape "
+                          "[29, 16] in it but [29, 24] here; load it into a model built as the "
+                          "one that saved it");
+  EXPECT_NE(error_of([&] {
+              save_sharded_checkpoint(dir, a.fsdp, &a.adam, {{"fsdp.layout", ""}});
+            }).find("'fsdp.layout' is a metadata name the checkpoint uses itself"),
+            std::string::npos);
+
+  const std::string file = dir + "/rank-0-of-1.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');  // a changed byte of the last tensor
+  }
+  Trained b(pg, 2);
+  expect_error(b, file + " has ");
+  expect_error(b, ": the file is damaged, or left from another save");
+  ASSERT_EQ(std::remove(file.c_str()), 0);
+  expect_error(
+      b, "the checkpoint in " + dir + " lacks rank-0-of-1.safetensors (rank 0's shards of 1)");
+  ASSERT_EQ(std::remove((dir + "/fsdp.json").c_str()), 0);
+  expect_error(b, "no complete FSDP checkpoint in " + dir + ": fsdp.json is missing");
+
+  // The command line: the same line, and its own usage errors.
+  auto r = run_cli({cli_path(), "checkpoint", "consolidate", dir, "--out", dir + "/x"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.output.rfind("paratrain checkpoint: error: no complete FSDP checkpoint in " + dir +
+                               ": fsdp.json is missing",
+                           0),
+            0u)
+      << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  r = run_cli({cli_path(), "checkpoint", "consolidate", dir});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("give the checkpoint's directory and --out FILE"), std::string::npos)
+      << r.output;
+  r = run_cli({cli_path(), "checkpoint", "consolidate", dir, "--out", "x", "--names", "gpt"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("unknown --names 'gpt'"), std::string::npos) << r.output;
+  r = run_cli({cli_path(), "checkpoint", "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("  consolidate DIR --out FILE"), std::string::npos) << r.output;
+  remove_tree(dir);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
