@@ -13,6 +13,8 @@
 #include "paratrain/comm/init.h"
 #include "paratrain/launch/launch.h"
 
+#include <sys/resource.h>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,6 +34,13 @@ namespace cli {
 /// Seconds since `start` on the steady clock.
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// This process's peak resident memory so far, in bytes (getrusage; Linux counts KiB).
+inline int64_t peak_rss_bytes() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
 inline double median(std::vector<double> v) {

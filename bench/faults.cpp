@@ -1,8 +1,9 @@
 // paratrain bench faults: what failures cost a long job, and what checkpoints cost.
 //
-// Part 1 (lost_steps has one entry per restart that got as far as resuming; a kill during an
-// attempt's start-up loses no steps, only the start-up time, and is counted apart): a 2-rank DDP
-// job of the mlp on Fashion-MNIST (`paratrain train --nproc 2
+// Part 1 (--strategy fsdp: the same job under FSDP, with sharded checkpoints; lost_steps has one
+// entry per restart that got as far as resuming; a kill during an attempt's start-up loses no
+// steps, only the start-up time, and is counted apart): a 2-rank DDP job of the mlp on
+// Fashion-MNIST (`paratrain train --nproc 2
 // --max-restarts K --resume auto`, checkpoints every --checkpoint-every steps). While it runs, a
 // random worker is SIGKILLed at a random time (uniform in [--min-gap, --max-gap] seconds after
 // the previous restart's workers appeared), --kills times. Reported: the restarts, the steps
@@ -322,6 +323,7 @@ const BenchSpec& faults_spec() {
       "--resume auto: restarts, lost steps, overhead, and whether the weights stay bitwise equal;\n"
       "then a ResNet-50 checkpoint's save time and step overhead.",
       {
+          {"strategy", "NAME", "ddp (default) or fsdp: the killed job's strategy"},
           {"kills", "N", "kills (default 20)", "1"},
           {"max-restarts", "N", "the run's --max-restarts (default: --kills)"},
           {"epochs", "E", "epochs of the mlp run (default 3)", "1"},
@@ -356,12 +358,14 @@ std::vector<std::string> train_job(const Bench& bench,
                                    int restarts,
                                    const std::string& dir,
                                    const std::string& name) {
+  require(bench.get("strategy", "ddp") == "ddp" || bench.get("strategy", "ddp") == "fsdp",
+          "unknown --strategy '" + bench.get("strategy") + "': choose ddp or fsdp");
   std::vector<std::string> job{paratrain_program(),
                                "train",
                                "--model",
                                "mlp",
                                "--strategy",
-                               "ddp",
+                               bench.get("strategy", "ddp"),
                                "--nproc",
                                "2",
                                "--backend",

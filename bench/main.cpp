@@ -30,6 +30,8 @@ const std::vector<Command>& benchmarks() {
       {"cluster", "",
        "DDP on two (namespace) hosts vs one, SyncBatchNorm's overhead, ZeRO's state per rank",
        run_bench_cluster},
+      {"fsdp", "", "DDP, ZeRO, FSDP and FSDP+checkpointing on a GPT: memory and time per rank",
+       run_bench_fsdp},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

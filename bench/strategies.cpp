@@ -53,12 +53,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int64_t peak_rss_bytes() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
-}
-
 // Which replica the current thread works for (Note [Memory per replica]); 0 for the caller.
 thread_local int t_replica = 0;
 

@@ -4,7 +4,8 @@
 set(paratrain_unit_suites
     AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
     DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
-    Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore Trace
+    Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore TokenDataset
+    Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests
     BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal Checkpoint.OptimizerStateRoundTripsBitwise
@@ -17,7 +18,11 @@ set(paratrain_unit_tests
     TunePostgres.BadUrlsAreOneLine Tuner.AshaOnFunctionTrialsStopsTheWorstAndKeepsTheBest
     Tuner.HyperbandPausesAndResumesFunctionTrials Tuner.BadInputIsRefusedBeforeAnythingRuns
     Zero.WorldOfOneIsThePlainOptimizer Zero.RefusesWhatCannotBeSharded
-    Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile)
+    Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile
+    Data.TokenizeWritesByteTokens Gpt.NamesFollowHuggingFace Gpt.BadShapesAndInputsAreOneLine Gpt.CausalMaskHidesTheFuture
+    Gpt.TrainsOnARepeatingSequence ActivationCheckpoint.GradientsAreBitwiseEqualWithDropout
+    ActivationCheckpoint.KeepsNamesAndRefusesUnknownChildren Fsdp.RefusesWhatCannotBeSharded
+    FsdpCheckpoint.WorldOfOneRoundTripsBitwise FsdpCheckpoint.BadDirectoriesAreOneLine)
 # Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
 # (the same order).
 set(paratrain_slow_tests
@@ -28,13 +33,16 @@ set(paratrain_slow_tests
     Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
     Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision
-    Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15)
+    Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults
+    Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
+    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites
     Backends/Collectives Cases/DdpEquivalence Cases/PipelineDistributed
-    Cases/SyncBatchNormEquivalence Cases/ZeroEquivalence Cases/JoinUneven)
+    Cases/SyncBatchNormEquivalence Cases/ZeroEquivalence Cases/JoinUneven
+    Cases/FsdpEquivalence)
 # Cases that scripts select by name (scripts/sanitize.sh), which therefore run as ctest tests of
 # their own rather than inside their suite's.
 set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollectiveTimeout)
@@ -51,13 +59,15 @@ set(paratrain_both_legs_suites
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven Launch
     MixedPrecision MultiHost Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Rendezvous Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer
-    WorldOfOne Zero ZeroEquivalence Zoo GradScaler)
+    WorldOfOne Zero ZeroEquivalence Zoo GradScaler Fsdp FsdpEquivalence ActivationCheckpoint
+    Gpt FsdpCheckpoint)
 set(paratrain_both_legs_tests
     Train.MainJobShortened Train.ModelParallelResNet50Example Resume.SingleProcess
     Resume.DdpOnGloo Resume.AmpO1AndO2Bf16 Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize
     Transforms.DecodersAndTransformsMatchTorchvision
     Cases/DdpEquivalence.MatchesSingleProcess/plain_mpi_2ranks
     Cases/ZeroEquivalence.MatchesUnshardedOptimizer/adam_mpi_2ranks
+    Cases/FsdpEquivalence.MatchesSingleProcess/adam_mpi_2ranks
     Cases/SyncBatchNormEquivalence.MatchesWholeBatch/ddp_mpi_2ranks
     Cases/JoinUneven.NeitherHangsNorDropsGradients/ddp_syncbn_zero_mpi_3ranks
     Cases/PipelineDistributed.MatchesSingleProcess/gpipe_3_stages_mpi)
@@ -82,7 +92,7 @@ set(paratrain_isa_cap_environment
 set(paratrain_cpu_kernel_tests
     MixedPrecision.* Autocast.* GradScaler.* CpuKernels.* DataParallel.ResNetReplicas
     ConvertSyncBatchNorm.ResNetKeepsItsTensorsAndNames Zoo.TorchvisionWeightsGiveTheSameLogits
-    Train.ModelParallelResNet50Example
+    Train.ModelParallelResNet50Example Gpt.MatchesAPyTorchReference
     Pipeline.GradientsEqualUnsplitModel Trainer.EveryInProcessStrategyMatchesOneProcess
     Cases/DdpEquivalence.MatchesSingleProcess/plain_gloo_2ranks
     Cases/SyncBatchNormEquivalence.MatchesWholeBatch/bn2d_uneven_gloo_2ranks)

@@ -15,15 +15,20 @@ const std::vector<Command>& commands() {
       {"launch", "[opts] -- PROG", "start PROG once per rank with torchrun's environment",
        run_launch},
       {"train", "[opts]",
-       "train a zoo model on Fashion-MNIST or an ImageFolder: alone, DDP, DataParallel or a "
-       "pipeline",
+       "train a zoo model on Fashion-MNIST or an ImageFolder, or a GPT on token files: alone, "
+       "DDP, DataParallel or a pipeline",
        run_train},
-      {"data", "make-imagefolder [opts]", "write Fashion-MNIST as an ImageFolder of JPEG/PNG/WebP",
+      {"data", "<command> [opts]",
+       "dataset tools: make-imagefolder (Fashion-MNIST as JPEG/PNG/WebP files), tokenize (a "
+       "file's bytes as GPT token files)",
        run_data},
       {"tune", "[opts] [-- COMMAND] | report [opts]",
        "hyperparameter search (grid, random, TPE, BOHB; ASHA, Hyperband, median) over train "
        "jobs or any command",
        run_tune},
+      {"checkpoint", "<command> [opts]",
+       "checkpoint tools: consolidate (a sharded FSDP checkpoint as one safetensors file)",
+       run_checkpoint},
       {"bench", "<name> [opts]",
        "run a benchmark (the paratrain-bench program); `paratrain bench --help` lists them",
        run_bench},

@@ -5,6 +5,8 @@
 #include "json_line.h"
 #include "train_options.h"
 
+#include "paratrain/data/tokens.h"
+#include "paratrain/models/gpt.h"
 #include "paratrain/paratrain.h"
 
 #include <torch/torch.h>
@@ -33,9 +35,31 @@ struct TrainData {
   int64_t classes;
 };
 
-// Fashion-MNIST as in-memory tensors, or an ImageFolder's train/ and val/ with the transforms of
-// torchvision's ImageNet recipe at `size`.
-TrainData load_data(const std::string& dataset, const std::string& dir, int64_t size) {
+// DIR/train.bin and DIR/val.bin as windows of the model's context: training windows at random
+// offsets, as nanoGPT's get_batch draws them but fixed per index and seed (a resumed run reads
+// the same ones), validation windows side by side, so every run scores the same tokens.
+TrainData load_tokens(const TrainSettings& s) {
+  const int64_t context = s.gpt_options.context();
+  const int64_t vocab = s.gpt_options.vocab();
+  auto train = std::make_shared<data::TokenDataset>(s.data_dir + "/train.bin",
+                                                    data::TokenDatasetOptions(context)
+                                                        .windows("random")
+                                                        .seed(static_cast<uint64_t>(s.seed))
+                                                        .vocab(vocab));
+  auto val = std::make_shared<data::TokenDataset>(s.data_dir + "/val.bin",
+                                                  data::TokenDatasetOptions(context).vocab(vocab));
+  return {train, val, vocab};
+}
+
+// Fashion-MNIST as in-memory tensors, an ImageFolder's train/ and val/ with the transforms of
+// torchvision's ImageNet recipe at --image-size, or token files.
+TrainData load_data(const TrainSettings& s) {
+  const std::string& dataset = s.dataset;
+  const std::string& dir = s.data_dir;
+  const int64_t size = s.image_size;
+  if (dataset == "tokens") {
+    return load_tokens(s);
+  }
   if (dataset == "fashion-mnist") {
     data::FashionMNIST train(dir, data::FashionMNIST::Split::kTrain);
     data::FashionMNIST test(dir, data::FashionMNIST::Split::kTest);
@@ -149,8 +173,35 @@ struct Placement {
   torch::Device device = torch::kCPU;
 };
 
+// A GPT's --load-weights: Hugging Face's GPT-2 safetensors (model.safetensors, its names with or
+// without "transformer.") through load_gpt2_safetensors, else this model's own names (a
+// --save-weights file, or torch.save's), strictly.
+void load_gpt_weights(torch::nn::Sequential& model, const std::string& path) {
+  bool hugging_face = false;
+  try {
+    load_safetensors(path, [&hugging_face](const std::string& name) {
+      hugging_face = hugging_face || name == "transformer.wte.weight" || name == "wte.weight";
+      return false;  // the names tell; no tensor is read
+    });
+  } catch (const c10::Error&) {
+    // Not safetensors: load_weights below reads torch.save files, and names what is wrong.
+  }
+  if (hugging_face) {
+    models::load_gpt2_safetensors(model, path);
+  } else {
+    load_module_state(*model, load_weights(path));
+  }
+}
+
 torch::nn::Sequential build_model(const Args& args, const TrainSettings& s, int64_t classes) {
   torch::manual_seed(s.seed);  // the same initial weights on every run
+  if (s.gpt) {
+    torch::nn::Sequential model = models::gpt(s.gpt_options);
+    if (args.has("load-weights")) {
+      load_gpt_weights(model, args.get("load-weights"));
+    }
+    return model;
+  }
   // With --head custom the backbone keeps its 1000-class fc until the head replaces it, so
   // torchvision's ImageNet weights load as they are.
   torch::nn::Sequential model = models::make(s.model_name, s.head.empty() ? classes : 1000);
@@ -181,7 +232,7 @@ nlohmann::json resume_config(const Args& args,
                              int world) {
   const bool piped = s.piped;
   const LRScheduleOptions& ls = o.lr_schedule();
-  return nlohmann::json{
+  nlohmann::json config{
       {"model", s.model_name},
       {"dataset", s.dataset},
       {"strategy", s.strategy},
@@ -217,9 +268,29 @@ nlohmann::json resume_config(const Args& args,
       {"lr_t_max", ls.kind() == "cosine" ? ls.t_max() : 0},
       {"lr_eta_min", ls.eta_min()},
       {"warmup_start_factor", ls.warmup_start_factor()}};
+  if (s.gpt) {  // only then: the configs of the other models' checkpoints stay as they were
+    const models::GptOptions& g = s.gpt_options;
+    config["gpt"] = {{"layers", g.layers()}, {"width", g.width()},     {"heads", g.heads()},
+                     {"vocab", g.vocab()},   {"context", g.context()}, {"dropout", g.dropout()}};
+  }
+  return config;
 }
 
 // The settings the loop options do not hold yet: strategy, devices, batches, data, config.
+// --strategy fsdp's options: the default units (a GPT's blocks), checkpointing, the gather dtype.
+FsdpOptions fsdp_options(const Args& args) {
+  FsdpOptions f;
+  f.activation_checkpointing(args.has("checkpoint-activations"));
+  if (args.has("fsdp-param-dtype")) {
+    f.mixed_precision(
+        FsdpMixedPrecision()
+            .param_dtype(args.get("fsdp-param-dtype") == "bf16" ? torch::kBFloat16 : torch::kHalf)
+            .reduce_dtype(torch::kFloat)
+            .output_dtype(torch::kFloat));
+  }
+  return f;
+}
+
 void configure_run(TrainerOptions& o,
                    const Args& args,
                    const TrainSettings& s,
@@ -235,6 +306,7 @@ void configure_run(TrainerOptions& o,
       .chunks(s.chunks)
       .pipeline_schedule(s.schedule)
       .process_group(where.pg)
+      .fsdp(fsdp_options(args))
       .amp(s.amp_options)
       .epochs(s.epochs)
       .steps_per_epoch(s.steps)
@@ -242,10 +314,12 @@ void configure_run(TrainerOptions& o,
       .eval_batch_size(s.dataset == "fashion-mnist" ? 1000 : s.batch_size)
       .workers(s.workers)
       .seed(static_cast<uint64_t>(s.seed))
-      .input_transform([image_size, channels](const torch::Tensor& images) {
-        return data::adapt_images(images, image_size, channels);
-      })
       .config(config.dump());
+  if (!s.gpt) {  // token ids go to the model as they are
+    o.input_transform([image_size, channels](const torch::Tensor& images) {
+      return data::adapt_images(images, image_size, channels);
+    });
+  }
 }
 
 // The setup line's "device" part: the one device, or the list dp scatters over or the stages run
@@ -276,6 +350,27 @@ std::string describe_amp(amp::MixedPrecision& mp) {
                    (mp.loss_scaling() ? ", dynamic loss scaling" : "") + ")";
 }
 
+// The setup line's "model ..., dataset ..." part; a GPT's shape and the token windows.
+std::string describe_model_and_data(const TrainSettings& s,
+                                    const TrainData& sets,
+                                    int64_t n_params) {
+  std::ostringstream d;
+  d << "model " << s.model_name << " (";
+  if (s.gpt) {
+    const models::GptOptions& g = s.gpt_options;
+    d << g.layers() << " layers, width " << g.width() << ", " << g.heads() << " heads, context "
+      << g.context() << ", vocab " << g.vocab() << "; ";
+  }
+  d << n_params << " parameters), dataset " << s.dataset << " (" << sets.train->size() << " train, "
+    << sets.test->size() << " test";
+  if (s.gpt) {
+    d << " windows of " << s.gpt_options.context() << " tokens)";
+  } else {
+    d << ", " << sets.classes << " classes)";
+  }
+  return d.str();
+}
+
 // Rank 0's one line about the run, before the first epoch.
 void print_setup(std::ostream& info,
                  const TrainSettings& s,
@@ -286,11 +381,10 @@ void print_setup(std::ostream& info,
                  Trainer& trainer,
                  const TrainerOptions& o) {
   const int world = where.world;
-  info << "paratrain train: model " << s.model_name << " (" << n_params << " parameters), dataset "
-       << s.dataset << " (" << sets.train->size() << " train, " << sets.test->size() << " test, "
-       << sets.classes << " classes), strategy " << s.strategy << ", " << world << " rank"
-       << (world == 1 ? "" : "s") << (where.pg ? " (" + where.pg->backend_name() + ")" : "")
-       << ", device" << describe_devices(s, where.device, balance) << ", batch " << s.batch_size
+  info << "paratrain train: " << describe_model_and_data(s, sets, n_params) << ", strategy "
+       << s.strategy << ", " << world << " rank" << (world == 1 ? "" : "s")
+       << (where.pg ? " (" + where.pg->backend_name() + ")" : "") << ", device"
+       << describe_devices(s, where.device, balance) << ", batch " << s.batch_size
        << (!s.dp_devices.empty() ? " (whole, scattered), "
            : s.piped             ? " (whole, micro-batched), "
                                  : " per rank, ")
@@ -311,21 +405,29 @@ void show_progress(Trainer& trainer, int epochs) {
   });
 }
 
-void print_epoch(const EpochResult& r, bool json, int epochs) {
+// One line per epoch. `context`: the tokens per sample of a GPT (0 otherwise), whose throughput
+// is counted in tokens.
+void print_epoch(const EpochResult& r, bool json, int epochs, int64_t context) {
+  const double tokens_per_sec = r.images_per_sec * static_cast<double>(context);
   if (json) {
-    std::cout << json_line({{"epoch", r.epoch + 1},
-                            {"train_loss", r.train_loss},
-                            {"test_accuracy", r.val_accuracy},
-                            {"images_per_sec", r.images_per_sec},
-                            {"seconds", r.seconds},
-                            {"data_wait_seconds", r.data_wait_seconds}})
-              << std::endl;
+    JsonRow row{{"epoch", r.epoch + 1},
+                {"train_loss", r.train_loss},
+                {"test_accuracy", r.val_accuracy},
+                {"test_loss", r.val_loss},
+                {"images_per_sec", r.images_per_sec},
+                {"seconds", r.seconds},
+                {"data_wait_seconds", r.data_wait_seconds}};
+    if (context > 0) {
+      row["tokens_per_sec"] = tokens_per_sec;
+    }
+    std::cout << json_line(row) << std::endl;
   } else {
     std::cout << std::fixed << std::setprecision(4) << "epoch " << r.epoch + 1 << "/" << epochs
-              << ": train_loss " << r.train_loss << ", test_accuracy " << r.val_accuracy << ", lr "
-              << std::setprecision(6) << r.lr << ", images/s " << std::setprecision(0)
-              << r.images_per_sec << " (" << std::setprecision(1) << r.seconds << " s, "
-              << r.data_wait_seconds << " s waiting for data)" << std::endl;
+              << ": train_loss " << r.train_loss << ", test_accuracy " << r.val_accuracy
+              << ", test_loss " << r.val_loss << ", lr " << std::setprecision(6) << r.lr
+              << (context > 0 ? ", tokens/s " : ", images/s ") << std::setprecision(0)
+              << (context > 0 ? tokens_per_sec : r.images_per_sec) << " (" << std::setprecision(1)
+              << r.seconds << " s, " << r.data_wait_seconds << " s waiting for data)" << std::endl;
   }
 }
 
@@ -337,24 +439,25 @@ void report_epochs(Trainer& trainer,
                    bool progress) {
   const bool json = s.json;
   const int epochs = s.epochs;
-  trainer.on_epoch_end(
-      [&trainer, json, checkpoint_every_epoch, pg, speak, progress, epochs](const EpochResult& r) {
-        if (json && checkpoint_every_epoch) {
-          // A reader of these rows (paratrain tune) may stop the job as soon as it sees one: the
-          // epoch's checkpoint is on disk on every rank before the row is printed.
-          trainer.wait_for_checkpoint();
-          if (pg) {
-            pg->barrier()->wait();
-          }
-        }
-        if (!speak) {
-          return;
-        }
-        if (progress) {
-          std::printf("\n");
-        }
-        print_epoch(r, json, epochs);
-      });
+  const int64_t context = s.gpt ? s.gpt_options.context() : 0;
+  trainer.on_epoch_end([&trainer, json, checkpoint_every_epoch, pg, speak, progress, epochs,
+                        context](const EpochResult& r) {
+    if (json && checkpoint_every_epoch) {
+      // A reader of these rows (paratrain tune) may stop the job as soon as it sees one: the
+      // epoch's checkpoint is on disk on every rank before the row is printed.
+      trainer.wait_for_checkpoint();
+      if (pg) {
+        pg->barrier()->wait();
+      }
+    }
+    if (!speak) {
+      return;
+    }
+    if (progress) {
+      std::printf("\n");
+    }
+    print_epoch(r, json, epochs, context);
+  });
 }
 
 // Trains, then writes the weights; a loss that is not finite or a diverged replica exits 1.
@@ -368,8 +471,14 @@ int fit_and_save(Trainer& trainer, const Args& args, const Placement& where, std
     std::cerr << "paratrain train: " << e.what() << std::endl;
     return 1;
   }
+  if (args.has("save-weights") &&
+      (where.rank == 0 || trainer.options().strategy() == Strategy::kFSDP)) {
+    const TensorMap weights = trainer.weights();  // under fsdp a collective: every rank gathers
+    if (where.rank == 0) {
+      save_safetensors(weights, args.get("save-weights"));
+    }
+  }
   if (args.has("save-weights") && where.rank == 0) {
-    save_safetensors(trainer.weights(), args.get("save-weights"));
     info << "paratrain train: weights written to " << args.get("save-weights") << std::endl;
   }
   if (where.pg) {
@@ -397,7 +506,7 @@ int run_train(const std::vector<std::string>& argv) {
     throw UsageError("--max-restarts goes with --strategy ddp --nproc N (or paratrain launch)");
   }
   Placement where;
-  if (s.strategy == "ddp") {
+  if (s.strategy == "ddp" || s.strategy == "fsdp") {
     where.pg = dist::init_process_group(dist::InitOptions()
                                             .backend(args.get("backend", "auto"))
                                             .uses_cuda(s.device_kind == "cuda"));
@@ -408,7 +517,7 @@ int run_train(const std::vector<std::string>& argv) {
   std::ostream& info = s.json ? std::cerr : std::cout;
 
   // Data first: a missing dataset should fail before any training is set up.
-  const TrainData sets = load_data(s.dataset, s.data_dir, s.image_size);
+  const TrainData sets = load_data(s);
   where.device = s.device_kind == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
 
   torch::nn::Sequential model = build_model(args, s, sets.classes);

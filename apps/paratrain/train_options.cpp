@@ -24,13 +24,21 @@ namespace {
 // What is trained, on what, and how it is spread over processes and devices.
 std::vector<OptionSpec> setup_option_specs() {
   return {
-      {"model", "NAME", "linear, mlp, cnn, resnet18..152 or resnet*_cifar (default mlp)"},
-      {"dataset", "NAME", "fashion-mnist (default) or imagefolder"},
+      {"model", "NAME",
+       "linear, mlp, cnn, resnet18..152, resnet*_cifar, gpt2, gpt2-medium, gpt2-large, gpt2-xl "
+       "or gpt (default mlp)"},
+      {"dataset", "NAME", "fashion-mnist (default), imagefolder, or tokens (for the GPTs)"},
       {"data-dir", "DIR",
-       "the dataset's folder; an ImageFolder has DIR/train and DIR/val (default: Debian's "
-       "Fashion-MNIST)"},
-      {"strategy", "NAME", "single (default), ddp, dp or pipeline"},
-      {"nproc", "N", "with ddp: start N ranks through the launcher"},
+       "the dataset's folder; an ImageFolder has DIR/train and DIR/val, tokens DIR/train.bin and "
+       "DIR/val.bin (default: Debian's Fashion-MNIST)"},
+      {"layers", "L", "--model gpt: transformer blocks (required)"},
+      {"width", "D", "--model gpt: the embedding width, n_embd (required)"},
+      {"heads", "H", "--model gpt: attention heads, a divisor of --width (required)"},
+      {"vocab", "V", "GPT: the vocabulary size (default 50257, GPT-2's; 256 for byte tokens)"},
+      {"context", "N",
+       "GPT: tokens per sample, the model's context (default 1024; at most a preset's 1024)"},
+      {"strategy", "NAME", "single (default), ddp, fsdp, dp or pipeline"},
+      {"nproc", "N", "with ddp or fsdp: start N ranks through the launcher"},
       {"backend", "NAME", "ddp's backend: auto (default), gloo, mpi or nccl"},
       {"max-restarts", "N",
        "with --nproc: when a rank fails, stop every rank and start them all again, up to N "
@@ -91,6 +99,10 @@ std::vector<OptionSpec> loop_option_specs() {
       {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
       {"sync-bn", "", "ddp: BatchNorm over the whole batch of all ranks (SyncBatchNorm)"},
       {"zero", "", "ddp: shard the optimizer state over the ranks (ZeroRedundancyOptimizer)"},
+      {"checkpoint-activations", "",
+       "fsdp: recompute each unit's activations in backward instead of keeping them"},
+      {"fsdp-param-dtype", "bf16|fp16",
+       "fsdp: gather the weights in this dtype (FSDP's MixedPrecisionPolicy; fp32 shards)"},
       {"zero-checkpoint", "consolidated|sharded",
        "with --zero: checkpoints hold the optimizer state gathered on rank 0 (default) or "
        "each rank's shard"},
@@ -154,16 +166,87 @@ TrainSettings read_basics(const Args& args) {
   return s;
 }
 
+// The registry's models, then the GPT-2 presets and "gpt" (once each, whichever lists them).
+std::vector<std::string> model_names() {
+  std::vector<std::string> known = models::names();
+  std::vector<std::string> gpts = models::gpt_presets();
+  gpts.push_back("gpt");
+  for (const auto& name : gpts) {
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      known.push_back(name);
+    }
+  }
+  return known;
+}
+
+bool is_gpt(const std::string& name) {
+  const auto presets = models::gpt_presets();
+  return name == "gpt" || std::find(presets.begin(), presets.end(), name) != presets.end();
+}
+
+// --model gpt's shape, or a preset's; either with --vocab and --context applied.
+models::GptOptions read_gpt(const Args& args, const std::string& name) {
+  for (const char* flag : {"image-size", "channels", "head", "freeze-backbone"}) {
+    if (args.has(flag)) {
+      throw UsageError(std::string("--") + flag + " goes with the image models; --model " + name +
+                       " is a GPT");
+    }
+  }
+  models::GptOptions o;
+  if (name == "gpt") {
+    if (!args.has("layers") || !args.has("width") || !args.has("heads")) {
+      throw UsageError(
+          "--model gpt needs its shape: --layers L --width D --heads H (or a preset: "
+          "--model gpt2)");
+    }
+    o.layers(args.get_int("layers", 0)).width(args.get_int("width", 0));
+    o.heads(args.get_int("heads", 0));
+  } else {
+    if (args.has("layers") || args.has("width") || args.has("heads")) {
+      throw UsageError("--layers, --width and --heads shape --model gpt; " + name +
+                       " has its own: drop them, or use --model gpt");
+    }
+    o = models::gpt_options(name);
+  }
+  o.vocab(args.get_int("vocab", static_cast<int>(o.vocab())));
+  const int64_t context = args.get_int("context", static_cast<int>(o.context()));
+  if (name != "gpt" && context > o.context()) {
+    throw UsageError("--context " + std::to_string(context) + " is longer than " + name +
+                     "'s context of " + std::to_string(o.context()) +
+                     " (its position embeddings): give at most that");
+  }
+  o.context(context);
+  if (o.layers() < 1 || o.width() < 1 || o.heads() < 1 || o.vocab() < 1 || o.context() < 1) {
+    throw UsageError("--layers, --width, --heads, --vocab and --context must be >= 1");
+  }
+  if (o.width() % o.heads() != 0) {
+    throw UsageError("--width " + std::to_string(o.width()) + " is not a multiple of --heads " +
+                     std::to_string(o.heads()) + ": each head takes width / heads channels");
+  }
+  return o;
+}
+
 // The model, the input it is fed and its head.
 void check_model(const Args& args, TrainSettings& s) {
   {
-    const auto known = models::names();
+    const auto known = model_names();
     if (std::find(known.begin(), known.end(), s.model_name) == known.end()) {
       std::string list;
       for (const auto& n : known) {
         list += (list.empty() ? "" : ", ") + n;
       }
       throw UsageError("unknown --model '" + s.model_name + "': choose " + list);
+    }
+  }
+  s.gpt = is_gpt(s.model_name);
+  if (s.gpt) {
+    s.gpt_options = read_gpt(args, s.model_name);
+    return;
+  }
+  for (const char* flag : {"layers", "width", "heads", "vocab", "context"}) {
+    if (args.has(flag)) {
+      throw UsageError(std::string("--") + flag + " goes with --model gpt or a GPT-2 preset (got " +
+                       "--model " + s.model_name + ")");
     }
   }
   const std::vector<int64_t> expects = models::input_shape(s.model_name);
@@ -185,15 +268,46 @@ void check_model(const Args& args, TrainSettings& s) {
 
 // The dataset, the strategy, and the flags that only some strategies take.
 void check_data_and_strategy(const Args& args, TrainSettings& s) {
-  if (s.dataset != "fashion-mnist" && s.dataset != "imagefolder") {
-    throw UsageError("unknown --dataset '" + s.dataset + "': choose fashion-mnist or imagefolder");
+  if (s.dataset != "fashion-mnist" && s.dataset != "imagefolder" && s.dataset != "tokens") {
+    throw UsageError("unknown --dataset '" + s.dataset +
+                     "': choose fashion-mnist, imagefolder or tokens");
   }
   if (s.dataset == "imagefolder" && !args.has("data-dir")) {
     throw UsageError("--dataset imagefolder needs --data-dir D (with D/train and D/val)");
   }
+  if (s.dataset == "tokens" && !s.gpt) {
+    throw UsageError(
+        "--dataset tokens trains a language model: choose --model gpt2 (or "
+        "gpt2-medium, gpt2-large, gpt2-xl) or --model gpt (got --model " +
+        s.model_name + ")");
+  }
+  if (s.gpt && s.dataset != "tokens") {
+    throw UsageError("--model " + s.model_name +
+                     " is a language model: train it on token files with --dataset tokens "
+                     "--data-dir D (got --dataset " +
+                     s.dataset + ")");
+  }
+  if (s.dataset == "tokens" && !args.has("data-dir")) {
+    throw UsageError(
+        "--dataset tokens needs --data-dir D (with D/train.bin and D/val.bin, as "
+        "`paratrain data tokenize` writes them)");
+  }
   const std::string& strategy = s.strategy;
-  if (strategy != "single" && strategy != "ddp" && strategy != "dp" && strategy != "pipeline") {
-    throw UsageError("unknown --strategy '" + strategy + "': choose single, ddp, dp or pipeline");
+  if (strategy != "single" && strategy != "ddp" && strategy != "fsdp" && strategy != "dp" &&
+      strategy != "pipeline") {
+    throw UsageError("unknown --strategy '" + strategy +
+                     "': choose single, ddp, fsdp, dp or pipeline");
+  }
+  for (const char* flag : {"checkpoint-activations", "fsdp-param-dtype"}) {
+    if (args.has(flag) && strategy != "fsdp") {
+      throw UsageError(std::string("--") + flag + " goes with --strategy fsdp (got --strategy " +
+                       strategy + ")");
+    }
+  }
+  if (args.has("fsdp-param-dtype") && args.get("fsdp-param-dtype") != "bf16" &&
+      args.get("fsdp-param-dtype") != "fp16") {
+    throw UsageError("unknown --fsdp-param-dtype '" + args.get("fsdp-param-dtype") +
+                     "': choose bf16 or fp16");
   }
   for (const char* flag : {"sync-bn", "zero"}) {
     if (args.has(flag) && strategy != "ddp") {
@@ -279,8 +393,8 @@ void check_counts(const TrainSettings& s) {
   if (s.steps < 0 || s.lr <= 0 || s.momentum < 0 || s.weight_decay < 0) {
     throw UsageError("--steps, --momentum and --weight-decay must be >= 0, --lr > 0");
   }
-  if (s.nproc < 0 || (s.nproc > 0 && s.strategy != "ddp")) {
-    throw UsageError("--nproc needs --strategy ddp and a positive count");
+  if (s.nproc < 0 || (s.nproc > 0 && s.strategy != "ddp" && s.strategy != "fsdp")) {
+    throw UsageError("--nproc needs --strategy ddp or fsdp and a positive count");
   }
 }
 
@@ -291,7 +405,8 @@ std::string read_device_kind(const Args& args, const TrainSettings& s) {
     throw UsageError("unknown --device '" + device_kind + "': choose cpu or cuda");
   }
   if (args.has("device") && (s.strategy == "dp" || s.strategy == "pipeline")) {
-    throw UsageError("--device goes with --strategy single or ddp; dp and pipeline take --devices");
+    throw UsageError(
+        "--device goes with --strategy single, ddp or fsdp; dp and pipeline take --devices");
   }
   if (device_kind == "cuda") {
     try {
@@ -448,8 +563,9 @@ void probe_outputs(const TrainerOptions& o) {
 const CommandSpec& train_spec() {
   static const CommandSpec spec{
       "paratrain train",
-      "Trains a zoo model on Fashion-MNIST or an ImageFolder: in one process, with DDP over\n"
-      "several, with DataParallel over --devices, or as a pipeline of --stages.",
+      "Trains a zoo model on Fashion-MNIST or an ImageFolder, or a GPT on token files: in one\n"
+      "process, with DDP over several, with DataParallel over --devices, or as a pipeline of\n"
+      "--stages.",
       train_option_specs(),
       "Checkpoints hold everything an exact resume needs (weights, optimizer and schedule state,\n"
       "GradScaler, O2 masters, every rank's RNG, the sampler's position); --resume auto\n"
@@ -457,8 +573,11 @@ const CommandSpec& train_spec() {
       "ends with. --dataset imagefolder reads D/train and D/val as torchvision's ImageFolder\n"
       "(JPEG, PNG, WebP), training on RandomResizedCrop(--image-size) + horizontal flips and\n"
       "validating on Resize(size * 8 / 7) + CenterCrop(size), normalized with ImageNet's mean and\n"
-      "std. With --strategy ddp, --nproc N starts N ranks; under `paratrain launch` or mpirun it\n"
-      "joins the job. Example config: --config run.toml holding `model = \"resnet18\"`,\n"
+      "std. --dataset tokens reads D/train.bin and D/val.bin (nanoGPT's or llm.c's token files)\n"
+      "for a GPT: windows of --context tokens, at random offsets to train and side by side to\n"
+      "validate, with the language-model loss (per-token cross entropy). With --strategy ddp,\n"
+      "--nproc N starts N ranks; under `paratrain launch` or mpirun it joins the job. Example\n"
+      "config: --config run.toml holding `model = \"resnet18\"`,\n"
       "`lr = 0.1`, `checkpoint-dir = \"ckpt\"`; later flags override it."};
   return spec;
 }
@@ -477,7 +596,7 @@ bool inside_a_job() {
 }
 
 bool becomes_launcher(const TrainSettings& s) {
-  return s.strategy == "ddp" && s.nproc > 0 && !inside_a_job();
+  return (s.strategy == "ddp" || s.strategy == "fsdp") && s.nproc > 0 && !inside_a_job();
 }
 
 TrainSettings read_settings(const Args& args) {

@@ -7,6 +7,7 @@
 
 #include "args.h"
 
+#include "paratrain/models/gpt.h"
 #include "paratrain/paratrain.h"
 
 #include <torch/torch.h>
@@ -25,8 +26,10 @@ struct TrainSettings {
   std::string dataset;
   std::string strategy;
   std::string data_dir;
-  std::string head;         // "" or "custom"
-  std::string device_kind;  // "cpu" or "cuda"
+  std::string head;                // "" or "custom"
+  bool gpt = false;                // --model gpt or a GPT-2 preset: trained on --dataset tokens
+  models::GptOptions gpt_options;  // its shapes, --vocab and --context applied
+  std::string device_kind;         // "cpu" or "cuda"
   int epochs = 1;
   int steps = 0;
   int batch_size = 64;

@@ -15,6 +15,7 @@
 #include "paratrain/data/image.h"                // read_image, decode_image, encode_*
 #include "paratrain/data/loader.h"               // DataLoader, LoaderOptions, samplers
 #include "paratrain/data/make_image_folder.h"    // write_image_folder
+#include "paratrain/data/tokens.h"               // TokenDataset, write_tokens (nanoGPT, llm.c)
 #include "paratrain/data/transforms.h"           // transforms::Resize, RandomResizedCrop, ...
 
 #include "paratrain/comm/devices.h"        // local_device, check_device_exists
@@ -24,15 +25,19 @@
 #include "paratrain/launch/launch.h"       // launch, LaunchOptions (paratrain launch)
 #include "paratrain/launch/spawn.h"        // spawn
 
-#include "paratrain/io/checkpoint.h"           // Checkpoint, optimizer_state, rng_state
-#include "paratrain/io/safetensors.h"          // save/load_safetensors, module_state
-#include "paratrain/io/tensorboard.h"          // tensorboard::SummaryWriter (event files)
-#include "paratrain/io/torch_load.h"           // load_torch_state_dict, load_weights
-#include "paratrain/models/registry.h"         // models::make
-#include "paratrain/parallel/comm_hooks.h"     // CommHook, fp16/bf16 compression
-#include "paratrain/parallel/data_parallel.h"  // DataParallel
+#include "paratrain/io/checkpoint.h"                   // Checkpoint, optimizer_state, rng_state
+#include "paratrain/io/safetensors.h"                  // save/load_safetensors, module_state
+#include "paratrain/io/tensorboard.h"                  // tensorboard::SummaryWriter (event files)
+#include "paratrain/io/torch_load.h"                   // load_torch_state_dict, load_weights
+#include "paratrain/models/gpt.h"                      // models::gpt, GptOptions, presets
+#include "paratrain/models/registry.h"                 // models::make
+#include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, checkpoint_children
+#include "paratrain/parallel/comm_hooks.h"             // CommHook, fp16/bf16 compression
+#include "paratrain/parallel/data_parallel.h"          // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
-#include "paratrain/parallel/join.h"                       // Join (uneven inputs)
+#include "paratrain/parallel/fsdp_checkpoint.h"  // save/load_sharded_checkpoint, consolidate
+#include "paratrain/parallel/fully_sharded_data_parallel.h"  // FullyShardedDataParallel (FSDP2)
+#include "paratrain/parallel/join.h"                         // Join (uneven inputs)
 #include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
 #include "paratrain/parallel/sync_batchnorm.h"             // SyncBatchNorm, convert_sync_batchnorm
 #include "paratrain/parallel/threads.h"                    // set_blas_threads

@@ -41,8 +41,11 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "dp") {
     return Strategy::kDataParallel;
   }
+  if (name == "fsdp") {
+    return Strategy::kFSDP;
+  }
   TORCH_CHECK(name == "pipeline", "unknown strategy '", name,
-              "': choose single, ddp, dp or pipeline");
+              "': choose single, ddp, fsdp, dp or pipeline");
   return Strategy::kPipeline;
 }
 
@@ -56,6 +59,8 @@ std::string to_string(Strategy s) {
       return "dp";
     case Strategy::kPipeline:
       return "pipeline";
+    case Strategy::kFSDP:
+      return "fsdp";
   }
   return "?";
 }
@@ -134,9 +139,15 @@ void Trainer::Impl::check_options() const {
               "checkpoints need a directory: set checkpoint_dir (--checkpoint-dir)");
   TORCH_CHECK(o.resume().empty() || o.resume() != "auto" || !o.checkpoint_dir().empty(),
               "resume auto needs checkpoint_dir (--checkpoint-dir): where to look");
-  TORCH_CHECK((o.strategy() == Strategy::kDDP) == (o.process_group() != nullptr),
-              o.strategy() == Strategy::kDDP ? "the ddp strategy needs a process_group"
-                                             : "a process_group goes with the ddp strategy");
+  const bool ranks = o.strategy() == Strategy::kDDP || o.strategy() == Strategy::kFSDP;
+  TORCH_CHECK(ranks == (o.process_group() != nullptr), "the ", to_string(o.strategy()),
+              ranks ? " strategy needs a process_group"
+                    : " strategy takes no process_group (it goes with ddp or fsdp)");
+  TORCH_CHECK(o.strategy() != Strategy::kFSDP || o.amp().opt_level() == amp::OptLevel::kO0 ||
+                  o.amp().opt_level() == amp::OptLevel::kO1,
+              "the fsdp strategy keeps fp32 shards as the master weights: use opt level O0 or "
+              "O1 (autocast), or FsdpOptions::mixed_precision for bf16 weights, not ",
+              amp::to_string(o.amp().opt_level()));
   TORCH_CHECK(o.strategy() == Strategy::kDDP || (!o.sync_batchnorm() && !o.zero()),
               "sync_batchnorm (--sync-bn) and zero (--zero) shard or synchronize over DDP's "
               "ranks: use them with the ddp strategy");
@@ -161,7 +172,22 @@ void Trainer::Impl::check_options() const {
   }
 }
 
+namespace {
+
+// A sequence model's output [B, T, V] against targets [B, T]: B * T classifications (class
+// dimension last), where a classifier's class dimension is 1.
+bool is_sequence(const torch::Tensor& out, const torch::Tensor& target) {
+  return out.dim() == 3 && target.dim() == 2;
+}
+
+}  // namespace
+
+// PyTorch's language-model loss for sequences: cross_entropy(out.flatten(0, 1), target.flatten()).
 torch::Tensor Trainer::Impl::loss_of(const torch::Tensor& out, const torch::Tensor& target) const {
+  if (is_sequence(out, target)) {
+    return torch::nn::functional::cross_entropy(mp->cast_output(out).flatten(0, 1),
+                                                target.flatten());
+  }
   return torch::nn::functional::cross_entropy(mp->cast_output(out), target);
 }
 
@@ -178,10 +204,18 @@ void Trainer::Impl::build_strategy() {
     convert_sync_batchnorm(model.ptr(), o.process_group());
   }
   // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
-  mp = std::make_unique<amp::MixedPrecision>(model, device, o.amp());
+  amp::AmpOptions amp_options = o.amp();
+  if (o.strategy() == Strategy::kFSDP) {
+    // Sharded gradients: every rank must agree to skip a step (ShardedGradScaler).
+    amp_options.scaler(
+        amp::GradScalerOptions(amp_options.scaler()).process_group(o.process_group()));
+  }
+  mp = std::make_unique<amp::MixedPrecision>(model, device, amp_options);
   if (o.strategy() == Strategy::kDDP) {
     ddp = std::make_unique<DistributedDataParallel>(model, o.process_group());
     mp->sync_masters();  // DDP broadcast rank 0's weights into the model
+  } else if (o.strategy() == Strategy::kFSDP) {
+    fsdp = std::make_unique<FullyShardedDataParallel>(model, o.process_group(), o.fsdp());
   } else if (o.strategy() == Strategy::kDataParallel) {
     dp = std::make_unique<DataParallel>(model, o.devices());
   } else if (o.strategy() == Strategy::kPipeline) {
@@ -202,7 +236,7 @@ void Trainer::Impl::build_strategy() {
         },
         o.process_group());
   } else {
-    opt = make_optimizer(mp->optimizer_parameters(), o.optimizer());
+    opt = make_optimizer(fsdp ? fsdp->parameters() : mp->optimizer_parameters(), o.optimizer());
   }
   schedule = std::make_unique<LRSchedule>(*opt, o.lr_schedule());
 }
@@ -287,7 +321,8 @@ StepInfo Trainer::Impl::optimizer_step(const torch::Tensor& loss, bool log) {
   const bool measure = log || o.clip_grad_norm() > 0;
   if (measure) {
     mp->unscale_(*opt);
-    info.grad_norm = clip_grad_norm(mp->optimizer_parameters(), o.clip_grad_norm());
+    info.grad_norm = fsdp ? fsdp->clip_grad_norm(o.clip_grad_norm())
+                          : clip_grad_norm(mp->optimizer_parameters(), o.clip_grad_norm());
   }
   info.loss_scale = mp->loss_scaling() ? mp->scaler().get_scale() : 1.0;
   info.stepped = mp->step(*opt);
@@ -358,6 +393,9 @@ torch::Tensor Trainer::Impl::forward_backward(const data::Batch& b, bool last) {
   if (ddp && !last) {
     no_sync = std::make_unique<DistributedDataParallel::NoSyncGuard>(*ddp);
   }
+  if (fsdp) {
+    fsdp->set_requires_gradient_sync(last);
+  }
   torch::Tensor x = b.data;
   {
     trace::Span span(pipe ? "forward and backward (pipeline)" : "forward", "compute");
@@ -366,7 +404,10 @@ torch::Tensor Trainer::Impl::forward_backward(const data::Batch& b, bool last) {
     if (pipe) {
       loss = pipe->step(x, b.target) * (accumulate / mp->scaler().get_scale());
     } else {
-      auto out = ddp ? ddp->forward(x) : dp ? dp->forward(x) : model->forward(x);
+      auto out = ddp    ? ddp->forward(x)
+                 : fsdp ? fsdp->forward(x)
+                 : dp   ? dp->forward(x)
+                        : model->forward(x);
       loss = loss_of(out, b.target);
     }
   }
@@ -414,7 +455,7 @@ void Trainer::Impl::write_step_row(const StepInfo& info) {
   const auto now = std::chrono::steady_clock::now();
   // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
   const double images_per_sec =
-      static_cast<double>(log_samples * (ddp ? world : 1)) /
+      static_cast<double>(log_samples * (ddp || fsdp ? world : 1)) /
       std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
   log_clock = now;
   log_samples = 0;
@@ -496,7 +537,7 @@ void Trainer::Impl::check_replicas() {
 
 // Each rank writes its part; rank 0 merges them into options.trace once all are written.
 void Trainer::Impl::write_trace(const trace::Tracer& tracer) {
-  if (!ddp) {
+  if (!ddp && !fsdp) {
     tracer.write(o.trace());
     return;
   }
@@ -515,40 +556,87 @@ void Trainer::Impl::write_trace(const trace::Tracer& tracer) {
   }
 }
 
-double Trainer::Impl::evaluate() {
+// The next validation batch. Under fsdp a forward is a collective, and the ranks' shares of the
+// validation set may differ by a batch: while any rank has a batch left, the ranks without one
+// run their last batch again with an empty target (not counted).
+std::optional<data::Batch> Trainer::Impl::next_val_batch(std::optional<data::Batch>& last) {
+  std::optional<data::Batch> b = val_loader->next();
+  if (!fsdp) {
+    return b;
+  }
+  torch::Tensor more = torch::tensor({b ? 1.0 : 0.0}, torch::kDouble).to(device);
+  o.process_group()->allreduce(more, dist::ReduceOp::kMax)->wait();
+  if (more.cpu().item<double>() == 0) {
+    return std::nullopt;
+  }
+  if (b) {
+    last = b;
+    return b;
+  }
+  TORCH_CHECK(last.has_value(), "fsdp evaluation: rank ", rank,
+              " has no validation batch while other ranks have one; use a validation set of at "
+              "least one batch per rank");
+  return data::Batch{last->data, torch::empty({0}, last->target.options())};
+}
+
+// Accuracy and mean loss over the validation set: per sample for classifiers, per token for
+// sequences. Under ddp one allreduce adds up every rank's share, for every model alike.
+Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
   if (!val_loader) {
-    return std::numeric_limits<double>::quiet_NaN();
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    return {nan, nan};
   }
   model->eval();
   int64_t correct = 0;
   int64_t seen = 0;
+  double loss_sum = 0;
   {
     torch::NoGradGuard no_grad;
     val_loader->set_epoch(0);
-    while (auto b = val_loader->next()) {
+    std::optional<data::Batch> last;
+    while (auto b = next_val_batch(last)) {
       torch::Tensor x = b->data.to(device);
       if (o.input_transform()) {
         x = o.input_transform()(x);
       }
       x = mp->cast_input(x);
       auto autocast = mp->autocast();
-      auto out = pipe ? pipe->forward(x) : model->forward(x);
-      correct += out.argmax(1).eq(b->target.to(out.device())).sum().item<int64_t>();
-      seen += b->target.size(0);
+      auto out = pipe ? pipe->forward(x) : fsdp ? fsdp->forward(x) : model->forward(x);
+      if (b->target.numel() == 0) {
+        continue;  // a forward that only kept the ranks in step (next_val_batch)
+      }
+      const torch::Tensor target = b->target.to(out.device());
+      const bool sequence = is_sequence(out, target);
+      const int64_t count = sequence ? target.numel() : target.size(0);
+      correct += out.argmax(sequence ? -1 : 1).eq(target).sum().item<int64_t>();
+      loss_sum += loss_of(out, target).to(torch::kCPU, torch::kDouble).item<double>() *
+                  static_cast<double>(count);
+      seen += count;
     }
   }
   model->train();
-  at::Tensor totals =
-      torch::tensor({static_cast<double>(correct), static_cast<double>(seen)}, torch::kDouble);
-  if (ddp) {
+  at::Tensor totals = torch::tensor(
+      {static_cast<double>(correct), static_cast<double>(seen), loss_sum}, torch::kDouble);
+  if (ddp || fsdp) {
     totals = totals.to(device);
     o.process_group()->allreduce(totals)->wait();
     totals = totals.cpu();
   }
-  return totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
+  const double counted = std::max(1.0, totals[1].item<double>());
+  return {totals[0].item<double>() / counted, totals[2].item<double>() / counted};
 }
 
 TensorMap Trainer::Impl::weights() const {
+  if (fsdp) {
+    TensorMap state;
+    for (auto& kv : fsdp->full_state()) {
+      state[kv.first] = kv.second;
+    }
+    for (const auto& b : model->named_buffers()) {
+      state[b.key()] = b.value();
+    }
+    return state;
+  }
   TensorMap state = module_state(*model);
   if (mp->opt_level() != amp::OptLevel::kO2) {
     return state;
@@ -579,9 +667,11 @@ EpochResult Trainer::Impl::run_epoch() {
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   r.data_wait_seconds = loader->stats().wait_seconds;
   r.epoch = epoch;
-  r.val_accuracy = evaluate();
+  const Evaluation evaluation = evaluate();
+  r.val_accuracy = evaluation.accuracy;
+  r.val_loss = evaluation.loss;
   at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples)}, torch::kDouble);
-  if (ddp) {
+  if (ddp || fsdp) {
     totals = totals.to(device);
     o.process_group()->allreduce(totals)->wait();
     totals = totals.cpu();
@@ -616,6 +706,7 @@ void Trainer::Impl::write_epoch_row(const EpochResult& r, bool trained) {
                        {"step", r.global_step},
                        {"train_loss", r.train_loss},
                        {"val_accuracy", r.val_accuracy},
+                       {"val_loss", r.val_loss},
                        {"lr", r.lr},
                        {"images_per_sec", r.images_per_sec},
                        {"seconds", r.seconds},
@@ -627,6 +718,7 @@ void Trainer::Impl::write_epoch_row(const EpochResult& r, bool trained) {
     write_metrics(Json{{"epoch", r.epoch + 1},
                        {"step", r.global_step},
                        {"val_accuracy", r.val_accuracy},
+                       {"val_loss", r.val_loss},
                        {"lr", r.lr},
                        {"resumed", true}});
   }
@@ -648,11 +740,12 @@ Trainer::Trainer(torch::nn::Sequential model,
   m.build_strategy();
   m.build_loaders();
   if (!m.o.checkpoint_dir().empty()) {
-    m.ckpt = std::make_unique<Checkpoint>(CheckpointOptions(m.o.checkpoint_dir())
-                                              .keep(m.o.keep())
-                                              .collective_device(m.ddp ? m.device : torch::kCPU)
-                                              .any_world_size(m.o.elastic()),
-                                          m.o.process_group());
+    m.ckpt = std::make_unique<Checkpoint>(
+        CheckpointOptions(m.o.checkpoint_dir())
+            .keep(m.o.keep())
+            .collective_device(m.ddp || m.fsdp ? m.device : torch::kCPU)
+            .any_world_size(m.o.elastic()),
+        m.o.process_group());
     // A fresh run would mix its checkpoints with another run's (and prune its own first).
     TORCH_CHECK(!m.o.resume().empty() || m.ckpt->steps().empty(), "the checkpoint directory ",
                 m.o.checkpoint_dir(),
@@ -722,7 +815,7 @@ std::vector<EpochResult> Trainer::fit() {
 }
 
 double Trainer::evaluate() {
-  return impl_->evaluate();
+  return impl_->evaluate().accuracy;
 }
 
 void Trainer::on_step_end(std::function<void(const StepInfo&)> callback) {

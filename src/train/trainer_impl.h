@@ -10,6 +10,7 @@
 #include "paratrain/io/tensorboard.h"
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/util/trace.h"
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +37,7 @@ struct Trainer::Impl {
   torch::Device device = torch::kCPU;  // where batches go
   std::unique_ptr<amp::MixedPrecision> mp;
   std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<FullyShardedDataParallel> fsdp;
   std::unique_ptr<DataParallel> dp;
   std::unique_ptr<pipeline::Pipeline> pipe;
   std::unique_ptr<torch::optim::Optimizer> opt;
@@ -72,9 +75,18 @@ struct Trainer::Impl {
   EpochResult run_epoch();
   void write_epoch_row(const EpochResult& r, bool trained);
   StepInfo optimizer_step(const torch::Tensor& loss, bool log);
-  double evaluate();
+  struct Evaluation {
+    double accuracy;
+    double loss;  // mean cross entropy
+  };
+  Evaluation evaluate();
+  std::optional<data::Batch> next_val_batch(std::optional<data::Batch>& last);
   void resume();
   void restore(const CheckpointState& s);
+  void capture_fsdp(CheckpointState& s, Json& meta);
+  void check_fsdp_layout(const CheckpointState& s, const Json& meta) const;
+  void restore_fsdp(const CheckpointState& s, const Json& meta);
+  void restore_buffers(const CheckpointState& s);
   CheckpointState capture();
   TensorMap weights() const;
   void write_metrics(const Json& row);

@@ -59,6 +59,7 @@ INSTANTIATE_TEST_SUITE_P(Benchmarks,
                                            "faults",
                                            "tune",
                                            "cluster",
+                                           "fsdp",
                                            "data"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;  // amp-accuracy: amp_accuracy

@@ -5,6 +5,10 @@
 
 #include "test_util.h"
 
+#include <paratrain/io/safetensors.h>
+
+#include <torch/torch.h>
+
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
@@ -413,6 +417,109 @@ TEST(Train, ConfigFileWithCommandLineOverrides) {
   EXPECT_NE(overridden.output.find("adam lr 0.01,"), std::string::npos) << overridden.output;
   EXPECT_NE(overridden.output.find("1 rank,"), std::string::npos) << overridden.output;
   std::remove((base + ".toml").c_str());
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+// paratrain train of a small GPT on bytes under --strategy fsdp on `ranks` ranks, for `epochs`
+// epochs of 10 steps, checkpointing every 5 into `dir`.
+std::vector<std::string> fsdp_job(const std::string& tokens,
+                                  const std::string& dir,
+                                  int ranks,
+                                  int epochs) {
+  return {cli_path(),
+          "train",
+          "--model",
+          "gpt",
+          "--layers",
+          "2",
+          "--width",
+          "32",
+          "--heads",
+          "2",
+          "--vocab",
+          "256",
+          "--context",
+          "32",
+          "--dataset",
+          "tokens",
+          "--data-dir",
+          tokens,
+          "--strategy",
+          "fsdp",
+          "--nproc",
+          std::to_string(ranks),
+          "--device",
+          "cpu",
+          "--epochs",
+          std::to_string(epochs),
+          "--steps",
+          "10",
+          "--batch-size",
+          "4",
+          "--optimizer",
+          "adam",
+          "--lr",
+          "3e-3",
+          "--checkpoint-every",
+          "5",
+          "--checkpoint-dir",
+          dir};
+}
+
+// An fsdp job stopped after 2 epochs and resumed for the third ends with the weights of a job
+// that ran 3 epochs straight, bit for bit; its sharded checkpoint consolidates into those
+// weights; and 3 ranks resume a checkpoint 2 ranks made (resharded).
+TEST(Resume, FsdpCheckpointsResumeBitwiseReshardAndConsolidate) {
+  const std::string text = "/usr/share/common-licenses/GPL-3";
+  if (!std::ifstream(text).good()) {
+    GTEST_SKIP() << text << " is missing (Debian's base-files ships it)";
+  }
+  const std::string base = "/tmp/" + unique_token("fsdp-resume");
+  const std::map<std::string, std::string> env{
+      kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}, {"PARATRAIN_ELASTIC", "1"}};
+  auto tok = run_process({cli_path(), "data", "tokenize", "--bytes", text, "--out", base + "-tok"});
+  ASSERT_EQ(tok.exit_code, 0) << tok.output;
+  const std::string tokens = base + "-tok";
+  auto straight = run_process(
+      plus(fsdp_job(tokens, base + "-a", 2, 3), {"--save-weights", base + "-a.safetensors"}), env,
+      300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  auto first = run_process(fsdp_job(tokens, base + "-b", 2, 2), env, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  // Sharded: every rank's own file holds its shards; the shared file no weight.
+  auto holders = run_process(
+      {"/bin/sh", "-c", "cd '" + base + "-b' && grep -la 'fsdp\\.h0' ckpt-*20.*safetensors"}, {},
+      10);
+  EXPECT_NE(holders.output.find(".rank-0."), std::string::npos) << holders.output;
+  EXPECT_NE(holders.output.find(".rank-1."), std::string::npos) << holders.output;
+  auto rest = run_process(plus(fsdp_job(tokens, base + "-b", 2, 3),
+                               {"--resume", "auto", "--save-weights", base + "-b.safetensors"}),
+                          env, 300);
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  EXPECT_EQ(read_bytes(base + "-a.safetensors"), read_bytes(base + "-b.safetensors"));
+  auto whole = run_process(
+      {cli_path(), "checkpoint", "consolidate", base + "-b", "--out", base + "-c.safetensors"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const TensorMap saved = load_safetensors(base + "-b.safetensors");
+  const TensorMap consolidated = load_safetensors(base + "-c.safetensors");
+  ASSERT_EQ(saved.size(), consolidated.size());
+  for (const auto& [name, t] : saved) {
+    ASSERT_TRUE(consolidated.count(name)) << name;
+    EXPECT_TRUE(torch::equal(consolidated.at(name), t)) << name;
+  }
+  auto three = run_process(
+      plus(fsdp_job(tokens, base + "-b", 3, 4), {"--resume", base + "-b/ckpt-0000000020.json"}),
+      env, 300);
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_NE(three.output.find("resumed from"), std::string::npos) << three.output;
+  remove_with_prefix(base);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// The Trainer in process (every strategy against single-process training, exact resume), the
-// learning-rate schedules against python3-torch, and checkpoints (atomic files, checksums,
-// fallback, pruning, optimizer and RNG state).
+// The Trainer in process (every strategy against single-process training, exact resume, the
+// language-model loss of sequence outputs), the learning-rate schedules against python3-torch,
+// and checkpoints (atomic files, checksums, fallback, pruning, optimizer and RNG state).
 
 #include "test_util.h"
 
@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -255,6 +256,72 @@ TEST(Trainer, NonFiniteLossStopsWithStepAndRank) {
   EXPECT_NE(e.find("the loss is nan at step "), std::string::npos) << e;
   EXPECT_NE(e.find(") on rank 0: lower the learning rate"), std::string::npos) << e;
   EXPECT_LT(t.global_step(), 4);  // it stopped in the first epoch
+}
+
+TEST(Trainer, SequenceOutputsTrainOnTheLanguageModelLoss) {
+  // A bigram model (Embedding, then Linear) on token sequences whose next token is 3x + 1 mod 17:
+  // outputs [B, T, V] against targets [B, T] are B * T classifications, PyTorch's language-model
+  // loss. Evaluation reports the per-token accuracy and the mean cross entropy over the whole
+  // validation set, as computed here in one go (up to float rounding: the batches differ).
+  const int64_t n = 96;
+  const int64_t t = 12;
+  const int64_t v = 17;
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randint(0, v, {n, t}, torch::kLong);
+  const torch::Tensor y = (x * 3 + 1).remainder(v);
+  auto data = std::make_shared<data::TensorDataset>(x, y);
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Embedding(v, 16), torch::nn::Linear(16, v));
+  const std::string dir = make_temp_dir("lm");
+  Trainer trainer(model, data, data,
+                  base_options()
+                      .epochs(6)
+                      .batch_size(16)
+                      .optimizer(OptimizerOptions().kind("adam").lr(0.05))
+                      .metrics(dir + "/metrics.jsonl"));
+  const auto results = trainer.fit();
+  const EpochResult& last = results.back();
+  EXPECT_LT(last.train_loss, results.front().train_loss);
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    out = model->forward(x);
+  }
+  ASSERT_EQ(out.sizes(), (std::vector<int64_t>{n, t, v}));
+  const double loss =
+      torch::nn::functional::cross_entropy(out.flatten(0, 1), y.flatten()).item<double>();
+  const double accuracy = out.argmax(-1).eq(y).to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(last.val_loss, loss, 1e-5 * std::max(1.0, loss));
+  EXPECT_NEAR(last.val_accuracy, accuracy, 1.5 / static_cast<double>(n * t));
+  EXPECT_GT(last.val_accuracy, 0.9);  // a bigram model learns a bigram rule
+  // The epoch rows carry val_loss beside val_accuracy.
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::string line;
+  std::string last_row;
+  while (std::getline(in, line)) {
+    last_row = line;
+  }
+  EXPECT_NE(last_row.find("\"val_loss\":"), std::string::npos) << last_row;
+
+  // A classifier's val_loss is its mean cross entropy over the validation set likewise.
+  auto classes = toy_data(128);
+  Trainer classifier(fresh("linear"), classes, classes, base_options().epochs(1));
+  const double val_loss = classifier.fit().back().val_loss;
+  torch::Tensor all_x = torch::empty({128, 1, 28, 28});
+  torch::Tensor all_y = torch::empty({128}, torch::kLong);
+  for (size_t i = 0; i < 128; ++i) {
+    const data::Sample s = classes->get(i);
+    all_x[static_cast<int64_t>(i)] = s.data;
+    all_y[static_cast<int64_t>(i)] = s.target;
+  }
+  torch::NoGradGuard no_grad;
+  classifier.model()->eval();
+  const double want =
+      torch::nn::functional::cross_entropy(classifier.model()->forward(all_x), all_y)
+          .item<double>();
+  EXPECT_NEAR(val_loss, want, 1e-5 * std::max(1.0, want));
+  remove_tree(dir);
 }
 
 TEST(Trainer, BadOptions) {

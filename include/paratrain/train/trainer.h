@@ -17,12 +17,17 @@
 // for bit, as a run that was never stopped: the checkpoint holds the weights, the optimizer's
 // state, the schedule, the GradScaler, the O2 masters, every rank's RNG states, and where the
 // sampler and loader were in the epoch.
+//
+// The loss is cross_entropy(output, target). A sequence model's output [B, T, V] against targets
+// [B, T] (models::gpt on a data::TokenDataset) is B * T classifications, PyTorch's language-model
+// loss cross_entropy(output.flatten(0, 1), target.flatten()); its accuracy is per token.
 #pragma once
 
 #include "paratrain/amp/mixed_precision.h"
 #include "paratrain/comm/process_group.h"
 #include "paratrain/data/dataset.h"
 #include "paratrain/io/checkpoint.h"
+#include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/parallel/pipeline.h"
 #include "paratrain/train/lr_schedule.h"
 
@@ -39,8 +44,8 @@
 
 namespace paratrain {
 
-enum class Strategy { kSingle, kDDP, kDataParallel, kPipeline };
-/// "single", "ddp", "dp", "pipeline"; c10::Error naming the choices otherwise.
+enum class Strategy { kSingle, kDDP, kDataParallel, kPipeline, kFSDP };
+/// "single", "ddp", "dp", "pipeline", "fsdp"; c10::Error naming the choices otherwise.
 Strategy parse_strategy(const std::string& name);
 std::string to_string(Strategy strategy);
 
@@ -79,8 +84,14 @@ struct TrainerOptions {
   TORCH_ARG(std::vector<torch::Device>, devices) = {};
   TORCH_ARG(int64_t, chunks) = 4;  // pipeline micro-batches
   TORCH_ARG(pipeline::Schedule, pipeline_schedule) = pipeline::Schedule::kGPipe;
-  /// ddp: the group (dist::init_process_group()).
+  /// ddp and fsdp: the group (dist::init_process_group()).
   TORCH_ARG(dist::ProcessGroupPtr, process_group) = nullptr;
+  /// fsdp: the units, prefetch, FSDP's mixed-precision policy, activation checkpointing. The
+  /// fsdp strategy takes opt levels O0 and O1 (its shards are the fp32 master weights), clips
+  /// by the global norm over every rank's shards, and saves sharded checkpoints: each rank
+  /// writes its own shards and optimizer state, which resume on another number of ranks with
+  /// `elastic` (resharded) and consolidate into one file (`paratrain checkpoint consolidate`).
+  TORCH_ARG(FsdpOptions, fsdp) = {};
   TORCH_ARG(amp::AmpOptions, amp) = {};
   TORCH_ARG(OptimizerOptions, optimizer) = {};
   TORCH_ARG(LRScheduleOptions, lr_schedule) = {};
@@ -115,7 +126,8 @@ struct TrainerOptions {
   TORCH_ARG(int64_t, log_every) = 0;
   /// The same rows as TensorBoard scalars (train/loss, train/lr, train/grad_norm,
   /// train/loss_scale, train/images_per_sec at each logged step; epoch/train_loss,
-  /// epoch/val_accuracy, ... per epoch), in event files under this directory (rank 0's).
+  /// epoch/val_accuracy, epoch/val_loss, ... per epoch), in event files under this directory
+  /// (rank 0's).
   TORCH_ARG(std::string, tensorboard) = "";
   /// A non-finite loss stops the run (NonFiniteLoss naming step and rank); with dynamic loss
   /// scaling the GradScaler skips the step instead, as PyTorch does.
@@ -165,7 +177,12 @@ struct StepInfo {
 struct EpochResult {
   int64_t epoch = 0;  // 0-based
   double train_loss = 0;
+  /// Over the validation set (per token for sequence outputs), every rank's share counted under
+  /// ddp; NaN without a validation set.
   double val_accuracy = 0;
+  /// The mean cross entropy over the validation set (per token for sequence outputs), counted as
+  /// val_accuracy is.
+  double val_loss = 0;
   double images_per_sec = 0;
   double seconds = 0;
   double data_wait_seconds = 0;
@@ -185,7 +202,7 @@ class Trainer {
 
   /// Resumes when options.resume says so, then trains the remaining epochs.
   std::vector<EpochResult> fit();
-  /// Accuracy over the validation set (a collective under ddp).
+  /// Accuracy over the validation set (a collective under ddp); per token for sequence outputs.
   double evaluate();
   /// Saves a checkpoint now (options.checkpoint_dir must be set).
   void save_checkpoint();
@@ -200,7 +217,8 @@ class Trainer {
   torch::nn::Sequential& model();
   torch::optim::Optimizer& optimizer();
   amp::MixedPrecision& mixed_precision();
-  /// The weights (O2: the fp32 masters in the model's names).
+  /// The weights (O2: the fp32 masters in the model's names; fsdp: gathered from every rank's
+  /// shards, a collective to call on every rank).
   TensorMap weights() const;
   int64_t global_step() const;
   int64_t epoch() const;

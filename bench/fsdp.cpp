@@ -1,0 +1,282 @@
+// paratrain bench fsdp: memory and time per rank of DDP, ZeRO, FSDP and FSDP with activation
+// checkpointing, training one GPT with Adam on 2 ranks (one process and one thread each).
+//
+// Rows: system, params, ranks, peak_rss_bytes (per rank: the largest rank's getrusage peak),
+// step_seconds (median over the timed steps, the slowest rank's), loss (the last step's), first
+// loss, and estimate_bytes (the training state per rank the system needs: see state_estimate).
+//
+// A system whose state alone would not fit --memory-per-rank is refused before it starts, with a
+// row that says so (refused: the line) instead of a process the kernel kills. The default limit
+// is the machine's memory shared by the ranks, as if each rank were a device of that size.
+//
+// The headline run, a GPT of 1.2 billion parameters that no rank could hold whole:
+//   paratrain bench fsdp --model gpt --layers 22 --width 2048 --heads 16 --context 64
+//       --batch 1 --steps 10 --systems ddp,fsdp
+
+#include "bench_util.h"
+#include "benchmarks.h"
+#include "harness.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <iomanip>
+#include <iostream>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const BenchSpec& fsdp_spec() {
+  static const BenchSpec spec{
+      "fsdp",
+      "DDP, ZeRO, FSDP and FSDP with activation checkpointing on one GPT: memory and step time "
+      "per rank.",
+      {
+          {"model", "NAME",
+           "gpt2 (default), gpt2-medium, ..., or gpt with --layers/--width/--heads", "gpt"},
+          {"layers", "N", "with --model gpt", "2"},
+          {"width", "N", "with --model gpt", "32"},
+          {"heads", "N", "with --model gpt", "2"},
+          {"vocab", "N", "with --model gpt (default 50257)", "64"},
+          {"context", "N", "tokens per sequence (default 128)", "16"},
+          {"batch", "N", "sequences per rank (default 2)", "2"},
+          {"steps", "N", "timed steps after one warm-up step (default 5)", "1"},
+          {"systems", "LIST", "of ddp, zero, fsdp, fsdp+ckpt (default all)"},
+          {"memory-per-rank", "BYTES",
+           "refuse a system whose state exceeds this (default: physical memory / ranks)"},
+          {"backend", "NAME", "mpi or gloo (default gloo)"},
+          {"system", "S", ""},
+      },
+      "print JSON rows",
+      /*workers=*/true};
+  return spec;
+}
+
+models::GptOptions gpt_shape(const Bench& bench) {
+  const std::string name = bench.get("model", "gpt2");
+  models::GptOptions o;
+  if (name == "gpt") {
+    require(bench.has("layers") || bench.smoke(), "--model gpt needs --layers, --width, --heads");
+    o.layers(bench.get_int("layers", 12))
+        .width(bench.get_int("width", 768))
+        .heads(bench.get_int("heads", 12))
+        .vocab(bench.get_int("vocab", 50257));
+  } else {
+    o = models::gpt_options(name);
+  }
+  return o.context(bench.get_int("context", 128));
+}
+
+// Bytes of training state per rank, fp32 with Adam (4 for a weight, 4 for its gradient, 8 for
+// the moments): DDP holds it all plus its gradient buckets (4 more); ZeRO shards the moments;
+// FSDP shards everything and gathers two blocks at a time. Activations come on top.
+int64_t state_estimate(const std::string& system, int64_t params, int64_t block, int ranks) {
+  if (system == "ddp") {
+    return params * 20;
+  }
+  if (system == "zero") {
+    return params * 12 + params * 8 / ranks;
+  }
+  return params * 16 / ranks + block * 4 * 4;
+}
+
+int64_t physical_memory() {
+  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+}
+
+struct Wrapped {
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<FullyShardedDataParallel> fsdp;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  torch::Tensor forward(const torch::Tensor& x) { return ddp ? ddp->forward(x) : fsdp->forward(x); }
+};
+
+Wrapped wrap(const std::string& system,
+             torch::nn::Sequential model,
+             const dist::ProcessGroupPtr& pg) {
+  Wrapped w;
+  auto adam = [](std::vector<torch::optim::OptimizerParamGroup> groups)
+      -> std::unique_ptr<torch::optim::Optimizer> {
+    return std::make_unique<torch::optim::Adam>(std::move(groups), torch::optim::AdamOptions(3e-4));
+  };
+  if (system == "ddp" || system == "zero") {
+    w.ddp = std::make_unique<DistributedDataParallel>(model, pg);
+    if (system == "zero") {
+      w.opt = std::make_unique<ZeroRedundancyOptimizer>(model->parameters(), adam, pg);
+    } else {
+      w.opt = adam({torch::optim::OptimizerParamGroup(model->parameters())});
+    }
+    return w;
+  }
+  w.fsdp = std::make_unique<FullyShardedDataParallel>(
+      model, pg,
+      FsdpOptions()
+          .units(models::gpt_block_names(model))
+          .activation_checkpointing(system == "fsdp+ckpt"));
+  w.opt = adam({torch::optim::OptimizerParamGroup(w.fsdp->parameters())});
+  return w;
+}
+
+int run_fsdp_worker(const Bench& bench) {
+  torch::set_num_threads(1);
+  const std::string system = bench.get("system");
+  auto pg = dist::init_process_group();
+  const models::GptOptions shape = gpt_shape(bench);
+  const int64_t params = models::gpt_parameter_count(shape);
+  torch::manual_seed(0);
+  Wrapped w = wrap(system, models::gpt(shape), pg);
+  const int batch = bench.get_int("batch", 2);
+  const int steps = bench.get_int("steps", 5);
+  torch::manual_seed(100 + pg->rank());
+  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1});
+  torch::Tensor x = tokens.narrow(1, 0, shape.context()), y = tokens.narrow(1, 1, shape.context());
+  std::vector<double> times;
+  double loss = 0, first = 0;
+  for (int step = 0; step <= steps; ++step) {
+    pg->barrier()->wait();
+    auto t0 = Clock::now();
+    w.opt->zero_grad();
+    auto logits = w.forward(x);
+    auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+    l.backward();
+    w.opt->step();
+    loss = l.item<double>();
+    first = step == 0 ? loss : first;
+    if (step > 0) {
+      times.push_back(seconds_since(t0));
+    }
+    bench.progress("  " + system + " step " + std::to_string(step) + ": loss " +
+                   std::to_string(loss));
+  }
+  at::Tensor t =
+      torch::tensor({median(times), static_cast<double>(peak_rss_bytes())}, torch::kDouble);
+  pg->allreduce(t, dist::ReduceOp::kMax)->wait();
+  if (pg->rank() == 0) {
+    append_row(bench.get("out"), {{"system", system},
+                                  {"params", params},
+                                  {"ranks", pg->size()},
+                                  {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
+                                  {"step_seconds", t[0].item<double>()},
+                                  {"first_loss", first},
+                                  {"loss", loss},
+                                  {"steps", steps}});
+  }
+  return 0;
+}
+
+std::string gib(double bytes) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(2) << bytes / (1 << 30) << " GiB";
+  return s.str();
+}
+
+// The row of a system refused up front, and the line that says why.
+JsonRow refused_row(const std::string& system, int64_t params, int64_t estimate, int64_t limit) {
+  const std::string line = system + " needs at least " + gib(static_cast<double>(estimate)) +
+                           " of training state per rank for " + std::to_string(params) +
+                           " parameters (fp32 Adam), over the " + gib(static_cast<double>(limit)) +
+                           " each rank may use; train this model with fsdp";
+  return {{"system", system},
+          {"params", params},
+          {"ranks", 2},
+          {"estimate_bytes", estimate},
+          {"refused", line}};
+}
+
+// Each row with its ratios to DDP's (when DDP ran): JSON rows, or a table.
+void print_fsdp_rows(const Bench& bench, std::vector<JsonRow> rows) {
+  const JsonRow* ddp = nullptr;
+  for (const auto& row : rows) {
+    if (string_field(row, "system") == "ddp" && !row.contains("refused")) {
+      ddp = &row;
+    }
+  }
+  if (ddp != nullptr) {
+    const double rss = number_field(*ddp, "peak_rss_bytes");
+    const double step = number_field(*ddp, "step_seconds");
+    for (auto& row : rows) {
+      if (!row.contains("refused")) {
+        row["peak_rss_ratio_to_ddp"] = number_field(row, "peak_rss_bytes") / rss;
+        row["step_ratio_to_ddp"] = number_field(row, "step_seconds") / step;
+      }
+    }
+  }
+  if (bench.json()) {
+    for (const auto& row : rows) {
+      print_row(row);
+    }
+    return;
+  }
+  std::cout << "system      params       peak RSS/rank  step (s)  vs ddp (memory, time)  loss\n";
+  for (const auto& row : rows) {
+    std::cout << std::left << std::setw(11) << string_field(row, "system") << std::setw(13)
+              << static_cast<int64_t>(number_field(row, "params"));
+    if (row.contains("refused")) {
+      std::cout << "refused: " << string_field(row, "refused") << "\n";
+      continue;
+    }
+    std::cout << std::setw(15) << gib(number_field(row, "peak_rss_bytes")) << std::fixed
+              << std::setprecision(3) << std::setw(10) << number_field(row, "step_seconds");
+    if (row.contains("peak_rss_ratio_to_ddp")) {
+      std::cout << std::setprecision(2) << number_field(row, "peak_rss_ratio_to_ddp") << "x, "
+                << number_field(row, "step_ratio_to_ddp") << "x           ";
+    } else {
+      std::cout << "-                      ";
+    }
+    std::cout << std::setprecision(3) << number_field(row, "first_loss") << " -> "
+              << number_field(row, "loss") << "\n";
+  }
+  std::cout.flush();
+}
+
+int run_fsdp_bench(const Bench& bench) {
+  const models::GptOptions shape = gpt_shape(bench);
+  const int64_t params = models::gpt_parameter_count(shape);
+  const int64_t block = 12 * shape.width() * shape.width() + 13 * shape.width();
+  const int ranks = 2;
+  const int64_t limit = bench.has("memory-per-rank") ? bench.get_bytes("memory-per-rank", 0)
+                                                     : physical_memory() / ranks;
+  const std::string out = results_file("fsdp");
+  std::vector<JsonRow> rows;
+  for (const auto& system : split_list(bench.get("systems", "ddp,zero,fsdp,fsdp+ckpt"))) {
+    require(system == "ddp" || system == "zero" || system == "fsdp" || system == "fsdp+ckpt",
+            "unknown system '" + system + "' in --systems: choose of ddp, zero, fsdp, fsdp+ckpt");
+    const int64_t estimate = state_estimate(system, params, block, ranks);
+    if (estimate > limit) {
+      rows.push_back(refused_row(system, params, estimate, limit));
+      std::cerr << "bench fsdp: " << string_field(rows.back(), "refused") << std::endl;
+      continue;
+    }
+    bench.progress("measuring " + system + " (" + std::to_string(params) + " parameters)...");
+    std::vector<std::string> extra{"--system", system};
+    for (const auto& word : bench.forwarded(
+             {"model", "layers", "width", "heads", "vocab", "context", "batch", "steps"})) {
+      extra.push_back(word);
+    }
+    std::remove(out.c_str());
+    run_bench_job(bench.worker_command(out, extra), ranks, bench.get("backend", "gloo"), out);
+    JsonRow row = read_rows(out).at(0);
+    row["estimate_bytes"] = estimate;
+    rows.push_back(row);
+  }
+  std::remove(out.c_str());
+  print_fsdp_rows(bench, rows);
+  return 0;
+}
+
+}  // namespace
+
+int run_bench_fsdp(const std::vector<std::string>& argv) {
+  return run_benchmark(fsdp_spec(), argv, run_fsdp_bench, run_fsdp_worker);
+}
+
+}  // namespace cli
+}  // namespace paratrain
