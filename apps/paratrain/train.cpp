@@ -503,7 +503,8 @@ int run_train(const std::vector<std::string>& argv) {
   }
 
   if (args.get_int("max-restarts", 0) != 0) {
-    throw UsageError("--max-restarts goes with --strategy ddp --nproc N (or paratrain launch)");
+    throw UsageError(
+        "--max-restarts goes with --strategy ddp or fsdp and --nproc N (or paratrain launch)");
   }
   Placement where;
   if (s.strategy == "ddp" || s.strategy == "fsdp") {

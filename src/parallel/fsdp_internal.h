@@ -58,7 +58,7 @@ struct FullyShardedDataParallel::Impl {
   void release_all();
   void prefetch(int index);
   torch::Tensor run_entries(const fsdp_detail::UnitState& u, torch::Tensor x);
-  void reduce_gradient(fsdp_detail::UnitState& u, const std::vector<torch::Tensor>& grads);
+  void reduce_gradient(fsdp_detail::UnitState& u, std::vector<torch::Tensor> grads);
   void finish_reduce(fsdp_detail::UnitState& u);
   void queue_finalize();
   void finalize_backward();

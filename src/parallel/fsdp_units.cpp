@@ -134,14 +134,14 @@ Tensor FullyShardedDataParallel::Impl::run_entries(const UnitState& u, Tensor x)
 // into the shard, or added to the unsynced sum under set_requires_gradient_sync(false). At most
 // two reductions are in flight: the previous unit's is finished first, which bounds the
 // gradients held to two units'.
-void FullyShardedDataParallel::Impl::reduce_gradient(UnitState& u,
-                                                     const std::vector<Tensor>& grads) {
+void FullyShardedDataParallel::Impl::reduce_gradient(UnitState& u, std::vector<Tensor> grads) {
   torch::NoGradGuard no_grad;
   Tensor flat = torch::zeros({u.layout.padded}, u.shard.options());
   for (size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].defined()) {
       const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
       flat.narrow(0, u.layout.offsets[i], n).copy_(grads[i].reshape({-1}));
+      grads[i] = Tensor();  // freed as it is copied: the whole gradient is held once
     }
   }
   if (u.unsynced.defined()) {
@@ -191,10 +191,10 @@ void FullyShardedDataParallel::Impl::finalize_backward() {
   if (root.has_params()) {
     std::vector<Tensor> grads;
     for (auto& p : root.params) {
-      grads.push_back(p.grad());
+      grads.push_back(std::move(p.mutable_grad()));
       p.mutable_grad() = Tensor();
     }
-    reduce_gradient(root, grads);
+    reduce_gradient(root, std::move(grads));
     finish_reduce(root);
   }
   release_all();
@@ -308,7 +308,7 @@ struct UnitFunction : public torch::autograd::Function<UnitFunction> {
         u.params[i].mutable_grad() = Tensor();
       }
     }
-    impl->reduce_gradient(u, param_grads);
+    impl->reduce_gradient(u, std::move(param_grads));
     impl->release(u);
     return {grad_input, Tensor(), Tensor(), Tensor()};
   }

@@ -151,6 +151,9 @@ void Trainer::Impl::check_options() const {
   TORCH_CHECK(o.strategy() == Strategy::kDDP || (!o.sync_batchnorm() && !o.zero()),
               "sync_batchnorm (--sync-bn) and zero (--zero) shard or synchronize over DDP's "
               "ranks: use them with the ddp strategy");
+  TORCH_CHECK(o.strategy() != Strategy::kFSDP || o.check_replicas() == 0,
+              "check_replicas (--check-replicas) compares DDP's replicas; fsdp keeps one shard "
+              "per rank, not replicas");
   TORCH_CHECK(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
               "zero_checkpoint (--zero-checkpoint) is '", o.zero_checkpoint(),
               "': use consolidated or sharded");
@@ -564,18 +567,22 @@ std::optional<data::Batch> Trainer::Impl::next_val_batch(std::optional<data::Bat
   if (!fsdp) {
     return b;
   }
-  torch::Tensor more = torch::tensor({b ? 1.0 : 0.0}, torch::kDouble).to(device);
-  o.process_group()->allreduce(more, dist::ReduceOp::kMax)->wait();
-  if (more.cpu().item<double>() == 0) {
+  // [any rank has a batch, any rank has had none at all]: every rank decides alike, so a rank
+  // without data fails together with the others instead of leaving them in a collective.
+  torch::Tensor flags =
+      torch::tensor({b ? 1.0 : 0.0, b || last ? 0.0 : 1.0}, torch::kDouble).to(device);
+  o.process_group()->allreduce(flags, dist::ReduceOp::kMax)->wait();
+  flags = flags.cpu();
+  if (flags[0].item<double>() == 0) {
     return std::nullopt;
   }
+  TORCH_CHECK(flags[1].item<double>() == 0,
+              "fsdp evaluation: a rank has no validation batch "
+              "while others have one; use a validation set of at least one batch per rank");
   if (b) {
     last = b;
     return b;
   }
-  TORCH_CHECK(last.has_value(), "fsdp evaluation: rank ", rank,
-              " has no validation batch while other ranks have one; use a validation set of at "
-              "least one batch per rank");
   return data::Batch{last->data, torch::empty({0}, last->target.options())};
 }
 

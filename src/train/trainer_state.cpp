@@ -257,9 +257,6 @@ void Trainer::Impl::restore(const CheckpointState& s) {
   Json meta;
   try {
     meta = Json::parse(s.meta);
-    if (fsdp) {
-      restore_fsdp(s, meta);
-    }
     const std::string model_diff =
         fsdp ? "" : model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
     TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
@@ -267,6 +264,9 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
                 " was made with another configuration: ", config_diff,
                 "; resume with the same settings, or use another --checkpoint-dir");
+    if (fsdp) {
+      restore_fsdp(s, meta);  // after the checks above: nothing is loaded from a refused one
+    }
     if (!fsdp) {
       load_module_state(*model, with_prefix(s.shared, "model.", true));
     }

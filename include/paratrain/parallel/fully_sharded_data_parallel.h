@@ -35,9 +35,10 @@
 // cast before the all-gather, which halves its traffic), take their inputs cast to it, and
 // gradients are reduce-scattered in reduce_dtype, then added to the fp32 shards' .grad.
 //
-// Backends: every collective goes through paratrain's process group: gloo, mpi or nccl. Gloo has
-// no reduce-scatter; the gloo group all-reduces the whole flat gradient and keeps its slice,
-// which moves world times the data of a true reduce-scatter (mpi and nccl have one).
+// Backends: every collective goes through paratrain's process group: gloo, mpi or nccl. c10d's
+// Gloo has no reduce-scatter, and paratrain's nccl group shares the gloo group's code: both
+// all-reduce the whole flat gradient and keep their slice, which moves world times the data of a
+// true reduce-scatter. The mpi group has one (MPI_Reduce_scatter_block).
 //
 // Between steps the module's own parameters are empty tensors: read the weights through
 // full_state() (a collective), not through the module.
@@ -102,12 +103,14 @@ class FullyShardedDataParallel {
   /// Runs the module on this rank's batch (a collective).
   torch::Tensor forward(const torch::Tensor& input);
 
-  /// The shards, one flat fp32 tensor per unit (root first): what the optimizer steps.
+  /// The shards, one flat tensor per unit (root first) in the parameters' dtype: what the
+  /// optimizer steps.
   std::vector<torch::Tensor> parameters() const;
 
   /// FSDP2's set_requires_gradient_sync: false makes backward add each unit's whole gradient to
   /// a local sum instead of reduce-scattering it (no_sync accumulation; it costs the unsharded
-  /// gradients' memory); the next backward with true reduce-scatters the sum.
+  /// gradients' memory); the next backward with true reduce-scatters the sum. The sum is not
+  /// part of the optimizer's zero_grad(): end an accumulation with a synchronized backward.
   void set_requires_gradient_sync(bool sync);
   bool requires_gradient_sync() const;
 
@@ -131,8 +134,8 @@ class FullyShardedDataParallel {
   int world_size() const;
   int rank() const;
 
-  /// The whole model's weights by parameter name, in fp32 (a collective: every rank gathers
-  /// every unit, one at a time).
+  /// The whole model's weights by parameter name, in the parameters' dtype (a collective: every
+  /// rank gathers every unit, one at a time, and holds the whole model: mind the memory).
   std::map<std::string, torch::Tensor> full_state();
   /// Takes each parameter of a whole state (by name; from full_state(), a checkpoint or an
   /// unsharded model) into the shards: every rank keeps its slices. No communication. Throws
