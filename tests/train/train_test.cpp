@@ -281,7 +281,7 @@ TEST(Train, BadInput) {
       {{"--device", "cpu", "--amp", "O2", "--amp-dtype", "fp16"},
        "fp16 autocast is not available on the CPU"},
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
-      {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp, dp or pipeline"},
+      {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp, fsdp, dp or pipeline"},
       {{"--strategy", "dp"}, "--strategy dp needs --devices"},
       {{"--devices", "cpu"}, "--devices goes with --strategy dp or pipeline"},
       {{"--chunks", "2"}, "--stages, --chunks and --schedule go with --strategy pipeline"},
