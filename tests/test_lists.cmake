@@ -8,7 +8,8 @@ set(paratrain_unit_suites
     Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests
-    BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal Checkpoint.OptimizerStateRoundTripsBitwise
+    BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal BadInput.ReservedPointToPointTag
+    Checkpoint.OptimizerStateRoundTripsBitwise
     Checkpoint.RngStateRestoresTheSameDraws FashionMNIST.ReadsDebiansFiles
     FashionMNIST.MissingFilesSayWhatToInstall ImageFolder.FollowsTorchvisionsRules
     ImageFolder.BadFoldersAreNamed ImageFolder.BadFilesAreNamedOrSkipped LRSchedule.BadOptions
@@ -35,8 +36,8 @@ set(paratrain_slow_tests
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision
     Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults
     Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
-    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30)
+    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites

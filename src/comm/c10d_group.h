@@ -15,6 +15,7 @@
 //     static constexpr const char* kName = "x";
 //     static constexpr bool kWidenBFloat16 = ...;  // the engine reduces no bf16: send fp32/fp16
 //     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
+//     static constexpr bool kNativeReduceScatter = ...;  // the engine has reduce_scatter
 //     static void shutdown(Engine&, bool broken);                // called once, before the engine
 //     is released
 //   };
@@ -45,6 +46,93 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp(c10d::ReduceOp::MIN);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+// Point-to-point messages use the engine's tags below this; collectives built from sends and
+// receives (exchange_allgather, exchange_reduce_scatter) use the ones from here on, numbered by
+// the collective.
+constexpr int kInternalTagBase = ProcessGroup::kMaxUserTag;
+
+inline int internal_tag(int64_t seq) {
+  return kInternalTagBase + static_cast<int>(seq % kInternalTagBase);
+}
+
+// Several operations that complete as one (the sends and receives of an exchange), then a
+// finishing step that runs once, after all of them succeeded.
+class CompositeWork : public Work {
+ public:
+  CompositeWork(std::vector<WorkPtr> parts, std::function<void()> finish)
+      : parts_(std::move(parts)), finish_(std::move(finish)) {}
+
+  void wait() override {
+    if (done_) {
+      return;
+    }
+    for (auto& part : parts_) {
+      part->wait();  // throws the part's CollectiveError, which names the peer
+    }
+    if (finish_) {
+      finish_();
+    }
+    parts_.clear();
+    finish_ = nullptr;
+    done_ = true;
+  }
+
+  bool is_completed() override {
+    if (done_) {
+      return true;
+    }
+    for (auto& part : parts_) {
+      if (!part->is_completed()) {
+        return false;
+      }
+    }
+    try {
+      wait();  // does not block now; a failure is kept by the part and rethrown by wait()
+    } catch (const CollectiveError&) {
+    }
+    return true;
+  }
+
+ private:
+  std::vector<WorkPtr> parts_;
+  std::function<void()> finish_;
+  bool done_ = false;
+};
+
+// output = the pieces combined by `op`, in rank order (avg: their sum over their count).
+inline void combine_pieces(at::Tensor& output, const std::vector<at::Tensor>& pieces, ReduceOp op) {
+  const bool narrow = output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16;
+  bool aliased = false;
+  for (const auto& piece : pieces) {
+    aliased = aliased || output.is_alias_of(piece);
+  }
+  at::Tensor acc;
+  if (narrow) {
+    acc = pieces[0].to(at::kFloat);
+  } else if (aliased || !output.is_contiguous()) {
+    acc = pieces[0].clone(at::MemoryFormat::Contiguous);
+  } else {
+    acc = output;  // summed in place: no extra buffer
+    acc.copy_(pieces[0]);
+  }
+  for (size_t r = 1; r < pieces.size(); ++r) {
+    const at::Tensor& piece = pieces[r];
+    if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
+      acc.add_(piece);
+    } else if (op == ReduceOp::kMax) {
+      acc = at::maximum(acc, piece.to(acc.scalar_type()));
+    } else {
+      acc = at::minimum(acc, piece.to(acc.scalar_type()));
+    }
+  }
+  if (op == ReduceOp::kAvg) {
+    acc.div_(static_cast<double>(pieces.size()));
+  }
+  if (!acc.is_same(output)) {
+    output.copy_(acc.view(output.sizes()));
+  }
 }
 
 template <typename Traits>
@@ -188,6 +276,11 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                        int64_t seq) override {
     check_device(input, "allgather");
     issued(seq);
+    if constexpr (!Traits::kNativeReduceScatter) {
+      if (exchangeable(input, outputs)) {
+        return exchange_allgather(outputs, input, seq);
+      }
+    }
     c10d::AllgatherOptions opts;
     opts.timeout = timeout();
     std::vector<std::vector<at::Tensor>> out(1);
@@ -198,31 +291,35 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     return wrap(engine_->allgather(out, in, opts), "allgather", seq, true, nullptr, "");
   }
 
-  // Gloo has no reduce_scatter (c10d throws "does not support reduce_scatter") and the list form
-  // is the one API both c10d generations share: allreduce the concatenated inputs and keep our
-  // slice. It moves size() times more data than a real reduce-scatter; the mpi backend has one.
+  // Gloo has no reduce_scatter (libtorch 1.13's c10d throws "does not support reduce_scatter"):
+  // CPU tensors are exchanged over send and recv instead (exchange_reduce_scatter). CUDA tensors
+  // on Gloo, which its send and recv do not take, are all-reduced whole and each rank keeps its
+  // slice, which moves size() times the data. NCCL has its own.
   WorkPtr do_reduce_scatter(at::Tensor& output,
                             const std::vector<at::Tensor>& inputs,
                             ReduceOp op,
                             int64_t seq) override {
     check_device(output, "reduce_scatter");
     issued(seq);
-    at::Tensor flat = widened(at::cat(inputs).contiguous());
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
-    opts.timeout = timeout();
-    std::vector<at::Tensor> tensors{flat};
-    auto work = engine_->allreduce(tensors, opts);
-    auto finish = [output, flat, op, r = rank(), n = size()]() mutable {
-      at::Tensor mine = flat.chunk(n)[r].view(output.sizes());
-      output.copy_(mine);
+    if constexpr (Traits::kNativeReduceScatter) {
+      c10d::ReduceScatterOptions opts;
+      opts.reduceOp = to_c10d(op);
+      opts.timeout = timeout();
+      std::vector<at::Tensor> outputs{output};
+      std::vector<std::vector<at::Tensor>> lists{inputs};
+      std::function<void()> finish;
       if (op == ReduceOp::kAvg) {
-        output.div_(n);
+        finish = [output, n = size()]() mutable { output.div_(n); };
       }
-    };
-    return wrap(std::move(work), "reduce_scatter", seq, true, std::move(finish), to_string(op));
+      return wrap(engine_->reduce_scatter(outputs, lists, opts), "reduce_scatter", seq, true,
+                  std::move(finish), to_string(op));
+    } else {
+      if (!output.is_cuda()) {
+        return exchange_reduce_scatter(output, inputs, op, seq);
+      }
+      return allreduce_reduce_scatter(output, inputs, op, seq);
+    }
   }
-
   WorkPtr do_barrier(int64_t seq) override {
     issued(seq);
     c10d::BarrierOptions opts;
@@ -294,6 +391,94 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
       return t.view(at::kHalf);
     }
     return t;
+  }
+
+  // Rank r sends inputs[p] to each rank p and receives each peer's piece of its own slice, then
+  // sums the pieces in rank order. Each rank sends and receives (size()-1)/size() of the data, as
+  // in a ring reduce-scatter, but without the ring's size()-1 dependent steps, and the sum's order
+  // is the same on every rank. Half and bfloat16 pieces are summed in float and rounded once.
+  WorkPtr exchange_reduce_scatter(at::Tensor& output,
+                                  const std::vector<at::Tensor>& inputs,
+                                  ReduceOp op,
+                                  int64_t seq) {
+    const int me = rank();
+    const int n = size();
+    const int tag = internal_tag(seq);
+    std::vector<WorkPtr> parts;
+    std::vector<at::Tensor> pieces(static_cast<size_t>(n));
+    for (int step = 1; step < n; ++step) {
+      const int to = (me + step) % n;
+      const int from = (me + n - step) % n;
+      std::vector<at::Tensor> sent{inputs[static_cast<size_t>(to)].contiguous()};
+      parts.push_back(wrap(engine_->send(sent, to, tag), "reduce_scatter", seq, true, nullptr,
+                           std::string(to_string(op)) + ", to rank " + std::to_string(to)));
+      pieces[static_cast<size_t>(from)] = at::empty_like(output, at::MemoryFormat::Contiguous);
+      std::vector<at::Tensor> received{pieces[static_cast<size_t>(from)]};
+      parts.push_back(wrap(engine_->recv(received, from, tag), "reduce_scatter", seq, true, nullptr,
+                           std::string(to_string(op)) + ", from rank " + std::to_string(from)));
+    }
+    pieces[static_cast<size_t>(me)] = inputs[static_cast<size_t>(me)];
+    auto finish = [output, pieces, op]() mutable {
+      combine_pieces(output, pieces, op);
+      pieces.clear();
+    };
+    return std::make_shared<CompositeWork>(std::move(parts), std::move(finish));
+  }
+
+  // Gloo's allgather gathers into a flat buffer of its own and copies it out to the outputs: a
+  // second copy of the gathered data and a pass over it. CPU tensors are sent straight to each
+  // peer instead and received where they belong, with the same volume as the ring.
+  static bool exchangeable(const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
+    if (input.is_cuda() || !input.is_contiguous()) {
+      return false;
+    }
+    for (const auto& o : outputs) {
+      if (!o.is_contiguous() || o.is_cuda()) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  WorkPtr exchange_allgather(std::vector<at::Tensor>& outputs,
+                             const at::Tensor& input,
+                             int64_t seq) {
+    const int me = rank();
+    const int n = size();
+    const int tag = internal_tag(seq);
+    std::vector<WorkPtr> parts;
+    outputs[static_cast<size_t>(me)].copy_(input);
+    for (int step = 1; step < n; ++step) {
+      const int to = (me + step) % n;
+      const int from = (me + n - step) % n;
+      std::vector<at::Tensor> sent{input};
+      parts.push_back(wrap(engine_->send(sent, to, tag), "allgather", seq, true, nullptr,
+                           "to rank " + std::to_string(to)));
+      std::vector<at::Tensor> received{outputs[static_cast<size_t>(from)]};
+      parts.push_back(wrap(engine_->recv(received, from, tag), "allgather", seq, true, nullptr,
+                           "from rank " + std::to_string(from)));
+    }
+    return std::make_shared<CompositeWork>(std::move(parts), nullptr);
+  }
+
+  WorkPtr allreduce_reduce_scatter(at::Tensor& output,
+                                   const std::vector<at::Tensor>& inputs,
+                                   ReduceOp op,
+                                   int64_t seq) {
+    at::Tensor flat = widened(at::cat(inputs).contiguous());
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.timeout = timeout();
+    std::vector<at::Tensor> tensors{flat};
+    auto work = engine_->allreduce(tensors, opts);
+    auto finish = [output, flat, op, r = rank(), n = size()]() mutable {
+      at::Tensor mine = flat.chunk(n)[r].view(output.sizes());
+      output.copy_(mine);
+      if (op == ReduceOp::kAvg) {
+        output.div_(n);
+      }
+    };
+    return wrap(std::move(work), "reduce_scatter", seq, true, std::move(finish), to_string(op));
   }
 
   void issued(int64_t seq) {

@@ -17,6 +17,7 @@ struct GlooTraits {
   // libtorch 1.13's Gloo has no bf16 arithmetic ("Invalid scalar type").
   static constexpr bool kWidenBFloat16 = true;
   static constexpr bool kCudaOnly = false;
+  static constexpr bool kNativeReduceScatter = false;
   static void shutdown(Engine&, bool) {}  // Gloo's pairs close when the engine is released
 };
 

@@ -168,16 +168,18 @@ WorkPtr ProcessGroup::barrier() {
 WorkPtr ProcessGroup::send(const at::Tensor& tensor, int dst, int tag) {
   check_not_broken("send");
   check_tensor(tensor, "send", "tensor");
+  TORCH_CHECK(tag >= 0 && tag < kMaxUserTag, backend_name(), " send: tag must be in [0, ",
+              kMaxUserTag, "), got ", tag, " (larger tags carry paratrain's own collectives)");
   check_peer(dst, "send", "destination rank");
-  TORCH_CHECK(tag >= 0, backend_name(), " send: tag must be non-negative, got ", tag);
   return do_send(tensor, dst, tag, next_p2p_sequence());
 }
 
 WorkPtr ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   check_not_broken("recv");
   check_tensor(tensor, "recv", "tensor");
+  TORCH_CHECK(tag >= 0 && tag < kMaxUserTag, backend_name(), " recv: tag must be in [0, ",
+              kMaxUserTag, "), got ", tag, " (larger tags carry paratrain's own collectives)");
   check_peer(src, "recv", "source rank");
-  TORCH_CHECK(tag >= 0, backend_name(), " recv: tag must be non-negative, got ", tag);
   return do_recv(tensor, src, tag, next_p2p_sequence());
 }
 

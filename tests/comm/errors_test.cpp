@@ -254,6 +254,25 @@ TEST(BadInput, CollectiveTimeoutNamesTheLateRank) {
   EXPECT_LT(seconds, 40) << "the job was not torn down soon after the timeout";
 }
 
+// Gloo's reduce_scatter and allgather are sends and receives between every pair of ranks: a late
+// rank still makes a timeout that names the operation and the rank.
+TEST(BadInput, ExchangeTimeoutNamesTheLateRank) {
+  for (const std::string op : {"reduce_scatter", "allgather"}) {
+    auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "3", "--",
+                          worker_path(), "late", "2", "60", op},
+                         {{"PARATRAIN_TIMEOUT", "5"}}, 120);
+    ASSERT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("error: " + op + " #0 ("), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rank 2) on rank "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("failed: timed out after 5000 ms"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("ranks that did not arrive: rank 2 (has not issued this collective; "
+                            "it has issued 0 so far)"),
+              std::string::npos)
+        << r.output;
+  }
+}
+
 TEST(BadInput, MpiCollectiveTimeout) {
 #ifndef PARATRAIN_WITH_MPI
   GTEST_SKIP() << "this build has no mpi backend";
@@ -308,6 +327,25 @@ TEST(BadInput, LauncherArguments) {
 namespace paratrain {
 namespace testing {
 namespace {
+
+// Point-to-point tags from 2^30 on carry paratrain's own collectives (gloo's reduce_scatter and
+// allgather): a program's send or recv with one is refused before it could meet theirs.
+TEST(BadInput, ReservedPointToPointTag) {
+  const std::string path = "/tmp/" + unique_token("paratrain-tag-store");
+  auto pg = dist::init_process_group(
+      dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+  at::Tensor t = torch::zeros({4});
+  for (int tag : {-1, dist::ProcessGroup::kMaxUserTag}) {
+    const std::string send = error_of([&] { pg->send(t, 0, tag); });
+    EXPECT_NE(send.find("gloo send: tag must be in [0, 1073741824), got " + std::to_string(tag)),
+              std::string::npos)
+        << send;
+    const std::string recv = error_of([&] { pg->recv(t, 0, tag); });
+    EXPECT_NE(recv.find("gloo recv: tag must be in [0, 1073741824), got " + std::to_string(tag)),
+              std::string::npos)
+        << recv;
+  }
+}
 
 // new_group's rank list, checked before any backend work (a world of one, in this process).
 TEST(BadInput, NewGroupRanks) {

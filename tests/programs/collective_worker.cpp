@@ -119,6 +119,24 @@ void check_collectives(dist::ProcessGroup& pg) {
         pg.reduce_scatter(out, inputs, dist::ReduceOp::kMax)->wait();
         expect_close(out, (std::get<0>(stacked.max(0)) * (me + 1)).to(type),
                      "reduce_scatter max " + tag);
+        pg.reduce_scatter(out, inputs, dist::ReduceOp::kMin)->wait();
+        expect_close(out, (std::get<0>(stacked.min(0)) * (me + 1)).to(type),
+                     "reduce_scatter min " + tag);
+      }
+      // In place, as FSDP-style callers use them: the output is this rank's own input, the
+      // allgather's input this rank's own output slot.
+      at::Tensor flat = torch::cat(inputs);
+      std::vector<at::Tensor> pieces = flat.chunk(n);
+      pg.reduce_scatter(pieces[me], pieces, dist::ReduceOp::kSum)->wait();
+      expect_close(pieces[me], (stacked.sum(0) * (me + 1)).to(type),
+                   "in-place reduce_scatter " + tag);
+      at::Tensor gathered = torch::zeros({n * numel}, type);
+      std::vector<at::Tensor> slots = gathered.chunk(n);
+      slots[me].copy_(contribution(me, numel, type));
+      pg.allgather(slots, slots[me])->wait();
+      for (int r = 0; r < n; ++r) {
+        expect_close(slots[r], contribution(r, numel, type),
+                     "in-place allgather slot " + std::to_string(r) + " " + tag);
       }
     }
   }
@@ -139,6 +157,36 @@ void check_collectives(dist::ProcessGroup& pg) {
     }
     float want = n * k + n * (n - 1) / 2.0f;
     expect_close(ts[k], torch::full({4096}, want), "async allreduce " + std::to_string(k));
+  }
+
+  // Gathers and reduce-scatters in flight together (as FSDP overlaps a unit's gather with the
+  // previous unit's reduction), waited in reverse order.
+  {
+    std::vector<std::vector<at::Tensor>> gathered(4), inputs(4);
+    std::vector<at::Tensor> reduced(4);
+    std::vector<dist::WorkPtr> pending;
+    for (int k = 0; k < 4; ++k) {
+      for (int r = 0; r < n; ++r) {
+        gathered[k].push_back(torch::zeros({50000}));
+        inputs[k].push_back(torch::full({50000}, static_cast<float>(me * 10 + r + k)));
+      }
+      reduced[k] = torch::zeros({50000});
+      pending.push_back(
+          pg.allgather(gathered[k], torch::full({50000}, static_cast<float>(me + k))));
+      pending.push_back(pg.reduce_scatter(reduced[k], inputs[k], dist::ReduceOp::kSum));
+    }
+    for (auto it = pending.rbegin(); it != pending.rend(); ++it) {
+      (*it)->wait();
+    }
+    for (int k = 0; k < 4; ++k) {
+      for (int r = 0; r < n; ++r) {
+        expect_close(gathered[k][r], torch::full({50000}, static_cast<float>(r + k)),
+                     "overlapped allgather " + std::to_string(k));
+      }
+      const float want = 10.0f * n * (n - 1) / 2 + n * (me + k);
+      expect_close(reduced[k], torch::full({50000}, want),
+                   "overlapped reduce_scatter " + std::to_string(k));
+    }
   }
 
   // Polling: once is_completed() says true, the result is final without calling wait().
@@ -196,9 +244,21 @@ int run(int argc, char** argv) {
         }
         std::this_thread::sleep_for(std::chrono::seconds(argc > 3 ? std::atoi(argv[3]) : 30));
       }
+      const std::string op = argc > 4 ? argv[4] : "allreduce";
       at::Tensor t = torch::ones({1 << 16});
-      pg->allreduce(t)->wait();
-      std::cout << "rank " << pg->rank() << " allreduce done" << std::endl;
+      if (op == "reduce_scatter") {
+        at::Tensor out = torch::zeros({1 << 16});
+        pg->reduce_scatter(out, std::vector<at::Tensor>(pg->size(), t))->wait();
+      } else if (op == "allgather") {
+        std::vector<at::Tensor> outs(pg->size());
+        for (auto& o : outs) {
+          o = torch::zeros({1 << 16});
+        }
+        pg->allgather(outs, t)->wait();
+      } else {
+        pg->allreduce(t)->wait();
+      }
+      std::cout << "rank " << pg->rank() << " " << op << " done" << std::endl;
       return 0;
     }
     check_collectives(*pg);

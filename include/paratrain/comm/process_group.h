@@ -95,7 +95,8 @@ class ProcessGroup {
                          ReduceOp op = ReduceOp::kSum);
   /// Completes once every rank has called it.
   WorkPtr barrier();
-  /// Point to point; a send matches the recv on `dst` with the same tag.
+  /// Point to point; a send matches the recv on `dst` with the same tag, in [0, kMaxUserTag).
+  static constexpr int kMaxUserTag = 1 << 30;
   WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0);
   WorkPtr recv(at::Tensor& tensor, int src, int tag = 0);
 
