@@ -1,7 +1,10 @@
 // paratrain bench fsdp: memory and time per rank of DDP, ZeRO, FSDP and FSDP with activation
-// checkpointing, training one GPT with Adam on 2 ranks (one process and one thread each).
+// checkpointing, training one GPT with Adam on 2 ranks (--ranks; one process and one thread
+// each), on the CPU or, with --device cuda, each rank on its own GPU (--ranks 1 on one GPU).
 //
 // Rows: system, params, ranks, peak_rss_bytes (per rank: the largest rank's getrusage peak),
+// peak_tensor_bytes (per rank: the largest rank's peak of live tensor bytes on its main thread,
+// CPU and GPU, without what the allocators keep of freed memory; see tensor_memory.h),
 // step_seconds (median over the timed steps, the slowest rank's), loss (the last step's), first
 // loss, and estimate_bytes (the training state per rank the system needs: see state_estimate).
 //
@@ -16,6 +19,7 @@
 #include "bench_util.h"
 #include "benchmarks.h"
 #include "harness.h"
+#include "tensor_memory.h"
 
 #include "paratrain/paratrain.h"
 
@@ -26,6 +30,7 @@
 
 #include <iomanip>
 #include <iostream>
+#include <limits>
 
 namespace paratrain {
 namespace cli {
@@ -52,7 +57,9 @@ const BenchSpec& fsdp_spec() {
           {"systems", "LIST", "of ddp, zero, fsdp, fsdp+ckpt (default all)"},
           {"memory-per-rank", "BYTES",
            "refuse a system whose state exceeds this (default: physical memory / ranks)"},
-          {"backend", "NAME", "mpi or gloo (default gloo)"},
+          {"backend", "NAME", "mpi or gloo (default gloo); nccl with --device cuda"},
+          {"device", "NAME", "cpu (default) or cuda: rank r on its node's cuda:r"},
+          {"ranks", "N", "ranks (default 2; 1 with --device cuda on one GPU)"},
           {"system", "S", ""},
       },
       "print JSON rows",
@@ -130,15 +137,22 @@ Wrapped wrap(const std::string& system,
 int run_fsdp_worker(const Bench& bench) {
   torch::set_num_threads(1);
   const std::string system = bench.get("system");
+  auto memory = std::make_shared<ReplicaMemory>(1);
+  c10::DebugInfoGuard track(c10::DebugInfoKind::PROFILER_STATE, memory);
   auto pg = dist::init_process_group();
   const models::GptOptions shape = gpt_shape(bench);
   const int64_t params = models::gpt_parameter_count(shape);
   torch::manual_seed(0);
-  Wrapped w = wrap(system, models::gpt(shape), pg);
+  const torch::Device device =
+      bench.get("device", "cpu") == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
+  auto model = models::gpt(shape);
+  model->to(device);
+  Wrapped w = wrap(system, model, pg);
+  model = nullptr;
   const int batch = bench.get_int("batch", 2);
   const int steps = bench.get_int("steps", 5);
   torch::manual_seed(100 + pg->rank());
-  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1});
+  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1}).to(device);
   torch::Tensor x = tokens.narrow(1, 0, shape.context()), y = tokens.narrow(1, 1, shape.context());
   std::vector<double> times;
   double loss = 0, first = 0;
@@ -150,7 +164,7 @@ int run_fsdp_worker(const Bench& bench) {
     auto l = torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
     l.backward();
     w.opt->step();
-    loss = l.item<double>();
+    loss = l.item<double>();  // on a GPU, waits for the step
     first = step == 0 ? loss : first;
     if (step > 0) {
       times.push_back(seconds_since(t0));
@@ -158,14 +172,16 @@ int run_fsdp_worker(const Bench& bench) {
     bench.progress("  " + system + " step " + std::to_string(step) + ": loss " +
                    std::to_string(loss));
   }
-  at::Tensor t =
-      torch::tensor({median(times), static_cast<double>(peak_rss_bytes())}, torch::kDouble);
+  at::Tensor t = torch::tensor({median(times), static_cast<double>(peak_rss_bytes()),
+                                static_cast<double>(memory->peaks()[0])},
+                               torch::kDouble);
   pg->allreduce(t, dist::ReduceOp::kMax)->wait();
   if (pg->rank() == 0) {
     append_row(bench.get("out"), {{"system", system},
                                   {"params", params},
                                   {"ranks", pg->size()},
                                   {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
+                                  {"peak_tensor_bytes", static_cast<int64_t>(t[2].item<double>())},
                                   {"step_seconds", t[0].item<double>()},
                                   {"first_loss", first},
                                   {"loss", loss},
@@ -181,14 +197,15 @@ std::string gib(double bytes) {
 }
 
 // The row of a system refused up front, and the line that says why.
-JsonRow refused_row(const std::string& system, int64_t params, int64_t estimate, int64_t limit) {
+JsonRow refused_row(
+    const std::string& system, int64_t params, int ranks, int64_t estimate, int64_t limit) {
   const std::string line = system + " needs at least " + gib(static_cast<double>(estimate)) +
                            " of training state per rank for " + std::to_string(params) +
                            " parameters (fp32 Adam), over the " + gib(static_cast<double>(limit)) +
                            " each rank may use; train this model with fsdp";
   return {{"system", system},
           {"params", params},
-          {"ranks", 2},
+          {"ranks", ranks},
           {"estimate_bytes", estimate},
           {"refused", line}};
 }
@@ -217,7 +234,9 @@ void print_fsdp_rows(const Bench& bench, std::vector<JsonRow> rows) {
     }
     return;
   }
-  std::cout << "system      params       peak RSS/rank  step (s)  vs ddp (memory, time)  loss\n";
+  std::cout
+      << "system      params       peak RSS/rank  tensors/rank  step (s)  vs ddp (memory, time)  "
+         "loss\n";
   for (const auto& row : rows) {
     std::cout << std::left << std::setw(11) << string_field(row, "system") << std::setw(13)
               << static_cast<int64_t>(number_field(row, "params"));
@@ -225,8 +244,9 @@ void print_fsdp_rows(const Bench& bench, std::vector<JsonRow> rows) {
       std::cout << "refused: " << string_field(row, "refused") << "\n";
       continue;
     }
-    std::cout << std::setw(15) << gib(number_field(row, "peak_rss_bytes")) << std::fixed
-              << std::setprecision(3) << std::setw(10) << number_field(row, "step_seconds");
+    std::cout << std::setw(15) << gib(number_field(row, "peak_rss_bytes")) << std::setw(14)
+              << gib(number_field(row, "peak_tensor_bytes")) << std::fixed << std::setprecision(3)
+              << std::setw(10) << number_field(row, "step_seconds");
     if (row.contains("peak_rss_ratio_to_ddp")) {
       std::cout << std::setprecision(2) << number_field(row, "peak_rss_ratio_to_ddp") << "x, "
                 << number_field(row, "step_ratio_to_ddp") << "x           ";
@@ -244,8 +264,14 @@ int run_fsdp_bench(const Bench& bench) {
   const int64_t params = models::gpt_parameter_count(shape);
   const int64_t block = 12 * shape.width() * shape.width() + 13 * shape.width();
   const int64_t root = (shape.vocab() + shape.context() + 2) * shape.width();
-  const int ranks = 2;
+  const int ranks = bench.get_int("ranks", 2);
+  const std::string device = bench.get("device", "cpu");
+  require(device == "cpu" || device == "cuda",
+          "unknown --device '" + device + "': choose cpu or cuda");
+  require(ranks >= 1, "--ranks must be at least 1");
+  // On a GPU the limit is the device's, which the caching allocator enforces itself.
   const int64_t limit = bench.has("memory-per-rank") ? bench.get_bytes("memory-per-rank", 0)
+                        : device == "cuda"           ? std::numeric_limits<int64_t>::max()
                                                      : physical_memory() / ranks;
   const std::string out = results_file("fsdp");
   std::vector<JsonRow> rows;
@@ -254,14 +280,14 @@ int run_fsdp_bench(const Bench& bench) {
             "unknown system '" + system + "' in --systems: choose of ddp, zero, fsdp, fsdp+ckpt");
     const int64_t estimate = state_estimate(system, params, block, root, ranks);
     if (estimate > limit) {
-      rows.push_back(refused_row(system, params, estimate, limit));
+      rows.push_back(refused_row(system, params, ranks, estimate, limit));
       std::cerr << "bench fsdp: " << string_field(rows.back(), "refused") << std::endl;
       continue;
     }
     bench.progress("measuring " + system + " (" + std::to_string(params) + " parameters)...");
     std::vector<std::string> extra{"--system", system};
-    for (const auto& word : bench.forwarded(
-             {"model", "layers", "width", "heads", "vocab", "context", "batch", "steps"})) {
+    for (const auto& word : bench.forwarded({"model", "layers", "width", "heads", "vocab",
+                                             "context", "batch", "steps", "device"})) {
       extra.push_back(word);
     }
     std::remove(out.c_str());

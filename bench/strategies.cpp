@@ -29,6 +29,7 @@
 #include "benchmarks.h"
 #include "commands.h"
 #include "harness.h"
+#include "tensor_memory.h"
 
 #include "paratrain/paratrain.h"
 
@@ -52,59 +53,6 @@ namespace cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Which replica the current thread works for (Note [Memory per replica]); 0 for the caller.
-thread_local int t_replica = 0;
-
-// reportMemoryUsage's two totals are int64_t in libtorch 1.13 and size_t in 2.x: take whatever
-// type this libtorch declares.
-template <typename Method>
-struct TotalsOf;
-template <typename C, typename R, typename P, typename B, typename T, typename D>
-struct TotalsOf<R (C::*)(P, B, T, T, D)> {
-  using type = T;
-};
-using Totals = TotalsOf<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::type;
-
-class ReplicaMemory : public c10::MemoryReportingInfoBase {
- public:
-  explicit ReplicaMemory(int replicas) : current_(replicas, 0), peak_(replicas, 0) {}
-
-  void reportMemoryUsage(void* ptr, int64_t bytes, Totals, Totals, c10::Device) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (bytes > 0) {
-      const size_t r = static_cast<size_t>(t_replica);
-      live_[ptr] = {r, bytes};
-      current_[r] += bytes;
-      peak_[r] = std::max(peak_[r], current_[r]);
-      return;
-    }
-    auto it = live_.find(ptr);
-    if (it != live_.end()) {
-      current_[it->second.first] -= it->second.second;
-      live_.erase(it);
-    }
-  }
-  bool memoryProfilingEnabled() const override { return true; }
-
-  // Moves `bytes` still live from one replica's account to another's, and restarts the peaks.
-  void transfer(size_t from, size_t to, int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    current_[from] -= bytes;
-    current_[to] += bytes;
-    peak_ = current_;
-  }
-  std::vector<int64_t> peaks() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<void*, std::pair<size_t, int64_t>> live_;
-  std::vector<int64_t> current_;
-  std::vector<int64_t> peak_;
-};
 
 const BenchSpec& strategies_spec() {
   static const BenchSpec spec{

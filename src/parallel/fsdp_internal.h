@@ -9,12 +9,35 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace paratrain {
 namespace fsdp_detail {
+
+// The unit-sized blocks FSDP needs again and again (gathered weights, flat gradients), kept for
+// the next unit of the same size instead of going back to the allocator, as the CUDA caching
+// allocator keeps them on a GPU. On the CPU each such block would otherwise be freed to the C
+// library and allocated again a moment later: with glibc's defaults every block over its mmap
+// threshold is mapped anew and its pages faulted in again, and with the heap kept
+// (keep_freed_memory) smaller allocations split the freed blocks so that the next gather grows
+// the heap. The pool holds at most what was in use at once.
+class BlockPool {
+ public:
+  /// A block of `nbytes` from `allocator`: a kept one of that size, or a new one.
+  c10::DataPtr take(c10::Allocator* allocator, size_t nbytes);
+  /// Keeps `block` (of `nbytes`) for a later take() of the same size and allocator.
+  void give(c10::Allocator* allocator, size_t nbytes, c10::DataPtr block);
+  /// A 1-D tensor of `numel` elements in a block of the pool (contents undefined).
+  torch::Tensor empty(int64_t numel, const torch::TensorOptions& options);
+  /// Gives `t`'s block back if `t` is the only tensor on its storage and the block fills it.
+  void recycle(torch::Tensor& t);
+
+ private:
+  std::multimap<std::pair<c10::Allocator*, size_t>, c10::DataPtr> kept_;
+};
 
 // One flat parameter and its shard. Units are numbered in the order they run; unit 0 is the
 // root (possibly without parameters).
@@ -50,6 +73,7 @@ struct FullyShardedDataParallel::Impl {
   bool sync = true;
   bool backward_queued = false;
   std::weak_ptr<Impl> self;  // what autograd nodes and the end-of-backward callback hold
+  fsdp_detail::BlockPool pool;
 
   // fsdp_units.cpp
   void issue_gather(fsdp_detail::UnitState& u);

@@ -20,24 +20,29 @@ using torch::autograd::variable_list;
 
 namespace {
 
-// The gathered buffer's storage is freed and refilled in place, the way PyTorch's FSDP resizes
+// The gathered buffer's storage is emptied and refilled in place, the way PyTorch's FSDP resizes
 // its unsharded flat parameter's storage to zero: tensors that autograd saved during forward
 // (a weight's transposed view, say) alias this storage, and see the weights again once backward
-// gathers them into it. No ATen call frees a storage while tensors view it, hence StorageImpl.
-void free_storage(const Tensor& t) {
+// gathers them into it. No ATen call empties a storage while tensors view it, hence StorageImpl.
+// The block goes back to the pool for the next unit.
+void free_storage(const Tensor& t, fsdp_detail::BlockPool& pool) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(c10::DataPtr(nullptr, t.device()));
+  const size_t nbytes = storage->nbytes();
+  c10::DataPtr block = storage->set_data_ptr(c10::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
+  if (block.get() != nullptr) {
+    pool.give(storage->allocator(), nbytes, std::move(block));
+  }
 }
 
-void allocate_storage(const Tensor& t) {
+void allocate_storage(const Tensor& t, fsdp_detail::BlockPool& pool) {
   const c10::DeviceGuard guard(t.device());  // the CUDA allocator allocates on the current device
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (storage->nbytes() >= nbytes) {
     return;
   }
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_data_ptr_noswap(pool.take(storage->allocator(), nbytes));
   storage->set_nbytes(nbytes);
 }
 
@@ -65,11 +70,54 @@ std::shared_ptr<Impl> held(const c10::IValue& v) {
 
 }  // namespace
 
+namespace fsdp_detail {
+
+c10::DataPtr BlockPool::take(c10::Allocator* allocator, size_t nbytes) {
+  auto it = kept_.find({allocator, nbytes});
+  if (it == kept_.end()) {
+    return allocator->allocate(nbytes);
+  }
+  c10::DataPtr block = std::move(it->second);
+  kept_.erase(it);
+  return block;
+}
+
+void BlockPool::give(c10::Allocator* allocator, size_t nbytes, c10::DataPtr block) {
+  kept_.emplace(std::make_pair(allocator, nbytes), std::move(block));
+}
+
+Tensor BlockPool::empty(int64_t numel, const torch::TensorOptions& options) {
+  const c10::DeviceGuard guard(options.device());
+  c10::Allocator* allocator = c10::GetAllocator(options.device().type());
+  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, take(allocator, nbytes), allocator,
+                       /*resizable=*/false);
+  return torch::empty({0}, options).set_(storage, 0, {numel}, {1});
+}
+
+void BlockPool::recycle(Tensor& t) {
+  if (!t.defined()) {
+    return;
+  }
+  const c10::Storage& storage = t.storage();
+  const size_t nbytes = storage.nbytes();
+  if (t.use_count() == 1 && storage.use_count() == 1 &&
+      static_cast<size_t>(t.numel()) * t.element_size() == nbytes && t.storage_offset() == 0) {
+    c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+    c10::DataPtr block = impl->set_data_ptr(c10::DataPtr(nullptr, t.device()));
+    impl->set_nbytes(0);
+    give(impl->allocator(), nbytes, std::move(block));
+  }
+  t = Tensor();
+}
+
+}  // namespace fsdp_detail
+
 void FullyShardedDataParallel::Impl::issue_gather(UnitState& u) {
   if (u.gathered || !u.has_params()) {
     return;
   }
-  allocate_storage(u.full);
+  allocate_storage(u.full, pool);
   u.gather_input = u.shard.detach().to(u.full.scalar_type()).contiguous();
   std::vector<Tensor> outputs = u.full.chunk(group->size());
   u.gather = group->allgather(outputs, u.gather_input);
@@ -106,7 +154,7 @@ void FullyShardedDataParallel::Impl::release(UnitState& u) {
   }
   u.views = false;
   if (u.gathered) {
-    free_storage(u.full);
+    free_storage(u.full, pool);
     u.gathered = false;
   }
 }
@@ -131,31 +179,44 @@ Tensor FullyShardedDataParallel::Impl::run_entries(const UnitState& u, Tensor x)
 }
 
 // The unit's whole gradient, flat and padded, in the reduce dtype; reduce-scattered (averaged)
-// into the shard, or added to the unsynced sum under set_requires_gradient_sync(false). At most
-// two reductions are in flight: the previous unit's is finished first, which bounds the
-// gradients held to two units'.
+// into the shard, or added to the unsynced sum under set_requires_gradient_sync(false). One
+// reduction is in flight at a time: the previous unit's, which overlapped this unit's backward,
+// is finished before this unit's flat gradient is made, so that its block serves this one.
 void FullyShardedDataParallel::Impl::reduce_gradient(UnitState& u, std::vector<Tensor> grads) {
   torch::NoGradGuard no_grad;
-  Tensor flat = torch::zeros({u.layout.padded}, u.shard.options());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined()) {
-      const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
-      flat.narrow(0, u.layout.offsets[i], n).copy_(grads[i].reshape({-1}));
-      grads[i] = Tensor();  // freed as it is copied: the whole gradient is held once
+  if (sync) {
+    for (auto& other : units) {
+      finish_reduce(other);  // this unit's own too: a second backward through it before a step
     }
   }
+  Tensor flat = pool.empty(u.layout.padded, u.shard.options());
+  int64_t filled = 0;  // parameters are laid out in order: zero what no gradient covers
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
+    Tensor slot = flat.narrow(0, u.layout.offsets[i], n);
+    if (grads[i].defined()) {
+      slot.copy_(grads[i].reshape({-1}));
+      grads[i] = Tensor();  // freed as it is copied: the whole gradient is held once
+    } else {
+      slot.zero_();
+    }
+    filled = u.layout.offsets[i] + n;
+  }
+  flat.narrow(0, filled, u.layout.padded - filled).zero_();
   if (u.unsynced.defined()) {
     flat.add_(u.unsynced);
     u.unsynced = Tensor();
   }
   if (!sync) {
-    u.unsynced = flat;
+    u.unsynced = std::move(flat);
     return;
   }
-  for (auto& other : units) {
-    finish_reduce(other);  // this unit's own too: a second backward through it before a step
+  if (flat.scalar_type() == reduce_dtype) {
+    u.reduce_input = std::move(flat);
+  } else {
+    u.reduce_input = flat.to(reduce_dtype);
+    pool.recycle(flat);
   }
-  u.reduce_input = flat.to(reduce_dtype);
   u.reduce_output = torch::empty({u.shard.numel()}, u.reduce_input.options());
   std::vector<Tensor> inputs = u.reduce_input.chunk(group->size());
   u.reduce = group->reduce_scatter(u.reduce_output, inputs, dist::ReduceOp::kAvg);
@@ -175,7 +236,7 @@ void FullyShardedDataParallel::Impl::finish_reduce(UnitState& u) {
   } else {
     grad = g;
   }
-  u.reduce_input = Tensor();
+  pool.recycle(u.reduce_input);  // the sends are done: the block serves the next unit
   u.reduce_output = Tensor();
 }
 
@@ -188,16 +249,16 @@ void FullyShardedDataParallel::Impl::finalize_backward() {
     finish_reduce(u);
   }
   UnitState& root = units[0];
+  std::vector<Tensor> grads;
+  for (auto& p : root.params) {
+    grads.push_back(std::move(p.mutable_grad()));
+    p.mutable_grad() = Tensor();
+  }
+  release_all();  // before the root's flat gradient is made: its weights are no longer needed
   if (root.has_params()) {
-    std::vector<Tensor> grads;
-    for (auto& p : root.params) {
-      grads.push_back(std::move(p.mutable_grad()));
-      p.mutable_grad() = Tensor();
-    }
     reduce_gradient(root, std::move(grads));
     finish_reduce(root);
   }
-  release_all();
 }
 
 // Once per backward. The callback holds the object weakly: a backward that outlives it fails in
@@ -308,8 +369,9 @@ struct UnitFunction : public torch::autograd::Function<UnitFunction> {
         u.params[i].mutable_grad() = Tensor();
       }
     }
+    out = Tensor();
+    impl->release(u);  // before the flat gradient is made: the weights are no longer needed
     impl->reduce_gradient(u, std::move(param_grads));
-    impl->release(u);
     return {grad_input, Tensor(), Tensor(), Tensor()};
   }
 };

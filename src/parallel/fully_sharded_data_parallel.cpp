@@ -2,6 +2,8 @@
 
 #include "fsdp_internal.h"
 
+#include "paratrain/util/allocator.h"
+
 #include <cmath>
 #include <map>
 #include <set>
@@ -186,8 +188,15 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   const torch::ScalarType own = m.units[1].dtype;
   m.compute_dtype = mp.param_dtype().value_or(own);
   m.reduce_dtype = mp.reduce_dtype().value_or(m.compute_dtype);
+  const bool on_cpu = m.units[1].params[0].device().is_cpu();
+  if (on_cpu) {
+    cpu::map_large_blocks();
+  }
   for (auto& u : m.units) {
     shard_unit(u, m.group, u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
+  }
+  if (on_cpu) {
+    cpu::release_free_memory();  // the unsharded weights, which a kept heap would hold
   }
   broadcast_buffers(module, m.group);
 }

@@ -46,5 +46,24 @@ bool keep_freed_memory() {
 #endif
 }
 
+bool release_free_memory() {
+#if defined(__GLIBC__)
+  return malloc_trim(0) == 1;
+#else
+  return false;
+#endif
+}
+
+bool map_large_blocks() {
+#if defined(__GLIBC__)
+  static const bool applied = [] {
+    return keep_freed_memory() && mallopt(M_MMAP_THRESHOLD, kLargeBlockThreshold) == 1;
+  }();
+  return applied;
+#else
+  return false;
+#endif
+}
+
 }  // namespace cpu
 }  // namespace paratrain

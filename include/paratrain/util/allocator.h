@@ -33,5 +33,24 @@ constexpr int kKeptMmapThreshold = 256 << 20;
 /// glibc, whose malloc then serves nothing. Calls after the first return its result.
 bool keep_freed_memory();
 
+/// glibc's mmap threshold after map_large_blocks().
+constexpr int kLargeBlockThreshold = 32 << 20;
+
+/// For training state that fills the machine (FullyShardedDataParallel calls it for CPU
+/// shards): blocks of 32 MiB and more are mapped on their own again, as glibc's defaults map
+/// them, and go back to the kernel when freed. In a heap kept whole (keep_freed_memory), the
+/// blocks freed once (the unsharded model after sharding, a unit's gradient) are split by
+/// smaller allocations and the next large block grows the heap instead: measured on a GPT of
+/// 0.2 billion parameters on 2 ranks, 3.7 GB resident per rank against 2.5 GB of live tensors;
+/// with large blocks mapped, 2.5 GB. Smaller blocks keep coming from the kept heap. Changes
+/// nothing, and returns false, where keep_freed_memory() did not apply its settings; returns true
+/// once applied. Process-wide, as mallopt is; calls after the first return its result.
+bool map_large_blocks();
+
+/// Gives the free pages of every malloc heap back to the kernel (glibc's malloc_trim(0)), also
+/// those between blocks in use, which a kept heap otherwise holds: after freeing memory that will
+/// not be needed again (a model's unsharded weights). Returns whether any memory was released.
+bool release_free_memory();
+
 }  // namespace cpu
 }  // namespace paratrain
