@@ -174,8 +174,10 @@ int run_fsdp_worker(const Bench& bench) {
   }
   at::Tensor t = torch::tensor({median(times), static_cast<double>(peak_rss_bytes()),
                                 static_cast<double>(memory->peaks()[0])},
-                               torch::kDouble);
+                               torch::kDouble)
+                     .to(device);  // where the group moves tensors (nccl: only CUDA ones)
   pg->allreduce(t, dist::ReduceOp::kMax)->wait();
+  t = t.cpu();
   if (pg->rank() == 0) {
     append_row(bench.get("out"), {{"system", system},
                                   {"params", params},
