@@ -41,6 +41,10 @@ class ReplicaMemory : public c10::MemoryReportingInfoBase {
     std::lock_guard<std::mutex> lock(mutex_);
     if (bytes > 0) {
       const size_t r = static_cast<size_t>(t_replica);
+      auto stale = live_.find(ptr);  // freed on a thread this account does not see
+      if (stale != live_.end()) {
+        current_[stale->second.first] -= stale->second.second;
+      }
       live_[ptr] = {r, bytes};
       current_[r] += bytes;
       peak_[r] = std::max(peak_[r], current_[r]);

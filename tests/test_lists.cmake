@@ -23,6 +23,7 @@ set(paratrain_unit_tests
     Data.TokenizeWritesByteTokens Gpt.NamesFollowHuggingFace Gpt.BadShapesAndInputsAreOneLine Gpt.CausalMaskHidesTheFuture
     Gpt.TrainsOnARepeatingSequence ActivationCheckpoint.GradientsAreBitwiseEqualWithDropout
     ActivationCheckpoint.KeepsNamesAndRefusesUnknownChildren Fsdp.RefusesWhatCannotBeSharded
+    Fsdp.KeptBlocksAreFreedAfterBackward
     FsdpCheckpoint.WorldOfOneRoundTripsBitwise FsdpCheckpoint.BadDirectoriesAreOneLine)
 # Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
 # (the same order).

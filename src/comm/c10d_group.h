@@ -16,6 +16,7 @@
 //     static constexpr bool kWidenBFloat16 = ...;  // the engine reduces no bf16: send fp32/fp16
 //     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
 //     static constexpr bool kNativeReduceScatter = ...;  // the engine has reduce_scatter
+//     static constexpr bool kExchangeAllgather = ...;  // CPU allgathers as sends and receives
 //     static void shutdown(Engine&, bool broken);                // called once, before the engine
 //     is released
 //   };
@@ -28,8 +29,12 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <condition_variable>
+#include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace paratrain {
 namespace dist {
@@ -58,47 +63,72 @@ inline int internal_tag(int64_t seq) {
 }
 
 // Several operations that complete as one (the sends and receives of an exchange), then a
-// finishing step that runs once, after all of them succeeded.
+// finishing step that runs once, after all of them succeeded. c10d's Gloo sends and receives
+// report completion only from their own wait(), so a thread of the work's own waits for them:
+// is_completed() then turns true by itself, as for the engine's collectives, without blocking.
 class CompositeWork : public Work {
  public:
   CompositeWork(std::vector<WorkPtr> parts, std::function<void()> finish)
-      : parts_(std::move(parts)), finish_(std::move(finish)) {}
+      : state_(std::make_shared<State>()) {
+    state_->parts = std::move(parts);
+    state_->finish = std::move(finish);
+    waiter_ = std::thread([state = state_] { state->run(); });
+  }
+  ~CompositeWork() override {
+    if (waiter_.joinable()) {
+      waiter_.join();  // at most the parts' timeouts away
+    }
+  }
+  CompositeWork(const CompositeWork&) = delete;
+  CompositeWork& operator=(const CompositeWork&) = delete;
 
   void wait() override {
-    if (done_) {
-      return;
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->changed.wait(lock, [this] { return state_->done; });
+    if (state_->error) {
+      std::rethrow_exception(state_->error);  // the part's CollectiveError names the peer
     }
-    for (auto& part : parts_) {
-      part->wait();  // throws the part's CollectiveError, which names the peer
-    }
-    if (finish_) {
-      finish_();
-    }
-    parts_.clear();
-    finish_ = nullptr;
-    done_ = true;
   }
 
   bool is_completed() override {
-    if (done_) {
-      return true;
-    }
-    for (auto& part : parts_) {
-      if (!part->is_completed()) {
-        return false;
-      }
-    }
-    try {
-      wait();  // does not block now; a failure is kept by the part and rethrown by wait()
-    } catch (const CollectiveError&) {
-    }
-    return true;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->done;
   }
 
  private:
-  std::vector<WorkPtr> parts_;
-  std::function<void()> finish_;
-  bool done_ = false;
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;             // guarded by mutex
+    std::exception_ptr error;      // guarded by mutex
+    std::vector<WorkPtr> parts;    // the waiter's alone until done
+    std::function<void()> finish;  // the waiter's alone until done
+
+    void run() {
+      std::exception_ptr failure;
+      try {
+        at::NoGradGuard no_grad;  // a new thread records autograd by default
+        for (auto& part : parts) {
+          part->wait();
+        }
+        if (finish) {
+          finish();
+        }
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      parts.clear();  // the tensors they hold
+      finish = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        error = failure;
+        done = true;
+      }
+      changed.notify_all();
+    }
+  };
+  std::shared_ptr<State> state_;
+  std::thread waiter_;
 };
 
 // output = the pieces combined by `op`, in rank order (avg: their sum over their count).
@@ -276,7 +306,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                        int64_t seq) override {
     check_device(input, "allgather");
     issued(seq);
-    if constexpr (!Traits::kNativeReduceScatter) {
+    if constexpr (Traits::kExchangeAllgather) {
       if (exchangeable(input, outputs)) {
         return exchange_allgather(outputs, input, seq);
       }
@@ -428,12 +458,16 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
   // Gloo's allgather gathers into a flat buffer of its own and copies it out to the outputs: a
   // second copy of the gathered data and a pass over it. CPU tensors are sent straight to each
   // peer instead and received where they belong, with the same volume as the ring.
-  static bool exchangeable(const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
+  // Also not when the input is another rank's output slot: a receive would overwrite it while
+  // it is being sent (this rank's own slot is fine).
+  bool exchangeable(const at::Tensor& input, const std::vector<at::Tensor>& outputs) const {
     if (input.is_cuda() || !input.is_contiguous()) {
       return false;
     }
-    for (const auto& o : outputs) {
-      if (!o.is_contiguous() || o.is_cuda()) {
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      const at::Tensor& o = outputs[r];
+      if (!o.is_contiguous() || o.is_cuda() ||
+          (static_cast<int>(r) != rank() && o.is_alias_of(input))) {
         return false;
       }
     }

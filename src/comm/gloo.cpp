@@ -18,6 +18,7 @@ struct GlooTraits {
   static constexpr bool kWidenBFloat16 = true;
   static constexpr bool kCudaOnly = false;
   static constexpr bool kNativeReduceScatter = false;
+  static constexpr bool kExchangeAllgather = true;
   static void shutdown(Engine&, bool) {}  // Gloo's pairs close when the engine is released
 };
 

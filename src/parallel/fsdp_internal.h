@@ -23,7 +23,9 @@ namespace fsdp_detail {
 // library and allocated again a moment later: with glibc's defaults every block over its mmap
 // threshold is mapped anew and its pages faulted in again, and with the heap kept
 // (keep_freed_memory) smaller allocations split the freed blocks so that the next gather grows
-// the heap. The pool holds at most what was in use at once.
+// the heap. A block of a size not kept empties the pool first, so it holds only blocks of the
+// sizes in use since then, and the end of each backward empties it: between steps (the
+// optimizer's step, evaluation) FSDP keeps no block.
 class BlockPool {
  public:
   /// A block of `nbytes` from `allocator`: a kept one of that size, or a new one.
@@ -32,8 +34,13 @@ class BlockPool {
   void give(c10::Allocator* allocator, size_t nbytes, c10::DataPtr block);
   /// A 1-D tensor of `numel` elements in a block of the pool (contents undefined).
   torch::Tensor empty(int64_t numel, const torch::TensorOptions& options);
-  /// Gives `t`'s block back if `t` is the only tensor on its storage and the block fills it.
+  /// Gives back the block of `t`, a tensor empty() made, if `t` is the only tensor on its
+  /// storage (nothing else still views the block); resets `t`.
   void recycle(torch::Tensor& t);
+  /// Bytes of the blocks kept, not in use.
+  int64_t kept_bytes() const;
+  /// Frees the blocks kept.
+  void clear() { kept_.clear(); }
 
  private:
   std::multimap<std::pair<c10::Allocator*, size_t>, c10::DataPtr> kept_;

@@ -75,6 +75,9 @@ namespace fsdp_detail {
 c10::DataPtr BlockPool::take(c10::Allocator* allocator, size_t nbytes) {
   auto it = kept_.find({allocator, nbytes});
   if (it == kept_.end()) {
+    // Units of another size are coming (a model whose units differ): what is kept is freed
+    // first, so that the pool never holds more than the blocks in use since the last miss.
+    kept_.clear();
     return allocator->allocate(nbytes);
   }
   c10::DataPtr block = std::move(it->second);
@@ -88,11 +91,21 @@ void BlockPool::give(c10::Allocator* allocator, size_t nbytes, c10::DataPtr bloc
 
 Tensor BlockPool::empty(int64_t numel, const torch::TensorOptions& options) {
   const c10::DeviceGuard guard(options.device());
-  c10::Allocator* allocator = c10::GetAllocator(options.device().type());
+  // The allocator an empty tensor of these options gets (c10's table has no CUDA entry in
+  // libtorch up to 2.7).
+  c10::Allocator* allocator = torch::empty({0}, options).storage().allocator();
   const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
   c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, take(allocator, nbytes), allocator,
                        /*resizable=*/false);
   return torch::empty({0}, options).set_(storage, 0, {numel}, {1});
+}
+
+int64_t BlockPool::kept_bytes() const {
+  int64_t total = 0;
+  for (const auto& entry : kept_) {
+    total += static_cast<int64_t>(entry.first.second);
+  }
+  return total;
 }
 
 void BlockPool::recycle(Tensor& t) {
@@ -214,7 +227,8 @@ void FullyShardedDataParallel::Impl::reduce_gradient(UnitState& u, std::vector<T
   if (flat.scalar_type() == reduce_dtype) {
     u.reduce_input = std::move(flat);
   } else {
-    u.reduce_input = flat.to(reduce_dtype);
+    u.reduce_input = pool.empty(u.layout.padded, flat.options().dtype(reduce_dtype));
+    u.reduce_input.copy_(flat);
     pool.recycle(flat);
   }
   u.reduce_output = torch::empty({u.shard.numel()}, u.reduce_input.options());
@@ -259,6 +273,7 @@ void FullyShardedDataParallel::Impl::finalize_backward() {
     reduce_gradient(root, std::move(grads));
     finish_reduce(root);
   }
+  pool.clear();  // the step's blocks go back to the allocator until the next forward
 }
 
 // Once per backward. The callback holds the object weakly: a backward that outlives it fails in

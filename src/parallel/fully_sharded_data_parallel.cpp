@@ -426,6 +426,10 @@ void FullyShardedDataParallel::load_own_shards(const std::map<std::string, Tenso
   }
 }
 
+int64_t FullyShardedDataParallel::kept_bytes() const {
+  return impl_->pool.kept_bytes();
+}
+
 torch::nn::Sequential& FullyShardedDataParallel::module() {
   return impl_->module;
 }

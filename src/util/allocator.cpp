@@ -1,5 +1,6 @@
 #include "paratrain/util/allocator.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -29,6 +30,9 @@ bool environment_sets_thresholds() {
 
 }  // namespace
 
+// Whether keep_freed_memory() applied its settings: map_large_blocks() adjusts only those.
+std::atomic<bool> g_kept{false};
+
 bool keep_freed_memory() {
 #if defined(__GLIBC__)
   // Once per process (a static's initialisation is thread-safe); mallopt returns 1 on success.
@@ -38,7 +42,10 @@ bool keep_freed_memory() {
     }
     // The mmap threshold first: a glibc that refuses it (older ones capped it at 32 MiB) is then
     // left as it was.
-    return mallopt(M_MMAP_THRESHOLD, kKeptMmapThreshold) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1;
+    const bool set =
+        mallopt(M_MMAP_THRESHOLD, kKeptMmapThreshold) == 1 && mallopt(M_TRIM_THRESHOLD, -1) == 1;
+    g_kept = set;
+    return set;
   }();
   return applied;
 #else
@@ -56,10 +63,9 @@ bool release_free_memory() {
 
 bool map_large_blocks() {
 #if defined(__GLIBC__)
-  static const bool applied = [] {
-    return keep_freed_memory() && mallopt(M_MMAP_THRESHOLD, kLargeBlockThreshold) == 1;
-  }();
-  return applied;
+  // A program that kept glibc's own settings (it never called keep_freed_memory) already has
+  // large blocks mapped: nothing to change.
+  return g_kept && mallopt(M_MMAP_THRESHOLD, kLargeBlockThreshold) == 1;
 #else
   return false;
 #endif

@@ -11,7 +11,11 @@
 
 #include <malloc.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <fstream>
+#include <vector>
 
 namespace paratrain {
 namespace testing {
@@ -53,6 +57,46 @@ TEST(Allocator, FreedTensorsStayForTheNextStep) {
   // Freed, it stays in the heap as free memory for the next tensor (by default free memory above
   // 128 KiB at the top of the heap goes back to the kernel; here the heap is never trimmed).
   EXPECT_GE(mallinfo2().fordblks, bytes) << "the freed block left the heap";
+}
+
+// Resident memory of this process, from /proc/self/statm.
+size_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// What FSDP sets on the CPU, after keep_freed_memory(): blocks of 32 MiB and more mapped on their
+// own and unmapped when freed, smaller ones still from the kept heap, and release_free_memory()
+// giving the heap's free pages back to the kernel. Runs after the test above: both change the
+// process's settings for good.
+TEST(Allocator, LargeBlocksAreMappedAndFreePagesReleased) {
+  PARATRAIN_SKIP_UNDER_SANITIZERS();
+  if (!cpu::keep_freed_memory()) {
+    GTEST_SKIP() << "the environment sets glibc's malloc tunables; this checks paratrain's";
+  }
+  ASSERT_TRUE(cpu::map_large_blocks());
+  EXPECT_TRUE(cpu::map_large_blocks());  // again: the same setting
+  const size_t bytes = 64u << 20;
+  const size_t mapped_before = mallinfo2().hblkhd;
+  {
+    at::Tensor t = torch::ones({static_cast<int64_t>(bytes / sizeof(float))});
+    EXPECT_GE(mallinfo2().hblkhd, mapped_before + bytes) << "the large block came from the heap";
+    at::Tensor small = torch::ones({1 << 20});  // 4 MiB: from the heap
+    EXPECT_LT(mallinfo2().hblkhd, mapped_before + bytes + (4u << 20));
+  }
+  EXPECT_EQ(mallinfo2().hblkhd, mapped_before) << "the large block stayed mapped after it died";
+
+  // 160 MiB of small tensors, touched and freed: the kept heap holds them until released.
+  std::vector<at::Tensor> pieces;
+  for (int i = 0; i < 20; ++i) {
+    pieces.push_back(torch::ones({2 << 20}));  // 8 MiB each
+  }
+  pieces.clear();
+  const size_t kept = resident_bytes();
+  EXPECT_TRUE(cpu::release_free_memory());
+  EXPECT_LT(resident_bytes() + (100u << 20), kept) << "the heap's free pages stayed resident";
 }
 
 TEST(Info, MallocFollowsTheEnvironment) {

@@ -89,7 +89,8 @@ class ProcessGroup {
   /// outputs[r] receives rank r's `input`; outputs has size() tensors shaped like input.
   WorkPtr allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input);
   /// Reduces inputs[r] over all ranks into rank r's `output`; inputs has size() tensors shaped
-  /// like output.
+  /// like output. Gloo, which has none, sends CPU tensors' pieces to the ranks they belong to and
+  /// sums them in rank order (CUDA tensors on Gloo are all-reduced whole).
   WorkPtr reduce_scatter(at::Tensor& output,
                          const std::vector<at::Tensor>& inputs,
                          ReduceOp op = ReduceOp::kSum);

@@ -35,10 +35,16 @@
 // cast before the all-gather, which halves its traffic), take their inputs cast to it, and
 // gradients are reduce-scattered in reduce_dtype, then added to the fp32 shards' .grad.
 //
-// Backends: every collective goes through paratrain's process group: gloo, mpi or nccl. c10d's
-// Gloo has no reduce-scatter, and paratrain's nccl group shares the gloo group's code: both
-// all-reduce the whole flat gradient and keep their slice, which moves world times the data of a
-// true reduce-scatter. The mpi group has one (MPI_Reduce_scatter_block).
+// Backends: every collective goes through paratrain's process group: gloo, mpi or nccl. NCCL and
+// MPI (MPI_Reduce_scatter_block) have a reduce-scatter; c10d's Gloo has none, and paratrain's
+// gloo group exchanges CPU tensors' pieces between every pair of ranks instead, with a
+// reduce-scatter's volume (ProcessGroup::reduce_scatter).
+//
+// Memory: the gathered weights and the flat gradients are unit-sized blocks that FSDP keeps for
+// the next unit instead of freeing them (as the CUDA caching allocator keeps them on a GPU). On
+// the CPU the constructor also has glibc map blocks of 32 MiB and more on their own and gives the
+// freed unsharded weights back to the kernel (cpu::map_large_blocks, cpu::release_free_memory):
+// process-wide settings, see paratrain/util/allocator.h.
 //
 // Between steps the module's own parameters are empty tensors: read the weights through
 // full_state() (a collective), not through the module.
@@ -157,6 +163,11 @@ class FullyShardedDataParallel {
   /// The same resharding for any tensors laid out as the shards (an optimizer's exp_avg):
   /// pieces[r] is rank r's piece of unit `unit`'s flat tensor; returns this rank's.
   torch::Tensor reshard(size_t unit, const std::vector<torch::Tensor>& pieces) const;
+
+  /// Bytes of gathered-weight and gradient blocks kept for the next unit, not in use now (what
+  /// torch.cuda.memory_reserved counts beyond the allocated memory, for FSDP's own blocks):
+  /// during a forward and backward; none once a backward has ended.
+  int64_t kept_bytes() const;
 
   torch::nn::Sequential& module();
   const dist::ProcessGroupPtr& process_group() const;

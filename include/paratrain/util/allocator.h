@@ -40,11 +40,12 @@ constexpr int kLargeBlockThreshold = 32 << 20;
 /// shards): blocks of 32 MiB and more are mapped on their own again, as glibc's defaults map
 /// them, and go back to the kernel when freed. In a heap kept whole (keep_freed_memory), the
 /// blocks freed once (the unsharded model after sharding, a unit's gradient) are split by
-/// smaller allocations and the next large block grows the heap instead: measured on a GPT of
-/// 0.2 billion parameters on 2 ranks, 3.7 GB resident per rank against 2.5 GB of live tensors;
-/// with large blocks mapped, 2.5 GB. Smaller blocks keep coming from the kept heap. Changes
-/// nothing, and returns false, where keep_freed_memory() did not apply its settings; returns true
-/// once applied. Process-wide, as mallopt is; calls after the first return its result.
+/// smaller allocations and the next large block grows the heap instead. Smaller blocks keep
+/// coming from the kept heap. Measured on a GPT of 0.2 billion parameters on 2 ranks, for 2.2 GB
+/// of live tensors per rank: 3.7 GB resident with the heap kept whole, 2.8 GB with this and
+/// release_free_memory() after sharding (docs/allocator.md). Changes nothing, and returns false,
+/// unless keep_freed_memory() has applied its settings (a program on glibc's own settings
+/// already maps large blocks); returns true once applied. Process-wide, as mallopt is.
 bool map_large_blocks();
 
 /// Gives the free pages of every malloc heap back to the kernel (glibc's malloc_trim(0)), also
