@@ -105,6 +105,26 @@ void shard_unit(UnitState& u, const dist::ProcessGroupPtr& group, torch::ScalarT
   u.full.storage().unsafeGetStorageImpl()->set_nbytes(0);
 }
 
+// Every unit's flat shard, in the dtypes the policy gives. On the CPU, glibc maps the large
+// blocks on their own while the model is copied into shards, and the unsharded weights freed
+// meanwhile go back to the kernel instead of staying in a kept heap (allocator.h).
+void shard_units(Impl& m) {
+  const auto& mp = m.options.mixed_precision();
+  const torch::ScalarType own = m.units[1].dtype;
+  m.compute_dtype = mp.param_dtype().value_or(own);
+  m.reduce_dtype = mp.reduce_dtype().value_or(m.compute_dtype);
+  const bool on_cpu = m.units[1].params[0].device().is_cpu();
+  if (on_cpu) {
+    cpu::map_large_blocks();
+  }
+  for (auto& u : m.units) {
+    shard_unit(u, m.group, u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
+  }
+  if (on_cpu) {
+    cpu::release_free_memory();
+  }
+}
+
 void broadcast_buffers(const torch::nn::Sequential& module, const dist::ProcessGroupPtr& group) {
   if (group->size() == 1) {
     return;
@@ -130,7 +150,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   m.module = module;
   m.group = std::move(group);
   m.options = options;
-  const auto& mp = options.mixed_precision();
   const std::vector<std::string> chosen = choose_units(module, options);
   const auto children = module->named_children();
   TORCH_CHECK(!chosen.empty(), "FullyShardedDataParallel: the model has ", children.size(),
@@ -185,19 +204,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
                 "' has no parameters; only children with parameters can be units");
   }
   collect_params(m.units[0], named_of(m.units[0]), owner);
-  const torch::ScalarType own = m.units[1].dtype;
-  m.compute_dtype = mp.param_dtype().value_or(own);
-  m.reduce_dtype = mp.reduce_dtype().value_or(m.compute_dtype);
-  const bool on_cpu = m.units[1].params[0].device().is_cpu();
-  if (on_cpu) {
-    cpu::map_large_blocks();
-  }
-  for (auto& u : m.units) {
-    shard_unit(u, m.group, u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
-  }
-  if (on_cpu) {
-    cpu::release_free_memory();  // the unsharded weights, which a kept heap would hold
-  }
+  shard_units(m);
   broadcast_buffers(module, m.group);
 }
 
