@@ -78,18 +78,6 @@ inline Workload workload(const std::string& name, int steps_override) {
   throw UsageError("unknown workload '" + name + "': choose mlp, resnet18 or cnn");
 }
 
-/// The non-empty items of a comma-separated list ("a,,b" gives a and b).
-inline std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream s(text);
-  for (std::string item; std::getline(s, item, ',');) {
-    if (!item.empty()) {
-      out.push_back(item);
-    }
-  }
-  return out;
-}
-
 /// Workload `name` as a benchmark's run takes it: --steps overrides the timed steps; under --smoke
 /// a batch of 4 per rank or replica (BatchNorm trains on no fewer than 2) and one warm-up step,
 /// so that a step costs little next to a process's start-up.

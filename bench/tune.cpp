@@ -7,8 +7,9 @@
 // --max-concurrent at once (default: one per core); Optuna (bench/tune_optuna.py, Debian's
 // python3-optuna) runs them one after another with n_jobs=1, Optuna's default.
 //
-// Rows: system (paratrain-bohb, paratrain-asha, paratrain-random, optuna-tpe-hyperband,
-// optuna-random), seed, best_accuracy (the best trial that ran to max_t, at its last report, as
+// Rows: system (paratrain-bohb (BOHB on synchronous Hyperband), paratrain-bohb-asha (BOHB's model
+// fed by ASHA's rungs), paratrain-asha, paratrain-random, optuna-tpe-hyperband, optuna-random),
+// seed, best_accuracy (the best trial that ran to max_t, at its last report, as
 // Optuna's best_value), epochs_used, wall_seconds; then one mean row per system with its ratios
 // to optuna-tpe-hyperband. Where no Python here imports torch and optuna, the Optuna systems are
 // left out, said in one line; a build without SQLite has no tuner, and says so.
@@ -50,14 +51,15 @@ const BenchSpec& tune_spec() {
   // batch choice fits in them), scored on 256 test images.
   static const BenchSpec spec{
       "tune",
-      "paratrain tune (BOHB, ASHA, random) against Optuna (TPE with its Hyperband pruner, random)\n"
+      "paratrain tune (BOHB on Hyperband or ASHA, ASHA, random) against Optuna (TPE with its "
+      "Hyperband pruner, random)\n"
       "on the same search over the mlp on Fashion-MNIST, in one run.",
       {
           {"seeds", "N", "seeds 0..N-1 (default 3)", "1"},
           {"trials", "N", "trials per search (default 20)", "2"},
           {"epochs", "E", "epochs a trial runs at most (default 2)", "1"},
           {"max-concurrent", "K", "paratrain's concurrent trials (default: one per core)"},
-          {"systems", "LIST", "a comma-separated subset of the five systems"},
+          {"systems", "LIST", "a comma-separated subset of the six systems"},
           {"python", "PATH", "the Python with torch and optuna (default /usr/bin/python3)"},
           {"train-images", "N", "the training images trials draw from (default 60000: all)",
            "1024"},
@@ -173,10 +175,12 @@ Outcome run_paratrain(const std::string& system,
   space.add("batch=choice(32, 64, 128, 256)");
   space.add("hidden=choice(128, 256, 512)");
   space.add("dropout=uniform(0, 0.5)");
-  const std::string searcher = system == "paratrain-bohb" ? "bohb" : "random";
-  const std::string scheduler = system == "paratrain-bohb"   ? "hyperband"
-                                : system == "paratrain-asha" ? "asha"
-                                                             : "fifo";
+  const bool bohb = system.rfind("paratrain-bohb", 0) == 0;
+  const std::string searcher = bohb ? "bohb" : "random";
+  const std::string scheduler = system == "paratrain-bohb" ? "hyperband"
+                                : system == "paratrain-asha" || system == "paratrain-bohb-asha"
+                                    ? "asha"
+                                    : "fifo";
   const std::string study = system + "-" + std::to_string(seed);
   const auto start = std::chrono::steady_clock::now();
   const tune::TuneResult r =
@@ -266,10 +270,10 @@ bool is_optuna(const std::string& system) {
   return system.rfind("optuna", 0) == 0;
 }
 
-// --systems (default all five).
+// --systems (default all six).
 std::vector<std::string> tune_systems(const Bench& bench) {
-  const std::vector<std::string> all{"paratrain-bohb", "paratrain-asha", "paratrain-random",
-                                     "optuna-tpe-hyperband", "optuna-random"};
+  const std::vector<std::string> all{"paratrain-bohb",   "paratrain-bohb-asha",  "paratrain-asha",
+                                     "paratrain-random", "optuna-tpe-hyperband", "optuna-random"};
   if (!bench.has("systems")) {
     return all;
   }

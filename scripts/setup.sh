@@ -18,7 +18,8 @@ packages=(
   python3-protobuf python3-crc32c    # the tests' independent reader of those event files
   libsqlite3-dev libpq-dev  # paratrain tune's studies: SQLite files, PostgreSQL databases
   postgresql            # the server the tune tests start (initdb in a temporary directory)
-  chromium              # headless: the tune report test renders the HTML report
+  chromium chromium-driver  # headless: the tune report and dashboard tests render their pages
+  libcpp-httplib-dev    # paratrain tune serve: the dashboard's HTTP server
   iproute2              # the multi-host tests' network namespaces (ip netns, veth, bridge)
   debootstrap           # the second CI leg's Debian 13 root (scripts/test-libtorch2.sh)
   slurmctld slurmd slurm-client munge  # the Slurm tests start a real one-node Slurm

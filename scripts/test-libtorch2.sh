@@ -21,7 +21,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 # names, less what only first-leg tests use (tests/labels.cmake: PostgreSQL, Chromium, Slurm, the
 # Python readers of TensorBoard files), which would add minutes to the root's making.
 packages=(libtorch-dev g++ cmake ninja-build ccache pkg-config libgloo-dev zlib1g-dev nlohmann-json3-dev
-  libcli11-dev libprotobuf-dev protobuf-compiler libsqlite3-dev libpq-dev iproute2
+  libcli11-dev libprotobuf-dev protobuf-compiler libsqlite3-dev libpq-dev libcpp-httplib-dev iproute2
   libturbojpeg0-dev libpng-dev libwebp-dev
   libgtest-dev googletest libopenmpi-dev openmpi-bin libopenblas0-pthread dataset-fashion-mnist
   python3-torch python3-torchvision ca-certificates)

@@ -18,6 +18,7 @@ set(paratrain_unit_tests
     Transforms.RandomResizedCropFollowsTorchvisionsRules Transforms.BadInputIsRefused
     TunePostgres.BadUrlsAreOneLine Tuner.AshaOnFunctionTrialsStopsTheWorstAndKeepsTheBest
     Tuner.HyperbandPausesAndResumesFunctionTrials Tuner.BadInputIsRefusedBeforeAnythingRuns
+    Tuner.BohbLearnsFromAshaRungsWithoutWaiting
     Zero.WorldOfOneIsThePlainOptimizer Zero.RefusesWhatCannotBeSharded
     Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile
     Data.TokenizeWritesByteTokens Gpt.NamesFollowHuggingFace Gpt.BadShapesAndInputsAreOneLine Gpt.CausalMaskHidesTheFuture

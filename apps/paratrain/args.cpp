@@ -147,6 +147,17 @@ std::string wrap(const std::string& text, size_t width) {
 
 }  // namespace
 
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream s(text);
+  for (std::string item; std::getline(s, item, ',');) {
+    if (!item.empty()) {
+      out.push_back(item);
+    }
+  }
+  return out;
+}
+
 std::string nearest(const std::string& word, const std::vector<std::string>& choices) {
   // Levenshtein distance: CLI11 suggests nothing, and the lists are a few dozen short names.
   std::string best;

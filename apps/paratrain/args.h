@@ -84,6 +84,9 @@ class Args {
 
 long long parse_bytes(const std::string& text, const std::string& what);
 
+/// The non-empty items of a comma-separated list ("a,,b" gives a and b).
+std::vector<std::string> split_list(const std::string& text);
+
 /// The entry of `choices` closest to `word` by edit distance (empty when `choices` is).
 std::string nearest(const std::string& word, const std::vector<std::string>& choices);
 

@@ -91,6 +91,9 @@ std::vector<OptionSpec> loop_option_specs() {
       {"keep", "K", "keep the newest K checkpoints (default 3)"},
       {"resume", "auto|PATH",
        "continue from the newest checkpoint that verifies (auto) or from PATH (ckpt-N.json)"},
+      {"resume-may-change", "LIST",
+       "settings that may differ from the checkpoint's on resume, as lr,momentum (population-"
+       "based training perturbs them)"},
       {"metrics", "FILE", "write loss, accuracy, lr, images/s, grad norm, loss scale as JSONL"},
       {"tensorboard", "DIR", "write the same metrics as TensorBoard event files into DIR"},
       {"log-every", "N", "a metrics row every N steps (default 10 with --metrics)"},
@@ -482,6 +485,7 @@ void read_outputs(const Args& args, TrainerOptions& o) {
       .checkpoint_every_epoch(args.has("checkpoint-every-epoch"))
       .keep(args.get_int("keep", 3))
       .resume(args.get("resume", ""))
+      .resume_may_change(split_list(args.get("resume-may-change", "")))
       .metrics(args.get("metrics", ""))
       .tensorboard(args.get("tensorboard", ""))
       .log_every(args.get_int("log-every", args.has("metrics") || args.has("tensorboard") ? 10 : 0))

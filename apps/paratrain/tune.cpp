@@ -5,6 +5,7 @@
 #include "commands.h"
 
 #ifdef PARATRAIN_WITH_TUNE
+#include "paratrain/tune/dashboard.h"
 #include "paratrain/tune/report.h"
 #include "paratrain/tune/tuner.h"
 
@@ -12,11 +13,15 @@
 #include <nlohmann/json.hpp>
 #endif
 
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 namespace paratrain {
 namespace cli {
@@ -38,7 +43,8 @@ const CommandSpec& tune_spec() {
       "as an environment variable and wherever {name} appears in its arguments, and prints its\n"
       "metrics as JSON lines ({\"training_iteration\": 3, \"accuracy\": 0.86}). The study lives\n"
       "in --storage; a tuner started again on it continues (finished trials kept, running ones\n"
-      "retried from their checkpoints).",
+      "retried from their checkpoints). `paratrain tune report` writes a study's HTML report;\n"
+      "`paratrain tune serve` shows the storage's studies live in a browser.",
       {
           {"storage", "URL",
            "sqlite:///FILE or a path (default sqlite:///paratrain-tune.db), or "
@@ -52,7 +58,9 @@ const CommandSpec& tune_spec() {
           {"mode", "min|max", "minimize or maximize the metric (required)"},
           {"scope", "last|best", "a trial's value: its last report (default) or its best"},
           {"searcher", "NAME", "grid, random (default), tpe or bohb"},
-          {"scheduler", "NAME", "fifo (default; hyperband with bohb), asha, hyperband or median"},
+          {"scheduler", "NAME",
+           "fifo (default; hyperband with bohb), asha, hyperband, median or pbt (bohb learns "
+           "from asha's or hyperband's rungs)"},
           {"num-samples", "N", "trials (grid: passes over the grid; default 1)"},
           {"max-concurrent", "K", "at most K trials at once (default: as many as fit)"},
           {"seed", "S", "the searcher's seed (default 0)"},
@@ -60,6 +68,15 @@ const CommandSpec& tune_spec() {
            "the most iterations a trial runs (asha 100, hyperband 81; a train trial's epochs)"},
           {"grace-period", "T", "asha, median: iterations before a trial can stop (default 1)"},
           {"reduction-factor", "F", "asha (default 4), hyperband (default 3)"},
+          {"perturbation-interval", "T", "pbt: iterations between perturbations (required)"},
+          {"mutation", "NAME=DIST",
+           "pbt: a parameter explore perturbs, as 'lr=loguniform(1e-4, 1e-1)' or "
+           "'batch=choice(32, 64)'; repeat for each",
+           true},
+          {"quantile-fraction", "Q",
+           "pbt: the bottom and top fractions that exploit and are copied (default 0.25)"},
+          {"resample-probability", "P",
+           "pbt: the chance a mutation is resampled rather than perturbed (default 0.25)"},
           {"max-failures", "N", "times a failed trial is retried (default 3)"},
           {"ranks", "R", "processes per trial (default: train's --nproc, else 1)"},
           {"threads", "T", "threads per rank, OMP_NUM_THREADS (default 1)"},
@@ -193,6 +210,23 @@ std::string reproduce(const tune::TunerOptions& o, const tune::TrialSummary& bes
   return out.substr(0, out.size() - 1);
 }
 
+// pbt's flags go with pbt, and its interval is in the trials' own iterations (Ray's default of 60
+// is in seconds), so it is asked for rather than guessed.
+void check_pbt_flags(const Args& args, const std::string& scheduler) {
+  const bool pbt = scheduler == "pbt";
+  for (const char* flag :
+       {"perturbation-interval", "mutation", "quantile-fraction", "resample-probability"}) {
+    if (args.has(flag) && !pbt) {
+      throw UsageError(std::string("--") + flag + " is for --scheduler pbt (the scheduler is " +
+                       scheduler + ")");
+    }
+  }
+  if (pbt && !args.has("perturbation-interval")) {
+    throw UsageError(
+        "--scheduler pbt needs --perturbation-interval N: the iterations between perturbations");
+  }
+}
+
 tune::TunerOptions options_from(const Args& args) {
   for (const char* required : {"study", "metric", "mode"}) {
     if (!args.has(required)) {
@@ -230,7 +264,12 @@ tune::TunerOptions options_from(const Args& args) {
                   .kind(args.get("scheduler", searcher == "bohb" ? "hyperband" : "fifo"))
                   .max_t(args.get_int("max-t", 0))
                   .grace_period(args.get_int("grace-period", 1))
-                  .reduction_factor(args.get_double("reduction-factor", 0)));
+                  .reduction_factor(args.get_double("reduction-factor", 0))
+                  .perturbation_interval(args.get_int("perturbation-interval", 60))
+                  .quantile_fraction(args.get_double("quantile-fraction", 0.25))
+                  .resample_probability(args.get_double("resample-probability", 0.25))
+                  .mutations(args.get_all("mutation")));
+  check_pbt_flags(args, o.scheduler().kind());
   const std::vector<std::string>& rest = args.rest();
   if (rest.empty() || rest[0] == "train") {
     o.train(true).paratrain_cli(self_path());
@@ -281,11 +320,75 @@ int run_report(const std::vector<std::string>& argv) {
   return 0;
 }
 
+const CommandSpec& serve_spec() {
+  static const CommandSpec spec{
+      "paratrain tune serve",
+      "A read-only web view of a study storage (every tuner writing to it): the studies, each\n"
+      "study's history, intermediate values, population-based training lineage, parameters and\n"
+      "trials, refreshed in place while trials run. Ctrl-C stops it.",
+      {
+          {"storage", "URL", "the storage (default sqlite:///paratrain-tune.db)"},
+          {"bind", "ADDRESS",
+           "the address to listen on (default 127.0.0.1; another makes the studies visible to "
+           "the network, without authentication)"},
+          {"port", "PORT", "the port (default 8080; 0: a free one)"},
+          {"refresh", "SECONDS", "how often an open page refreshes (default 2)"},
+      }};
+  return spec;
+}
+
+// Serves until SIGINT or SIGTERM: the signals are blocked here (and so in the server's threads)
+// and taken by a thread of their own, which stops the server.
+int run_serve(const std::vector<std::string>& argv) {
+  Args args(argv, serve_spec());
+  if (args.has("help")) {
+    std::cout << args.help();
+    return 0;
+  }
+  const std::string bind = args.get("bind", "127.0.0.1");
+  const tune::DashboardOptions o = tune::DashboardOptions()
+                                       .storage(args.get("storage", "sqlite:///paratrain-tune.db"))
+                                       .bind(bind)
+                                       .port(args.get_int("port", 8080))
+                                       .refresh_seconds(args.get_double("refresh", 2));
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  tune::Dashboard dashboard(o);
+  if (bind != "127.0.0.1" && bind != "localhost" && bind != "::1") {
+    std::cerr << "paratrain tune serve: warning: listening on " << bind
+              << ", not loopback: anyone who can reach this address reads the studies (there is "
+                 "no authentication)"
+              << std::endl;
+  }
+  std::cout << "paratrain tune serve: http://"
+            << (bind.find(':') != std::string::npos ? "[" + bind + "]" : bind) << ":"
+            << dashboard.port() << "/ (" << dashboard.storage_url() << ")" << std::endl;
+  std::atomic<bool> served{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    if (!served) {
+      dashboard.stop();
+    }
+  });
+  dashboard.run();
+  served = true;
+  pthread_kill(waiter.native_handle(), SIGTERM);  // the waiter may still wait
+  waiter.join();
+  return 0;
+}
+
 }  // namespace
 
 int run_tune(const std::vector<std::string>& argv) {
   if (!argv.empty() && argv[0] == "report") {
     return run_report(std::vector<std::string>(argv.begin() + 1, argv.end()));
+  }
+  if (!argv.empty() && argv[0] == "serve") {
+    return run_serve(std::vector<std::string>(argv.begin() + 1, argv.end()));
   }
   Args args(json_config_words(argv), tune_spec());
   if (args.has("help")) {

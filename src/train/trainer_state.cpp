@@ -95,14 +95,21 @@ void Trainer::Impl::capture_fsdp(CheckpointState& s, Json& meta) {
 
 namespace {
 
-// The first key whose value differs, as one line; empty when equal.
-std::string first_difference(const Json& saved, const Json& now) {
+// The first key whose value differs, as one line; empty when equal. Keys in `may_change` (their
+// dashes read as underscores, as flag names) are not compared.
+std::string first_difference(const Json& saved,
+                             const Json& now,
+                             const std::vector<std::string>& may_change) {
   std::set<std::string> keys;
   for (const auto& kv : saved.items()) {
     keys.insert(kv.key());
   }
   for (const auto& kv : now.items()) {
     keys.insert(kv.key());
+  }
+  for (std::string name : may_change) {
+    std::replace(name.begin(), name.end(), '-', '_');
+    keys.erase(name);
   }
   for (const auto& k : keys) {
     const Json a = saved.contains(k) ? saved.at(k) : Json("(unset)");
@@ -260,7 +267,8 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     const std::string model_diff =
         fsdp ? "" : model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
     TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
-    const std::string config_diff = first_difference(meta.at("config"), Json::parse(o.config()));
+    const std::string config_diff =
+        first_difference(meta.at("config"), Json::parse(o.config()), o.resume_may_change());
     TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
                 " was made with another configuration: ", config_diff,
                 "; resume with the same settings, or use another --checkpoint-dir");

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <sstream>
 
 namespace paratrain {
@@ -39,6 +40,9 @@ std::string escape(const std::string& s) {
         break;
       case '"':
         out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
         break;
       default:
         out += c;
@@ -102,9 +106,10 @@ class Plot {
        const std::string& ylabel,
        const std::vector<double>& xs,
        const std::vector<double>& ys,
-       bool xlog = false)
+       bool xlog = false,
+       bool ylog = false)
       : x_(PlotAxis::of(xs, xlog, kLeft, kWidth - kRight)),
-        y_(PlotAxis::of(ys, false, kHeight - kBottom, kTop)) {
+        y_(PlotAxis::of(ys, ylog, kHeight - kBottom, kTop)) {
     out_ << "<figure><figcaption>" << escape(title) << "</figcaption>"
          << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kWidth << "\" height=\""
          << kHeight << "\" viewBox=\"0 0 " << kWidth << " " << kHeight << "\">"
@@ -126,7 +131,7 @@ class Plot {
          << (kTop + kHeight - kBottom) / 2 << ")\">" << escape(ylabel) << "</text>";
   }
   void dot(double x, double y, const char* color, const std::string& tip) {
-    if (!std::isfinite(x) || !std::isfinite(y) || (x_.log && x <= 0)) {
+    if (!std::isfinite(x) || !std::isfinite(y) || (x_.log && x <= 0) || (y_.log && y <= 0)) {
       return;
     }
     out_ << "<circle cx=\"" << x_(x) << "\" cy=\"" << y_(y) << "\" r=\"4\" fill=\"" << color
@@ -135,7 +140,7 @@ class Plot {
   void line(const std::vector<std::pair<double, double>>& pts, const char* color, double w) {
     std::ostringstream d;
     for (const auto& [x, y] : pts) {
-      if (std::isfinite(x) && std::isfinite(y)) {
+      if (std::isfinite(x) && std::isfinite(y) && !(y_.log && y <= 0)) {
         d << (d.tellp() == 0 ? "M" : " L") << x_(x) << " " << y_(y);
       }
     }
@@ -263,28 +268,184 @@ std::string table(const StudySpec& s, const std::vector<TrialRecord>& trials) {
   return out.str();
 }
 
-}  // namespace
+// ---- population-based training ----
 
-std::string html_report(const StudySpec& study, const std::vector<TrialRecord>& trials) {
+// A stretch of a trial's history: iterations [first, last] trained as trial `trial` with
+// `config`.
+struct Segment {
+  int64_t trial = 0, first = 1, last = 0;
+  Config config;
+};
+
+// What trial `number` followed up to iteration `upto`, from exploits made before `before`: the
+// source's history up to its checkpoint, then the trial's own from there (with its new config).
+std::vector<Segment> lineage(int64_t number,
+                             int64_t upto,
+                             double before,
+                             const std::map<int64_t, Config>& configs,
+                             const std::vector<ExploitRecord>& exploits) {
+  const ExploitRecord* last = nullptr;
+  const ExploitRecord* first = nullptr;
+  for (const auto& e : exploits) {
+    if (e.trial == number) {
+      first = first ? first : &e;
+      last = e.time < before ? &e : last;
+    }
+  }
+  if (last == nullptr) {  // its own start: the config it had before any exploit
+    const auto c = configs.find(number);
+    return {{number, 1, upto,
+             first                ? first->old_config
+             : c == configs.end() ? Config{}
+                                  : c->second}};
+  }
+  std::vector<Segment> out =
+      lineage(last->source, last->source_iteration, last->time, configs, exploits);
+  if (upto > last->source_iteration) {  // none yet: exploited, not trained since
+    out.push_back({number, last->source_iteration + 1, upto, last->new_config});
+  }
+  return out;
+}
+
+std::string describe(const std::vector<Segment>& segments) {
+  std::string out;
+  for (const auto& s : segments) {
+    out += (out.empty() ? "" : " &rarr; ") + std::string("trial ") + std::to_string(s.trial) +
+           " (" + std::to_string(s.first) + "&ndash;" + std::to_string(s.last) + ": " +
+           escape(to_string(s.config)) + ")";
+  }
+  return out;
+}
+
+// The mutated parameters: those some exploit changed.
+std::vector<std::string> mutated(const std::vector<ExploitRecord>& exploits) {
+  std::vector<std::string> names;
+  for (const auto& e : exploits) {
+    for (const auto& [name, v] : e.new_config) {
+      const auto old = e.old_config.find(name);
+      if ((old == e.old_config.end() || !(old->second == v)) &&
+          std::find(names.begin(), names.end(), name) == names.end()) {
+        names.push_back(name);
+      }
+    }
+  }
+  return names;
+}
+
+// One plot per numeric mutated parameter: the value each surviving trial trained with, by
+// iteration (a step line), following its lineage.
+std::string schedules(const std::map<int64_t, std::vector<Segment>>& lines,
+                      const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) {
+    std::vector<std::pair<int64_t, std::vector<std::pair<double, double>>>> series;
+    std::vector<double> xs, ys;
+    for (const auto& [n, segments] : lines) {
+      std::vector<std::pair<double, double>> pts;
+      for (const auto& seg : segments) {
+        const auto v = seg.config.find(name);
+        if (v == seg.config.end() || std::holds_alternative<std::string>(v->second)) {
+          continue;
+        }
+        const double y = to_double(v->second);
+        pts.emplace_back(static_cast<double>(seg.first) - 1, y);
+        pts.emplace_back(static_cast<double>(seg.last), y);
+        xs.insert(xs.end(), {static_cast<double>(seg.first) - 1, static_cast<double>(seg.last)});
+        ys.push_back(y);
+      }
+      series.emplace_back(n, pts);
+    }
+    if (ys.empty()) {
+      continue;
+    }
+    const bool log = *std::min_element(ys.begin(), ys.end()) > 0;
+    Plot p(name + " schedule of the surviving trials", "iteration", name, xs, ys, false, log);
+    for (const auto& [n, pts] : series) {
+      p.line(pts, kPalette[n % 10], 2);
+      if (!pts.empty()) {
+        p.dot(pts.back().first, pts.back().second, kPalette[n % 10],
+              "trial " + std::to_string(n) + ": " + num(pts.back().second));
+      }
+    }
+    out += p.done();
+  }
+  return out;
+}
+
+std::string pbt_section(const std::vector<TrialRecord>& trials,
+                        const std::vector<ExploitRecord>& exploits) {
+  if (exploits.empty()) {
+    return "";
+  }
+  std::map<int64_t, Config> configs;
+  std::map<int64_t, std::vector<Segment>> lines;  // the surviving (not stopped or failed) trials
+  for (const auto& t : trials) {
+    configs[t.number] = t.config;
+  }
+  for (const auto& t : trials) {
+    if (t.state != TrialState::kStopped && t.state != TrialState::kFailed) {
+      const int64_t upto = t.results.empty() ? 0 : t.results.back().first;
+      lines[t.number] = lineage(t.number, upto, HUGE_VAL, configs, exploits);
+    }
+  }
   std::ostringstream out;
-  out << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>paratrain tune: "
-      << escape(study.name) << "</title><style>"
-      << "body{font-family:sans-serif;margin:24px}figure{display:inline-block;margin:8px}"
-      << "figcaption{font-weight:bold;margin-bottom:4px}table{border-collapse:collapse}"
-      << "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}</style></head><body>\n"
-      << "<h1>Study " << escape(study.name) << "</h1><p>" << trials.size() << " trials; "
-      << escape(study.mode == "max" ? "maximize " : "minimize ") << escape(study.metric)
-      << "</p>\n<pre>" << escape(study.space) << "</pre>\n"
-      << history(study, trials) << curves(study, trials) << "<h2>Parameters</h2>\n"
-      << scatters(study, trials) << "<h2>Trials</h2>\n"
-      << table(study, trials) << "</body></html>\n";
+  out << "<h2>Population-based training</h2>\n<h3>Lineage</h3>\n<ul>\n";
+  for (const auto& [n, segments] : lines) {
+    out << "<li>trial " << n << ": " << describe(segments) << "</li>\n";
+  }
+  out << "</ul>\n" << schedules(lines, mutated(exploits)) << "<h3>Exploits</h3>\n<ul>\n";
+  for (const auto& e : exploits) {
+    out << "<li>iteration " << e.iteration << ": trial " << e.trial << " exploits trial "
+        << e.source << " (its checkpoint at iteration " << e.source_iteration
+        << "): " << escape(to_string(e.old_config)) << " &rarr; " << escape(to_string(e.new_config))
+        << "</li>\n";
+  }
+  out << "</ul>\n";
   return out.str();
 }
 
+}  // namespace
+
+std::string html_report_body(const StudySpec& study,
+                             const std::vector<TrialRecord>& trials,
+                             const std::vector<ExploitRecord>& exploits) {
+  std::ostringstream out;
+  out << "<h1>Study " << escape(study.name) << "</h1><p>" << trials.size() << " trials; "
+      << escape(study.mode == "max" ? "maximize " : "minimize ") << escape(study.metric)
+      << "</p>\n<pre>" << escape(study.space) << "</pre>\n"
+      << history(study, trials) << curves(study, trials) << pbt_section(trials, exploits)
+      << "<h2>Parameters</h2>\n"
+      << scatters(study, trials) << "<h2>Trials</h2>\n"
+      << table(study, trials);
+  return out.str();
+}
+
+std::string html_page(const std::string& title, const std::string& body, const std::string& head) {
+  std::ostringstream out;
+  out << "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>" << escape(title)
+      << "</title><style>"
+      << "body{font-family:sans-serif;margin:24px}figure{display:inline-block;margin:8px}"
+      << "figcaption{font-weight:bold;margin-bottom:4px}table{border-collapse:collapse}"
+      << "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}</style>" << head
+      << "</head><body>\n"
+      << body << "</body></html>\n";
+  return out.str();
+}
+
+std::string html_escape(const std::string& text) {
+  return escape(text);
+}
+
+std::string html_report(const StudySpec& study,
+                        const std::vector<TrialRecord>& trials,
+                        const std::vector<ExploitRecord>& exploits) {
+  return html_page("paratrain tune: " + study.name, html_report_body(study, trials, exploits), "");
+}
+
 void write_html_report(const std::string& url, const std::string& name, const std::string& path) {
-  auto storage = open_storage(url);
+  auto storage = open_storage(url, true);
   const StudySpec spec = storage->load_study(name);
-  const std::string html = html_report(spec, storage->load_trials());
+  const std::string html = html_report(spec, storage->load_trials(), storage->load_exploits());
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   {
     std::ofstream f(tmp, std::ios::binary);

@@ -3,6 +3,7 @@
 
 #include "limits.h"
 #include "paratrain/tune/scheduler.h"
+#include "pbt.h"
 
 #include <c10/util/Exception.h>
 
@@ -23,6 +24,18 @@ std::vector<int64_t> Scheduler::take_promoted() {
 }
 std::vector<int64_t> Scheduler::take_dropped() {
   return {};
+}
+int64_t Scheduler::last_rung() const {
+  return 0;
+}
+void Scheduler::on_config(int64_t, const Config&) {}
+void Scheduler::observe(int64_t number, int64_t iteration, double loss) {
+  on_result(number, iteration, loss);
+}
+void Scheduler::on_paused(int64_t) {}
+void Scheduler::on_start(int64_t) {}
+std::optional<Exploit> Scheduler::take_exploit(int64_t) {
+  return std::nullopt;
 }
 
 namespace {
@@ -45,11 +58,15 @@ class Fifo : public Scheduler {
  public:
   explicit Fifo(int64_t max_t) : max_t_(max_t) {}
   Decision on_result(int64_t, int64_t iteration, double) override {
-    return max_t_ > 0 && iteration >= max_t_ ? Decision::kComplete : Decision::kContinue;
+    const bool done = max_t_ > 0 && iteration >= max_t_;
+    last_rung_ = done ? iteration : 0;
+    return done ? Decision::kComplete : Decision::kContinue;
   }
+  int64_t last_rung() const override { return last_rung_; }
 
  private:
   int64_t max_t_;
+  int64_t last_rung_ = 0;
 };
 
 class Asha : public Scheduler {
@@ -63,7 +80,9 @@ class Asha : public Scheduler {
     }
   }
   Decision on_result(int64_t number, int64_t iteration, double loss) override {
+    last_rung_ = 0;
     if (iteration >= max_t_) {
+      last_rung_ = max_t_;
       return Decision::kComplete;
     }
     const double reward = -loss;  // Ray compares metric * mode_sign, higher is better
@@ -83,14 +102,18 @@ class Asha : public Scheduler {
         }
       }
       recorded[number] = reward;  // NaN or -inf: left out of later cutoffs, as nanpercentile
+      // The rung's budget for BOHB: its milestone, the same for every trial recorded there.
+      last_rung_ = static_cast<int64_t>(std::ceil(milestone - 1e-9));
       return d;
     }
     return Decision::kContinue;
   }
+  int64_t last_rung() const override { return last_rung_; }
 
  private:
   int64_t max_t_;
   double rf_;
+  int64_t last_rung_ = 0;
   std::vector<std::pair<double, std::map<int64_t, double>>> rungs_;
 };
 
@@ -100,7 +123,9 @@ class Median : public Scheduler {
       : max_t_(max_t), grace_(grace), min_samples_(min_samples) {}
   Decision on_result(int64_t number, int64_t iteration, double loss) override {
     results_[number].emplace_back(iteration, -loss);
+    last_rung_ = 0;
     if (max_t_ > 0 && iteration >= max_t_) {
+      last_rung_ = iteration;
       return Decision::kComplete;
     }
     if (iteration <= grace_) {
@@ -133,9 +158,11 @@ class Median : public Scheduler {
     const double median = percentile(means, 50);
     return !std::isnan(median) && best < median ? Decision::kStop : Decision::kContinue;
   }
+  int64_t last_rung() const override { return last_rung_; }
 
  private:
   int64_t max_t_, grace_, min_samples_;
+  int64_t last_rung_ = 0;
   std::map<int64_t, std::vector<std::pair<int64_t, double>>> results_;
 };
 
@@ -174,6 +201,7 @@ class Hyperband : public Scheduler {
   }
 
   Decision on_result(int64_t number, int64_t iteration, double loss) override {
+    last_rung_ = 0;
     Bracket& b = brackets_[where_.at(number)];
     size_t r = rung_of(b, number);
     // A trial reporting beyond a rung it has a result in was promoted (by another tuner, or
@@ -194,8 +222,10 @@ class Hyperband : public Scheduler {
       rung.paused.insert(number);
     }
     settle(b, r);
+    last_rung_ = iteration;
     return last ? Decision::kComplete : Decision::kPause;
   }
+  int64_t last_rung() const override { return last_rung_; }
 
   void on_trial_end(int64_t number, double loss) override {
     auto it = where_.find(number);
@@ -318,6 +348,7 @@ class Hyperband : public Scheduler {
   int64_t max_t_;
   double eta_;
   int s_max_ = 0;
+  int64_t last_rung_ = 0;
   std::vector<Bracket> brackets_;
   std::map<int64_t, size_t> where_;
   std::vector<int64_t> promoted_, dropped_;
@@ -334,11 +365,15 @@ int64_t effective_max_t(const SchedulerOptions& o) {
 
 std::unique_ptr<Scheduler> make_scheduler(const SchedulerOptions& o) {
   const std::string& kind = o.kind();
-  TORCH_CHECK(kind == "fifo" || kind == "asha" || kind == "hyperband" || kind == "median",
-              "tune: unknown scheduler '", kind, "'; use fifo, asha, hyperband or median");
+  TORCH_CHECK(
+      kind == "fifo" || kind == "asha" || kind == "hyperband" || kind == "median" || kind == "pbt",
+      "tune: unknown scheduler '", kind, "'; use fifo, asha, hyperband, median or pbt");
   TORCH_CHECK(o.max_t() >= 0, "tune: max_t must be >= 0, got ", o.max_t());
   TORCH_CHECK(o.grace_period() >= 1, "tune: grace_period must be >= 1, got ", o.grace_period());
   const int64_t max_t = effective_max_t(o);
+  if (kind == "pbt") {
+    return make_pbt(o);
+  }
   if (kind == "fifo") {
     return std::make_unique<Fifo>(max_t);
   }

@@ -94,14 +94,23 @@ class Db {
   virtual void begin_locked() = 0;
   /// The tables, created when missing.
   virtual void create_schema() = 0;
+  virtual bool has_table(const std::string& name) = 0;
 };
+
+// The exploit steps of population-based training, added after the first release: a database
+// opened read-only may not have the table yet.
+const char* const kExploitsTable =
+    "CREATE TABLE IF NOT EXISTS exploits (study TEXT NOT NULL, seq BIGINT NOT NULL, "
+    "trial BIGINT NOT NULL, source BIGINT NOT NULL, iteration BIGINT NOT NULL, "
+    "source_iteration BIGINT NOT NULL, old_params TEXT NOT NULL, new_params TEXT NOT NULL, "
+    "time DOUBLE PRECISION NOT NULL, PRIMARY KEY (study, seq))";
 
 // ---- SQLite (Debian's libsqlite3) ----
 class SqliteDb : public Db {
  public:
-  SqliteDb(const std::string& path, const std::string& url) : url_(url) {
-    const int rc =
-        sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
+  SqliteDb(const std::string& path, const std::string& url, bool read_only) : url_(url) {
+    const int flags = read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE;
+    const int rc = sqlite3_open_v2(path.c_str(), &db_, flags, nullptr);
     if (rc != SQLITE_OK) {
       const std::string why = db_ ? sqlite3_errmsg(db_) : sqlite3_errstr(rc);
       sqlite3_close(db_);
@@ -166,9 +175,14 @@ class SqliteDb : public Db {
           "heartbeat REAL NOT NULL, PRIMARY KEY (study, number))",
           "CREATE TABLE IF NOT EXISTS results (study TEXT NOT NULL, number INTEGER NOT NULL, "
           "seq INTEGER NOT NULL, iteration INTEGER NOT NULL, value REAL, row TEXT NOT NULL, "
-          "time REAL NOT NULL, PRIMARY KEY (study, number, seq))"}) {
+          "time REAL NOT NULL, PRIMARY KEY (study, number, seq))",
+          kExploitsTable}) {
       query(sql, {});
     }
+  }
+
+  bool has_table(const std::string& name) override {
+    return !query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", {name}).empty();
   }
 
  private:
@@ -180,7 +194,7 @@ class SqliteDb : public Db {
 // ---- PostgreSQL (Debian's libpq) ----
 class PgDb : public Db {
  public:
-  PgDb(const std::string& url, const std::string& shown) : shown_(shown) {
+  PgDb(const std::string& url, const std::string& shown, bool read_only) : shown_(shown) {
     conn_ = PQconnectdb(url.c_str());
     if (PQstatus(conn_) != CONNECTION_OK) {
       std::string why = PQerrorMessage(conn_);
@@ -196,6 +210,9 @@ class PgDb : public Db {
     // The server's NOTICEs ("relation ... already exists, skipping") are not the user's concern.
     PQsetNoticeProcessor(
         conn_, [](void*, const char*) {}, nullptr);
+    if (read_only) {
+      query("SET default_transaction_read_only = on", {});
+    }
   }
   ~PgDb() override { PQfinish(conn_); }
 
@@ -248,6 +265,11 @@ class PgDb : public Db {
     return rows;
   }
 
+  bool has_table(const std::string& name) override {
+    const auto rows = query("SELECT to_regclass(?) IS NOT NULL", {name});
+    return !rows.empty() && rows[0].at(0).value_or("") == "t";
+  }
+
   void begin_locked() override {
     query("BEGIN", {});
     query("SELECT pg_advisory_xact_lock(7418322)", {});  // paratrain's lock: one at a time
@@ -268,7 +290,8 @@ class PgDb : public Db {
             "CREATE TABLE IF NOT EXISTS results (study TEXT NOT NULL, number BIGINT NOT NULL, "
             "seq BIGINT NOT NULL, iteration BIGINT NOT NULL, value DOUBLE PRECISION, "
             "row TEXT NOT NULL, time DOUBLE PRECISION NOT NULL, "
-            "PRIMARY KEY (study, number, seq))"}) {
+            "PRIMARY KEY (study, number, seq))",
+            kExploitsTable}) {
         query(sql, {});
       }
       query("COMMIT", {});
@@ -303,8 +326,11 @@ double real_of(const Row& row, size_t i) {
 
 class SqlStorage : public Storage {
  public:
-  SqlStorage(std::unique_ptr<Db> db, std::string url) : db_(std::move(db)), url_(std::move(url)) {
-    db_->create_schema();
+  SqlStorage(std::unique_ptr<Db> db, std::string url, bool read_only)
+      : db_(std::move(db)), url_(std::move(url)) {
+    if (!read_only) {
+      db_->create_schema();
+    }
   }
 
   void open_study(const StudySpec& spec) override {
@@ -461,6 +487,47 @@ class SqlStorage : public Storage {
                 .empty();
   }
 
+  void add_exploit(const ExploitRecord& e) override {
+    locked([&] {  // the lock also keeps two tuners from taking the same seq
+      db_->query(
+          "INSERT INTO exploits SELECT ?, (SELECT COALESCE(MAX(seq), -1) + 1 FROM exploits "
+          "WHERE study = ?), ?, ?, ?, ?, ?, ?, ?",
+          {study_, study_, e.trial, e.source, e.iteration, e.source_iteration,
+           config_json(e.old_config), config_json(e.new_config), e.time});
+      set_config(e.trial, e.new_config);
+    });
+  }
+
+  std::vector<ExploitRecord> load_exploits() override {
+    std::vector<ExploitRecord> out;
+    if (!db_->has_table("exploits")) {
+      return out;  // a study stored before exploits were
+    }
+    for (const Row& q :
+         db_->query("SELECT trial, source, iteration, source_iteration, old_params, new_params, "
+                    "time FROM exploits WHERE study = ? ORDER BY seq",
+                    {study_})) {
+      ExploitRecord e;
+      e.trial = int_of(q, 0);
+      e.source = int_of(q, 1);
+      e.iteration = int_of(q, 2);
+      e.source_iteration = int_of(q, 3);
+      e.old_config = config_from(text_of(q, 4));
+      e.new_config = config_from(text_of(q, 5));
+      e.time = real_of(q, 6);
+      out.push_back(std::move(e));
+    }
+    return out;
+  }
+
+  std::vector<StudySpec> list_studies() override {
+    std::vector<StudySpec> out;
+    for (const Row& q : db_->query("SELECT name, space, metric, mode FROM studies ORDER BY name")) {
+      out.push_back({text_of(q, 0), text_of(q, 1), text_of(q, 2), text_of(q, 3)});
+    }
+    return out;
+  }
+
   std::string url() const override { return url_; }
 
  private:
@@ -528,23 +595,26 @@ std::string shown_url(const std::string& url) {
 
 }  // namespace
 
-std::unique_ptr<Storage> open_storage(const std::string& url) {
+std::unique_ptr<Storage> open_storage(const std::string& url, bool read_only) {
   TORCH_CHECK(!url.empty(), "tune: --storage is empty; give sqlite:///study.db or a file path");
   const size_t scheme_end = url.find("://");
   if (scheme_end == std::string::npos) {
-    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url, url), url);
+    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url, url, read_only), url,
+                                        read_only);
   }
   const std::string scheme = url.substr(0, scheme_end);
   if (scheme == "sqlite") {
     TORCH_CHECK(url.compare(0, 10, "sqlite:///") == 0 && url.size() > 10,
                 "tune: malformed storage URL '", url,
                 "'; write sqlite:///relative/path.db or sqlite:////absolute/path.db");
-    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url.substr(10), url), url);
+    return std::make_unique<SqlStorage>(std::make_unique<SqliteDb>(url.substr(10), url, read_only),
+                                        url, read_only);
   }
   if (scheme == "postgresql" || scheme == "postgres") {
     const std::string shown = shown_url(url);
 #ifdef PARATRAIN_WITH_POSTGRESQL
-    return std::make_unique<SqlStorage>(std::make_unique<PgDb>(url, shown), shown);
+    return std::make_unique<SqlStorage>(std::make_unique<PgDb>(url, shown, read_only), shown,
+                                        read_only);
 #else
     TORCH_CHECK(false, "tune: storage ", shown,
                 ": this paratrain was built without libpq (install libpq-dev and rebuild)");

@@ -3,6 +3,8 @@
 
 #include "trial_command.h"
 
+#include "pbt.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <sstream>
@@ -29,6 +31,13 @@ std::vector<std::string> train_argv(const TunerOptions& o,
   });
   if (max_t > 0 && !has_epochs) {
     argv.insert(argv.end(), {"--epochs", std::to_string(max_t)});
+  }
+  if (o.scheduler().kind() == "pbt") {  // it may resume another trial's checkpoint, perturbed
+    std::string names;
+    for (const std::string& name : mutation_names(o.scheduler())) {
+      names += (names.empty() ? "" : ",") + name;
+    }
+    argv.insert(argv.end(), {"--resume-may-change", names});
   }
   for (const auto& [name, v] : config) {
     argv.push_back("--" + name);

@@ -9,6 +9,8 @@
 #include "paratrain/tune/tuner.h"
 #include "limits.h"
 
+#include "pbt.h"
+
 #include "trial_command.h"
 #include "trial_runner.h"
 #include "trial_value.h"
@@ -73,9 +75,14 @@ class Tuner {
   bool start(int64_t number, bool resume);
   void poll_once();
   void handle_row(Running& r, const std::string& line);
+  Decision judge(const TrialRecord& t, int64_t iteration, double loss, bool observed = false);
+  void stage_exploit(const TrialRecord& t);
+  void restore_restart_floors();
   void apply(Running& r, Decision d);
   void reap();
   void on_exit(Running& r, int status, const std::string& error);
+  std::string trial_path(int64_t number) const;
+  void exploit(TrialRecord& t, const Exploit& e);
   void finish(TrialRecord& t, TrialState state, TrialState from);
   bool write(TrialRecord& t, TrialState from);
   void notify_end(const TrialRecord& t);
@@ -118,6 +125,10 @@ class Tuner {
   std::string host_, worker_id_;
   std::set<int64_t> notified_;              // trials whose end the searcher and scheduler were told
   std::map<int64_t, TrialState> verdicts_;  // promotions (kPending) and drops of stopping trials
+  // Trials that continue another trial's checkpoint (pbt): the iteration their next row follows.
+  std::map<int64_t, int64_t> restarted_at_;
+  // Exploits decided for stopping trials, their checkpoints copied already (stage_exploit).
+  std::map<int64_t, Exploit> exploits_;
 };
 
 // Checks the options, opens the study (its searcher, scheduler and storage) and the trial
@@ -130,8 +141,13 @@ void Tuner::prepare() {
   SearcherOptions so = o_.searcher();
   so.num_samples(o_.num_samples());
   searcher_ = make_searcher(space_, so);
-  scheduler_ = make_scheduler(o_.scheduler());
   total_ = space_.grid_size() * o_.num_samples();
+  SchedulerOptions sched = o_.scheduler();
+  sched.population(total_).seed(so.seed());
+  scheduler_ = make_scheduler(sched);
+  if (sched.kind() == "pbt") {
+    check_mutations(sched, space_);
+  }
   storage_ = open_storage(o_.storage());
   storage_->open_study({o_.study(), space_.canonical(), o_.metric(), o_.mode()});
   if (o_.trial_dir().empty()) {
@@ -148,6 +164,9 @@ void Tuner::prepare() {
   worker_id_ = host_ + ":" + std::to_string(::getpid()) + ":" +
                std::to_string(std::random_device{}() & 0xffffff);
   sync(true);
+  if (sched.kind() == "pbt") {
+    restore_restart_floors();
+  }
 }
 
 TuneResult Tuner::run() {
@@ -219,27 +238,25 @@ void Tuner::sync(bool first) {
       continue;  // this tuner runs it: its own copy is the current one
     }
     auto it = trials_.find(n);
-    if (it == trials_.end()) {
+    const bool fresh = it == trials_.end();
+    if (fresh) {
       scheduler_->on_trial_add(n);
-      TrialRecord fresh = s;
-      fresh.results.clear();
-      it = trials_.emplace(n, std::move(fresh)).first;
+      it = trials_.emplace(n, TrialRecord{}).first;
+      it->second.number = n;
     }
     TrialRecord& t = it->second;
-    if (t.config.empty()) {
+    if (!s.config.empty() && t.config != s.config) {  // chosen, or perturbed (pbt), elsewhere
       t.config = s.config;
+      scheduler_->on_config(n, t.config);
     }
     for (size_t i = t.results.size(); i < s.results.size(); ++i) {
       const auto [iteration, value] = s.results[i];
       t.results.push_back(s.results[i]);
       metric_seen_ = true;
-      if (!t.config.empty()) {
-        searcher_->on_result(n, t.config, iteration, loss_of(value));
-      }
-      const Decision d = scheduler_->on_result(n, iteration, loss_of(value));
-      if (!t.config.empty() && (d == Decision::kPause || d == Decision::kComplete)) {
-        searcher_->on_rung(n, t.config, iteration, loss_of(value));  // its owner acts on d
-      }
+      judge(t, iteration, loss_of(value), true);  // the tuner that runs it acts on it
+    }
+    if (s.state == TrialState::kPaused && (fresh || t.state != TrialState::kPaused)) {
+      scheduler_->on_paused(n);  // paused by a tuner before this one
     }
     t.state = s.state;
     t.attempts = s.attempts;
@@ -363,6 +380,7 @@ Config Tuner::suggest(int64_t number) {
   TORCH_CHECK(config, "tune: the searcher has no config for trial ", number,
               " (a grid smaller than the study's trials)");
   storage_->set_config(number, *config);
+  scheduler_->on_config(number, *config);
   return *config;
 }
 
@@ -375,9 +393,7 @@ bool Tuner::start(int64_t number, bool resume) {
   free_cores_.erase(free_cores_.begin(), free_cores_.begin() + need_cores);
   r->gpus.assign(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
   free_gpus_.erase(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
-  char name[32];
-  std::snprintf(name, sizeof(name), "trial_%04lld", static_cast<long long>(number));
-  const std::string dir = o_.trial_dir() + "/" + name;
+  const std::string dir = trial_path(number);
   std::error_code ec;
   std::filesystem::create_directories(dir + "/checkpoints", ec);
   TORCH_CHECK(!ec, "tune: cannot create ", dir, ": ", ec.message());
@@ -391,6 +407,7 @@ bool Tuner::start(int64_t number, bool resume) {
   Running& ref = *r;
   running_[number] = std::move(r);
   ++started_;
+  scheduler_->on_start(number);
   if (o_.train() || !o_.command().empty()) {
     const bool gpus_visible = !free_gpus_.empty() || !ref.gpus.empty();
     ref.run.start_process(
@@ -447,7 +464,12 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     }
     return;  // other rows (a config line, say) once the metric is known
   }
-  int64_t iteration = (t.results.empty() ? 0 : t.results.back().first) + 1;
+  // After an exploit the trial continues from its source's iteration (restarted_at_).
+  const auto restart = restarted_at_.find(t.number);
+  const int64_t floor = restart != restarted_at_.end() ? restart->second
+                        : t.results.empty()            ? 0
+                                                       : t.results.back().first;
+  int64_t iteration = floor + 1;
   for (const char* key : {"training_iteration", "epoch"}) {
     const auto it = row.find(key);
     if (it != row.end() && it->is_number()) {
@@ -455,7 +477,7 @@ void Tuner::handle_row(Running& r, const std::string& line) {
       break;
     }
   }
-  if (!t.results.empty() && iteration <= t.results.back().first) {
+  if (iteration <= floor) {
     return;  // a resumed trial repeating what it reported before its checkpoint
   }
   metric_seen_ = true;
@@ -469,11 +491,12 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     return;
   }
   t.results.emplace_back(iteration, value);
-  const double loss = loss_of(value);
-  searcher_->on_result(t.number, t.config, iteration, loss);
-  const Decision d = scheduler_->on_result(t.number, iteration, loss);
-  if (d == Decision::kPause || d == Decision::kComplete) {
-    searcher_->on_rung(t.number, t.config, iteration, loss);
+  if (restart != restarted_at_.end()) {
+    restarted_at_.erase(restart);
+  }
+  const Decision d = judge(t, iteration, loss_of(value));
+  if (d == Decision::kPause) {
+    stage_exploit(t);  // while the source's checkpoint is the one its result came from
   }
   nlohmann::ordered_json j{
       {"event", "result"}, {"trial", t.number}, {"iteration", iteration}, {o_.metric(), value}};
@@ -481,6 +504,25 @@ void Tuner::handle_row(Running& r, const std::string& line) {
                o_.metric() + " " + detail::format_value(value),
            j);
   apply(r, d);
+}
+
+// One result for the searcher and the scheduler; a result the scheduler recorded at a rung (or
+// at max_t) is also one of the searcher's budgets.
+Decision Tuner::judge(const TrialRecord& t, int64_t iteration, double loss, bool observed) {
+  if (!t.config.empty()) {
+    searcher_->on_result(t.number, t.config, iteration, loss);
+  }
+  Decision d = Decision::kContinue;
+  if (observed) {
+    scheduler_->observe(t.number, iteration, loss);
+  } else {
+    d = scheduler_->on_result(t.number, iteration, loss);
+  }
+  const int64_t budget = scheduler_->last_rung();
+  if (budget > 0 && !t.config.empty()) {
+    searcher_->on_rung(t.number, t.config, budget, loss);
+  }
+  return d;
 }
 
 void Tuner::apply(Running& r, Decision d) {
@@ -518,12 +560,18 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
   free_gpus_.insert(free_gpus_.end(), r.gpus.begin(), r.gpus.end());
   std::sort(free_gpus_.begin(), free_gpus_.end());
   if (r.lost) {
+    exploits_.erase(r.number);  // another tuner runs it now
     return;
   }
   t.exit_status = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
   const std::string id = "trial " + std::to_string(t.number);
   if (r.run.stopping()) {
     if (r.why == Decision::kPause) {
+      const auto staged = exploits_.find(t.number);
+      if (staged != exploits_.end()) {
+        exploit(t, staged->second);
+        exploits_.erase(staged);
+      }
       t.state = TrialState::kPaused;
       write(t, TrialState::kRunning);
       out_.say(id + " paused at iteration " + std::to_string(t.results.back().first),
@@ -568,6 +616,70 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
     return;
   }
   finish(t, TrialState::kFailed, TrialState::kRunning);
+}
+
+std::string Tuner::trial_path(int64_t number) const {
+  char name[32];
+  std::snprintf(name, sizeof(name), "trial_%04lld", static_cast<long long>(number));
+  return o_.trial_dir() + "/" + name;
+}
+
+// pbt's exploit, decided as the trial pauses: the source's checkpoint directory is copied now,
+// beside the trial's own (which its process may still be writing), while it holds the state the
+// source's last result came from. A source without one ends the study: nothing could be copied.
+void Tuner::stage_exploit(const TrialRecord& t) {
+  auto e = scheduler_->take_exploit(t.number);
+  if (!e) {
+    return;
+  }
+  const std::string from = trial_path(e->source) + "/checkpoints";
+  TORCH_CHECK(has_files(from), "tune: population-based training: trial ", t.number,
+              " is to continue from trial ", e->source, "'s checkpoint, but ", from,
+              " is empty; a trial must save its checkpoint in PARATRAIN_CHECKPOINT_DIR (and load "
+              "it when PARATRAIN_TRIAL_RESUME is 1), or pbt has nothing to copy");
+  stage_copy(from, trial_path(t.number) + "/checkpoints.exploit");
+  exploits_[t.number] = std::move(*e);
+}
+
+// The exploit takes effect once the trial's process is gone: the copy goes in place of its
+// checkpoint directory, and the step and the new config are stored together.
+void Tuner::exploit(TrialRecord& t, const Exploit& e) {
+  const std::string dir = trial_path(t.number);
+  swap_in(dir + "/checkpoints.exploit", dir + "/checkpoints");
+  ExploitRecord rec;
+  rec.trial = t.number;
+  rec.source = e.source;
+  rec.iteration = t.results.empty() ? 0 : t.results.back().first;
+  rec.source_iteration = e.source_iteration;
+  rec.old_config = t.config;
+  rec.new_config = e.config;
+  rec.time = unix_now();
+  storage_->add_exploit(rec);
+  t.config = e.config;
+  restarted_at_[t.number] = e.source_iteration;
+  out_.say("trial " + std::to_string(t.number) + " exploits trial " + std::to_string(e.source) +
+               " (its checkpoint at iteration " + std::to_string(e.source_iteration) +
+               "): " + to_string(rec.old_config) + " -> " + to_string(e.config),
+           {{"event", "exploit"},
+            {"trial", t.number},
+            {"source", e.source},
+            {"source_iteration", e.source_iteration},
+            {"config", to_string(e.config)}});
+}
+
+// A continued study: a trial whose last exploit came after its last result resumes from the
+// source's iteration.
+void Tuner::restore_restart_floors() {
+  for (const auto& e : storage_->load_exploits()) {
+    const auto it = trials_.find(e.trial);
+    const int64_t last =
+        it == trials_.end() || it->second.results.empty() ? 0 : it->second.results.back().first;
+    if (last == e.iteration) {
+      restarted_at_[e.trial] = e.source_iteration;
+    } else {
+      restarted_at_.erase(e.trial);
+    }
+  }
 }
 
 void Tuner::notify_end(const TrialRecord& t) {

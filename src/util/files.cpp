@@ -4,9 +4,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 namespace paratrain {
 namespace detail {
@@ -24,7 +27,83 @@ int remove_entry(const char* path, const struct stat*, int type, struct FTW*) {
   return 0;  // go on: remove as much as possible
 }
 
+thread_local std::string copy_from, copy_to;
+
+std::string copy_file(const char* from, const std::string& to, mode_t mode) {
+  const int in = ::open(from, O_RDONLY | O_CLOEXEC);
+  if (in < 0) {
+    return errno == ENOENT ? "" : std::string(from) + ": " + std::strerror(errno);
+  }
+  const int out = ::open(to.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode & 0777);
+  if (out < 0) {
+    const std::string why = to + ": " + std::strerror(errno);
+    ::close(in);
+    return why;
+  }
+  std::vector<char> buf(1 << 20);
+  std::string why;
+  while (why.empty()) {
+    const ssize_t n = ::read(in, buf.data(), buf.size());
+    if (n == 0) {
+      break;
+    }
+    if (n < 0) {
+      why = errno == EINTR ? "" : std::string(from) + ": " + std::strerror(errno);
+      continue;
+    }
+    for (ssize_t done = 0; done < n && why.empty();) {
+      const ssize_t w = ::write(out, buf.data() + done, static_cast<size_t>(n - done));
+      if (w < 0 && errno != EINTR) {
+        why = to + ": " + std::strerror(errno);
+      }
+      done += w > 0 ? w : 0;
+    }
+  }
+  ::close(in);
+  if (::close(out) != 0 && why.empty()) {
+    why = to + ": " + std::strerror(errno);
+  }
+  return why;
+}
+
+int copy_entry(const char* path, const struct stat* st, int type, struct FTW*) {
+  const std::string target = copy_to + (path + copy_from.size());
+  std::string why;
+  if (type == FTW_D) {
+    if (::mkdir(target.c_str(), 0755) != 0 && errno != EEXIST) {
+      why = target + ": " + std::strerror(errno);
+    }
+  } else if (type == FTW_F) {
+    why = copy_file(path, target, st->st_mode);
+  } else if (type == FTW_SL) {
+    std::vector<char> link(4096);
+    const ssize_t n = ::readlink(path, link.data(), link.size() - 1);
+    if (n >= 0 &&
+        ::symlink(std::string(link.data(), static_cast<size_t>(n)).c_str(), target.c_str()) != 0) {
+      why = target + ": " + std::strerror(errno);
+    }
+  }  // FTW_NS, FTW_DNR: gone or unreadable while walking; an unreadable file fails on open
+  if (!why.empty() && first_failure.empty()) {
+    first_failure = why;
+  }
+  return 0;
+}
+
 }  // namespace
+
+std::string copy_tree(const std::string& from, const std::string& to) {
+  struct stat st;
+  if (::lstat(to.c_str(), &st) == 0) {
+    return to + ": exists";
+  }
+  first_failure.clear();
+  copy_from = from;
+  copy_to = to;
+  if (::nftw(from.c_str(), copy_entry, 16, FTW_PHYS) != 0 && first_failure.empty()) {
+    first_failure = from + ": " + std::strerror(errno);
+  }
+  return first_failure;
+}
 
 std::string remove_tree(const std::string& path) {
   struct stat st;

@@ -16,5 +16,11 @@ namespace detail {
 /// nftw does the walk instead.
 std::string remove_tree(const std::string& path);
 
+/// Copies the directory `from` to `to` (which must not exist): directories, regular files and
+/// symbolic links (as links). A file that vanishes during the walk (a checkpoint its writer
+/// rotated out) is skipped. Returns "" on success, else what could not be copied and why. POSIX
+/// nftw walks it, as remove_tree.
+std::string copy_tree(const std::string& from, const std::string& to);
+
 }  // namespace detail
 }  // namespace paratrain

@@ -188,6 +188,25 @@ TEST(TuneScheduler, AshaStopsBelowTheRungsTopQuarter) {
   EXPECT_EQ(asha->on_result(0, 4, 0.8), Decision::kComplete);  // max_t
 }
 
+TEST(TuneScheduler, AshaNamesTheRungItRecordedAResultAt) {
+  // grace 1, rf 3, max_t 9: rungs at 1 and 3. BOHB learns from exactly these results.
+  auto asha = make_scheduler(SchedulerOptions().kind("asha").max_t(9).reduction_factor(3));
+  EXPECT_EQ(asha->last_rung(), 0);
+  asha->on_result(0, 1, 1.0);
+  EXPECT_EQ(asha->last_rung(), 1);
+  asha->on_result(0, 2, 1.0);
+  EXPECT_EQ(asha->last_rung(), 0);  // between rungs
+  EXPECT_EQ(asha->on_result(1, 1, 2.0), Decision::kStop);
+  EXPECT_EQ(asha->last_rung(), 1);  // a stopped trial's result counts at its rung too
+  asha->on_result(0, 3, 0.5);
+  EXPECT_EQ(asha->last_rung(), 3);
+  asha->on_result(0, 4, 0.5);
+  EXPECT_EQ(asha->last_rung(), 0);
+  auto fifo = make_scheduler(SchedulerOptions().kind("fifo").max_t(9));
+  fifo->on_result(0, 1, 1.0);
+  EXPECT_EQ(fifo->last_rung(), 0);
+}
+
 TEST(TuneScheduler, MedianRuleComparesRunningMeans) {
   auto median = make_scheduler(SchedulerOptions().kind("median").grace_period(1));
   for (int64_t n = 0; n < 3; ++n) {  // three trials with losses 1, 2, 3 at iterations 1..3
@@ -233,8 +252,8 @@ TEST(TuneScheduler, HyperbandPromotesTheBestThirdOfAFullRung) {
 
 TEST(TuneScheduler, BadOptions) {
   EXPECT_NE(error_of([] {
-              make_scheduler(SchedulerOptions().kind("pbt"));
-            }).find("unknown scheduler 'pbt'"),
+              make_scheduler(SchedulerOptions().kind("bohb"));
+            }).find("unknown scheduler 'bohb'; use fifo, asha, hyperband, median or pbt"),
             std::string::npos);
   EXPECT_NE(error_of([] {
               make_scheduler(SchedulerOptions().kind("asha").reduction_factor(1));

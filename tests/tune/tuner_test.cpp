@@ -10,9 +10,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <regex>
 #include <set>
@@ -100,6 +102,51 @@ TEST(Tuner, AshaOnFunctionTrialsStopsTheWorstAndKeepsTheBest) {
   EXPECT_EQ(again.started, 0);
   ASSERT_TRUE(again.best);
   EXPECT_EQ(again.best->number, asha.best->number);
+}
+
+// BOHB over ASHA: the model learns from every rung's results, so its later proposals close in on
+// the best lr where random search's do not; no trial ever waits at a rung (none is resumed).
+// Before rung results reached the model, only the few trials that ran to max_t did, too few for
+// a model over two parameters (6 results on one budget) in 32 trials: BOHB then proposed as
+// random search does. `x` does not change the loss.
+double later_distance(const std::string& searcher, uint64_t seed, int* resumed) {
+  TempDir dir("tune-bohb-asha");
+  std::atomic<int> resumes{0};
+  auto fn = [&](TrialContext& t) {
+    resumes += t.resumed();
+    const double lr = to_double(t.config().at("lr"));
+    for (int it = 1; it <= 16; ++it) {
+      t.report({{"training_iteration", it}, {"loss", std::pow(std::log10(lr) + 2, 2) + 1.0 / it}});
+    }
+  };
+  auto o = function_options(dir, "asha")
+               .num_samples(32)
+               .max_concurrent(1)  // one at a time: the same results in the same order anywhere
+               .searcher(SearcherOptions().kind(searcher).seed(seed))
+               .scheduler(SchedulerOptions().kind("asha").max_t(16).reduction_factor(4));
+  SearchSpace space = lr_space();
+  space.add("x=uniform(0, 1)");
+  const TuneResult r = tune(space, o, fn);
+  *resumed += resumes;
+  double later = 0;
+  for (const auto& t : r.trials) {
+    later += t.number >= 16 ? std::abs(std::log10(to_double(t.config.at("lr"))) + 2) / 16 : 0;
+  }
+  return later;
+}
+
+TEST(Tuner, BohbLearnsFromAshaRungsWithoutWaiting) {
+  double bohb = 0, random = 0;
+  int resumed = 0;
+  for (uint64_t seed = 0; seed < 3; ++seed) {
+    bohb += later_distance("bohb", seed, &resumed) / 3;
+    random += later_distance("random", seed, &resumed) / 3;
+  }
+  EXPECT_EQ(resumed, 0) << "ASHA pauses no trial";
+  std::cout << "later mean |log10 lr + 2|: bohb " << bohb << ", random " << random << std::endl;
+  // lr loguniform(1e-4, 1): random search's mean distance from log10 lr = -2 is about 1.
+  // Measured: bohb 0.48, random 1.16; with only max_t results reaching the model, bohb 0.77.
+  EXPECT_LT(bohb, 0.55 * random) << "bohb " << bohb << " random " << random;
 }
 
 TEST(Tuner, HyperbandPausesAndResumesFunctionTrials) {

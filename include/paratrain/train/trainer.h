@@ -121,6 +121,10 @@ struct TrainerOptions {
   /// JSON object describing the run; a checkpoint whose config differs is refused on resume,
   /// naming the first difference.
   TORCH_ARG(std::string, config) = "{}";
+  /// Keys of `config` that may differ from the checkpoint's on resume (lr, momentum, ...): a
+  /// population-based training trial continues another trial's checkpoint with perturbed
+  /// hyperparameters, which then apply from the resumed step on.
+  TORCH_ARG(std::vector<std::string>, resume_may_change) = {};
   /// JSON lines: an epoch row per epoch, a step row every log_every optimizer steps (0: none).
   TORCH_ARG(std::string, metrics) = "";
   TORCH_ARG(int64_t, log_every) = 0;

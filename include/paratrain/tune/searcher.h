@@ -13,8 +13,9 @@
 //           default weights, prior_weight 1, magic clip, univariate)
 //   bohb    BOHB's model (Falkner et al. 2018) with HpBandSter's defaults (top_n_percent 15,
 //           num_samples 64, random_fraction 1/3, bandwidth_factor 3, min_bandwidth 1e-3): a
-//           good/bad KDE pair on the largest budget with enough results. Pair it with the
-//           hyperband scheduler, which gives the budgets.
+//           good/bad KDE pair on the largest budget with enough results. The budgets are the
+//           scheduler's rungs: asha's milestones (asynchronous: no trial waits at a rung) or
+//           hyperband's (synchronous, as HpBandSter).
 
 #include "paratrain/tune/space.h"
 
@@ -41,8 +42,8 @@ class Searcher {
   virtual std::optional<Config> suggest(int64_t number) = 0;
   /// A result of trial `number` (whose config was `config`) at `budget` (its iteration).
   virtual void on_result(int64_t number, const Config& config, int64_t budget, double loss);
-  /// Trial `number` reached a budget of the scheduler's (a Hyperband rung, or max_t) with this
-  /// loss. BOHB models these only, as HpBandSter records one result per job and budget.
+  /// Trial `number` reached a budget of the scheduler's (an ASHA or Hyperband rung, or max_t)
+  /// with this loss. BOHB models these only, as HpBandSter records one result per job and budget.
   virtual void on_rung(int64_t number, const Config& config, int64_t budget, double loss);
   /// Trial `number` ended.
   virtual void on_complete(int64_t number, const Config& config, Outcome outcome, double loss);

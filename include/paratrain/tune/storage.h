@@ -50,6 +50,17 @@ struct TrialRecord {
   double heartbeat = 0;
 };
 
+/// One exploit step of population-based training: `trial` continued from `source`'s checkpoint
+/// with a perturbed config.
+struct ExploitRecord {
+  int64_t trial = 0;
+  int64_t source = 0;
+  int64_t iteration = 0;         ///< the trial's last iteration before it
+  int64_t source_iteration = 0;  ///< the source's iteration (its checkpoint's)
+  Config old_config, new_config;
+  double time = 0;  ///< Unix time
+};
+
 class Storage {
  public:
   virtual ~Storage() = default;
@@ -91,13 +102,22 @@ class Storage {
                           double value,
                           const std::string& row_json,
                           const std::string& worker) = 0;
+  /// Records an exploit step of the open study and sets the trial's config to its new one, in
+  /// one transaction.
+  virtual void add_exploit(const ExploitRecord& exploit) = 0;
+  /// The open study's exploit steps, in the order they happened.
+  virtual std::vector<ExploitRecord> load_exploits() = 0;
+  /// Every study's definition, by name.
+  virtual std::vector<StudySpec> list_studies() = 0;
   /// The URL it was opened with.
   virtual std::string url() const = 0;
 };
 
 /// Opens storage from a URL. Throws c10::Error with one line for a malformed URL, an unknown
-/// scheme and a database that cannot be opened (naming the path and the reason).
-std::unique_ptr<Storage> open_storage(const std::string& url);
+/// scheme and a database that cannot be opened (naming the path and the reason). `read_only`:
+/// nothing is created or changed (an SQLite file must exist; a PostgreSQL connection is read-only),
+/// and every method that writes throws.
+std::unique_ptr<Storage> open_storage(const std::string& url, bool read_only = false);
 
 }  // namespace tune
 }  // namespace paratrain
