@@ -337,8 +337,8 @@ const CommandSpec& serve_spec() {
   return spec;
 }
 
-// Serves until SIGINT or SIGTERM: the signals are blocked here (and so in the server's threads)
-// and taken by a thread of their own, which stops the server.
+// Serves until SIGINT or SIGTERM: once the storage answered, the signals are blocked here (and
+// so in the server's threads) and taken by a thread of their own, which stops the server.
 int run_serve(const std::vector<std::string>& argv) {
   Args args(argv, serve_spec());
   if (args.has("help")) {
@@ -351,13 +351,13 @@ int run_serve(const std::vector<std::string>& argv) {
                                        .bind(bind)
                                        .port(args.get_int("port", 8080))
                                        .refresh_seconds(args.get_double("refresh", 2));
+  tune::Dashboard dashboard(o);  // Ctrl-C still interrupts a slow storage here
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  tune::Dashboard dashboard(o);
-  if (bind != "127.0.0.1" && bind != "localhost" && bind != "::1") {
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);  // before run() makes the server's threads
+  if (!tune::loopback_address(bind)) {
     std::cerr << "paratrain tune serve: warning: listening on " << bind
               << ", not loopback: anyone who can reach this address reads the studies (there is "
                  "no authentication)"

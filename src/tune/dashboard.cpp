@@ -28,6 +28,14 @@
 namespace paratrain {
 namespace tune {
 
+bool loopback_address(const std::string& host) {
+  std::string h;
+  for (char c : host) {
+    h += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  return h.rfind("127.", 0) == 0 || h == "localhost" || h == "::1" || h == "[::1]";
+}
+
 #ifndef PARATRAIN_WITH_DASHBOARD
 struct Dashboard::Impl {};
 Dashboard::Dashboard(const DashboardOptions&) {
@@ -199,10 +207,10 @@ struct Dashboard::Impl {
                       "text/plain; charset=utf-8");
       return httplib::Server::HandlerResponse::Handled;
     }
-    const std::string host = req.get_header_value("Host");
-    const std::string name = host.empty() || host[0] == '[' ? host.substr(0, host.find(']') + 1)
-                                                            : host.substr(0, host.find(':'));
-    if (loopback(o.bind()) && !loopback(name)) {
+    const std::string host = req.get_header_value("Host");  // browsers always send one
+    const std::string name = !host.empty() && host[0] == '[' ? host.substr(0, host.find(']') + 1)
+                                                             : host.substr(0, host.find(':'));
+    if (loopback_address(o.bind()) && !host.empty() && !loopback_address(name)) {
       res.status = 403;
       res.set_content("the dashboard listens on loopback: open it as http://127.0.0.1:" +
                           std::to_string(port) + "/\n",
@@ -210,10 +218,6 @@ struct Dashboard::Impl {
       return httplib::Server::HandlerResponse::Handled;
     }
     return httplib::Server::HandlerResponse::Unhandled;
-  }
-
-  static bool loopback(const std::string& host) {
-    return host == "127.0.0.1" || host == "localhost" || host == "::1" || host == "[::1]";
   }
 
   void routes() {
@@ -287,10 +291,14 @@ const std::string& Dashboard::storage_url() const {
 
 void Dashboard::run() {
   impl_->running = true;
-  if (!impl_->stop_asked) {
-    impl_->server.listen_after_bind();
-  }
+  const bool served = impl_->stop_asked || impl_->server.listen_after_bind();
+  const int err = errno;
   impl_->running = false;
+  // httplib leaves its loop by itself only when accept() fails for good (out of memory or
+  // descriptors).
+  TORCH_CHECK(served || impl_->stop_asked,
+              "tune serve: the server stopped accepting connections on ", impl_->o.bind(), ":",
+              impl_->port, " (", std::strerror(err), ")");
 }
 
 // httplib's stop() does nothing until its loop runs: a stop that comes while run() is starting

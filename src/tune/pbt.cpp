@@ -33,6 +33,7 @@ class Pbt : public Scheduler {
         quantile_(o.quantile_fraction()),
         resample_(o.resample_probability()),
         population_(o.population()),
+        slots_(o.slots()),
         rng_(o.seed() * 0x9e3779b97f4a7c15ULL + 0x5eed) {
     for (const std::string& m : o.mutations()) {
       const size_t eq = m.find('=');
@@ -58,15 +59,16 @@ class Pbt : public Scheduler {
     }
     s.last_perturbation = iteration;
     const auto [lower, upper] = quantiles();
-    if (std::find(lower.begin(), lower.end(), number) != lower.end()) {
+    if (std::find(lower.begin(), lower.end(), number) != lower.end() && !upper.empty()) {
       exploit(number, upper);
       return pause(number);
     }
-    // Ray's time sharing: a trial at a perturbation point yields to trials waiting for a slot.
+    // Ray's time sharing: a trial at a perturbation point yields to trials waiting for a slot,
+    // when there are more trials to run than slots.
     const bool others_wait =
         static_cast<int64_t>(trials_.size()) < population_ ||
         std::any_of(waiting_.begin(), waiting_.end(), [&](int64_t n) { return n != number; });
-    return others_wait ? pause(number) : Decision::kContinue;
+    return others_wait && contended() ? pause(number) : Decision::kContinue;
   }
 
   // Another tuner's trial, or a stored result: where it stands, without deciding anything.
@@ -78,7 +80,11 @@ class Pbt : public Scheduler {
     }
     s.ended = s.ended || (max_t_ > 0 && iteration >= max_t_);
   }
-  void on_paused(int64_t number) override { pause(number); }
+  void on_paused(int64_t number) override {
+    if (!trials_[number].ended) {
+      pause(number);
+    }
+  }
   void on_start(int64_t number) override { waiting_.erase(number); }
 
   void on_trial_end(int64_t number, double) override {
@@ -119,12 +125,23 @@ class Pbt : public Scheduler {
     double score = std::nan("");
     int64_t last_perturbation = 0;
     bool ended = false;
+    bool exploiting = false;  // an exploit decided, its copy not in place or not trained on yet
   };
+
+  // Whether the unfinished trials (started or not) outnumber the slots.
+  bool contended() const {
+    int64_t active = std::max<int64_t>(0, population_ - static_cast<int64_t>(trials_.size()));
+    for (const auto& [n, s] : trials_) {
+      active += s.ended ? 0 : 1;
+    }
+    return slots_ > 0 && active > slots_;
+  }
 
   State& record(int64_t number, int64_t iteration, double loss) {
     State& s = trials_[number];
     waiting_.erase(number);
     paused_.erase(number);
+    s.exploiting = false;
     s.time = iteration;
     s.score = -loss;  // higher is better, as Ray's metric * mode sign; a NaN loss is +inf
     return s;
@@ -158,7 +175,10 @@ class Pbt : public Scheduler {
     std::vector<int64_t> lower, upper;
     for (size_t i = 0; i < k; ++i) {
       lower.push_back(ranked[i].second);
-      upper.push_back(ranked[ranked.size() - 1 - i].second);
+      const int64_t top = ranked[ranked.size() - 1 - i].second;
+      if (!trials_.at(top).exploiting) {  // its checkpoint is about to be replaced
+        upper.push_back(top);
+      }
     }
     return {lower, upper};
   }
@@ -173,6 +193,7 @@ class Pbt : public Scheduler {
     s.config = explore(from.config);
     s.time = from.time;
     s.last_perturbation = from.last_perturbation;
+    s.exploiting = true;
     exploits_[number] = Exploit{source, from.time, s.config};
   }
 
@@ -210,7 +231,7 @@ class Pbt : public Scheduler {
 
   int64_t max_t_, interval_;
   double quantile_, resample_;
-  int64_t population_;
+  int64_t population_, slots_;
   std::mt19937_64 rng_;
   std::map<std::string, Domain> mutations_;
   std::map<int64_t, State> trials_;
@@ -279,12 +300,17 @@ void stage_copy(const std::string& from, const std::string& staged) {
   TORCH_CHECK(why.empty(), "tune: cannot copy the checkpoint ", from, ": ", why);
 }
 
-void swap_in(const std::string& staged, const std::string& to) {
+void restore_aside(const std::string& to) {
   const std::string old = to + ".old";
   struct stat st;
   if (::lstat(to.c_str(), &st) != 0 && ::lstat(old.c_str(), &st) == 0) {
     ::rename(old.c_str(), to.c_str());  // a swap interrupted between its two renames
   }
+}
+
+void swap_in(const std::string& staged, const std::string& to) {
+  const std::string old = to + ".old";
+  restore_aside(to);
   const std::string why = paratrain::detail::remove_tree(old);
   TORCH_CHECK(why.empty(), "tune: cannot remove ", why);
   TORCH_CHECK(::rename(to.c_str(), old.c_str()) == 0 || errno == ENOENT, "tune: cannot move ", to,

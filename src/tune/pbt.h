@@ -24,6 +24,9 @@ bool has_files(const std::string& dir);
 /// naming what failed.
 void stage_copy(const std::string& from, const std::string& staged);
 
+/// Puts back `to` when an interrupted swap_in left it aside.
+void restore_aside(const std::string& to);
+
 /// Puts the directory `staged` in the place of `to` by renames, so that a reader finds the old
 /// directory or the new one (a `to` that an interrupted swap left aside is put back first).
 void swap_in(const std::string& staged, const std::string& to);

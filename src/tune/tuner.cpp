@@ -9,6 +9,7 @@
 #include "paratrain/tune/tuner.h"
 #include "limits.h"
 
+#include "../util/files.h"
 #include "pbt.h"
 
 #include "trial_command.h"
@@ -72,11 +73,13 @@ class Tuner {
   bool others_active() const;
   Config suggest(int64_t number);
   void start_possible();
+  int64_t slots() const;
   bool start(int64_t number, bool resume);
   void poll_once();
   void handle_row(Running& r, const std::string& line);
   Decision judge(const TrialRecord& t, int64_t iteration, double loss, bool observed = false);
   void stage_exploit(const TrialRecord& t);
+  void drop_exploit(int64_t number);
   void restore_restart_floors();
   void apply(Running& r, Decision d);
   void reap();
@@ -143,7 +146,7 @@ void Tuner::prepare() {
   searcher_ = make_searcher(space_, so);
   total_ = space_.grid_size() * o_.num_samples();
   SchedulerOptions sched = o_.scheduler();
-  sched.population(total_).seed(so.seed());
+  sched.population(total_).seed(so.seed()).slots(slots());
   scheduler_ = make_scheduler(sched);
   if (sched.kind() == "pbt") {
     check_mutations(sched, space_);
@@ -375,6 +378,16 @@ void Tuner::start_possible() {
   }
 }
 
+// How many trials may run at once here: the cores (and GPUs) they take, and --max-concurrent.
+int64_t Tuner::slots() const {
+  const Resources& res = o_.resources();
+  int64_t n = static_cast<int64_t>(free_cores_.size()) / (res.ranks() * res.threads());
+  if (res.gpus() > 0) {
+    n = std::min<int64_t>(n, static_cast<int64_t>(free_gpus_.size()) / res.gpus());
+  }
+  return o_.max_concurrent() > 0 ? std::min<int64_t>(n, o_.max_concurrent()) : n;
+}
+
 Config Tuner::suggest(int64_t number) {
   std::optional<Config> config = searcher_->suggest(number);
   TORCH_CHECK(config, "tune: the searcher has no config for trial ", number,
@@ -394,6 +407,7 @@ bool Tuner::start(int64_t number, bool resume) {
   r->gpus.assign(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
   free_gpus_.erase(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
   const std::string dir = trial_path(number);
+  restore_aside(dir + "/checkpoints");  // a swap a killed tuner left half done (pbt)
   std::error_code ec;
   std::filesystem::create_directories(dir + "/checkpoints", ec);
   TORCH_CHECK(!ec, "tune: cannot create ", dir, ": ", ec.message());
@@ -560,7 +574,7 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
   free_gpus_.insert(free_gpus_.end(), r.gpus.begin(), r.gpus.end());
   std::sort(free_gpus_.begin(), free_gpus_.end());
   if (r.lost) {
-    exploits_.erase(r.number);  // another tuner runs it now
+    drop_exploit(r.number);  // another tuner runs it now
     return;
   }
   t.exit_status = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
@@ -639,6 +653,12 @@ void Tuner::stage_exploit(const TrialRecord& t) {
               "it when PARATRAIN_TRIAL_RESUME is 1), or pbt has nothing to copy");
   stage_copy(from, trial_path(t.number) + "/checkpoints.exploit");
   exploits_[t.number] = std::move(*e);
+}
+
+void Tuner::drop_exploit(int64_t number) {
+  if (exploits_.erase(number) > 0) {
+    paratrain::detail::remove_tree(trial_path(number) + "/checkpoints.exploit");
+  }
 }
 
 // The exploit takes effect once the trial's process is gone: the copy goes in place of its
@@ -792,6 +812,7 @@ void Tuner::stop_all() {
     }
   }
   for (auto& [n, r] : running_) {
+    drop_exploit(n);  // not applied: the trial resumes its own checkpoint
     if (r->lost) {
       continue;
     }

@@ -268,6 +268,11 @@ TEST(TuneServe, UnknownPathsAre404AndABrokenStorage503) {
   auto rebound = c.Get("/", {{"Host", "evil.example:" + std::to_string(served.dashboard.port())}});
   ASSERT_TRUE(rebound);
   EXPECT_EQ(rebound->status, 403);
+  for (const char* host : {"localhost", "[::1]:80", "127.0.0.1"}) {
+    auto local = c.Get("/", {{"Host", host}});
+    ASSERT_TRUE(local);
+    EXPECT_EQ(local->status, 200) << host;
+  }
   EXPECT_EQ(std::filesystem::last_write_time(file), before) << "a request changed the storage";
   std::ofstream(file, std::ios::trunc) << "this is not a database, not even SQLite's header";
   auto broken = c.Get("/");

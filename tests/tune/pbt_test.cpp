@@ -31,11 +31,13 @@ struct TempDir {
   ~TempDir() { paratrain::testing::remove_tree(path); }
 };
 
+// Half as many slots as trials: they share them.
 SchedulerOptions pbt(int64_t population) {
   return SchedulerOptions()
       .kind("pbt")
       .perturbation_interval(2)
       .population(population)
+      .slots(population / 2)
       .mutations({"lr=loguniform(1e-4, 1e-1)", "batch=choice(16, 32, 64, 128)"});
 }
 
@@ -124,6 +126,10 @@ TEST(TuneScheduler, PbtSharesSlotsWithTrialsNotStartedYet) {
   // Observed results (another tuner's) are recorded, never decided on: no exploit.
   s->observe(0, 4, 9.0);
   EXPECT_FALSE(s->take_exploit(0));
+  // As many slots as trials: nobody yields, even before every trial started.
+  auto roomy = make_scheduler(pbt(4).slots(4));
+  roomy->on_trial_add(0);
+  EXPECT_EQ(roomy->on_result(0, 2, 1.0), Decision::kContinue);
 }
 
 TEST(TuneScheduler, PbtBadOptionsAreOneLine) {
@@ -202,7 +208,9 @@ TEST(Tuner, PbtCopiesCheckpointsAndStoresEachExploit) {
   for (const auto& e : exploits) {
     EXPECT_NE(e.trial, e.source);
     EXPECT_GT(e.source_iteration, 0);
-    EXPECT_NE(to_string(e.old_config), to_string(e.new_config));
+    EXPECT_NE(to_string(e.old_config), to_string(e.new_config))
+        << "trial " << e.trial << " from " << e.source << " at " << e.iteration << "/"
+        << e.source_iteration;
     // The run after the exploit started from the source's trail: its last entry is the source.
     const auto& runs = histories[e.trial];
     bool found = false;
@@ -323,8 +331,30 @@ TEST(Tuner, PbtBadInputIsOneLine) {
       << zero.output;
 }
 
+// The files of the checkpoint at `step` in `dir` (ckpt-0000000005.json, ...), name -> bytes.
+std::map<std::string, std::string> checkpoint_files(const std::string& dir, int64_t step) {
+  char prefix[32];
+  std::snprintf(prefix, sizeof(prefix), "ckpt-%010lld.", static_cast<long long>(step));
+  std::map<std::string, std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0 && name.find(".tmp-") == std::string::npos) {
+      std::ifstream in(entry.path(), std::ios::binary);
+      out[name] = std::string((std::istreambuf_iterator<char>(in)), {});
+    }
+  }
+  return out;
+}
+
+std::string trial_dir_name(int64_t number) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "trial_%04lld", static_cast<long long>(number));
+  return name;
+}
+
 // paratrain train trials: an exploiting trial restarts with --resume auto on the copied checkpoint
-// and a perturbed --lr, which the checkpoint's own settings allow (--resume-may-change lr).
+// and a perturbed --lr, which the checkpoint's own settings allow (--resume-may-change lr). Two
+// slots for four trials: they take turns at each epoch, so that exploits happen on any machine.
 TEST(Tuner, PbtTrainTrialsResumeAnotherTrialsCheckpoint) {
   TempDir dir("tune-pbt-train");
   const auto r = testing::run_process({testing::cli_path(),
@@ -352,9 +382,9 @@ TEST(Tuner, PbtTrainTrialsResumeAnotherTrialsCheckpoint) {
                                        "--seed",
                                        "2",
                                        "--cpus",
-                                       "4",
+                                       "2",
                                        "--max-concurrent",
-                                       "4",
+                                       "2",
                                        "--trial-dir",
                                        dir.path + "/t",
                                        "--json",
@@ -376,25 +406,23 @@ TEST(Tuner, PbtTrainTrialsResumeAnotherTrialsCheckpoint) {
   for (const auto& t : st->load_trials()) {
     EXPECT_EQ(t.state, TrialState::kComplete) << t.number << " " << t.error;
   }
-  char name[32];
-  std::snprintf(name, sizeof(name), "trial_%04lld", static_cast<long long>(exploits[0].trial));
-  std::ifstream log(dir.path + "/t/" + name + "/trial.log");
+  // The last exploit's source was not exploited after it: its checkpoint at the copied epoch is
+  // still its own, and the exploiting trial holds the same bytes (its own training, with another
+  // lr, would have made other weights).
+  const ExploitRecord& e = exploits.back();
+  const auto copied = checkpoint_files(dir.path + "/t/" + trial_dir_name(e.trial) + "/checkpoints",
+                                       5 * e.source_iteration);
+  const auto original = checkpoint_files(
+      dir.path + "/t/" + trial_dir_name(e.source) + "/checkpoints", 5 * e.source_iteration);
+  ASSERT_FALSE(original.empty()) << "trial " << e.source << " epoch " << e.source_iteration;
+  EXPECT_TRUE(copied == original) << "trial " << e.trial << " does not hold trial " << e.source
+                                  << "'s checkpoint of epoch " << e.source_iteration;
+  std::ifstream log(dir.path + "/t/" + trial_dir_name(e.trial) + "/trial.log");
   const std::string text((std::istreambuf_iterator<char>(log)), {});
   EXPECT_EQ(text.find("another configuration"), std::string::npos) << text;
-  // Four slots for four trials: no trial pauses to share them, so every resume is an exploit's,
-  // and it starts from the source's checkpoint, at the source's epoch.
-  size_t resumes = 0, exploited = 0;
-  for (size_t at = text.find("paratrain: resumed from"); at != std::string::npos;
-       at = text.find("paratrain: resumed from", at + 1)) {
-    ++resumes;
-  }
-  for (const auto& e : exploits) {
-    exploited += e.trial == exploits[0].trial;
-  }
-  EXPECT_EQ(resumes, exploited) << text;
-  const std::string expect = "(step " + std::to_string(5 * exploits[0].source_iteration) +
-                             ", epoch " + std::to_string(exploits[0].source_iteration + 1);
-  EXPECT_NE(text.find(expect), std::string::npos) << expect << "\n" << text;
+  const std::string resumed = "(step " + std::to_string(5 * e.source_iteration) + ", epoch " +
+                              std::to_string(e.source_iteration + 1);
+  EXPECT_NE(text.find(resumed), std::string::npos) << resumed << "\n" << text;
 }
 
 // ---- Fashion-MNIST ----
@@ -483,11 +511,17 @@ double best_accuracy(const std::string& dir, const std::string& scheduler) {
                                 .scheduler(s),
                             [](TrialContext& t) { fashion_trial(t, 16); });
   EXPECT_EQ(r.trials.size(), 4u);
-  int64_t iterations = 0;
-  for (const auto& t : r.trials) {
-    iterations += t.iterations;
+  // The quarter epochs trained: one per stored row (an exploit continues from its source's
+  // iteration, so a trial may train more or fewer than 16 of its own).
+  auto st = open_storage(dir + "/s.db", true);
+  st->load_study(scheduler);
+  size_t trained = 0;
+  for (const auto& t : st->load_trials()) {
+    trained += t.results.size();
   }
-  EXPECT_EQ(iterations, 4 * 16) << scheduler << ": the same total epochs";
+  ::testing::Test::RecordProperty(scheduler + "_quarter_epochs", static_cast<int>(trained));
+  // Measured: 64 and 66 (a trial that copies one behind it trains those quarters again).
+  EXPECT_LE(trained, 4u * 16u * 105 / 100) << scheduler << ": about the fixed configs' training";
   return r.best ? r.best->value : 0;
 }
 

@@ -43,6 +43,7 @@ class Dashboard {
   /// The storage's URL as it is shown (a password hidden).
   const std::string& storage_url() const;
   /// Serves until stop() (from another thread; a stop before or while run() starts counts too).
+  /// Throws c10::Error when the server stops by itself (accept() failing for good).
   void run();
   void stop();
 
@@ -50,6 +51,10 @@ class Dashboard {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// Whether `host` names the loopback interface (127.x.x.x, ::1, localhost), where the dashboard
+/// is reachable from this machine only.
+bool loopback_address(const std::string& host);
 
 /// Whether this build has the dashboard (cpp-httplib).
 bool dashboard_available();

@@ -21,9 +21,9 @@
 //              result) pauses, takes the checkpoint and config of a trial of the top quantile
 //              (exploit) and perturbs the config (explore): each mutation is resampled with
 //              resample_probability, else multiplied by 1.2 or 0.8 (an integer is truncated), or
-//              a choice moves to a neighbouring value. A trial at a perturbation point also
-//              pauses while other trials wait for a slot (Ray's time sharing): the one furthest
-//              behind resumes first.
+//              a choice moves to a neighbouring value. When the trials outnumber the slots, a
+//              trial at a perturbation point also pauses while others wait for a slot (Ray's
+//              time sharing): the one furthest behind resumes first.
 
 #include "paratrain/tune/space.h"
 
@@ -101,8 +101,10 @@ struct SchedulerOptions {
   /// pbt: what explore changes, "lr=loguniform(1e-4, 1e-1)" or "batch=choice(32, 64)" (Ray's
   /// hyperparam_mutations); each name must be a parameter of the search space.
   TORCH_ARG(std::vector<std::string>, mutations) = {};
-  /// pbt: the number of trials (the tuner's num_samples), and the seed of its choices.
+  /// pbt: the number of trials (the tuner's num_samples), how many run at once (0: all; trials
+  /// share slots only when they outnumber them), and the seed of its choices.
   TORCH_ARG(int64_t, population) = 0;
+  TORCH_ARG(int64_t, slots) = 0;
   TORCH_ARG(uint64_t, seed) = 0;
 };
 
