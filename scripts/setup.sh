@@ -19,7 +19,8 @@ packages=(
   libsqlite3-dev libpq-dev  # paratrain tune's studies: SQLite files, PostgreSQL databases
   postgresql            # the server the tune tests start (initdb in a temporary directory)
   chromium chromium-driver  # headless: the tune report and dashboard tests render their pages
-  libcpp-httplib-dev    # paratrain tune serve: the dashboard's HTTP server
+  libcpp-httplib-dev    # paratrain tune serve (the dashboard), and the launcher's etcd client
+  etcd-server           # the etcd the rendezvous tests start (--rdzv-backend etcd)
   iproute2              # the multi-host tests' network namespaces (ip netns, veth, bridge)
   debootstrap           # the second CI leg's Debian 13 root (scripts/test-libtorch2.sh)
   slurmctld slurmd slurm-client munge  # the Slurm tests start a real one-node Slurm

@@ -11,6 +11,7 @@ set(paratrain_unit_tests
     BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal BadInput.ReservedPointToPointTag
     Checkpoint.OptimizerStateRoundTripsBitwise
     Checkpoint.RngStateRestoresTheSameDraws FashionMNIST.ReadsDebiansFiles
+    SlurmHostList.BadListsAreOneLine SlurmHostList.PlacementFromTheAllocationsVariables
     FashionMNIST.MissingFilesSayWhatToInstall ImageFolder.FollowsTorchvisionsRules
     ImageFolder.BadFoldersAreNamed ImageFolder.BadFilesAreNamedOrSkipped LRSchedule.BadOptions
     SyncBatchNorm.WithoutAGroupItIsBatchNorm SyncBatchNorm.BadInputIsNamed
@@ -38,8 +39,9 @@ set(paratrain_slow_tests
     Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision
     Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults
     Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
-    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20)
+    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank
+    Etcd.ElasticJobSurvivesTheFirstHostsDeath)
+set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites

@@ -4,6 +4,7 @@
 #include "commands.h"
 
 #include "paratrain/launch/launch.h"
+#include "paratrain/launch/slurm.h"
 
 #include <chrono>
 #include <iostream>
@@ -19,12 +20,15 @@ const CommandSpec& launch_spec() {
       "paratrain launch",
       "Starts PROGRAM once per rank with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT), prefixes each output line with\n"
-      "[rank R]:, and stops every worker when one fails.",
+      "[rank R]:, and stops every worker when one fails. Inside a Slurm allocation (srun\n"
+      "--ntasks-per-node 1 paratrain launch ...), --nnodes, --node-rank and --master-addr come\n"
+      "from SLURM_JOB_NODELIST, SLURM_NNODES and SLURM_NODEID unless given.",
       {
           {"nproc-per-node,nproc_per_node", "N",
            "workers on this node (default: number of --devices, else 1)"},
           {"nnodes", "M|MIN:MAX",
-           "nodes in the job (default 1); MIN:MAX is elastic, with --rdzv-endpoint (torchrun's)"},
+           "nodes in the job (default 1, or the Slurm allocation's); MIN:MAX is elastic, with "
+           "--rdzv-endpoint (torchrun's)"},
           {"node-rank,node_rank", "R", "this node's index (default 0)"},
           {"master-addr,master_addr", "A",
            "address of node 0 (required with --nnodes > 1; default 127.0.0.1)"},
@@ -43,15 +47,21 @@ const CommandSpec& launch_spec() {
            "HOST; node ranks follow the order nodes join"},
           {"rdzv-id,rdzv_id", "JOB", "the job's name at the endpoint (default none)"},
           {"rdzv-backend,rdzv_backend", "c10d",
-           "c10d (the dynamic rendezvous) or static (--node-rank and --master-addr)"},
+           "c10d (the dynamic rendezvous, served by the launcher on the endpoint's host), etcd "
+           "(the same rounds kept in an etcd server at the endpoint) or static (--node-rank and "
+           "--master-addr)"},
           {"rdzv-conf,rdzv_conf", "K=V,...",
            "join_timeout (s, default 600), last_call_timeout (s, default 30), "
            "keep_alive_interval (s, default 5) and keep_alive_max_attempt (default 3)"},
           {"env", "NAME=VALUE", "set a variable in every worker (repeatable)", true},
+          {"pass-local-rank,pass_local_rank", "",
+           "append --local_rank=N to each worker's arguments, as torch.distributed.launch did "
+           "(for scripts that read args.local_rank)"},
           {"no-prefix", "", "relay output without the [rank R]: prefix"},
           {"max-restarts,max_restarts", "N",
            "when a worker fails, stop all and start them all again, up to N times (torchrun's; "
-           "TORCHELASTIC_RESTART_COUNT tells the attempt)"},
+           "TORCHELASTIC_RESTART_COUNT tells the attempt); with several static nodes, every "
+           "node restarts together (their launchers meet at --master-port + 1)"},
           {"from-mpirun", "", ""},  // internal: what mpirun runs for --backend mpi
       },
       "The program and its arguments follow --: paratrain launch [options] -- PROGRAM [ARGS...]",
@@ -85,18 +95,24 @@ void parse_nnodes(const std::string& text, dist::LaunchOptions& o) {
 
 // --rdzv-endpoint, --rdzv-id, --rdzv-backend and --rdzv-conf, with torchrun's names and defaults.
 void parse_rendezvous(const Args& args, dist::LaunchOptions& o) {
-  const std::string backend =
-      args.get("rdzv-backend", args.has("rdzv-endpoint") ? "c10d" : "static");
-  if (backend != "c10d" && backend != "static") {
-    throw UsageError("--rdzv-backend '" + backend + "': choose c10d or static");
+  std::string backend = args.get("rdzv-backend", args.has("rdzv-endpoint") ? "c10d" : "static");
+  if (backend == "etcd-v2") {
+    backend = "etcd";  // torchrun's other name for it
   }
-  if (backend == "c10d" && !args.has("rdzv-endpoint")) {
-    throw UsageError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT");
+  if (backend != "c10d" && backend != "etcd" && backend != "static") {
+    throw UsageError("--rdzv-backend '" + backend + "': choose c10d, etcd or static");
+  }
+  if (backend != "static" && !args.has("rdzv-endpoint")) {
+    throw UsageError("--rdzv-backend " + backend + " needs --rdzv-endpoint HOST:PORT" +
+                     (backend == "etcd" ? " (etcd's client address, port 2379 by default)" : ""));
   }
   if (backend == "static" && args.has("rdzv-endpoint")) {
-    throw UsageError("--rdzv-endpoint goes with --rdzv-backend c10d, not static");
+    throw UsageError("--rdzv-endpoint goes with --rdzv-backend c10d or etcd, not static");
   }
   o.rdzv_endpoint(args.get("rdzv-endpoint", "")).rdzv_id(args.get("rdzv-id", "none"));
+  if (backend != "static") {
+    o.rdzv_backend(backend);
+  }
   double interval = 5, attempts = 3;
   std::stringstream conf(args.get("rdzv-conf", ""));
   for (std::string item; std::getline(conf, item, ',');) {
@@ -126,6 +142,43 @@ void parse_rendezvous(const Args& args, dist::LaunchOptions& o) {
     }
   }
   o.rdzv_keep_alive(std::chrono::milliseconds(static_cast<int64_t>(interval * attempts * 1000)));
+}
+
+// --env NAME=VALUE, repeated.
+std::map<std::string, std::string> parse_env(const Args& args) {
+  std::map<std::string, std::string> env;
+  for (const auto& kv : args.get_all("env")) {
+    auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw UsageError("--env '" + kv + "' must look like NAME=VALUE");
+    }
+    env[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return env;
+}
+
+// Inside a Slurm allocation, the node's place when the command line gives none: the allocation's
+// node count, SLURM_NODEID, and the first host of SLURM_JOB_NODELIST as node 0.
+void apply_slurm(const Args& args, dist::LaunchOptions& o) {
+  for (const char* placed : {"nnodes", "node-rank", "master-addr", "standalone", "rdzv-endpoint",
+                             "hostfile", "from-mpirun"}) {
+    if (args.has(placed)) {
+      return;
+    }
+  }
+  const auto slurm = dist::slurm_placement(dist::current_environment());
+  if (!slurm) {
+    return;
+  }
+  o.nnodes(slurm->nnodes).node_rank(slurm->node_rank);
+  // One node keeps the workers' store on loopback, as without Slurm.
+  if (slurm->nnodes > 1) {
+    o.master_addr(slurm->master_addr);
+  }
+  std::cerr << o.name() << ": Slurm job " << slurm->job_id << ": node " << slurm->node_rank
+            << " of " << slurm->nnodes << " ("
+            << slurm->hosts[static_cast<size_t>(slurm->node_rank)] << "), node 0 "
+            << slurm->master_addr << std::endl;
 }
 
 int run_launch(const std::vector<std::string>& argv) {
@@ -159,6 +212,8 @@ int run_launch(const std::vector<std::string>& argv) {
   o.backend(args.get("backend", ""));
   o.hostfile(args.get("hostfile", ""));
   o.prefix_output(!args.has("no-prefix"));
+  o.pass_local_rank(args.has("pass-local-rank"));
+  apply_slurm(args, o);
   {
     const int restarts = args.get_int("max-restarts", 0);
     if (restarts < 0) {
@@ -166,15 +221,7 @@ int run_launch(const std::vector<std::string>& argv) {
     }
     o.max_restarts(restarts);
   }
-  std::map<std::string, std::string> env;
-  for (const auto& kv : args.get_all("env")) {
-    auto eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      throw UsageError("--env '" + kv + "' must look like NAME=VALUE");
-    }
-    env[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  o.env(env);
+  o.env(parse_env(args));
   o.mpi_shim({self_path(), "launch", "--from-mpirun"});
 
   int mpi_rank = -1;

@@ -37,22 +37,67 @@ std::string errno_text() {
   return std::strerror(errno);
 }
 
+// A checkpoint's files are fsynced one by one and renamed into place; the directory is fsynced
+// once, after the last (Checkpoint::write).
+const AtomicWriteOptions kDirectorySyncedLater{/*sync_directory=*/false};
+// Tensor files, besides: their pages leave the page cache once on disk (a checkpoint is read back
+// only by a restart), so that the next save's pages need not be reclaimed from elsewhere.
+const AtomicWriteOptions kTensorFile{/*sync_directory=*/false, /*checksum=*/true,
+                                     /*drop_cache=*/true};
+
+// The tensor data of encoded safetensors, as pieces.
+std::vector<FilePiece> data_pieces(const SafetensorsParts& parts) {
+  std::vector<FilePiece> pieces;
+  for (const auto& t : parts.tensors) {
+    pieces.push_back({t.data_ptr(), t.nbytes()});
+  }
+  return pieces;
+}
+
 // A safetensors file written atomically; returns {"file", "bytes", "crc32"} for its manifest.
 Json write_tensors(const std::string& dir, const std::string& name, const TensorMap& tensors) {
   const SafetensorsParts parts = encode_safetensors(tensors);
   std::vector<FilePiece> pieces{{parts.header.data(), parts.header.size()}};
   size_t bytes = parts.header.size();
-  for (const auto& t : parts.tensors) {
-    pieces.push_back({t.data_ptr(), t.nbytes()});
-    bytes += t.nbytes();
+  for (const auto& p : data_pieces(parts)) {
+    pieces.push_back(p);
+    bytes += p.size;
   }
-  const uint32_t crc = write_pieces_atomic(dir + "/" + name, pieces);
+  const uint32_t crc = write_pieces_atomic(dir + "/" + name, pieces, kTensorFile);
   return Json{{"file", name}, {"bytes", bytes}, {"crc32", crc}};
 }
 
 void write_json(const std::string& path, const Json& j) {
   const std::string text = j.dump(1) + "\n";
-  write_pieces_atomic(path, {{text.data(), text.size()}});
+  write_pieces_atomic(path, {{text.data(), text.size()}}, kDirectorySyncedLater);
+}
+
+// What a rank file's header says of it: it replaces the separate ckpt-N.rank-R.json of earlier
+// versions (one file, so one fsync, per rank). The CRC-32 covers the tensor data after the header.
+constexpr const char* kRankFormat = "paratrain-checkpoint-rank-1";
+
+// A rank's own tensors, with its step, rank, world size and the data's checksum in the header.
+void write_rank_file(
+    const std::string& path, const TensorMap& tensors, int64_t step, int rank, int world_size) {
+  const std::vector<FilePiece> data = data_pieces(encode_safetensors(tensors));
+  size_t bytes = 0;
+  for (const auto& p : data) {
+    bytes += p.size;
+  }
+  const SafetensorsParts parts =
+      encode_safetensors(tensors, {{"paratrain", kRankFormat},
+                                   {"step", std::to_string(step)},
+                                   {"rank", std::to_string(rank)},
+                                   {"world_size", std::to_string(world_size)},
+                                   {"data_bytes", std::to_string(bytes)},
+                                   {"data_crc32", std::to_string(crc32_of(data))}});
+  std::vector<FilePiece> pieces{{parts.header.data(), parts.header.size()}};
+  for (const auto& p : data_pieces(parts)) {
+    pieces.push_back(p);
+  }
+  write_pieces_atomic(path, pieces,
+                      AtomicWriteOptions{/*sync_directory=*/false, /*checksum=*/false,
+                                         /*drop_cache=*/true});
 }
 
 std::string read_all(const std::string& path) {
@@ -232,15 +277,11 @@ void Checkpoint::write(const CheckpointState& s) {
   trace::Span span("checkpoint write", "checkpoint");
   const auto start = std::chrono::steady_clock::now();
   const std::string& dir = options_.dir();
-  // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible.
-  Json own = write_tensors(dir, rank_stem(s.step, rank_) + ".safetensors", s.own);
-  // The world size too: a rank file left by an attempt of another size at the same step must not
-  // pass for this one's (its shards split the optimizer differently).
-  write_json(dir + "/" + rank_stem(s.step, rank_) + ".json",
-             Json{{"step", s.step},
-                  {"rank", rank_},
-                  {"world_size", pg_ ? pg_->size() : 1},
-                  {"tensors", own}});
+  // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible. The
+  // world size too: a rank file left by an attempt of another size at the same step must not pass
+  // for this one's (its shards split the optimizer differently).
+  write_rank_file(dir + "/" + rank_stem(s.step, rank_) + ".safetensors", s.own, s.step, rank_,
+                  pg_ ? pg_->size() : 1);
   if (rank_ == 0) {
     Json shared = write_tensors(dir, stem(s.step) + ".safetensors", s.shared);
     write_json(dir + "/" + stem(s.step) + ".json", Json{{"format", "paratrain-checkpoint-1"},
@@ -250,6 +291,10 @@ void Checkpoint::write(const CheckpointState& s) {
                                                         {"meta", meta},
                                                         {"tensors", shared}});
   }
+  // One fsync makes every rename above durable. Should the machine fail before it, a manifest
+  // whose files did not all reach the disk fails its checks on load, and load_latest takes the
+  // checkpoint before it (every file was itself fsynced before its rename).
+  fsync_directory(dir);
   prune();
   last_write_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -292,14 +337,15 @@ void Checkpoint::prune() {
   }
 }
 
-// The steps of this rank's own manifests (ckpt-N.rank-R.json), newest first.
+// The steps of this rank's own files (ckpt-N.rank-R.safetensors), newest first.
 std::vector<int64_t> Checkpoint::own_steps() const {
   std::vector<int64_t> out;
   DIR* d = ::opendir(options_.dir().c_str());
   if (d == nullptr) {
     return out;
   }
-  const std::string suffix = ".rank-" + std::to_string(rank_) + ".json";
+  // The rank's tensor file (an earlier version also wrote a .json beside it).
+  const std::string suffix = ".rank-" + std::to_string(rank_) + ".safetensors";
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.size() == 5 + 10 + suffix.size() && name.compare(0, 5, "ckpt-") == 0 &&
@@ -357,8 +403,51 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   return s;
 }
 
+namespace {
+
+// Rank `rank`'s file of step `step`, verified against its header.
+TensorMap load_rank_file(const std::string& file, int rank, int64_t step, int world_size) {
+  const std::string bytes = read_all(file);
+  const auto meta = safetensors_metadata_bytes(bytes.data(), bytes.size(), file);
+  auto field = [&](const char* name) -> int64_t {
+    const auto it = meta.find(name);
+    TORCH_CHECK(it != meta.end() && !it->second.empty() && it->second.size() <= 19 &&
+                    it->second.find_first_not_of("0123456789") == std::string::npos,
+                file, " has no valid '", name, "' in its header: the file is damaged");
+    return std::stoll(it->second);
+  };
+  TORCH_CHECK(meta.count("paratrain") != 0 && meta.at("paratrain") == kRankFormat, file,
+              " is not a paratrain checkpoint rank file");
+  TORCH_CHECK(field("step") == step && field("rank") == rank, file,
+              " belongs to another step or rank");
+  TORCH_CHECK(world_size < 0 || field("world_size") == world_size, file,
+              " was written by a job of ", field("world_size"),
+              " ranks, but the checkpoint's manifest says ", world_size,
+              ": it is left over from another attempt");
+  uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), sizeof(header));  // the metadata's reader checked 8 bytes
+  TORCH_CHECK(header <= bytes.size() - 8, file,
+              " is shorter than its header: the file is truncated");
+  const size_t data = bytes.size() - 8 - static_cast<size_t>(header);
+  TORCH_CHECK(static_cast<int64_t>(data) == field("data_bytes"), file, " has ", data,
+              " bytes of tensor data, its header says ", field("data_bytes"),
+              ": the file is truncated or damaged");
+  const uint32_t crc = crc32_of({{bytes.data() + 8 + header, data}});
+  TORCH_CHECK(crc == field("data_crc32"), file, " fails its CRC-32 check (", crc, " against ",
+              field("data_crc32"), "): the file is damaged");
+  return load_safetensors_bytes(bytes.data(), bytes.size(), file);
+}
+
+}  // namespace
+
 TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, int world_size) {
   const std::string own_path = parent_directory(path) + "/" + rank_stem(step, rank) + ".json";
+  struct stat st;
+  if (::stat(own_path.c_str(), &st) != 0) {
+    return load_rank_file(parent_directory(path) + "/" + rank_stem(step, rank) + ".safetensors",
+                          rank, step, world_size);
+  }
+  // Written by an earlier version: the rank's manifest in a file of its own.
   try {
     const Json own = read_json(own_path);
     TORCH_CHECK(own.at("step").get<int64_t>() == step && own.at("rank").get<int>() == rank,

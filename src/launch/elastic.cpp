@@ -14,6 +14,7 @@
 #include <exception>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -37,10 +38,20 @@ std::pair<std::string, int> parse_endpoint(const std::string& endpoint) {
 // The rendezvous of `options`: its endpoint, id, node counts and timeouts, and the signature every
 // node of the job must share.
 detail::RendezvousOptions rendezvous_options(const LaunchOptions& options) {
-  const auto [host, port] = parse_endpoint(options.rdzv_endpoint());
   detail::RendezvousOptions ro;
-  ro.host = host;
-  ro.port = port;
+  if (agrees_on_restarts(options)) {
+    // Node 0's launcher serves the store beside the workers' (master_port, served by rank 0).
+    TORCH_CHECK(options.master_port() < 65535, "--master-port ", options.master_port(),
+                ": with --max-restarts on several nodes the launchers also use the port after it; "
+                "give one below 65535");
+    ro.host = options.master_addr();
+    ro.port = options.master_port() + 1;
+    ro.fixed_node_rank = options.node_rank();
+    ro.fixed_master = options.master_addr() + ":" + std::to_string(options.master_port());
+  } else {
+    std::tie(ro.host, ro.port) = parse_endpoint(options.rdzv_endpoint());
+    ro.backend = options.rdzv_backend();
+  }
   ro.id = options.rdzv_id();
   ro.max_nodes = options.nnodes();
   ro.min_nodes = options.min_nodes() > 0 ? options.min_nodes() : options.nnodes();
@@ -75,7 +86,9 @@ LaunchResult run_round(const LaunchOptions& options,
             << ", master " << a.master_addr << ":" << a.master_port << std::endl;
   LaunchOptions o = options;
   Environment env = o.env();
-  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+  // Static: every node takes part in every round, so the round is the attempt all of them share.
+  env["TORCHELASTIC_RESTART_COUNT"] =
+      std::to_string(ro.fixed_node_rank >= 0 ? static_cast<int>(a.round) : attempt);
   env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
   env["TORCHELASTIC_RUN_ID"] = ro.id;
   if (ro.min_nodes < ro.max_nodes) {
@@ -112,7 +125,13 @@ bool join_next_round(const LaunchOptions& options,
     return false;
   }
   std::string why;
-  if (r.first_failure && r.interrupted_by == 0 && r.signal_received == 0 &&
+  const bool fixed = ro.fixed_node_rank >= 0;
+  // Static: the nodes are fixed, so a failure is a restart whoever caused it; the rounds count
+  // them for every node alike.
+  if (fixed) {
+    restarts.used = static_cast<int>(a.round);
+  }
+  if (!fixed && r.first_failure && r.interrupted_by == 0 && r.signal_received == 0 &&
       rdzv.membership_changed(a, ro.keep_alive + std::chrono::seconds(1), &why)) {
     std::cerr << options.name() << ": " << describe_failure(*r.first_failure) << ", as " << why
               << "; joining the next round (a change of membership, not a restart)" << std::endl;
@@ -147,6 +166,11 @@ bool join_next_round(const LaunchOptions& options,
 
 }  // namespace
 
+bool agrees_on_restarts(const LaunchOptions& options) {
+  return options.rdzv_endpoint().empty() && options.max_restarts() > 0 && options.nnodes() > 1 &&
+         !detail::runs_on_mpi(options.backend()) && !options.master_addr().empty();
+}
+
 // torchrun's elastic agent: rendezvous, run this node's workers, and form a new round when a
 // worker fails (counted against max_restarts), when a node stops its heartbeat, or when nodes wait
 // to join (neither counted). See rendezvous.h.
@@ -155,6 +179,9 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
   const detail::RendezvousOptions ro = rendezvous_options(options);
   detail::Rendezvous rdzv(ro);
   std::cerr << options.name() << ": rendezvous '" << ro.id << "' at " << ro.host << ":" << ro.port
+            << (ro.fixed_node_rank >= 0 ? " (the nodes' restarts)"
+                : ro.backend == "etcd"  ? " (etcd)"
+                                        : "")
             << ": joining" << std::endl;
   ElasticRestarts restarts;
   for (int attempt = 0;; ++attempt) {

@@ -41,6 +41,8 @@ void validate(const LaunchOptions& o) {
               o.nnodes(), " give --master-addr and --master-port");
   TORCH_CHECK(o.rdzv_endpoint().empty() || !detail::runs_on_mpi(o.backend()),
               "--rdzv-endpoint with --backend mpi: mpirun places the ranks; use --hostfile");
+  TORCH_CHECK(o.rdzv_backend() == "c10d" || o.rdzv_backend() == "etcd", "--rdzv-backend '",
+              o.rdzv_backend(), "': choose c10d, etcd or static");
   TORCH_CHECK(o.rdzv_endpoint().empty() || !o.standalone(),
               "--standalone is one node on loopback; it does not go with --rdzv-endpoint");
   TORCH_CHECK(
@@ -94,7 +96,7 @@ std::string describe_failure(const WorkerFailure& f) {
 LaunchResult launch(const LaunchOptions& options) {
   TORCH_CHECK(options.max_restarts() >= 0, "--max-restarts must be >= 0, got ",
               options.max_restarts());
-  if (!options.rdzv_endpoint().empty()) {
+  if (!options.rdzv_endpoint().empty() || launch_internal::agrees_on_restarts(options)) {
     return launch_internal::launch_elastic(options);
   }
 

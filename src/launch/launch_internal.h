@@ -24,8 +24,10 @@ std::string describe_failure(const WorkerFailure& f);
 // mpirun.cpp: runs a job of `nproc` ranks through mpirun.
 LaunchResult launch_mpirun(const LaunchOptions& o, int nproc);
 
-// elastic.cpp: a job with --rdzv-endpoint (torchrun's elastic agent).
+// elastic.cpp: a job with --rdzv-endpoint (torchrun's elastic agent), or a static job of several
+// nodes with --max-restarts, whose nodes agree on each restart.
 LaunchResult launch_elastic(const LaunchOptions& options);
+bool agrees_on_restarts(const LaunchOptions& options);
 
 }  // namespace launch_internal
 }  // namespace dist

@@ -170,6 +170,9 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   if (!o.prefix_output() && std::find(shim.begin(), shim.end(), "--no-prefix") == shim.end()) {
     cmd.push_back("--no-prefix");
   }
+  if (o.pass_local_rank()) {
+    cmd.push_back("--pass-local-rank");
+  }
   if (!o.log_dir().empty()) {
     cmd.insert(cmd.end(), {"--log-dir", o.log_dir()});
   }

@@ -1,6 +1,6 @@
 #include "rendezvous.h"
 
-#include "../comm/socket_store.h"
+#include "../comm/socket_store.h"  // route_source_address, is_loopback_name
 
 #include "../util/errors.h"
 #include "paratrain/launch/launch.h"  // pick_free_port
@@ -27,14 +27,9 @@ constexpr std::chrono::milliseconds kPoll{100};
 // The deadline of each store call once connected: long enough for a loaded server, short enough
 // that a launcher whose endpoint vanished without a reset notices within seconds.
 constexpr std::chrono::milliseconds kStoreCallTimeout{5000};
-
-std::vector<uint8_t> bytes(const std::string& s) {
-  return {s.begin(), s.end()};
-}
-
-std::string text(const std::vector<uint8_t>& b) {
-  return {b.begin(), b.end()};
-}
+// How long a launcher tries to reach etcd: a server that runs already, unlike the c10d endpoint,
+// which waits for the launcher that serves it.
+constexpr std::chrono::milliseconds kEtcdConnect{30000};
 
 // Whether `host` names an address of this machine: binding to it succeeds only then.
 bool is_local_address(const std::string& host) {
@@ -58,39 +53,56 @@ bool is_local_address(const std::string& host) {
 
 }  // namespace
 
-Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
-  TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
-  if (is_local_address(o_.host)) {
+void Rendezvous::open_store() {
+  if (o_.backend == "etcd") {
+    store_ = open_etcd_store(o_.host, o_.port,
+                             std::min<std::chrono::milliseconds>(o_.join_timeout, kEtcdConnect),
+                             kStoreCallTimeout);
+    return;
+  }
+  const bool fixed = o_.fixed_node_rank >= 0;
+  if (fixed ? o_.fixed_node_rank == 0 : is_local_address(o_.host)) {
     try {
-      store_ = std::make_unique<SocketStore>(o_.host, o_.port, /*serve=*/true, o_.join_timeout);
+      store_ =
+          open_socket_store(o_.host, o_.port, /*serve=*/true, o_.join_timeout, kStoreCallTimeout);
       serving_ = true;
-      if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
+      if (o_.max_nodes > 1 && is_loopback_name(o_.host) && !fixed) {
         std::cerr << "paratrain launch: warning: --rdzv-endpoint host " << o_.host
                   << " resolves only to loopback addresses here, where the rendezvous is "
                      "served; nodes on other hosts cannot reach it: give an address they reach"
                   << std::endl;
       }
-    } catch (const std::exception&) {
-      // Another launcher on this host serves it already: join as a client below.
+    } catch (const std::exception& e) {
+      // Static: node 0 alone serves the launchers' store. Dynamic: another launcher on this
+      // host serves it already: join as a client below.
+      TORCH_CHECK(!fixed, "node 0 cannot serve the launchers' store at ", o_.host, ":", o_.port,
+                  " (--master-port + 1, where the nodes agree on restarts): ", error_message(e),
+                  "; pick another --master-port");
     }
   }
   if (!store_) {
     try {
-      store_ = std::make_unique<SocketStore>(o_.host, o_.port, /*serve=*/false, o_.join_timeout);
+      store_ =
+          open_socket_store(o_.host, o_.port, /*serve=*/false, o_.join_timeout, kStoreCallTimeout);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
                   o_.join_timeout.count() / 1000.0, " s (", error_message(e),
                   "); start the node on ", o_.host,
-                  " (it serves the rendezvous) or fix --rdzv-endpoint");
+                  fixed ? " (node 0 serves it)" : " (it serves the rendezvous)", " or fix ",
+                  fixed ? "--master-addr" : "--rdzv-endpoint");
     }
   }
-  store_->setTimeout(kStoreCallTimeout);
+}
+
+Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
+  TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
+  open_store();
   generation_ = store_->add(id_key("generation"), 0);
   my_address_ = route_source_address(o_.host, o_.port);
   if (my_address_.empty()) {
     my_address_ = o_.host;
   }
-  const std::string theirs = text(store_->compareSet(key("signature"), {}, bytes(o_.signature)));
+  const std::string theirs = store_->compare_set(key("signature"), "", o_.signature);
   TORCH_CHECK(theirs == o_.signature, "rendezvous ", describe(),
               ": the id is in use by another job (", theirs, "; this node: ", o_.signature,
               "); give this job its own --rdzv-id");
@@ -119,11 +131,11 @@ std::string Rendezvous::describe() const {
 }
 
 std::string Rendezvous::get_or(const std::string& k, const std::string& fallback) {
-  return store_->check({k}) ? text(store_->get(k)) : fallback;
+  return store_->get(k).value_or(fallback);
 }
 
 void Rendezvous::check_shutdown() {
-  if (!store_->check({key("shutdown")})) {
+  if (!store_->check(key("shutdown"))) {
     return;
   }
   if (!admitted_) {
@@ -142,7 +154,7 @@ void Rendezvous::check_shutdown() {
 void Rendezvous::shut_down(const std::string& why, int others) {
   try {
     // The first reason stands: later ones are usually its consequences.
-    store_->compareSet(key("shutdown"), {}, bytes(why));
+    store_->compare_set(key("shutdown"), "", why);
     if (serving_) {
       // The store dies with this process: wait (boundedly) until the others have read why.
       const auto deadline = Clock::now() + o_.keep_alive + std::chrono::seconds(3);
@@ -164,25 +176,26 @@ Assignment Rendezvous::next() {
     check_shutdown();
     const int64_t round = read_int(key("round"));
     const int64_t ticket = store_->add(key(round, "count"), 1);
-    const bool closed = store_->check({key(round, "closed")});
-    if (ticket > o_.max_nodes ||
-        (closed && ticket > std::stoll(get_or(key(round, "closed"), "0")))) {
+    // This node's place, from 1: the order of joining, or its fixed node rank + 1.
+    const int64_t place = o_.fixed_node_rank >= 0 ? take_place(round) : ticket;
+    const bool closed = store_->check(key(round, "closed"));
+    if (place > o_.max_nodes || (closed && place > std::stoll(get_or(key(round, "closed"), "0")))) {
       wait_standby(round);
       continue;
     }
-    store_->set(key(round, "addr" + std::to_string(ticket - 1)), bytes(my_address_));
+    store_->set(key(round, "addr" + std::to_string(place - 1)), my_address_);
     if (ticket == 1) {
       close_round(round);
     }
     wait_closed(round);
     const int64_t nnodes = std::stoll(get_or(key(round, "closed"), "0"));
-    if (ticket > nnodes) {
+    if (place > nnodes) {
       wait_standby(round);
       continue;
     }
     Assignment a;
     a.round = round;
-    a.node_rank = static_cast<int>(ticket - 1);
+    a.node_rank = static_cast<int>(place - 1);
     a.nnodes = static_cast<int>(nnodes);
     const std::string master = get_or(key(round, "master"), "");
     a.master_addr = master.substr(0, master.rfind(':'));
@@ -194,10 +207,21 @@ Assignment Rendezvous::next() {
   }
 }
 
+// Static rendezvous: this node claims its fixed node rank in the round; a second node claiming it
+// is refused (two launchers given one --node-rank).
+int64_t Rendezvous::take_place(int64_t round) {
+  const std::string me = my_address_ + " (pid " + std::to_string(::getpid()) + ")";
+  const std::string holder =
+      store_->compare_set(key(round, "claim" + std::to_string(o_.fixed_node_rank)), "", me);
+  TORCH_CHECK(holder == me, "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
+              " and this one, ", me, "): give each node its own --node-rank");
+  return o_.fixed_node_rank + 1;
+}
+
 void Rendezvous::wait_closed(int64_t round) {
   const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
-  while (!store_->check({key(round, "closed")})) {
-    if (store_->check({key(round, "failed")})) {
+  while (!store_->check(key(round, "closed"))) {
+    if (store_->check(key(round, "failed"))) {
       TORCH_CHECK(false, get_or(key(round, "failed"), ""));
     }
     check_shutdown();
@@ -230,7 +254,7 @@ void Rendezvous::close_round(int64_t round) {
                                   std::to_string(o_.join_timeout.count() / 1000.0) +
                                   " s; the others never joined: start them with --rdzv-endpoint " +
                                   o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
-      store_->set(key(round, "failed"), bytes(message));
+      store_->set(key(round, "failed"), message);
       shut_down(message, static_cast<int>(count) - 1);
       TORCH_CHECK(false, message);
     }
@@ -238,8 +262,10 @@ void Rendezvous::close_round(int64_t round) {
     std::this_thread::sleep_for(kPoll);
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
-  store_->set(key(round, "master"), bytes(my_address_ + ":" + std::to_string(pick_free_port())));
-  store_->set(key(round, "closed"), bytes(std::to_string(nnodes)));
+  store_->set(key(round, "master"), !o_.fixed_master.empty()
+                                        ? o_.fixed_master
+                                        : my_address_ + ":" + std::to_string(pick_free_port()));
+  store_->set(key(round, "closed"), std::to_string(nnodes));
 }
 
 void Rendezvous::wait_standby(int64_t round) {
@@ -257,7 +283,7 @@ void Rendezvous::wait_standby(int64_t round) {
   };
   ask([&] { return store_->add(key(round, "waiting"), 1) > 0; });
   while (ask([&] { return read_int(key("round")) <= round; })) {
-    TORCH_CHECK(!ask([&] { return store_->check({key("finished")}); }), "rendezvous ", describe(),
+    TORCH_CHECK(!ask([&] { return store_->check(key("finished")); }), "rendezvous ", describe(),
                 ": the job finished before it could take this node in");
     ask([&] {
       check_shutdown();
@@ -273,9 +299,8 @@ void Rendezvous::wait_standby(int64_t round) {
 
 void Rendezvous::open_next_round(const Assignment& a, const std::string& reason) {
   // The first opener's reason stands (compareSet on an absent key).
-  store_->compareSet(key(a.round, "next_reason"), {}, bytes(reason));
-  store_->compareSet(key("round"), bytes(std::to_string(a.round)),
-                     bytes(std::to_string(a.round + 1)));
+  store_->compare_set(key(a.round, "next_reason"), "", reason);
+  store_->compare_set(key("round"), std::to_string(a.round), std::to_string(a.round + 1));
 }
 
 bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membership) {
@@ -287,7 +312,7 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
   }
   try {
     store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
-    if (store_->check({key("shutdown")})) {
+    if (store_->check(key("shutdown"))) {
       store_->add(key("shutdown_seen"), 1);
       *why = "a node gave up: " + get_or(key("shutdown"), "");
       return true;
@@ -318,7 +343,7 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
         last_beats_[i] = beat;
         last_moved_[i] = Clock::now();
       } else if (Clock::now() - last_moved_[i] > o_.keep_alive &&
-                 !store_->check({key(a.round, "done" + std::to_string(n))})) {
+                 !store_->check(key(a.round, "done" + std::to_string(n)))) {
         *why = "node " + std::to_string(n) + " (" +
                get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
                std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
@@ -353,11 +378,11 @@ bool Rendezvous::membership_changed(const Assignment& a,
 
 void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
   try {
-    store_->set(key(a.round, "done" + std::to_string(a.node_rank)), bytes("1"));
+    store_->set(key(a.round, "done" + std::to_string(a.node_rank)), "1");
     const int64_t done = store_->add(key(a.round, "done"), 1);
     if (done == a.nnodes) {
-      store_->set(key("finished"), bytes("1"));  // standbys of this generation learn it
-      store_->add(id_key("generation"), 1);      // a later run with this id starts clean
+      store_->set(key("finished"), "1");     // standbys of this generation learn it
+      store_->add(id_key("generation"), 1);  // a later run with this id starts clean
     }
     if (!serving_ || done >= a.nnodes) {
       return;

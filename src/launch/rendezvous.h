@@ -22,7 +22,7 @@
 // cannot form. After a store call fails once (the endpoint ended, or a
 // deadline passed), the connection is not used again: next() reports it.
 
-#include "../comm/socket_store.h"
+#include "rendezvous_store.h"
 
 #include <chrono>
 #include <cstdint>
@@ -47,6 +47,14 @@ struct RendezvousOptions {
   std::chrono::milliseconds keep_alive{10000};
   /// What every node of the job must agree on (command, processes per node, min:max).
   std::string signature;
+  /// "c10d": paratrain's store, served by the launcher on the endpoint's host; "etcd": an etcd
+  /// server at the endpoint (its v3 API), which outlives any node.
+  std::string backend = "c10d";
+  /// Static rendezvous (--node-rank) with restarts agreed across nodes: this node's fixed rank
+  /// (-1: ranks in the order nodes join), node 0 serves the store, and every round's workers
+  /// meet at `fixed_master` ("addr:port", the job's --master-addr and --master-port).
+  int fixed_node_rank = -1;
+  std::string fixed_master;
 };
 
 struct Assignment {
@@ -102,7 +110,10 @@ class Rendezvous {
   void wait_standby(int64_t round);
 
   RendezvousOptions o_;
-  std::unique_ptr<SocketStore> store_;
+  void open_store();
+  int64_t take_place(int64_t round);
+
+  std::unique_ptr<RendezvousStore> store_;
   bool serving_ = false;
   bool admitted_ = false;  // this node has taken part in a round of its generation
   std::string broken_;     // why the connection to the store failed ("" while it works)

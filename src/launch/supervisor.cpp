@@ -295,7 +295,11 @@ void start_worker(const LaunchOptions& o, const JobGuard& job, Worker& w, const 
   const std::string program = find_program(o.command()[0]);
   TORCH_CHECK(!program.empty(), o.name(), ": cannot start worker ", w.rank, ": ", o.command()[0],
               " is no longer an executable program");
-  ChildProcess child(ChildOptions(o.command())
+  std::vector<std::string> argv = o.command();
+  if (o.pass_local_rank()) {
+    argv.push_back("--local_rank=" + env.at("LOCAL_RANK"));
+  }
+  ChildProcess child(ChildOptions(argv)
                          .program(program)
                          .environment(environment_with(env))
                          .inherit_environment(false)

@@ -4,6 +4,7 @@
 #include "test_util.h"
 
 #include "paratrain/io/checkpoint.h"
+#include "paratrain/io/safetensors.h"
 #include "paratrain/models/registry.h"
 #include "paratrain/train/trainer.h"  // make_optimizer, OptimizerOptions
 
@@ -71,7 +72,8 @@ TEST(Checkpoint, AtomicFilesFallbackAndPruning) {
     EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{40, 30, 20}));  // keep 3
   }
   // No temporary file is left, and the oldest checkpoint's files are gone.
-  auto r = run_process({"ls", dir}, {}, 10);
+  auto r = run_process({"/bin/ls", dir}, {}, 10);
+  EXPECT_NE(r.output.find("ckpt-0000000040.json"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find(".tmp-"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("ckpt-0000000010"), std::string::npos) << r.output;
 
@@ -111,6 +113,74 @@ TEST(Checkpoint, AtomicFilesFallbackAndPruning) {
               Checkpoint::load("/nonexistent/ckpt-0000000001.json");
             }).find("does not exist"),
             std::string::npos);
+}
+
+// Each rank's manifest lives in its tensor file's header (one file, so one fsync, per rank): a
+// damaged rank file fails its checks as a damaged shared file does, and a checkpoint written with
+// the separate rank manifest of earlier versions still loads.
+TEST(Checkpoint, RankFilesCarryTheirManifestInTheirHeader) {
+  const std::string dir = make_temp_dir("ckpt-rank");
+  const std::string base = dir + "/ckpt-00000000";
+  {
+    Checkpoint ckpt(CheckpointOptions(dir).keep(3).background(false));
+    for (int64_t step : {10, 20, 30}) {
+      CheckpointState s;
+      s.step = step;
+      s.shared["w"] = torch::full({4}, static_cast<float>(step));
+      s.own["r"] = torch::arange(64, torch::kFloat) + static_cast<float>(step);
+      ckpt.save(std::move(s));
+    }
+  }
+  auto listing = run_process({"/bin/ls", dir}, {}, 10).output;
+  EXPECT_EQ(
+      listing,
+      "ckpt-0000000010.json\nckpt-0000000010.rank-0.safetensors\nckpt-0000000010.safetensors\n"
+      "ckpt-0000000020.json\nckpt-0000000020.rank-0.safetensors\nckpt-0000000020.safetensors\n"
+      "ckpt-0000000030.json\nckpt-0000000030.rank-0.safetensors\nckpt-0000000030.safetensors\n");
+  const auto meta = load_safetensors_metadata(base + "30.rank-0.safetensors");
+  EXPECT_EQ(meta.at("step"), "30");
+  EXPECT_EQ(meta.at("rank"), "0");
+  EXPECT_EQ(meta.at("world_size"), "1");
+  EXPECT_EQ(meta.at("data_bytes"), "256");
+  // Step 30: a flipped byte in the rank file's data. Step 20: the rank file cut short.
+  {
+    std::fstream f(base + "30.rank-0.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x55');
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat((base + "20.rank-0.safetensors").c_str(), &st), 0);
+  ASSERT_EQ(::truncate((base + "20.rank-0.safetensors").c_str(), st.st_size - 4), 0);
+  // Step 10 as an earlier version wrote it: a rank file without the header's fields, and its
+  // manifest beside it.
+  const TensorMap own10{{"r", torch::arange(64, torch::kFloat) + 10.0f}};
+  save_safetensors(own10, base + "10.rank-0.safetensors");
+  std::ifstream in10(base + "10.rank-0.safetensors", std::ios::binary);
+  const std::string bytes10((std::istreambuf_iterator<char>(in10)),
+                            std::istreambuf_iterator<char>());
+  const auto crc10 = crc32_of({{bytes10.data(), bytes10.size()}});
+  std::ofstream(base + "10.rank-0.json")
+      << "{\"step\": 10, \"rank\": 0, \"world_size\": 1, \"tensors\": {\"file\": "
+         "\"ckpt-0000000010.rank-0.safetensors\", \"bytes\": "
+      << bytes10.size() << ", \"crc32\": " << crc10 << "}}\n";
+
+  Checkpoint ckpt(CheckpointOptions(dir).keep(3));
+  std::vector<std::string> warnings;
+  auto s = ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); });
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->step, 10);
+  EXPECT_TRUE(torch::equal(s->own.at("r"), own10.at("r")));
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("ckpt-0000000030.rank-0.safetensors fails its CRC-32 check"),
+            std::string::npos)
+      << warnings[0];
+  EXPECT_NE(warnings[1].find("ckpt-0000000020.rank-0.safetensors"), std::string::npos)
+      << warnings[1];
+  EXPECT_NE(error_of([&] {
+              Checkpoint::load_own(base + "30.json", 1, 30);
+            }).find("ckpt-0000000030.rank-1.safetensors"),
+            std::string::npos);
+  remove_tree(dir);
 }
 
 TEST(Checkpoint, RngStateRestoresTheSameDraws) {

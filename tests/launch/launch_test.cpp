@@ -318,6 +318,37 @@ TEST(Launch, MpiWorkerFailureEndsTheJob) {
   expect_no_leftovers(token);
 }
 
+// A script written for torch.distributed.launch reads args.local_rank: --pass-local-rank appends
+// --local_rank=N after its own arguments, as that launcher did; without it every rank would take
+// the default, 0, which the script refuses.
+TEST(Launch, PassLocalRankServesTorchDistributedLaunchScripts) {
+  if (!python_has("torch")) {
+    GTEST_SKIP() << test_python() << " has no torch (Debian's python3-torch) to run the script";
+  }
+  const std::string script =
+      std::string(PARATRAIN_TEST_DATA_DIR) + "/../launch/local_rank_script.py";
+  auto run = [&](bool pass) {
+    std::vector<std::string> argv{cli_path(), "launch", "--standalone", "--nproc-per-node", "3"};
+    if (pass) {
+      argv.push_back("--pass-local-rank");
+    }
+    argv.insert(argv.end(), {"--", test_python(), script, "--tag", "x"});
+    return run_process(argv, {{"OMP_NUM_THREADS", "1"}}, 180);
+  };
+  auto r = run(true);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(
+        r.output.find("[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                      ": local_rank " + std::to_string(rank) + " agrees with LOCAL_RANK (tag x)"),
+        std::string::npos)
+        << r.output;
+  }
+  r = run(false);
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("--local_rank=0 but LOCAL_RANK="), std::string::npos) << r.output;
+}
+
 TEST(Spawn, ChildrenRunAndParentContinues) {
   auto r = run_process({spawn_probe_path(), "2"}, {{"PARATRAIN_TIMEOUT", "60"}}, 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;

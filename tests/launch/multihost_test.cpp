@@ -12,8 +12,10 @@
 #include <signal.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -61,34 +63,105 @@ void expect_ranks_ok(const std::vector<ProcessResult>& results, int world) {
   }
 }
 
+// `paratrain launch` of host k of a static two-node job (2 ranks each, node 0 serving at 29500).
+std::vector<std::string> static_launch(const FakeHosts& hosts,
+                                       int k,
+                                       const std::vector<std::string>& extra,
+                                       const std::vector<std::string>& worker) {
+  std::vector<std::string> argv{cli_path(),         "launch",
+                                "--nnodes",         "2",
+                                "--nproc-per-node", "2",
+                                "--node-rank",      std::to_string(k),
+                                "--master-addr",    hosts.address(0),
+                                "--master-port",    "29500"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.push_back("--");
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  return argv;
+}
+
 void expect_ddp_across_hosts(const std::string& backend) {
   FakeHosts hosts(2);
-  auto results = run_on_hosts(hosts,
-                              [&](int k) {
-                                return std::vector<std::string>{cli_path(),
-                                                                "launch",
-                                                                "--nnodes",
-                                                                "2",
-                                                                "--nproc-per-node",
-                                                                "2",
-                                                                "--node-rank",
-                                                                std::to_string(k),
-                                                                "--master-addr",
-                                                                hosts.address(0),
-                                                                "--master-port",
-                                                                "29500",
-                                                                "--backend",
-                                                                backend,
-                                                                "--",
-                                                                PARATRAIN_TEST_DDP_WORKER};
-                              },
-                              {{"PARATRAIN_TIMEOUT", "60"}});
+  auto results = run_on_hosts(
+      hosts,
+      [&](int k) {
+        return static_launch(hosts, k, {"--backend", backend}, {PARATRAIN_TEST_DDP_WORKER});
+      },
+      {{"PARATRAIN_TIMEOUT", "60"}});
   expect_ranks_ok(results, 4);
 }
 
 TEST(MultiHost, DdpOnGlooAcrossTwoHostsEqualsOneProcess) {
   SKIP_WITHOUT_NAMESPACES();
   expect_ddp_across_hosts("gloo");
+}
+
+// Inside a Slurm allocation of two nodes, srun starts one launcher per node with the allocation's
+// variables (here given as srun would: the node list names the hosts' addresses, as Slurm's
+// NodeName list can). Neither launcher is told --nnodes, --node-rank or --master-addr.
+TEST(MultiHost, SlurmAllocationPlacesEachNode) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(2);
+  auto results = run_on_hosts(hosts,
+                              [&](int k) {
+                                return std::vector<std::string>{"/usr/bin/env",
+                                                                "SLURM_NODEID=" + std::to_string(k),
+                                                                cli_path(),
+                                                                "launch",
+                                                                "--nproc-per-node",
+                                                                "2",
+                                                                "--",
+                                                                PARATRAIN_TEST_DDP_WORKER};
+                              },
+                              {{"PARATRAIN_TIMEOUT", "60"},
+                               {"SLURM_JOB_ID", "77"},
+                               {"SLURM_JOB_NODELIST", "10.77.0.[1-2]"},
+                               {"SLURM_NNODES", "2"}});
+  expect_ranks_ok(results, 4);
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_NE(results[static_cast<size_t>(k)].output.find(
+                  "Slurm job 77: node " + std::to_string(k) + " of 2 (" + hosts.address(k) +
+                  "), node 0 " + hosts.address(0)),
+              std::string::npos)
+        << results[static_cast<size_t>(k)].output;
+  }
+}
+
+// Static rendezvous with --max-restarts on two hosts: host 1's worker fails in the first attempt
+// while host 0's would run for minutes. Host 0 stops its worker at once, and both start attempt 1
+// together with one TORCHELASTIC_RESTART_COUNT, in which DDP across the hosts matches one process.
+TEST(MultiHost, StaticRestartsAreAgreedAcrossNodes) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(2);
+  const std::string script =
+      "echo \"attempt $TORCHELASTIC_RESTART_COUNT of node $GROUP_RANK\"; "
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then "
+      "  if [ \"$GROUP_RANK\" = 1 ]; then sleep 2; exit 3; fi; sleep 300; fi; "
+      "exec \"$0\"";
+  const auto start = std::chrono::steady_clock::now();
+  auto results =
+      run_on_hosts(hosts,
+                   [&](int k) {
+                     return static_launch(hosts, k, {"--max-restarts", "2"},
+                                          {"/bin/sh", "-c", script, PARATRAIN_TEST_DDP_WORKER});
+                   },
+                   {{"PARATRAIN_TIMEOUT", "60"}});
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  expect_ranks_ok(results, 4);
+  EXPECT_LT(seconds, 120) << "host 0 waited for its worker instead of restarting with host 1";
+  for (int k = 0; k < 2; ++k) {
+    const std::string& out = results[static_cast<size_t>(k)].output;
+    EXPECT_NE(out.find("attempt 1 of node " + std::to_string(k)), std::string::npos) << out;
+    EXPECT_EQ(out.find("attempt 2 of node"), std::string::npos) << out;
+    EXPECT_NE(out.find("round 1: node " + std::to_string(k) + " of 2, world size 4"),
+              std::string::npos)
+        << out;
+  }
+  EXPECT_NE(results[1].output.find("exited with code 3"), std::string::npos) << results[1].output;
+  EXPECT_NE(results[0].output.find("another node opened rendezvous round 1 after a failure"),
+            std::string::npos)
+      << results[0].output;
 }
 
 #ifdef PARATRAIN_WITH_MPI
@@ -161,10 +234,12 @@ std::vector<std::string> rdzv_launch(const FakeHosts& hosts,
                                      const std::string& nnodes,
                                      const std::vector<std::string>& extra,
                                      const std::vector<std::string>& worker) {
-  std::vector<std::string> argv{
-      cli_path(),         "launch", "--nnodes",        nnodes,
-      "--nproc-per-node", "1",      "--rdzv-endpoint", hosts.address(0) + ":29400",
-      "--rdzv-id",        id};
+  std::vector<std::string> argv{cli_path(),         "launch", "--nnodes",  nnodes,
+                                "--nproc-per-node", "1",      "--rdzv-id", id};
+  // Host 0's port 29400, unless `extra` names the endpoint (an etcd's).
+  if (std::find(extra.begin(), extra.end(), "--rdzv-endpoint") == extra.end()) {
+    argv.insert(argv.end(), {"--rdzv-endpoint", hosts.address(0) + ":29400"});
+  }
   argv.insert(argv.end(), extra.begin(), extra.end());
   argv.push_back("--");
   argv.insert(argv.end(), worker.begin(), worker.end());
@@ -262,48 +337,9 @@ TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
   }
 }
 
-// The Trainer across a membership change: three hosts train one epoch with checkpoints, host 2
-// dies mid-epoch, and the other two resume the newest checkpoint (made by three ranks) with two.
-// The rest of the epoch is shared out anew, so across the trained steps (for each step, the
-// attempt that last trained it) every sample of the epoch is trained once; only the sampler's
-// padding to an even split (at most world - 1 samples) may repeat one.
-TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
-  SKIP_WITHOUT_NAMESPACES();
-  FakeHosts hosts(3);
-  const std::string dir = "/tmp/" + unique_token("paratrain-elastic");
-  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
-  const std::string ckpt = dir + "/ckpt";
-  const int samples = 960;
-  const std::vector<std::string> worker{PARATRAIN_TEST_ELASTIC_WORKER, dir, ckpt,
-                                        std::to_string(samples), "100"};
-  std::vector<RunningProcess> running;
-  start_elastic(running, hosts, "train", 0, 3, kFastElastic, worker);
-  for (auto& p : running) {
-    ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
-  }
-  // Kill once a checkpoint of the three is on disk, mid-epoch.
-  auto listing = [&] {
-    return run_process(
-               {"/bin/sh", "-c", "ls '" + ckpt + "' 2>/dev/null | grep -c '^ckpt-[0-9]*.json$'"},
-               {}, 10)
-        .output;
-  };
-  for (int i = 0; i < 600 && std::atoi(listing().c_str()) < 2; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_GE(std::atoi(listing().c_str()), 2) << running[0].output;
-  ::kill(-running[2].pid, SIGKILL);
-  ::kill(running[2].pid, SIGKILL);
-  running[2].finish(30);
-  for (int k = 0; k < 2; ++k) {
-    auto r = running[static_cast<size_t>(k)].finish(180);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("of 2, world size 2"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("ok world 2"), std::string::npos) << r.output;
-  }
-  // Rank 0 of the new world (on host 0 or 1) says where it resumed.
-  EXPECT_NE((running[0].output + running[1].output).find("resumed from "), std::string::npos)
-      << running[0].output << running[1].output;
+// Across the attempts' logs in `dir` (rank-R.attempt-A: "epoch step samples..." per line), every
+// sample of the epoch was trained once, by the attempt that last trained its step.
+void expect_every_sample_once(const std::string& dir, int samples) {
   // step -> (attempt, samples trained at that step by every rank of that attempt)
   std::map<int64_t, std::pair<int, std::vector<int64_t>>> trained;
   int attempts_seen = 0;
@@ -343,7 +379,68 @@ TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
     EXPECT_GE(count[static_cast<size_t>(i)], 1) << "sample " << i << " was never trained";
   }
   EXPECT_LE(total - samples, 1) << "samples trained twice beyond the sampler's padding";
+}
+
+// The Trainer across a membership change: three hosts train one epoch with checkpoints, host
+// `victim` dies mid-epoch (SIGKILL of its launcher, whose workers follow), and the other two resume
+// the newest checkpoint (made by three ranks) with two. The rest of the epoch is shared out anew,
+// so across the trained steps (for each step, the attempt that last trained it) every sample of
+// the epoch is trained once; only the sampler's padding to an even split (at most world - 1
+// samples) may repeat one. `conf`: the rendezvous' flags.
+void expect_no_sample_lost(const FakeHosts& hosts,
+                           const std::string& id,
+                           const std::vector<std::string>& conf,
+                           int victim) {
+  const std::string dir = "/tmp/" + unique_token("paratrain-elastic");
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  const std::string ckpt = dir + "/ckpt";
+  const int samples = 960;
+  const std::vector<std::string> worker{PARATRAIN_TEST_ELASTIC_WORKER, dir, ckpt,
+                                        std::to_string(samples), "100"};
+  std::vector<RunningProcess> running;
+  // Host 0 first: it joins the rendezvous before the others.
+  start_elastic(running, hosts, id, 0, 1, conf, worker);
+  ASSERT_TRUE(running[0].wait_for_output("joining", 30)) << running[0].output;
+  start_elastic(running, hosts, id, 1, 3, conf, worker);
+  for (auto& p : running) {
+    ASSERT_TRUE(p.wait_for_output("world size 3", 60)) << p.output;
+  }
+  // Kill once a checkpoint of the three is on disk, mid-epoch.
+  auto listing = [&] {
+    return run_process(
+               {"/bin/sh", "-c", "ls '" + ckpt + "' 2>/dev/null | grep -c '^ckpt-[0-9]*.json$'"},
+               {}, 10)
+        .output;
+  };
+  for (int i = 0; i < 600 && std::atoi(listing().c_str()) < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_GE(std::atoi(listing().c_str()), 2) << running[0].output;
+  const auto v = static_cast<size_t>(victim);
+  ::kill(-running[v].pid, SIGKILL);
+  ::kill(running[v].pid, SIGKILL);
+  running[v].finish(30);
+  std::string survivors;
+  for (size_t k = 0; k < 3; ++k) {
+    if (k == v) {
+      continue;
+    }
+    auto r = running[k].finish(180);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("of 2, world size 2"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("ok world 2"), std::string::npos) << r.output;
+    survivors += r.output;
+  }
+  // Rank 0 of the new world says where it resumed.
+  EXPECT_NE(survivors.find("resumed from "), std::string::npos) << survivors;
+  expect_every_sample_once(dir, samples);
   remove_tree(dir);
+}
+
+TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(3);
+  expect_no_sample_lost(hosts, "train", kFastElastic, 2);
 }
 
 // A host that comes while the job runs (--nnodes 2:3) waits as a standby; the running nodes form a
@@ -528,6 +625,158 @@ TEST(Rendezvous, IdInUseByAnotherJob) {
       << second.output;
   ::kill(-first.pid, SIGKILL);
   first.finish(10);
+}
+
+// ---- --rdzv-backend etcd ------------------------------------------------------------------------
+
+// Debian's etcd, started for a test with its data in a temporary directory: on loopback, or in a
+// namespace host (`exec_in` wraps its command line). Stopped and removed with the object.
+class EtcdServer {
+ public:
+  static std::string unavailable_reason() {
+    return dist::find_program("etcd").empty()
+               ? "etcd is missing (Debian's etcd-server; scripts/setup.sh installs it)"
+               : "";
+  }
+
+  EtcdServer(
+      const std::string& address,
+      const std::function<std::vector<std::string>(std::vector<std::string>)>& exec_in = nullptr)
+      : dir_("/tmp/" + unique_token("paratrain-etcd")), address_(address) {
+    port_ = free_port();
+    const std::string client = "http://" + address + ":" + std::to_string(port_);
+    const std::string peer = "http://127.0.0.1:" + std::to_string(free_port());
+    std::vector<std::string> argv{dist::find_program("etcd"),
+                                  "--data-dir",
+                                  dir_,
+                                  "--listen-client-urls",
+                                  client,
+                                  "--advertise-client-urls",
+                                  client,
+                                  "--listen-peer-urls",
+                                  peer,
+                                  "--initial-advertise-peer-urls",
+                                  peer,
+                                  "--initial-cluster",
+                                  "default=" + peer};
+    server_ = start_process(exec_in ? exec_in(argv) : argv);
+    ready_ = server_.wait_for_output("ready to serve client requests", 60);
+  }
+
+  ~EtcdServer() {
+    ::kill(server_.pid, SIGTERM);
+    server_.finish(30);
+    remove_tree(dir_);
+  }
+
+  bool ready() const { return ready_; }
+  const std::string& log() const { return server_.output; }
+  std::string endpoint() const { return address_ + ":" + std::to_string(port_); }
+
+ private:
+  std::string dir_, address_;
+  int port_ = 0;
+  RunningProcess server_;
+  bool ready_ = false;
+};
+
+#define SKIP_WITHOUT_ETCD()                                   \
+  do {                                                        \
+    const std::string why = EtcdServer::unavailable_reason(); \
+    if (!why.empty()) {                                       \
+      GTEST_SKIP() << why;                                    \
+    }                                                         \
+  } while (0)
+
+// Three hosts (--nnodes 2:3) keep their rendezvous in an etcd on a fourth. The launcher of the
+// host that joined first is killed: with the c10d backend it served the rendezvous, which would
+// die with it; with etcd the other two form a new round and finish the epoch, losing no sample.
+TEST(Etcd, ElasticJobSurvivesTheFirstHostsDeath) {
+  SKIP_WITHOUT_NAMESPACES();
+  SKIP_WITHOUT_ETCD();
+  FakeHosts hosts(4);
+  EtcdServer etcd(hosts.address(3),
+                  [&](std::vector<std::string> argv) { return hosts.exec(3, argv); });
+  ASSERT_TRUE(etcd.ready()) << etcd.log();
+  std::vector<std::string> conf{"--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint()};
+  conf.insert(conf.end(), kFastElastic.begin(), kFastElastic.end());
+  expect_no_sample_lost(hosts, "etcd-train", conf, 0);
+}
+
+// Two jobs of two nodes each share one etcd: their ids keep them apart, and each has its node 0
+// and node 1.
+TEST(Etcd, JobsWithOtherIdsDoNotMix) {
+  SKIP_WITHOUT_ETCD();
+  EtcdServer etcd("127.0.0.1");
+  ASSERT_TRUE(etcd.ready()) << etcd.log();
+  std::vector<RunningProcess> running;
+  const std::vector<std::string> ids{"a", "b", "a", "b"};
+  for (const auto& id : ids) {
+    running.push_back(
+        start_process({cli_path(), "launch", "--nnodes", "2", "--nproc-per-node", "1",
+                       "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoint(), "--rdzv-id",
+                       id, "--rdzv-conf", "last_call_timeout=1", "--", PARATRAIN_TEST_DDP_WORKER},
+                      {{"PARATRAIN_TIMEOUT", "60"}}));
+  }
+  std::map<std::string, std::string> by_job;
+  for (size_t i = 0; i < running.size(); ++i) {
+    auto r = running[i].finish(120);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    by_job[ids[i]] += r.output;
+  }
+  for (const auto& [id, output] : by_job) {
+    for (const char* place :
+         {"round 0: node 0 of 2", "round 0: node 1 of 2", "rank 0: ok", "rank 1: ok"}) {
+      EXPECT_NE(output.find(place), std::string::npos) << id << ": " << place << "\n" << output;
+    }
+    EXPECT_EQ(output.find("world size 4"), std::string::npos) << output;
+  }
+}
+
+// No etcd at the endpoint, or something else there: one line each, and a non-zero exit.
+TEST(Etcd, BadEndpointsAreOneLine) {
+  const std::string nothing = "127.0.0.1:" + std::to_string(free_port());
+  const std::string web = "127.0.0.1:" + std::to_string(free_port());
+  const std::string banner = "127.0.0.1:" + std::to_string(free_port());
+  const std::string python = dist::find_program("python3");
+  ASSERT_FALSE(python.empty());
+  auto http = start_process(
+      {python, "-u", "-m", "http.server", "--bind", "127.0.0.1", web.substr(web.find(':') + 1)});
+  auto ssh_like = start_process(
+      {python, "-c",
+       "import socket, time\n"
+       "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+       "s.bind(('127.0.0.1', " +
+           banner.substr(banner.find(':') + 1) +
+           ")); s.listen(); print('listening', flush=True)\n"
+           "while True:\n"
+           "    c, _ = s.accept(); c.sendall(b'SSH-2.0-OpenSSH_9.2\\r\\n'); time.sleep(1); "
+           "c.close()\n"});
+  ASSERT_TRUE(http.wait_for_output("Serving HTTP", 30)) << http.output;
+  ASSERT_TRUE(ssh_like.wait_for_output("listening", 30)) << ssh_like.output;
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {nothing, "--rdzv-endpoint " + nothing +
+                    ": cannot reach etcd within 2 s (Connection refused); start etcd there"},
+      {web, "--rdzv-endpoint " + web +
+                ": the server there is not etcd (it answered etcd's v3 range request with HTTP "
+                "501"},
+      {banner, "--rdzv-endpoint " + banner + ": the connection opened, but no HTTP answer came"},
+  };
+  for (const auto& [endpoint, message] : cases) {
+    auto r = run_process(
+        {cli_path(), "launch", "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+         endpoint, "--rdzv-conf", "join_timeout=2", "--", "/bin/true"},
+        {}, 60);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("paratrain launch: error: " + message), std::string::npos)
+        << message << "\n"
+        << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+  ::kill(http.pid, SIGTERM);
+  ::kill(ssh_like.pid, SIGTERM);
+  http.finish(10);
+  ssh_like.finish(10);
 }
 
 TEST(MultiHost, BadHostfiles) {

@@ -3,8 +3,10 @@
 // printed. Needs root and the slurm packages (scripts/setup.sh); without them the tests skip and
 // say why.
 
+#include "paratrain/launch/slurm.h"
 #include "test_util.h"
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -12,6 +14,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -183,6 +186,19 @@ TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {
   struct stat st;
   EXPECT_EQ(::stat(weights.c_str(), &st), 0) << r.output;
 
+  // The README's multi-node form, on this one node: launch reads the allocation (node 0 of 1).
+  r = slurm.batch(
+      "#!/bin/sh\n#SBATCH --nodes 1\n#SBATCH --ntasks-per-node 1\n#SBATCH --time 10\n"
+      "srun --ntasks-per-node 1 " +
+      cli_path() + " launch --nproc-per-node 2 --master-port " + std::to_string(free_port()) +
+      " -- " + PARATRAIN_TEST_DDP_WORKER + "\n");
+  EXPECT_EQ(r.exit_code, 0) << r.output << slurm.logs();
+  EXPECT_NE(r.output.find(": node 0 of 1 ("), std::string::npos) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(r.output.find("rank " + std::to_string(rank) + ": ok"), std::string::npos)
+        << r.output;
+  }
+
   // paratrain launch inside the allocation.
   r = slurm.batch("#!/bin/sh\n#SBATCH --ntasks 2\n#SBATCH --time 10\n" + cli_path() +
                   " launch --standalone --nproc-per-node 2 -- " + PARATRAIN_TEST_DDP_WORKER + "\n");
@@ -191,6 +207,109 @@ TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {
     EXPECT_NE(r.output.find("rank " + std::to_string(rank) + ": ok"), std::string::npos)
         << r.output;
   }
+}
+
+// Slurm's host lists, expanded as `scontrol show hostnames` expands them (it needs a slurm.conf,
+// any will do: it reads no node from it).
+TEST(SlurmHostList, ExpandsAsScontrolDoes) {
+  if (::access("/usr/bin/scontrol", X_OK) != 0) {
+    GTEST_SKIP() << "/usr/bin/scontrol is missing (Debian's slurm-client; scripts/setup.sh "
+                    "installs it)";
+  }
+  const std::string conf = "/tmp/" + unique_token("paratrain-hostlist") + ".conf";
+  std::ofstream(conf) << "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost\n"
+                         "PartitionName=p Nodes=localhost\n";
+  for (const std::string list :
+       {"node[01-04,07]", "node[01-04,07],gpu1", "10.77.0.[1-2]", "a[1-2]b[3-4]",
+        "n[9-11],n[009-011]", "n[01-3]", "n[1-03]", "x,y z", "n[1-2][3]", "solo"}) {
+    auto r =
+        run_process({"/usr/bin/scontrol", "show", "hostnames", list}, {{"SLURM_CONF", conf}}, 30);
+    ASSERT_EQ(r.exit_code, 0) << list << ": " << r.output;
+    std::string ours;
+    for (const auto& h : dist::expand_hostlist(list)) {
+      ours += h + "\n";
+    }
+    EXPECT_EQ(ours, r.output) << list;
+  }
+  std::remove(conf.c_str());
+}
+
+TEST(SlurmHostList, BadListsAreOneLine) {
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"node[01-", "node list 'node[01-' opens a bracket it never closes"},
+      {"node[3-1]", "node list 'node[3-1]': the range '3-1' runs backwards"},
+      {"node[1-2]]", "node list 'node[1-2]]' has a ']' without its '['"},
+      {"n[a-b]", "node list 'n[a-b]': '[a-b]' is not a range"},
+      {"n[1,,2]", "node list 'n[1,,2]': '[]' is not a range"},
+      {"n[1-2]x", "node list 'n[1-2]x': 'n[1-2]x' has text after its last bracket group"},
+      {"n[[1]]", "node list 'n[[1]]' has a bracket inside a bracket"},
+      {",", "node list ',' names no host"},
+      {"n[1-99999999]", "names more than"},
+  };
+  for (const auto& [list, message] : cases) {
+    try {
+      dist::expand_hostlist(list);
+      ADD_FAILURE() << list << " was accepted";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(message), std::string::npos)
+          << list << ": " << e.what_without_backtrace();
+    }
+  }
+}
+
+TEST(SlurmHostList, PlacementFromTheAllocationsVariables) {
+  EXPECT_FALSE(dist::slurm_placement({{"SLURM_NODEID", "1"}}).has_value());
+  const auto p = dist::slurm_placement({{"SLURM_JOB_ID", "42"},
+                                        {"SLURM_JOB_NODELIST", "gpu[07-09]"},
+                                        {"SLURM_NNODES", "3"},
+                                        {"SLURM_NODEID", "2"}});
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->nnodes, 3);
+  EXPECT_EQ(p->node_rank, 2);
+  EXPECT_EQ(p->master_addr, "gpu07");
+  EXPECT_EQ(p->hosts.back(), "gpu09");
+  const std::vector<std::pair<std::map<std::string, std::string>, std::string>> bad{
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2"}},
+       "SLURM_JOB_NODELIST: node list 'a[1-2' opens a bracket it never closes; give --nnodes, "
+       "--node-rank and --master-addr instead"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NODEID", "2"}},
+       "SLURM_NODEID=2 is beyond SLURM_JOB_NODELIST 'a[1-2]' (2 hosts)"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NNODES", "3"}},
+       "SLURM_NNODES=3 but SLURM_JOB_NODELIST 'a[1-2]' names 2 hosts"},
+      {{{"SLURM_JOB_ID", "1"}}, "SLURM_JOB_ID is set (1) but SLURM_JOB_NODELIST is not"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a"}, {"SLURM_NODEID", "x"}},
+       "SLURM_NODEID='x' is not a number"},
+      {{{"SLURM_JOB_ID", "1"},
+        {"SLURM_JOB_NODELIST", "a"},
+        {"SLURM_STEP_NUM_TASKS", "2"},
+        {"SLURM_STEP_NUM_NODES", "1"}},
+       "srun started 2 tasks on 1 node: paratrain launch starts a node's workers itself; run one "
+       "per node (srun --ntasks-per-node 1)"},
+  };
+  for (const auto& [env, message] : bad) {
+    try {
+      dist::slurm_placement(env);
+      ADD_FAILURE() << message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(message), std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+}
+
+// The CLI says the same in one line and exits non-zero, before starting anything.
+TEST(SlurmHostList, LaunchRefusesABadAllocation) {
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "1", "--", "/bin/true"},
+                       {{"SLURM_JOB_ID", "5"},
+                        {"SLURM_JOB_NODELIST", "node[1-2],node3"},
+                        {"SLURM_NNODES", "3"},
+                        {"SLURM_NODEID", "3"}},
+                       60);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("paratrain launch: error: SLURM_NODEID=3 is beyond SLURM_JOB_NODELIST "
+                          "'node[1-2],node3' (3 hosts)"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -85,9 +85,11 @@ void expect_exact_resume(const std::vector<std::string>& extra,
   }
   if (ranks > 1) {
     // Every rank prunes its own files: at most --keep (3) checkpoints of rank 1 stay.
-    auto ls = run_process({"/bin/sh", "-c", "ls '" + dir + "' | grep -c 'rank-1.json$'"}, {}, 10);
+    auto ls =
+        run_process({"/bin/sh", "-c", "ls '" + dir + "' | grep -c 'rank-1.safetensors$'"}, {}, 10);
     ASSERT_EQ(ls.exit_code, 0) << ls.output;
     EXPECT_LE(std::atoi(ls.output.c_str()), 3) << ls.output;
+    EXPECT_GE(std::atoi(ls.output.c_str()), 1) << ls.output;
   }
   const std::string wa = read_bytes(whole);
   ASSERT_GT(wa.size(), 1000u);

@@ -16,10 +16,13 @@
 // Layout in the directory, for step N: rank 0 writes ckpt-N.safetensors (the state every rank
 // shares: model, optimizer, masters) and then its manifest ckpt-N.json (the step, the world size,
 // the caller's metadata as JSON, and the tensor file's size and CRC-32). Every rank r writes its
-// own ckpt-N.rank-r.safetensors and ckpt-N.rank-r.json (RNG states). A sharded optimizer adds
-// tensors to the rank files. Each file is written to a temporary name, fsynced, renamed, and
-// the directory fsynced: a checkpoint is either whole or absent from the listing, and a damaged
-// one (a truncated file, a flipped byte) fails its checksum on load.
+// own ckpt-N.rank-r.safetensors (RNG states), whose header holds the step, the rank, the world
+// size and the CRC-32 of its tensor data. A sharded optimizer adds tensors to the rank files.
+// Each file is written to a temporary name, fsynced and renamed; the directory is fsynced once,
+// after the rank's last file. load_latest takes a checkpoint only when every file it reads
+// verifies on every rank, so a checkpoint is either whole or skipped, and a damaged one (a missing
+// or truncated file, a flipped byte) fails its checks on load. Checkpoints of earlier versions,
+// with a ckpt-N.rank-r.json beside each rank file, load as before.
 #pragma once
 
 #include "paratrain/comm/process_group.h"

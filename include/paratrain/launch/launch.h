@@ -42,6 +42,9 @@ struct LaunchOptions {
   TORCH_ARG(std::string, backend) = "";
   /// Program and arguments of each worker.
   TORCH_ARG(std::vector<std::string>, command) = {};
+  /// torch.distributed.launch's way of telling a script its local rank: append
+  /// "--local_rank=N" to each worker's arguments (LOCAL_RANK is set either way).
+  TORCH_ARG(bool, pass_local_rank) = false;
   /// Extra environment for every worker (set after the contract; does not override it).
   TORCH_ARG(Environment, env) = {};
   /// Time between SIGTERM and SIGKILL when stopping workers.
@@ -52,6 +55,10 @@ struct LaunchOptions {
   TORCH_ARG(std::string, name) = "paratrain launch";
   /// torchrun's --max-restarts: when a worker fails, every worker is stopped and all are started
   /// again, up to this many times, with TORCHELASTIC_RESTART_COUNT set to the attempt (0 first).
+  /// With several nodes and a static rendezvous (node_rank, master_addr), the nodes agree on
+  /// each restart: a failure on any node stops every node's workers, and all start the next
+  /// attempt together with one TORCHELASTIC_RESTART_COUNT. Their launchers meet in a store that
+  /// node 0's launcher serves at master_addr, port master_port + 1.
   TORCH_ARG(int, max_restarts) = 0;
   /// With backend "mpi" (or routes with mpi): the command mpirun starts on each rank in front of
   /// `command`, which relays that rank's output and reports its failure. Empty: `paratrain launch
@@ -63,6 +70,9 @@ struct LaunchOptions {
   /// node_rank and master_addr are not used. With min_nodes < nnodes the job is elastic (see
   /// launch()).
   TORCH_ARG(std::string, rdzv_endpoint) = "";
+  /// Where the dynamic rendezvous lives: "c10d" (the launcher on the endpoint's host serves it)
+  /// or "etcd" (an etcd server at the endpoint, torchrun's etcd backend: any node may die).
+  TORCH_ARG(std::string, rdzv_backend) = "c10d";
   /// The job's name at the endpoint: nodes with other ids never mix.
   TORCH_ARG(std::string, rdzv_id) = "none";
   /// torchrun's --nnodes MIN:MAX; 0: nnodes (a fixed number of nodes).
