@@ -79,18 +79,26 @@ constexpr const char* kRankFormat = "paratrain-checkpoint-rank-1";
 // A rank's own tensors, with its step, rank, world size and the data's checksum in the header.
 void write_rank_file(
     const std::string& path, const TensorMap& tensors, int64_t step, int rank, int world_size) {
-  const std::vector<FilePiece> data = data_pieces(encode_safetensors(tensors));
+  // Encoded once to checksum the data, then again with the checksum in the header, from the host
+  // tensors of the first encoding (which must outlive `data`).
+  const SafetensorsParts plain = encode_safetensors(tensors);
+  const std::vector<FilePiece> data = data_pieces(plain);
   size_t bytes = 0;
   for (const auto& p : data) {
     bytes += p.size;
   }
+  TensorMap host;
+  auto it = plain.tensors.begin();
+  for (const auto& kv : tensors) {  // encode_safetensors keeps the map's order
+    host.emplace(kv.first, *it++);
+  }
   const SafetensorsParts parts =
-      encode_safetensors(tensors, {{"paratrain", kRankFormat},
-                                   {"step", std::to_string(step)},
-                                   {"rank", std::to_string(rank)},
-                                   {"world_size", std::to_string(world_size)},
-                                   {"data_bytes", std::to_string(bytes)},
-                                   {"data_crc32", std::to_string(crc32_of(data))}});
+      encode_safetensors(host, {{"paratrain", kRankFormat},
+                                {"step", std::to_string(step)},
+                                {"rank", std::to_string(rank)},
+                                {"world_size", std::to_string(world_size)},
+                                {"data_bytes", std::to_string(bytes)},
+                                {"data_crc32", std::to_string(crc32_of(data))}});
   std::vector<FilePiece> pieces{{parts.header.data(), parts.header.size()}};
   for (const auto& p : data_pieces(parts)) {
     pieces.push_back(p);
@@ -124,9 +132,7 @@ TensorMap read_tensors(const std::string& dir, const Json& entry) {
   const size_t want = entry.at("bytes").get<size_t>();
   TORCH_CHECK(bytes.size() == want, path, " has ", bytes.size(), " bytes, its manifest says ", want,
               ": the file is truncated or damaged");
-  const uint32_t crc = static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0),
-                                                   reinterpret_cast<const Bytef*>(bytes.data()),
-                                                   static_cast<uInt>(bytes.size())));
+  const uint32_t crc = crc32_of({{bytes.data(), bytes.size()}});  // in pieces of zlib's uInt
   TORCH_CHECK(crc == entry.at("crc32").get<uint32_t>(), path, " fails its CRC-32 check (", crc,
               " against ", entry.at("crc32").get<uint32_t>(), "): the file is damaged");
   return load_safetensors_bytes(bytes.data(), bytes.size(), path);
@@ -280,6 +286,8 @@ void Checkpoint::write(const CheckpointState& s) {
   // Own files first: rank 0's manifest, written last, is what makes a checkpoint visible. The
   // world size too: a rank file left by an attempt of another size at the same step must not pass
   // for this one's (its shards split the optimizer differently).
+  // A rank manifest of an earlier version at this step would be taken over the new file's header.
+  ::unlink((dir + "/" + rank_stem(s.step, rank_) + ".json").c_str());
   write_rank_file(dir + "/" + rank_stem(s.step, rank_) + ".safetensors", s.own, s.step, rank_,
                   pg_ ? pg_->size() : 1);
   if (rank_ == 0) {

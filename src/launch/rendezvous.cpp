@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 namespace paratrain {
@@ -66,10 +67,12 @@ void Rendezvous::open_store() {
       store_ =
           open_socket_store(o_.host, o_.port, /*serve=*/true, o_.join_timeout, kStoreCallTimeout);
       serving_ = true;
-      if (o_.max_nodes > 1 && is_loopback_name(o_.host) && !fixed) {
-        std::cerr << "paratrain launch: warning: --rdzv-endpoint host " << o_.host
-                  << " resolves only to loopback addresses here, where the rendezvous is "
-                     "served; nodes on other hosts cannot reach it: give an address they reach"
+      if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
+        std::cerr << "paratrain launch: warning: " << (fixed ? "--master-addr" : "--rdzv-endpoint")
+                  << " host " << o_.host << " resolves only to loopback addresses here, where the "
+                  << (fixed ? "launchers' store" : "rendezvous")
+                  << " is served; nodes on other hosts cannot reach it: give an address they "
+                     "reach"
                   << std::endl;
       }
     } catch (const std::exception& e) {
@@ -98,6 +101,9 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
   TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
   open_store();
   generation_ = store_->add(id_key("generation"), 0);
+  if (o_.backend == "etcd") {
+    skip_dead_generation();
+  }
   my_address_ = route_source_address(o_.host, o_.port);
   if (my_address_.empty()) {
     my_address_ = o_.host;
@@ -162,7 +168,7 @@ void Rendezvous::shut_down(const std::string& why, int others) {
         std::this_thread::sleep_for(kPoll);
       }
     }
-    store_->add(id_key("generation"), 1);  // a later run with this id starts clean
+    next_generation();  // a later run with this id starts clean
   } catch (const std::exception&) {
     // The store is gone: the other nodes find out from it too.
   }
@@ -175,9 +181,11 @@ Assignment Rendezvous::next() {
   for (;;) {
     check_shutdown();
     const int64_t round = read_int(key("round"));
+    // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
+    // of joining.
+    const int64_t fixed = o_.fixed_node_rank >= 0 ? take_place(round) : 0;
     const int64_t ticket = store_->add(key(round, "count"), 1);
-    // This node's place, from 1: the order of joining, or its fixed node rank + 1.
-    const int64_t place = o_.fixed_node_rank >= 0 ? take_place(round) : ticket;
+    const int64_t place = fixed > 0 ? fixed : ticket;
     const bool closed = store_->check(key(round, "closed"));
     if (place > o_.max_nodes || (closed && place > std::stoll(get_or(key(round, "closed"), "0")))) {
       wait_standby(round);
@@ -207,6 +215,54 @@ Assignment Rendezvous::next() {
   }
 }
 
+// Moves the id to the next generation, once however many nodes ask (each ends the same run).
+void Rendezvous::next_generation() {
+  store_->compare_set(id_key("generation"), std::to_string(generation_),
+                      std::to_string(generation_ + 1));
+}
+
+// The command line that joins the job the nodes that came are waiting in.
+std::string Rendezvous::how_to_join() const {
+  if (o_.fixed_node_rank >= 0) {
+    return "start each with its --node-rank, --master-addr " + o_.host + " and --master-port " +
+           std::to_string(o_.port - 1);
+  }
+  return "start them with " + std::string(o_.backend == "etcd" ? "--rdzv-backend etcd " : "") +
+         "--rdzv-endpoint " + o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
+}
+
+// etcd outlives the launchers: a run whose launchers were all killed (no finish, no shutdown)
+// would keep later runs with its id waiting for its closed round forever. A closed round whose
+// heartbeats stand still for the keep-alive time is such a run: the id moves past it.
+void Rendezvous::skip_dead_generation() {
+  const int64_t round = read_int(key("round"));
+  const std::optional<std::string> closed = store_->get(key(round, "closed"));
+  if (!closed || store_->check(key("shutdown")) || store_->check(key("finished"))) {
+    return;
+  }
+  auto beats = [&] {
+    std::vector<int64_t> b;
+    for (int64_t n = 0; n < std::stoll(*closed); ++n) {
+      b.push_back(read_int(key(round, "beat" + std::to_string(n))));
+    }
+    return b;
+  };
+  const std::vector<int64_t> first = beats();
+  const auto deadline = Clock::now() + o_.keep_alive + std::chrono::seconds(1);
+  while (Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    if (beats() != first || read_int(key("round")) != round) {
+      return;  // alive
+    }
+  }
+  std::cerr << "paratrain launch: rendezvous " << describe() << ": the last run with this id "
+            << "stands still in round " << round << " (no heartbeat for "
+            << (o_.keep_alive.count() + 1000) / 1000.0 << " s: its launchers are gone); "
+            << "starting a new run" << std::endl;
+  next_generation();
+  generation_ = read_int(id_key("generation"));
+}
+
 // Static rendezvous: this node claims its fixed node rank in the round; a second node claiming it
 // is refused (two launchers given one --node-rank).
 int64_t Rendezvous::take_place(int64_t round) {
@@ -214,7 +270,9 @@ int64_t Rendezvous::take_place(int64_t round) {
   const std::string holder =
       store_->compare_set(key(round, "claim" + std::to_string(o_.fixed_node_rank)), "", me);
   TORCH_CHECK(holder == me, "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
-              " and this one, ", me, "): give each node its own --node-rank");
+              " and this one, ", me,
+              "): give each node its own --node-rank (a launcher started again while its job runs "
+              "cannot rejoin a static job: restart the whole job)");
   return o_.fixed_node_rank + 1;
 }
 
@@ -252,8 +310,7 @@ void Rendezvous::close_round(int64_t round) {
                                   " nodes needed (--nnodes " + std::to_string(o_.min_nodes) + ":" +
                                   std::to_string(o_.max_nodes) + ") joined within " +
                                   std::to_string(o_.join_timeout.count() / 1000.0) +
-                                  " s; the others never joined: start them with --rdzv-endpoint " +
-                                  o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
+                                  " s; the others never joined: " + how_to_join();
       store_->set(key(round, "failed"), message);
       shut_down(message, static_cast<int>(count) - 1);
       TORCH_CHECK(false, message);
@@ -347,6 +404,12 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
         *why = "node " + std::to_string(n) + " (" +
                get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
                std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
+        if (o_.fixed_node_rank >= 0) {
+          // A static job cannot go on without a node: it ends now rather than wait for it.
+          *why += "; a static job cannot go on without it";
+          shut_down(*why, a.nnodes - 2);
+          return true;
+        }
         dead_peer = true;
         open_next_round(a, "dead");
         return true;
@@ -354,9 +417,11 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     }
   } catch (const std::exception& e) {
     // The store is gone or late (its node ended, or the network): the workers carry on, and
-    // next() reports it. A timed-out call may still be answered later, so the connection is not
-    // used again.
-    broken_ = error_message(e);
+    // next() reports it. A timed-out call on the socket store may still be answered later, so
+    // that connection is not used again; etcd's HTTP calls are independent, and retried.
+    if (o_.backend != "etcd") {
+      broken_ = error_message(e);
+    }
   }
   return false;
 }
@@ -381,8 +446,8 @@ void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
     store_->set(key(a.round, "done" + std::to_string(a.node_rank)), "1");
     const int64_t done = store_->add(key(a.round, "done"), 1);
     if (done == a.nnodes) {
-      store_->set(key("finished"), "1");     // standbys of this generation learn it
-      store_->add(id_key("generation"), 1);  // a later run with this id starts clean
+      store_->set(key("finished"), "1");  // standbys of this generation learn it
+      next_generation();                  // a later run with this id starts clean
     }
     if (!serving_ || done >= a.nnodes) {
       return;

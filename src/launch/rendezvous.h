@@ -112,6 +112,9 @@ class Rendezvous {
   RendezvousOptions o_;
   void open_store();
   int64_t take_place(int64_t round);
+  void next_generation();
+  std::string how_to_join() const;
+  void skip_dead_generation();
 
   std::unique_ptr<RendezvousStore> store_;
   bool serving_ = false;

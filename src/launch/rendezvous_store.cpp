@@ -169,23 +169,23 @@ class EtcdStore : public RendezvousStore {
     client_.set_connection_timeout(seconds);
     client_.set_read_timeout(seconds);
     client_.set_write_timeout(seconds);
+    client_.set_keep_alive(true);  // the rendezvous polls twice a second: one connection
   }
 
   // Checks that etcd answers: a range request must come back as etcd's JSON, with its header.
   void probe() {
-    const auto r = client_.Post("/v3/kv/range", Json{{"key", base64("paratrain")}}.dump(),
-                                "application/json");
-    TORCH_CHECK(r, "--rdzv-endpoint ", where(), ": the connection opened, but no HTTP answer came (",
-                httplib::to_string(r.error()),
+    const auto r =
+        client_.Post("/v3/kv/range", Json{{"key", base64("paratrain")}}.dump(), "application/json");
+    TORCH_CHECK(r, "--rdzv-endpoint ", where(),
+                ": the connection opened, but no HTTP answer came (", httplib::to_string(r.error()),
                 "): this is not etcd's client port; give etcd's address (port 2379 by default)");
     Json j;
     try {
       j = Json::parse(r->body);
     } catch (const Json::exception&) {
     }
-    const bool etcd =
-        r->status == 200 && j.is_object() && j.contains("header") && j["header"].is_object() &&
-        j["header"].contains("cluster_id");
+    const bool etcd = r->status == 200 && j.is_object() && j.contains("header") &&
+                      j["header"].is_object() && j["header"].contains("cluster_id");
     TORCH_CHECK(etcd, "--rdzv-endpoint ", where(), ": the server there is not etcd (it answered ",
                 "etcd's v3 range request with HTTP ", r->status, ": ", first_line(r->body),
                 "); give etcd's client address (port 2379 by default)");
@@ -196,11 +196,7 @@ class EtcdStore : public RendezvousStore {
   }
 
   std::optional<std::string> get(const std::string& key) override {
-    const Json j = call("/v3/kv/range", Json{{"key", base64(key)}});
-    if (!j.contains("kvs") || j["kvs"].empty()) {
-      return std::nullopt;
-    }
-    return unbase64(j["kvs"][0].value("value", ""));
+    return first_value(call("/v3/kv/range", Json{{"key", base64(key)}}));
   }
 
   std::string compare_set(const std::string& key,
@@ -214,24 +210,27 @@ class EtcdStore : public RendezvousStore {
     if (j.value("succeeded", false)) {
       return desired;
     }
-    const Json& kvs = j["responses"][0]["response_range"]["kvs"];
     // As c10d: an absent key with a non-empty `expected` is left absent and `expected` returned.
-    return kvs.is_array() && !kvs.empty() ? unbase64(kvs[0].value("value", "")) : expected;
+    // (The gateway leaves out what is empty: no "kvs" for an absent key.)
+    const std::optional<std::string> now =
+        first_value(j.value("/responses/0/response_range"_json_pointer, Json::object()));
+    return now ? *now : expected;
   }
 
   int64_t add(const std::string& key, int64_t delta) override {
     // Read, then write only if nobody wrote in between (the key's revision is unchanged).
     for (;;) {
       const Json j = call("/v3/kv/range", Json{{"key", base64(key)}});
-      const bool exists = j.contains("kvs") && !j["kvs"].empty();
-      const int64_t now = exists ? std::stoll(unbase64(j["kvs"][0].value("value", "0"))) : 0;
+      const std::optional<std::string> value = first_value(j);
+      const bool exists = value.has_value();
+      const int64_t now = exists ? number(key, *value) : 0;
       if (exists && delta == 0) {
         return now;  // a read (the rendezvous polls its counters so): no write, no revision
       }
       const Json compare =
           exists ? Json{{"key", base64(key)},
                         {"target", "MOD"},
-                        {"mod_revision", j["kvs"][0].value("mod_revision", "0")}}
+                        {"mod_revision", j.at("kvs").at(0).value("mod_revision", "0")}}
                  : Json{{"key", base64(key)}, {"target", "CREATE"}, {"create_revision", "0"}};
       if (transaction(compare, key, std::to_string(now + delta)).value("succeeded", false)) {
         return now + delta;
@@ -242,6 +241,22 @@ class EtcdStore : public RendezvousStore {
   std::string where() const { return host_ + ":" + std::to_string(port_); }
 
  private:
+  // The value of a range response's first key; nullopt when it found none.
+  static std::optional<std::string> first_value(const Json& range) {
+    const auto kvs = range.find("kvs");
+    if (kvs == range.end() || !kvs->is_array() || kvs->empty()) {
+      return std::nullopt;
+    }
+    return unbase64((*kvs)[0].value("value", ""));  // "" for an empty value, which it leaves out
+  }
+
+  int64_t number(const std::string& key, const std::string& text) const {
+    TORCH_CHECK(!text.empty() && text.size() <= 19 &&
+                    text.find_first_not_of("-0123456789") == std::string::npos,
+                "etcd at ", where(), ": key ", key, " holds '", text, "', not a counter");
+    return std::stoll(text);
+  }
+
   static std::string first_line(const std::string& body) {
     std::string line = body.substr(0, body.find('\n'));
     return line.size() > 80 ? line.substr(0, 80) + "..." : line;
@@ -249,17 +264,18 @@ class EtcdStore : public RendezvousStore {
 
   // Puts `value` at `key` if `compare` holds; else reads the key.
   Json transaction(const Json& compare, const std::string& key, const std::string& value) {
-    return call("/v3/kv/txn",
-                Json{{"compare", Json::array({compare})},
-                     {"success", Json::array({Json{{"request_put",
-                                                    {{"key", base64(key)},
-                                                     {"value", base64(value)}}}}})},
-                     {"failure", Json::array({Json{{"request_range", {{"key", base64(key)}}}}})}});
+    return call(
+        "/v3/kv/txn",
+        Json{{"compare", Json::array({compare})},
+             {"success", Json::array({Json{
+                             {"request_put", {{"key", base64(key)}, {"value", base64(value)}}}}})},
+             {"failure", Json::array({Json{{"request_range", {{"key", base64(key)}}}}})}});
   }
 
   Json call(const std::string& path, const Json& body) {
     const auto r = client_.Post(path.c_str(), body.dump(), "application/json");
-    TORCH_CHECK(r, "etcd at ", where(), ": ", path, " failed (", httplib::to_string(r.error()), ")");
+    TORCH_CHECK(r, "etcd at ", where(), ": ", path, " failed (", httplib::to_string(r.error()),
+                ")");
     Json j;
     try {
       j = Json::parse(r->body);

@@ -39,19 +39,27 @@ Range parse_range(const std::string& list, const std::string& item) {
   return r;
 }
 
-// The names "<prefix><n>" for every n of the group's ranges, zero-padded to each range's width.
+// The names "<prefix><n>" for every prefix, then every n of the group's ranges in order (Slurm's
+// order), zero-padded to each range's width.
 std::vector<std::string> expand_group(const std::string& list,
                                       const std::vector<std::string>& prefixes,
                                       const std::string& group) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  for (;;) {
+  std::vector<Range> ranges;
+  size_t count = 0;
+  for (size_t start = 0;;) {
     const size_t comma = group.find(',', start);
-    const Range r = parse_range(list, group.substr(start, comma - start));
-    TORCH_CHECK(r.high - r.low < kMaxHosts && out.size() + prefixes.size() * (r.high - r.low + 1) <=
-                                                  kMaxHosts,
-                "node list '", list, "' names more than ", kMaxHosts, " hosts");
-    for (const auto& p : prefixes) {
+    ranges.push_back(parse_range(list, group.substr(start, comma - start)));
+    count += ranges.back().high - ranges.back().low + 1;
+    TORCH_CHECK(count <= kMaxHosts && count * prefixes.size() <= kMaxHosts, "node list '", list,
+                "' names more than ", kMaxHosts, " hosts");
+    if (comma == std::string::npos) {
+      break;
+    }
+    start = comma + 1;
+  }
+  std::vector<std::string> out;
+  for (const auto& p : prefixes) {
+    for (const Range& r : ranges) {
       for (unsigned long n = r.low; n <= r.high; ++n) {
         std::string number = std::to_string(n);
         if (number.size() < r.width) {
@@ -60,11 +68,8 @@ std::vector<std::string> expand_group(const std::string& list,
         out.push_back(p + number);
       }
     }
-    if (comma == std::string::npos) {
-      return out;
-    }
-    start = comma + 1;
   }
+  return out;
 }
 
 // One host expression, such as "gpu-a[01-04,07]" or "a[1-2]b[3-4]".
@@ -153,25 +158,35 @@ std::optional<SlurmPlacement> slurm_placement(const std::map<std::string, std::s
   }
   SlurmPlacement p;
   p.job_id = value(env, "SLURM_JOB_ID");
-  const std::string list = value(env, "SLURM_JOB_NODELIST");
+  // Under srun, the step's nodes (all of the allocation's, or those -N, -w or --relative chose):
+  // srun gives SLURM_NODEID and SLURM_NNODES relative to them.
+  const bool step = !value(env, "SLURM_STEP_NODELIST").empty();
+  const char* list_name = step ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  const std::string list = value(env, list_name);
   TORCH_CHECK(!list.empty(), "SLURM_JOB_ID is set (", p.job_id,
               ") but SLURM_JOB_NODELIST is not: run paratrain launch through srun or sbatch, or "
               "give --nnodes, --node-rank and --master-addr");
   try {
     p.hosts = expand_hostlist(list);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "SLURM_JOB_NODELIST: ", e.what_without_backtrace(),
+    TORCH_CHECK(false, list_name, ": ", e.what_without_backtrace(),
                 "; give --nnodes, --node-rank and --master-addr instead");
   }
-  const char* count_name = !value(env, "SLURM_NNODES").empty() ? "SLURM_NNODES"
-                                                                : "SLURM_JOB_NUM_NODES";
+  const char* count_name = step && !value(env, "SLURM_STEP_NUM_NODES").empty()
+                               ? "SLURM_STEP_NUM_NODES"
+                           : !value(env, "SLURM_NNODES").empty() ? "SLURM_NNODES"
+                                                                 : "SLURM_JOB_NUM_NODES";
   p.nnodes = value(env, count_name).empty() ? static_cast<int>(p.hosts.size())
                                             : count_variable(env, count_name);
-  TORCH_CHECK(p.nnodes == static_cast<int>(p.hosts.size()), count_name, "=", p.nnodes,
-              " but SLURM_JOB_NODELIST '", list, "' names ", p.hosts.size(), " host",
+  TORCH_CHECK(p.nnodes == static_cast<int>(p.hosts.size()), count_name, "=", p.nnodes, " but ",
+              list_name, " '", list, "' names ", p.hosts.size(), " host",
               p.hosts.size() == 1 ? "" : "s", ": the allocation's variables disagree");
+  // A batch script runs on the first node only: with several, the others would never come.
+  TORCH_CHECK(step || p.nnodes == 1, "the Slurm allocation has ", p.nnodes,
+              " nodes, but this is not an srun step: start one paratrain launch per node with "
+              "srun --ntasks-per-node 1, or give --nnodes 1 to run on this node alone");
   p.node_rank = value(env, "SLURM_NODEID").empty() ? 0 : count_variable(env, "SLURM_NODEID");
-  TORCH_CHECK(p.node_rank < p.nnodes, "SLURM_NODEID=", p.node_rank, " is beyond SLURM_JOB_NODELIST '",
+  TORCH_CHECK(p.node_rank < p.nnodes, "SLURM_NODEID=", p.node_rank, " is beyond ", list_name, " '",
               list, "' (", p.nnodes, " host", p.nnodes == 1 ? "" : "s",
               "): start paratrain launch with srun inside the allocation");
   // srun's step: one launcher per node, or several would claim each node rank.
@@ -179,7 +194,8 @@ std::optional<SlurmPlacement> slurm_placement(const std::map<std::string, std::s
     const int tasks = count_variable(env, "SLURM_STEP_NUM_TASKS");
     const int nodes = count_variable(env, "SLURM_STEP_NUM_NODES");
     TORCH_CHECK(tasks <= nodes, "srun started ", tasks, " tasks on ", nodes, " node",
-                nodes == 1 ? "" : "s", ": paratrain launch starts a node's workers itself; run one "
+                nodes == 1 ? "" : "s",
+                ": paratrain launch starts a node's workers itself; run one "
                 "per node (srun --ntasks-per-node 1)");
   }
   p.master_addr = p.hosts.front();

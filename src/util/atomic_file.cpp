@@ -79,6 +79,7 @@ bool write_all(int fd, const std::vector<FilePiece>& pieces, uLong* crc) {
         continue;
       }
       if (n <= 0) {
+        errno = n == 0 ? EIO : errno;  // write() returning 0 sets no errno
         return false;
       }
       if (crc != nullptr) {

@@ -116,7 +116,10 @@ TEST(MultiHost, SlurmAllocationPlacesEachNode) {
                               {{"PARATRAIN_TIMEOUT", "60"},
                                {"SLURM_JOB_ID", "77"},
                                {"SLURM_JOB_NODELIST", "10.77.0.[1-2]"},
-                               {"SLURM_NNODES", "2"}});
+                               {"SLURM_STEP_NODELIST", "10.77.0.[1-2]"},
+                               {"SLURM_NNODES", "2"},
+                               {"SLURM_STEP_NUM_NODES", "2"},
+                               {"SLURM_STEP_NUM_TASKS", "2"}});
   expect_ranks_ok(results, 4);
   for (int k = 0; k < 2; ++k) {
     EXPECT_NE(results[static_cast<size_t>(k)].output.find(
@@ -162,6 +165,35 @@ TEST(MultiHost, StaticRestartsAreAgreedAcrossNodes) {
   EXPECT_NE(results[0].output.find("another node opened rendezvous round 1 after a failure"),
             std::string::npos)
       << results[0].output;
+}
+
+// A node of a static job with --max-restarts dies (its launcher SIGKILLed): the job cannot go on
+// without it, so node 0 ends at once with the reason instead of waiting for it to come back.
+TEST(Rendezvous, StaticJobEndsWhenANodeDies) {
+  const std::string port = std::to_string(free_port());
+  auto node = [&](int k) {
+    return start_process({cli_path(), "launch", "--nnodes", "2", "--node-rank", std::to_string(k),
+                          "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts",
+                          "3", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2",
+                          "--", "/bin/sh", "-c", "echo started; sleep 300"});
+  };
+  auto zero = node(0);
+  auto one = node(1);
+  ASSERT_TRUE(one.wait_for_output("started", 60)) << one.output;
+  ASSERT_TRUE(zero.wait_for_output("started", 60)) << zero.output;
+  const auto start = std::chrono::steady_clock::now();
+  ::kill(-one.pid, SIGKILL);
+  ::kill(one.pid, SIGKILL);
+  one.finish(10);
+  auto r = zero.finish(60);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(seconds, 15) << r.output;
+  EXPECT_NE(r.output.find("stopped its heartbeat 2.000000 s ago; a static job cannot go on "
+                          "without it"),
+            std::string::npos)
+      << r.output;
 }
 
 #ifdef PARATRAIN_WITH_MPI
@@ -731,6 +763,41 @@ TEST(Etcd, JobsWithOtherIdsDoNotMix) {
     }
     EXPECT_EQ(output.find("world size 4"), std::string::npos) << output;
   }
+}
+
+// etcd outlives the launchers: a run whose launchers were all SIGKILLed leaves its round in etcd.
+// A new run with the same id sees its heartbeats stand still and starts clean.
+TEST(Etcd, ARunWhoseLaunchersWereKilledLeavesTheIdUsable) {
+  SKIP_WITHOUT_ETCD();
+  EtcdServer etcd("127.0.0.1");
+  ASSERT_TRUE(etcd.ready()) << etcd.log();
+  auto node = [&](const std::string& worker) {
+    return start_process({cli_path(), "launch", "--nnodes", "2", "--rdzv-backend", "etcd",
+                          "--rdzv-endpoint", etcd.endpoint(), "--rdzv-id", "again", "--rdzv-conf",
+                          "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+                          "--", "/bin/sh", "-c", worker});
+  };
+  std::vector<RunningProcess> first{node("echo started; sleep 300"),
+                                    node("echo started; sleep 300")};
+  for (auto& p : first) {
+    ASSERT_TRUE(p.wait_for_output("started", 60)) << p.output;
+  }
+  for (auto& p : first) {
+    ::kill(-p.pid, SIGKILL);
+    ::kill(p.pid, SIGKILL);
+    p.finish(10);
+  }
+  std::vector<RunningProcess> second{node("echo done $GROUP_RANK"), node("echo done $GROUP_RANK")};
+  std::string both;
+  for (auto& p : second) {
+    auto r = p.finish(60);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    both += r.output;
+  }
+  EXPECT_NE(both.find("the last run with this id stands still in round 0"), std::string::npos)
+      << both;
+  EXPECT_NE(both.find("done 0"), std::string::npos) << both;
+  EXPECT_NE(both.find("done 1"), std::string::npos) << both;
 }
 
 // No etcd at the endpoint, or something else there: one line each, and a non-zero exit.

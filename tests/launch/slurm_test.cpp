@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -220,7 +221,7 @@ TEST(SlurmHostList, ExpandsAsScontrolDoes) {
   std::ofstream(conf) << "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost\n"
                          "PartitionName=p Nodes=localhost\n";
   for (const std::string list :
-       {"node[01-04,07]", "node[01-04,07],gpu1", "10.77.0.[1-2]", "a[1-2]b[3-4]",
+       {"node[01-04,07]", "node[01-04,07],gpu1", "10.77.0.[1-2]", "a[1-2]b[3-4]", "a[1-2]b[5,3]",
         "n[9-11],n[009-011]", "n[01-3]", "n[1-03]", "x,y z", "n[1-2][3]", "solo"}) {
     auto r =
         run_process({"/usr/bin/scontrol", "show", "hostnames", list}, {{"SLURM_CONF", conf}}, 30);
@@ -257,30 +258,52 @@ TEST(SlurmHostList, BadListsAreOneLine) {
   }
 }
 
+// srun's variables: the step's node list and node count, and the node's index among them.
 TEST(SlurmHostList, PlacementFromTheAllocationsVariables) {
   EXPECT_FALSE(dist::slurm_placement({{"SLURM_NODEID", "1"}}).has_value());
-  const auto p = dist::slurm_placement({{"SLURM_JOB_ID", "42"},
-                                        {"SLURM_JOB_NODELIST", "gpu[07-09]"},
-                                        {"SLURM_NNODES", "3"},
-                                        {"SLURM_NODEID", "2"}});
+  auto p = dist::slurm_placement({{"SLURM_JOB_ID", "42"},
+                                  {"SLURM_JOB_NODELIST", "gpu[07-09]"},
+                                  {"SLURM_STEP_NODELIST", "gpu[07-09]"},
+                                  {"SLURM_NNODES", "3"},
+                                  {"SLURM_NODEID", "2"}});
   ASSERT_TRUE(p.has_value());
   EXPECT_EQ(p->nnodes, 3);
   EXPECT_EQ(p->node_rank, 2);
   EXPECT_EQ(p->master_addr, "gpu07");
   EXPECT_EQ(p->hosts.back(), "gpu09");
+  // srun -N2 -w n[3-4] in an allocation of four nodes: the step's nodes.
+  p = dist::slurm_placement({{"SLURM_JOB_ID", "43"},
+                             {"SLURM_JOB_NODELIST", "n[1-4]"},
+                             {"SLURM_JOB_NUM_NODES", "4"},
+                             {"SLURM_STEP_NODELIST", "n[3-4]"},
+                             {"SLURM_STEP_NUM_NODES", "2"},
+                             {"SLURM_NNODES", "2"},
+                             {"SLURM_NODEID", "1"}});
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->nnodes, 2);
+  EXPECT_EQ(p->master_addr, "n3");
+  EXPECT_EQ(p->hosts[1], "n4");
+  // A batch script of a one-node allocation (no srun): node 0 of 1.
+  p = dist::slurm_placement({{"SLURM_JOB_ID", "44"}, {"SLURM_JOB_NODELIST", "solo"}});
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->nnodes, 1);
+  EXPECT_EQ(p->node_rank, 0);
   const std::vector<std::pair<std::map<std::string, std::string>, std::string>> bad{
       {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2"}},
        "SLURM_JOB_NODELIST: node list 'a[1-2' opens a bracket it never closes; give --nnodes, "
        "--node-rank and --master-addr instead"},
-      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NODEID", "2"}},
-       "SLURM_NODEID=2 is beyond SLURM_JOB_NODELIST 'a[1-2]' (2 hosts)"},
-      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NNODES", "3"}},
-       "SLURM_NNODES=3 but SLURM_JOB_NODELIST 'a[1-2]' names 2 hosts"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_NODELIST", "a[1-2]"}, {"SLURM_NODEID", "2"}},
+       "SLURM_NODEID=2 is beyond SLURM_STEP_NODELIST 'a[1-2]' (2 hosts)"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_NODELIST", "a[1-2]"}, {"SLURM_NNODES", "3"}},
+       "SLURM_NNODES=3 but SLURM_STEP_NODELIST 'a[1-2]' names 2 hosts"},
       {{{"SLURM_JOB_ID", "1"}}, "SLURM_JOB_ID is set (1) but SLURM_JOB_NODELIST is not"},
       {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a"}, {"SLURM_NODEID", "x"}},
        "SLURM_NODEID='x' is not a number"},
+      {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NNODES", "2"}},
+       "the Slurm allocation has 2 nodes, but this is not an srun step: start one paratrain "
+       "launch per node with srun --ntasks-per-node 1, or give --nnodes 1"},
       {{{"SLURM_JOB_ID", "1"},
-        {"SLURM_JOB_NODELIST", "a"},
+        {"SLURM_STEP_NODELIST", "a"},
         {"SLURM_STEP_NUM_TASKS", "2"},
         {"SLURM_STEP_NUM_NODES", "1"}},
        "srun started 2 tasks on 1 node: paratrain launch starts a node's workers itself; run one "
@@ -299,17 +322,20 @@ TEST(SlurmHostList, PlacementFromTheAllocationsVariables) {
 
 // The CLI says the same in one line and exits non-zero, before starting anything.
 TEST(SlurmHostList, LaunchRefusesABadAllocation) {
-  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "1", "--", "/bin/true"},
-                       {{"SLURM_JOB_ID", "5"},
-                        {"SLURM_JOB_NODELIST", "node[1-2],node3"},
-                        {"SLURM_NNODES", "3"},
-                        {"SLURM_NODEID", "3"}},
-                       60);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("paratrain launch: error: SLURM_NODEID=3 is beyond SLURM_JOB_NODELIST "
-                          "'node[1-2],node3' (3 hosts)"),
-            std::string::npos)
-      << r.output;
+  const std::vector<std::pair<std::map<std::string, std::string>, std::string>> cases{
+      {{{"SLURM_NODEID", "3"}, {"SLURM_NNODES", "3"}, {"SLURM_STEP_NODELIST", "node[1-2],node3"}},
+       "SLURM_NODEID=3 is beyond SLURM_STEP_NODELIST 'node[1-2],node3' (3 hosts)"},
+      {{{"SLURM_NODEID", "0"}, {"SLURM_JOB_NODELIST", "node[1-2"}},
+       "SLURM_JOB_NODELIST: node list 'node[1-2' opens a bracket it never closes"},
+  };
+  for (auto [env, message] : cases) {
+    env["SLURM_JOB_ID"] = "5";
+    auto r =
+        run_process({cli_path(), "launch", "--nproc-per-node", "1", "--", "/bin/true"}, env, 60);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("paratrain launch: error: " + message), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
 }
 
 }  // namespace

@@ -21,15 +21,18 @@ std::vector<std::string> expand_hostlist(const std::string& list);
 /// This node's place in a Slurm allocation.
 struct SlurmPlacement {
   std::string job_id;
-  std::vector<std::string> hosts;  ///< SLURM_JOB_NODELIST expanded
-  int nnodes = 1;                  ///< SLURM_NNODES (SLURM_JOB_NUM_NODES), else the list's size
-  int node_rank = 0;               ///< SLURM_NODEID
-  std::string master_addr;         ///< the list's first host
+  /// SLURM_STEP_NODELIST (under srun: the step's nodes), else SLURM_JOB_NODELIST, expanded.
+  std::vector<std::string> hosts;
+  /// SLURM_STEP_NUM_NODES, SLURM_NNODES or SLURM_JOB_NUM_NODES; else the list's size.
+  int nnodes = 1;
+  int node_rank = 0;        ///< SLURM_NODEID
+  std::string master_addr;  ///< the list's first host
 };
 
 /// The placement the variables `env` describe: nullopt unless SLURM_JOB_ID is set. Throws
 /// c10::Error with one line for a node list that does not parse, a node count that disagrees with
-/// it, or a SLURM_NODEID outside it.
+/// it, a SLURM_NODEID outside it, several nodes outside an srun step (a batch script runs on the
+/// first node only), or an srun step of more tasks than nodes.
 std::optional<SlurmPlacement> slurm_placement(const std::map<std::string, std::string>& env);
 
 /// The process's own environment, for slurm_placement.
