@@ -116,9 +116,9 @@ bool join_next_round(const LaunchOptions& options,
                      LaunchResult& r,
                      ElasticRestarts& restarts) {
   if (!r.stopped_for.empty() && r.interrupted_by == 0 && r.signal_received == 0) {
-    std::cerr << options.name() << ": " << r.stopped_for
-              << "; stopped this node's workers to join the next round" << std::endl;
-    return true;
+    std::cerr << options.name() << ": " << r.stopped_for << "; stopped this node's workers"
+              << (rdzv.job_ended() ? "" : " to join the next round") << std::endl;
+    return true;  // next() says why the job ended, if it did
   }
   if (r.exit_code == 0 && r.stopped_for.empty()) {
     rdzv.finish(a, std::chrono::seconds(30));

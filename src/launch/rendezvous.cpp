@@ -140,21 +140,30 @@ std::string Rendezvous::get_or(const std::string& k, const std::string& fallback
   return store_->get(k).value_or(fallback);
 }
 
-void Rendezvous::check_shutdown() {
+void Rendezvous::check_shutdown(bool may_move) {
   if (!store_->check(key("shutdown"))) {
     return;
   }
-  if (!admitted_) {
+  if (!admitted_ && may_move) {
     // The job of this generation ended before this node took part: a run that starts now with
-    // the same id is a new job, in the generation the ending one moved to.
+    // the same id is a new job, in the generation the ending one moved to. Only between rounds
+    // (next()'s loop): inside one, the round's keys belong to the old generation.
     const int64_t now = store_->add(id_key("generation"), 0);
     if (now != generation_) {
       generation_ = now;
       return;
     }
   }
-  store_->add(key("shutdown_seen"), 1);
+  note_shutdown_seen();
   TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", get_or(key("shutdown"), ""));
+}
+
+// Counted once per node: the node serving a socket store waits for every other node's count.
+void Rendezvous::note_shutdown_seen() {
+  if (!shutdown_seen_) {
+    shutdown_seen_ = true;
+    store_->add(key("shutdown_seen"), 1);
+  }
 }
 
 void Rendezvous::shut_down(const std::string& why, int others) {
@@ -179,7 +188,7 @@ Assignment Rendezvous::next() {
               ": the connection to the endpoint failed (", broken_,
               "); the node serving it has probably ended");
   for (;;) {
-    check_shutdown();
+    check_shutdown(/*may_move=*/true);
     const int64_t round = read_int(key("round"));
     // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
     // of joining.
@@ -208,6 +217,7 @@ Assignment Rendezvous::next() {
     const std::string master = get_or(key(round, "master"), "");
     a.master_addr = master.substr(0, master.rfind(':'));
     a.master_port = std::stoi(master.substr(master.rfind(':') + 1));
+    node0_done_ = false;
     last_beats_.assign(static_cast<size_t>(nnodes), -1);
     last_moved_.assign(static_cast<size_t>(nnodes), Clock::now());
     admitted_ = true;
@@ -236,13 +246,20 @@ std::string Rendezvous::how_to_join() const {
 // heartbeats stand still for the keep-alive time is such a run: the id moves past it.
 void Rendezvous::skip_dead_generation() {
   const int64_t round = read_int(key("round"));
-  const std::optional<std::string> closed = store_->get(key(round, "closed"));
-  if (!closed || store_->check(key("shutdown")) || store_->check(key("finished"))) {
+  if (store_->check(key("shutdown")) || store_->check(key("finished"))) {
+    next_generation();  // the run ended; its ender may have died before moving the id on
+    generation_ = read_int(id_key("generation"));
     return;
   }
+  const std::optional<std::string> closed = store_->get(key(round, "closed"));
+  if (!closed && read_int(key(round, "count")) == 0) {
+    return;  // a fresh id, or a round nobody joined yet
+  }
+  // A closed round's nodes beat while their workers run; an open round's first node beats while
+  // it waits to close it.
   auto beats = [&] {
-    std::vector<int64_t> b;
-    for (int64_t n = 0; n < std::stoll(*closed); ++n) {
+    std::vector<int64_t> b{read_int(key(round, "closer_beat"))};
+    for (int64_t n = 0; closed && n < std::stoll(*closed); ++n) {
       b.push_back(read_int(key(round, "beat" + std::to_string(n))));
     }
     return b;
@@ -293,6 +310,7 @@ void Rendezvous::wait_closed(int64_t round) {
 void Rendezvous::close_round(int64_t round) {
   const auto start = Clock::now();
   std::optional<Clock::time_point> enough_since;
+  Clock::time_point next_closer_beat{};
   int64_t count = 0;
   for (;;) {
     count = read_int(key(round, "count"));
@@ -316,6 +334,10 @@ void Rendezvous::close_round(int64_t round) {
       TORCH_CHECK(false, message);
     }
     check_shutdown();
+    if (o_.backend == "etcd" && Clock::now() >= next_closer_beat) {
+      store_->add(key(round, "closer_beat"), 1);  // alive, for skip_dead_generation
+      next_closer_beat = Clock::now() + std::chrono::milliseconds(500);
+    }
     std::this_thread::sleep_for(kPoll);
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
@@ -367,10 +389,13 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
   if (!broken_.empty()) {
     return false;  // no more calls on a connection that failed: a late reply could be misread
   }
+  if (Clock::now() < retry_after_) {
+    return false;  // etcd failed a moment ago: the supervisor's loop must not wait on it each time
+  }
   try {
     store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
     if (store_->check(key("shutdown"))) {
-      store_->add(key("shutdown_seen"), 1);
+      note_shutdown_seen();
       *why = "a node gave up: " + get_or(key("shutdown"), "");
       return true;
     }
@@ -383,6 +408,11 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
                                  : " after a failure");
       return true;
     }
+    if (o_.fixed_node_rank > 0 && !node0_done_) {
+      // Node 0 serves the store until every node is done, or for a while: once its workers are
+      // done, its store going away is no failure.
+      node0_done_ = store_->check(key(a.round, "done0"));
+    }
     const int64_t waiting = read_int(key(a.round, "waiting"));
     if (waiting > 0 && a.nnodes < o_.max_nodes) {
       *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
@@ -390,38 +420,63 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
       open_next_round(a, "grow");
       return true;
     }
-    for (int n = 0; n < a.nnodes; ++n) {
-      if (n == a.node_rank) {
-        continue;
-      }
-      const auto i = static_cast<size_t>(n);
-      const int64_t beat = read_int(key(a.round, "beat" + std::to_string(n)));
-      if (beat != last_beats_[i]) {
-        last_beats_[i] = beat;
-        last_moved_[i] = Clock::now();
-      } else if (Clock::now() - last_moved_[i] > o_.keep_alive &&
-                 !store_->check(key(a.round, "done" + std::to_string(n)))) {
-        *why = "node " + std::to_string(n) + " (" +
-               get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
-               std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
-        if (o_.fixed_node_rank >= 0) {
-          // A static job cannot go on without a node: it ends now rather than wait for it.
-          *why += "; a static job cannot go on without it";
-          shut_down(*why, a.nnodes - 2);
-          return true;
-        }
-        dead_peer = true;
-        open_next_round(a, "dead");
+    return peer_stopped(a, why, dead_peer);
+  } catch (const std::exception& e) {
+    return store_failed(e, why);
+  }
+}
+
+// A peer whose heartbeat stood still for the keep-alive time (and is not done): a new round
+// without it, or, in a static job, the job's end.
+bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_peer) {
+  for (int n = 0; n < a.nnodes; ++n) {
+    if (n == a.node_rank) {
+      continue;
+    }
+    const auto i = static_cast<size_t>(n);
+    const int64_t beat = read_int(key(a.round, "beat" + std::to_string(n)));
+    if (beat != last_beats_[i]) {
+      last_beats_[i] = beat;
+      last_moved_[i] = Clock::now();
+    } else if (Clock::now() - last_moved_[i] > o_.keep_alive &&
+               !store_->check(key(a.round, "done" + std::to_string(n)))) {
+      *why = "node " + std::to_string(n) + " (" +
+             get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
+             std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
+      if (o_.fixed_node_rank >= 0) {
+        // A static job cannot go on without a node: it ends now rather than wait for it.
+        *why += "; a static job cannot go on without it";
+        shut_down(*why, a.nnodes - 2);
+        shutdown_seen_ = true;
         return true;
       }
+      dead_peer = true;
+      open_next_round(a, "dead");
+      return true;
     }
-  } catch (const std::exception& e) {
-    // The store is gone or late (its node ended, or the network): the workers carry on, and
-    // next() reports it. A timed-out call on the socket store may still be answered later, so
-    // that connection is not used again; etcd's HTTP calls are independent, and retried.
-    if (o_.backend != "etcd") {
-      broken_ = error_message(e);
-    }
+  }
+  return false;
+}
+
+// A store call of must_restart failed: the store is gone or late (its node ended, or the
+// network). The workers carry on, and next() reports it; a timed-out call on the socket store may
+// still be answered later, so that connection is not used again. etcd's HTTP calls are
+// independent, and retried a little later.
+bool Rendezvous::store_failed(const std::exception& e, std::string* why) {
+  if (o_.backend == "etcd") {
+    // Nobody's heartbeat was seen while etcd failed: the waits start again from now, so that an
+    // outage does not pass for dead nodes.
+    retry_after_ = Clock::now() + o_.keep_alive / 4;
+    std::fill(last_moved_.begin(), last_moved_.end(), Clock::now() + o_.keep_alive / 4);
+    return false;
+  }
+  broken_ = error_message(e);
+  if (o_.fixed_node_rank > 0 && !node0_done_) {
+    // Node 0's launcher serves the store: without it a static job cannot go on.
+    *why = "node 0's launcher (" + o_.host + ":" + std::to_string(o_.port) + ") is gone (" +
+           broken_ + "); a static job cannot go on without it";
+    shutdown_seen_ = true;
+    return true;
   }
   return false;
 }

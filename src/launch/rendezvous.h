@@ -26,6 +26,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -96,11 +97,14 @@ class Rendezvous {
   void finish(const Assignment& a, std::chrono::milliseconds linger);
 
   const RendezvousOptions& options() const { return o_; }
+  /// Whether this node saw (or made) the job end: it joins no further round.
+  bool job_ended() const { return shutdown_seen_; }
 
  private:
   std::string key(const std::string& name) const;     // under this run's generation
   std::string id_key(const std::string& name) const;  // under the id alone
-  void check_shutdown();
+  void check_shutdown(bool may_move = false);
+  void note_shutdown_seen();
   std::string key(int64_t round, const std::string& name) const;
   int64_t read_int(const std::string& k);
   std::string describe() const;
@@ -115,6 +119,8 @@ class Rendezvous {
   void next_generation();
   std::string how_to_join() const;
   void skip_dead_generation();
+  bool peer_stopped(const Assignment& a, std::string* why, bool& dead_peer);
+  bool store_failed(const std::exception& e, std::string* why);
 
   std::unique_ptr<RendezvousStore> store_;
   bool serving_ = false;
@@ -124,6 +130,9 @@ class Rendezvous {
   std::string my_address_;
   std::vector<int64_t> last_beats_;
   std::vector<std::chrono::steady_clock::time_point> last_moved_;
+  std::chrono::steady_clock::time_point retry_after_{};  // etcd: no call before (after a failure)
+  bool shutdown_seen_ = false;  // this node counted itself in shutdown_seen, or ended the job
+  bool node0_done_ = false;     // static: node 0's workers finished (its store may go)
 };
 
 }  // namespace detail

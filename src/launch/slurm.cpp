@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -150,6 +151,26 @@ int count_variable(const std::map<std::string, std::string>& env, const std::str
   return std::stoi(v);
 }
 
+// Whether srun's step variables describe this job: they name nodes of its allocation (a batch
+// script submitted from inside another job's step inherits that step's).
+bool in_step(const std::map<std::string, std::string>& env) {
+  const std::string step = value(env, "SLURM_STEP_NODELIST");
+  if (step.empty()) {
+    return false;
+  }
+  try {
+    const std::vector<std::string> job = expand_hostlist(value(env, "SLURM_JOB_NODELIST"));
+    for (const auto& host : expand_hostlist(step)) {
+      if (std::find(job.begin(), job.end(), host) == job.end()) {
+        return false;
+      }
+    }
+  } catch (const c10::Error&) {
+    // Without a readable job list, the step's is all there is (its errors are reported below).
+  }
+  return true;
+}
+
 }  // namespace
 
 std::optional<SlurmPlacement> slurm_placement(const std::map<std::string, std::string>& env) {
@@ -160,7 +181,7 @@ std::optional<SlurmPlacement> slurm_placement(const std::map<std::string, std::s
   p.job_id = value(env, "SLURM_JOB_ID");
   // Under srun, the step's nodes (all of the allocation's, or those -N, -w or --relative chose):
   // srun gives SLURM_NODEID and SLURM_NNODES relative to them.
-  const bool step = !value(env, "SLURM_STEP_NODELIST").empty();
+  const bool step = in_step(env);
   const char* list_name = step ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
   const std::string list = value(env, list_name);
   TORCH_CHECK(!list.empty(), "SLURM_JOB_ID is set (", p.job_id,

@@ -168,32 +168,40 @@ TEST(MultiHost, StaticRestartsAreAgreedAcrossNodes) {
 }
 
 // A node of a static job with --max-restarts dies (its launcher SIGKILLed): the job cannot go on
-// without it, so node 0 ends at once with the reason instead of waiting for it to come back.
+// without it, so the other node ends at once with the reason instead of waiting for it. Node 1
+// dies (node 0 sees its heartbeat stop), then node 0, whose launcher served the nodes' store.
 TEST(Rendezvous, StaticJobEndsWhenANodeDies) {
-  const std::string port = std::to_string(free_port());
-  auto node = [&](int k) {
-    return start_process({cli_path(), "launch", "--nnodes", "2", "--node-rank", std::to_string(k),
-                          "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts",
-                          "3", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2",
-                          "--", "/bin/sh", "-c", "echo started; sleep 300"});
-  };
-  auto zero = node(0);
-  auto one = node(1);
-  ASSERT_TRUE(one.wait_for_output("started", 60)) << one.output;
-  ASSERT_TRUE(zero.wait_for_output("started", 60)) << zero.output;
-  const auto start = std::chrono::steady_clock::now();
-  ::kill(-one.pid, SIGKILL);
-  ::kill(one.pid, SIGKILL);
-  one.finish(10);
-  auto r = zero.finish(60);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_LT(seconds, 15) << r.output;
-  EXPECT_NE(r.output.find("stopped its heartbeat 2.000000 s ago; a static job cannot go on "
-                          "without it"),
-            std::string::npos)
-      << r.output;
+  for (const int victim : {1, 0}) {
+    SCOPED_TRACE("node " + std::to_string(victim) + " dies");
+    const std::string port = std::to_string(free_port());
+    auto node = [&](int k) {
+      return start_process({cli_path(), "launch", "--nnodes", "2", "--node-rank", std::to_string(k),
+                            "--master-addr", "127.0.0.1", "--master-port", port, "--max-restarts",
+                            "3", "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=2",
+                            "--", "/bin/sh", "-c", "echo started; sleep 300"});
+    };
+    std::vector<RunningProcess> nodes{node(0), node(1)};
+    for (auto& p : nodes) {
+      ASSERT_TRUE(p.wait_for_output("started", 60)) << p.output;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    auto& dead = nodes[static_cast<size_t>(victim)];
+    ::kill(-dead.pid, SIGKILL);
+    ::kill(dead.pid, SIGKILL);
+    dead.finish(10);
+    auto r = nodes[static_cast<size_t>(1 - victim)].finish(60);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_LT(seconds, 15) << r.output;
+    EXPECT_NE(r.output.find(victim == 1 ? "node 1 (127.0.0.1) stopped its heartbeat 2.000000 s "
+                                          "ago; a static job cannot go on without it"
+                                        : "node 0's launcher (127.0.0.1:" +
+                                              std::to_string(std::stoi(port) + 1) + ") is gone"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("to join the next round"), std::string::npos) << r.output;
+  }
 }
 
 #ifdef PARATRAIN_WITH_MPI
@@ -787,17 +795,28 @@ TEST(Etcd, ARunWhoseLaunchersWereKilledLeavesTheIdUsable) {
     ::kill(p.pid, SIGKILL);
     p.finish(10);
   }
-  std::vector<RunningProcess> second{node("echo done $GROUP_RANK"), node("echo done $GROUP_RANK")};
-  std::string both;
-  for (auto& p : second) {
-    auto r = p.finish(60);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    both += r.output;
-  }
-  EXPECT_NE(both.find("the last run with this id stands still in round 0"), std::string::npos)
-      << both;
-  EXPECT_NE(both.find("done 0"), std::string::npos) << both;
-  EXPECT_NE(both.find("done 1"), std::string::npos) << both;
+  auto run_again = [&] {
+    std::vector<RunningProcess> again{node("echo done $GROUP_RANK"), node("echo done $GROUP_RANK")};
+    std::string both;
+    for (auto& p : again) {
+      auto r = p.finish(60);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      both += r.output;
+    }
+    EXPECT_NE(both.find("the last run with this id stands still in round"), std::string::npos)
+        << both;
+    EXPECT_NE(both.find("done 0"), std::string::npos) << both;
+    EXPECT_NE(both.find("done 1"), std::string::npos) << both;
+  };
+  run_again();
+  // Killed before its round closed: a lone first node, waiting for the second to close the round.
+  auto lone = node("echo started; sleep 300");
+  ASSERT_TRUE(lone.wait_for_output("joining", 60)) << lone.output;
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  ::kill(-lone.pid, SIGKILL);
+  ::kill(lone.pid, SIGKILL);
+  lone.finish(10);
+  run_again();
 }
 
 // No etcd at the endpoint, or something else there: one line each, and a non-zero exit.

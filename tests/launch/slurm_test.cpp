@@ -277,10 +277,11 @@ TEST(SlurmHostList, PlacementFromTheAllocationsVariables) {
                              {"SLURM_JOB_NUM_NODES", "4"},
                              {"SLURM_STEP_NODELIST", "n[3-4]"},
                              {"SLURM_STEP_NUM_NODES", "2"},
-                             {"SLURM_NNODES", "2"},
+                             {"SLURM_NNODES", "4"},
                              {"SLURM_NODEID", "1"}});
   ASSERT_TRUE(p.has_value());
   EXPECT_EQ(p->nnodes, 2);
+  EXPECT_EQ(p->node_rank, 1);
   EXPECT_EQ(p->master_addr, "n3");
   EXPECT_EQ(p->hosts[1], "n4");
   // A batch script of a one-node allocation (no srun): node 0 of 1.
@@ -302,6 +303,12 @@ TEST(SlurmHostList, PlacementFromTheAllocationsVariables) {
       {{{"SLURM_JOB_ID", "1"}, {"SLURM_JOB_NODELIST", "a[1-2]"}, {"SLURM_NNODES", "2"}},
        "the Slurm allocation has 2 nodes, but this is not an srun step: start one paratrain "
        "launch per node with srun --ntasks-per-node 1, or give --nnodes 1"},
+      // A step list of another job's nodes (inherited by a batch script submitted from a step).
+      {{{"SLURM_JOB_ID", "1"},
+        {"SLURM_JOB_NODELIST", "a[1-2]"},
+        {"SLURM_STEP_NODELIST", "b[1-2]"},
+        {"SLURM_NODEID", "1"}},
+       "the Slurm allocation has 2 nodes, but this is not an srun step"},
       {{{"SLURM_JOB_ID", "1"},
         {"SLURM_STEP_NODELIST", "a"},
         {"SLURM_STEP_NUM_TASKS", "2"},
