@@ -41,7 +41,7 @@ set(paratrain_slow_tests
     Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
     Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank
     Etcd.ElasticJobSurvivesTheFirstHostsDeath Etcd.ARunWhoseLaunchersWereKilledLeavesTheIdUsable)
-set(paratrain_slow_costs 112 21 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14)
+set(paratrain_slow_costs 112 35 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites

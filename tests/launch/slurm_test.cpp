@@ -4,6 +4,7 @@
 // say why.
 
 #include "paratrain/launch/slurm.h"
+#include "fake_hosts.h"
 #include "test_util.h"
 
 #include <c10/util/Exception.h>
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -50,7 +52,10 @@ class SlurmCluster {
     return "";
   }
 
-  SlurmCluster() {
+  /// One node, this host; or, with `hosts`, one node per namespace host (fakehostK at its
+  /// address), each slurmd in its host's network namespace with the host names in an /etc/hosts
+  /// of its own, and slurmctld on host 0.
+  explicit SlurmCluster(const cli::FakeHosts* hosts = nullptr) : hosts_(hosts) {
     dir_ = "/tmp/" + unique_token("paratrain-slurm");
     ::mkdir(dir_.c_str(), 0755);
     for (const char* sub : {"/state", "/spool"}) {
@@ -70,31 +75,15 @@ class SlurmCluster {
     if (digits != std::string::npos && std::atoi(version.c_str() + digits) >= 23) {
       std::ofstream(dir_ + "/cgroup.conf") << "CgroupPlugin=disabled\n";
     }
-    const unsigned cpus = std::max(2u, std::thread::hardware_concurrency());
-    std::ofstream(conf_) << "ClusterName=paratrain\n"
-                         << "SlurmctldHost=" << host << "(127.0.0.1)\n"
-                         << "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
-                         << "StateSaveLocation=" << dir_ << "/state\n"
-                         << "SlurmdSpoolDir=" << dir_ << "/spool\n"
-                         << "SlurmctldPidFile=" << dir_ << "/slurmctld.pid\n"
-                         << "SlurmdPidFile=" << dir_ << "/slurmd.pid\n"
-                         << "SlurmctldLogFile=" << dir_ << "/slurmctld.log\n"
-                         << "SlurmdLogFile=" << dir_ << "/slurmd.log\n"
-                         << "SlurmctldPort=" << free_port() << "\nSlurmdPort=" << free_port()
-                         << "\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
-                         << "SchedulerType=sched/backfill\nSelectType=select/cons_tres\n"
-                         << "SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\n"
-                         << "JobAcctGatherType=jobacct_gather/none\n"
-                         << "NodeName=" << host << " NodeAddr=127.0.0.1 CPUs=" << cpus
-                         << " RealMemory=2000 State=UNKNOWN\n"
-                         << "PartitionName=debug Nodes=" << host
-                         << " Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n";
+    write_conf(host);
     env_ = {{"SLURM_CONF", conf_}};
-    must({"/usr/sbin/slurmctld", "-f", conf_});
-    must({"/usr/sbin/slurmd", "-f", conf_});
-    for (int i = 0; i < 300; ++i) {  // the node turns idle within seconds
-      auto r = run_process({"/usr/bin/sinfo", "-h", "-o", "%t"}, env_, 10);
-      if (r.output.find("idle") != std::string::npos) {
+    must(on_host(0, {"/usr/sbin/slurmctld", "-f", conf_}));
+    for (int k = 0; k < (hosts_ ? hosts_->size() : 1); ++k) {
+      must(on_host(k, {"/usr/sbin/slurmd", "-f", conf_}));
+    }
+    for (int i = 0; i < 300; ++i) {  // the nodes turn idle within seconds
+      auto r = run_process(client({"/usr/bin/sinfo", "-h", "-o", "%t"}), env_, 10);
+      if (r.output == "idle\n") {
         ready_ = true;
         break;
       }
@@ -103,7 +92,11 @@ class SlurmCluster {
   }
 
   ~SlurmCluster() {
-    for (const char* pid_file : {"/slurmd.pid", "/slurmctld.pid"}) {
+    std::vector<std::string> pid_files{"/slurmctld.pid", "/slurmd.pid"};
+    for (int k = 0; hosts_ != nullptr && k < hosts_->size(); ++k) {
+      pid_files.push_back("/slurmd-fakehost" + std::to_string(k) + ".pid");
+    }
+    for (const auto& pid_file : pid_files) {
       const int pid = std::atoi(read_file(dir_ + pid_file).c_str());
       if (pid > 0) {
         ::kill(pid, SIGTERM);
@@ -118,7 +111,11 @@ class SlurmCluster {
 
   bool ready() const { return ready_; }
   std::string logs() const {
-    return read_file(dir_ + "/slurmctld.log") + read_file(dir_ + "/slurmd.log");
+    std::string all = read_file(dir_ + "/slurmctld.log") + read_file(dir_ + "/slurmd.log");
+    for (int k = 0; hosts_ != nullptr && k < hosts_->size(); ++k) {
+      all += read_file(dir_ + "/slurmd-fakehost" + std::to_string(k) + ".log");
+    }
+    return all;
   }
   const std::string& dir() const { return dir_; }
 
@@ -127,7 +124,7 @@ class SlurmCluster {
     const std::string path = dir_ + "/job-" + std::to_string(jobs_++) + ".sh";
     std::ofstream(path) << script;
     const std::string out = path + ".out";
-    auto r = run_process({"/usr/bin/sbatch", "--wait", "-o", out, path}, env_, 300);
+    auto r = run_process(client({"/usr/bin/sbatch", "--wait", "-o", out, path}), env_, 300);
     r.output += read_file(out);
     return r;
   }
@@ -149,6 +146,78 @@ class SlurmCluster {
     munged_pid_ = std::atoi(read_file("/run/munge/munged.pid").c_str());
   }
 
+  void write_conf(const std::string& host) {
+    const unsigned cpus = std::max(2u, std::thread::hardware_concurrency());
+    std::ofstream conf(conf_);
+    const std::string node = hosts_ ? "%n" : "";  // a file of each slurmd's own
+    conf << "ClusterName=paratrain\n"
+         << "SlurmctldHost="
+         << (hosts_ ? "fakehost0(" + hosts_->address(0) + ")" : host + "(127.0.0.1)") << "\n"
+         << "SlurmUser=root\nSlurmdUser=root\nAuthType=auth/munge\n"
+         << "StateSaveLocation=" << dir_ << "/state\n"
+         << "SlurmdSpoolDir=" << dir_ << "/spool" << node << "\n"
+         << "SlurmctldPidFile=" << dir_ << "/slurmctld.pid\n"
+         << "SlurmdPidFile=" << dir_ << "/slurmd" << (hosts_ ? "-%n" : "") << ".pid\n"
+         << "SlurmctldLogFile=" << dir_ << "/slurmctld.log\n"
+         << "SlurmdLogFile=" << dir_ << "/slurmd" << (hosts_ ? "-%n" : "") << ".log\n"
+         << "SlurmctldPort=" << free_port() << "\nSlurmdPort=" << free_port()
+         << "\nProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+         << "SchedulerType=sched/backfill\nSelectType=select/cons_tres\n"
+         << "SelectTypeParameters=CR_Core\nReturnToService=2\nMpiDefault=none\n"
+         << "JobAcctGatherType=jobacct_gather/none\n";
+    if (hosts_ == nullptr) {
+      conf << "NodeName=" << host << " NodeAddr=127.0.0.1 CPUs=" << cpus
+           << " RealMemory=2000 State=UNKNOWN\n"
+           << "PartitionName=debug Nodes=" << host
+           << " Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n";
+      return;
+    }
+    std::ofstream etc_hosts(dir_ + "/hosts");
+    etc_hosts << "127.0.0.1 localhost\n";
+    for (int k = 0; k < hosts_->size(); ++k) {
+      const std::string name = "fakehost" + std::to_string(k);
+      ::mkdir((dir_ + "/spool" + name).c_str(), 0755);
+      etc_hosts << hosts_->address(k) << " " << name << "\n";
+      conf << "NodeName=" << name << " NodeAddr=" << hosts_->address(k) << " CPUs=" << cpus
+           << " RealMemory=2000 State=UNKNOWN\n";
+    }
+    conf << "PartitionName=debug Nodes=fakehost[0-" << hosts_->size() - 1
+         << "] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n";
+  }
+
+  // A daemon of host k: in its network namespace, with its host name and the hosts' names in an
+  // /etc/hosts of its own (a mount namespace, which its jobs' tasks inherit). nsenter rather than
+  // `ip netns exec`, which mounts a /sys of its own, without the cgroup file systems slurmd needs.
+  std::vector<std::string> on_host(int k, const std::vector<std::string>& argv) const {
+    if (hosts_ == nullptr) {
+      return argv;
+    }
+    std::vector<std::string> out{"/usr/bin/nsenter",
+                                 "--net=/run/netns/" + hosts_->netns(k),
+                                 "/usr/bin/unshare",
+                                 "--uts",
+                                 "--mount",
+                                 "--propagation",
+                                 "private",
+                                 "/bin/sh",
+                                 "-c",
+                                 "mount --bind " + dir_ + "/hosts /etc/hosts && hostname fakehost" +
+                                     std::to_string(k) + " && exec \"$0\" \"$@\""};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+
+  // A client command (sinfo, sbatch): on host 0's network, where slurmctld listens.
+  std::vector<std::string> client(const std::vector<std::string>& argv) const {
+    if (hosts_ == nullptr) {
+      return argv;
+    }
+    std::vector<std::string> out{"/usr/bin/nsenter", "--net=/run/netns/" + hosts_->netns(0)};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+
+  const cli::FakeHosts* hosts_ = nullptr;
   std::string dir_, conf_;
   std::map<std::string, std::string> env_;
   bool ready_ = false;
@@ -163,6 +232,38 @@ class SlurmCluster {
       GTEST_SKIP() << why;                                      \
     }                                                           \
   } while (0)
+
+// The README's multi-node form on a real allocation of two nodes: a Slurm of two slurmd on two
+// namespace hosts (in this test, which owns munged while it runs). srun starts one launcher per
+// node, each finds its place in the allocation, and DDP across them equals one process.
+void two_node_allocation() {
+  const std::string why = cli::FakeHosts::unavailable_reason();
+  if (!why.empty() || ::access("/usr/bin/nsenter", X_OK) != 0 ||
+      ::access("/usr/bin/unshare", X_OK) != 0) {
+    std::cout << "two-node allocation left out: "
+              << (why.empty() ? "nsenter or unshare (util-linux) is missing" : why) << std::endl;
+    return;
+  }
+  cli::FakeHosts hosts(2);
+  SlurmCluster slurm(&hosts);
+  ASSERT_TRUE(slurm.ready()) << slurm.logs();
+  auto r = slurm.batch(
+      "#!/bin/sh\n#SBATCH --nodes 2\n#SBATCH --ntasks-per-node 1\n"
+      "#SBATCH --time 10\nexport PARATRAIN_TIMEOUT=60\n"
+      "srun --ntasks-per-node 1 " +
+      cli_path() + " launch --nproc-per-node 2 -- " + PARATRAIN_TEST_DDP_WORKER + "\n");
+  EXPECT_EQ(r.exit_code, 0) << r.output << slurm.logs();
+  for (int k = 0; k < 2; ++k) {
+    EXPECT_NE(r.output.find(": node " + std::to_string(k) + " of 2 (fakehost" + std::to_string(k) +
+                            "), node 0 fakehost0"),
+              std::string::npos)
+        << r.output;
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_NE(r.output.find("rank " + std::to_string(rank) + ": ok"), std::string::npos)
+        << r.output;
+  }
+}
 
 // The README's sbatch examples, as they are there. One test, one Slurm: the tests run two at a
 // time, and two test Slurms would share (and stop) one munged.
@@ -208,6 +309,7 @@ TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {
     EXPECT_NE(r.output.find("rank " + std::to_string(rank) + ": ok"), std::string::npos)
         << r.output;
   }
+  two_node_allocation();
 }
 
 // Slurm's host lists, expanded as `scontrol show hostnames` expands them (it needs a slurm.conf,
