@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The inner loop (scripts/test.sh --quick): on the existing build (${BUILD_DIR:-build}, made by
-# scripts/build.sh), rebuilds what changed, then runs
+# scripts/build.sh), rebuilds what changed, compiles each changed .cpp on its own (outside its
+# unity batch: scripts/compile-alone.py), then runs
 #   1. the tests labelled unit (one process, under 2 s each; tests/labels.cmake), and
 #   2. the tests of the files changed since origin/main (committed or not): a changed test file
 #      gives its own suites; a changed file of the library gives the suites of the test files that
@@ -27,6 +28,18 @@ if ! git rev-parse -q --verify "$base^{commit}" >/dev/null; then
 else
   changed=$( (git diff --name-only "$(git merge-base "$base" HEAD)"; git diff --name-only HEAD;
     git ls-files --others --exclude-standard) | sort -u)
+fi
+
+# The build compiles unity batches: a changed .cpp that compiles only because another file of its
+# batch includes a header for it would pass there and fail in a build without them (an IDE's, a
+# user's own CMake). Each is compiled on its own too.
+changed_sources=()
+for f in $changed; do
+  case "$f" in *.cpp) [ -f "$f" ] && changed_sources+=("$f") ;; esac
+done
+if [ ${#changed_sources[@]} -gt 0 ]; then
+  echo "test --quick: compiling the ${#changed_sources[@]} changed .cpp file(s) on their own"
+  python3 scripts/compile-alone.py "$build_dir" "${changed_sources[@]}"
 fi
 
 # The suites defined in one test file (TEST, TEST_F, TEST_P; ctest names a parameterized one's

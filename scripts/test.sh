@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine, in two legs:
-#   1. Debian 12's libtorch 1.13 (CPU): set-up, a unity build with -Werror, the formatting check,
-#      every test through ctest;
+#   1. Debian 12's libtorch 1.13 (CPU): set-up, the build scripts/run.sh makes too
+#      (scripts/build.sh: unity batches, -Werror), the formatting check, every test through ctest;
 #   2. Debian 13's libtorch 2.6 (CPU), in a debootstrap root kept between runs on the same
 #      machine (scripts/test-libtorch2.sh): the same build but the header checks, and the tests
 #      of code whose libtorch calls differ between 1.13 and 2.x (every test not labelled one-leg;
@@ -26,8 +26,9 @@ fi
 
 legs="${PARATRAIN_LEGS:-1 2}"
 build_dir="${BUILD_DIR:-build}"
-started=$(date +%s)
-timings=$(mktemp /tmp/paratrain-timings.XXXXXX)
+# .ci/run runs the main job first and passes its timings file and start on, for one table.
+started="${PARATRAIN_STARTED:-$(date +%s)}"
+timings="${PARATRAIN_TIMINGS:-$(mktemp /tmp/paratrain-timings.XXXXXX)}"
 export PARATRAIN_TIMINGS="$timings"
 root_pid=""
 root_log=/tmp/paratrain-trixie-root.log
@@ -46,15 +47,7 @@ elif [ -n "${PARATRAIN_ISA:-}" ]; then
 fi
 export PARATRAIN_CTEST_ENV="${ctest_env[*]}"
 
-step() { # step NAME COMMAND...: runs COMMAND and records its seconds under NAME, failed or not
-  local name="$1" t0 rc=0
-  shift
-  t0=$(date +%s)
-  "$@" || rc=$?
-  if [ "$rc" -ne 0 ]; then name="$name (failed)"; fi
-  echo "$name $(($(date +%s) - t0))" >>"$timings"
-  return "$rc"
-}
+source scripts/timing.sh  # step NAME COMMAND...
 
 table() {
   local status=$?
@@ -80,10 +73,8 @@ if [[ " $legs " == *" 2 "* ]]; then
   root_pid=$!
 fi
 if [[ " $legs " == *" 1 "* ]]; then
-  # A unity build of one translation unit per target: each unit loads the precompiled libtorch
-  # headers and generates the same libtorch code again, so fewer, larger units cost less.
-  step "leg 1 build" bash scripts/build.sh -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
-    -DCMAKE_UNITY_BUILD_BATCH_SIZE=0
+  # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.
+  step "leg 1 build" bash scripts/build.sh
   step "leg 1 format check" bash scripts/check-format.sh
   # shellcheck disable=SC2086
   step "leg 1 tests" env ${PARATRAIN_CTEST_ENV} \

@@ -3,6 +3,7 @@
 #include "errors.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>  // at::init_num_threads
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/version.h>
