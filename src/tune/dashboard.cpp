@@ -9,31 +9,61 @@
 
 #include <c10/util/Exception.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #ifdef PARATRAIN_WITH_DASHBOARD
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
 #include <sys/socket.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace paratrain {
 namespace tune {
 
+// Exact names and literals only: "localhost", a dotted-quad address in 127.0.0.0/8, ::1 or an
+// IPv4-mapped 127.x (bracketed or not). Not a name that merely starts with "127." (a domain such as
+// 127.0.0.1.example.com resolves wherever its owner likes), and not the shorthands inet_aton also
+// reads (127.1, 2130706433, 0x7f.1): browsers and curl send the dotted quad for those.
 bool loopback_address(const std::string& host) {
   std::string h;
   for (char c : host) {
     h += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   }
-  return h.rfind("127.", 0) == 0 || h == "localhost" || h == "::1" || h == "[::1]";
+  if (h == "localhost") {
+    return true;
+  }
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') {
+    h = h.substr(1, h.size() - 2);
+  }
+  in_addr v4{};
+  if (inet_pton(AF_INET, h.c_str(), &v4) == 1) {
+    return (ntohl(v4.s_addr) >> 24) == 127;
+  }
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, h.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return false;
 }
 
 #ifndef PARATRAIN_WITH_DASHBOARD
@@ -145,6 +175,177 @@ std::string study_fragment(Storage& storage, const std::string& name) {
          html_report_body(spec, storage.load_trials(), storage.load_exploits());
 }
 
+// Note [Connections the dashboard holds]
+// cpp-httplib (0.11) gives each connection a pool thread until it has read a request, with a
+// per-read timeout only: a client that connects and sends nothing, or one byte now and then,
+// holds a thread, and 20 of them kept a normal request waiting for 20 s. httplib has no hook
+// that sees a connection before its request, so this guard finds the server's connections
+// itself (the process's sockets whose local port is the dashboard's), and shuts down each one
+// that has not sent a whole request within `request_timeout`, or that comes beyond
+// `max_connections` (the newest first): its thread then reads end-of-file and moves on. A
+// connection counts as served once its request reaches the router (served()). Each connection
+// serves one request (no keep-alive), so a served one is busy answering, never idle.
+class ConnectionGuard {
+ public:
+  ConnectionGuard(int port, std::chrono::milliseconds request_timeout, size_t max_connections)
+      : port_(port), timeout_(request_timeout), max_(max_connections) {}
+  ~ConnectionGuard() { stop(); }
+
+  void start() {
+    thread_ = std::thread([this] {
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!stopping_) {
+        lock.unlock();
+        scan();
+        lock.lock();
+        wake_.wait_for(lock, std::chrono::milliseconds(100), [this] { return stopping_; });
+      }
+    });
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+
+  /// A request from `peer` ("address:port") reached the router.
+  void served(const std::string& peer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    served_[peer] = std::chrono::steady_clock::now();
+  }
+
+ private:
+  struct Seen {
+    std::string peer;
+    std::chrono::steady_clock::time_point since;
+  };
+
+  void scan();
+
+  const int port_;
+  const std::chrono::milliseconds timeout_;
+  const size_t max_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;
+  std::map<std::string, std::chrono::steady_clock::time_point> served_;  // request arrived
+  std::map<int, Seen> seen_;  // only the scanning thread touches it
+  std::thread thread_;
+};
+
+// The peer ("address:port", as httplib's Request::remote_addr and remote_port give it) of `fd`
+// when it is a connected TCP socket whose own port is `port`; "" otherwise (the listening socket
+// has no peer; this process's own clients of the dashboard have another local port).
+std::string connection_peer(int fd, int port) {
+  sockaddr_storage local{};
+  socklen_t n = sizeof(local);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &n) != 0) {
+    return "";
+  }
+  int local_port = -1;
+  if (local.ss_family == AF_INET) {
+    local_port = ntohs(reinterpret_cast<const sockaddr_in*>(&local)->sin_port);
+  } else if (local.ss_family == AF_INET6) {
+    local_port = ntohs(reinterpret_cast<const sockaddr_in6*>(&local)->sin6_port);
+  }
+  sockaddr_storage peer{};
+  n = sizeof(peer);
+  if (local_port != port || getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &n) != 0) {
+    return "";
+  }
+  char address[NI_MAXHOST];
+  char service[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&peer), n, address, sizeof(address), service,
+                  sizeof(service), NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return "";
+  }
+  return std::string(address) + ":" + service;
+}
+
+void ConnectionGuard::scan() {
+  using Clock = std::chrono::steady_clock;
+  const auto now = Clock::now();
+  std::map<int, Seen> current;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) {
+    return;  // no /proc: httplib's own per-read timeout still applies
+  }
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == dirfd(dir)) {
+      continue;
+    }
+    const std::string peer = connection_peer(static_cast<int>(fd), port_);
+    if (peer.empty()) {
+      continue;
+    }
+    const auto it = seen_.find(static_cast<int>(fd));
+    current[static_cast<int>(fd)] =
+        it != seen_.end() && it->second.peer == peer ? it->second : Seen{peer, now};
+  }
+  closedir(dir);
+  seen_ = std::move(current);
+  std::vector<std::pair<Clock::time_point, int> > waiting;  // no request yet, oldest first
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::set<std::string> live;
+    for (const auto& [fd, s] : seen_) {
+      live.insert(s.peer);
+    }
+    // A request may arrive before a scan sees its connection: forget a served peer only once
+    // its connection has been gone for a while.
+    for (auto it = served_.begin(); it != served_.end();) {
+      it = !live.count(it->first) && now - it->second > std::chrono::seconds(2) ? served_.erase(it)
+                                                                                : std::next(it);
+    }
+    for (const auto& [fd, s] : seen_) {
+      if (!served_.count(s.peer)) {
+        waiting.emplace_back(s.since, fd);
+      }
+    }
+  }
+  std::sort(waiting.begin(), waiting.end());
+  size_t held = seen_.size();
+  for (const auto& [since, fd] : waiting) {
+    if (now - since < timeout_ && held <= max_) {
+      continue;
+    }
+    // Shut down, not closed: httplib's thread still owns the descriptor and closes it.
+    if (connection_peer(fd, port_) == seen_[fd].peer && ::shutdown(fd, SHUT_RDWR) == 0) {
+      --held;
+    }
+  }
+}
+
+// Whether a Host header ("name" or "name:port") names this server on loopback: a loopback name or
+// address (loopback_address) and the port it serves (80 when the header gives none).
+bool names_this_loopback_server(const std::string& host, int port) {
+  size_t name_end = host.find(host[0] == '[' ? ']' : ':');
+  if (host[0] == '[') {
+    if (name_end == std::string::npos) {
+      return false;
+    }
+    ++name_end;
+  }
+  const std::string rest = name_end == std::string::npos ? "" : host.substr(name_end);
+  int given = 80;
+  if (!rest.empty()) {
+    if (rest[0] != ':' || rest.size() < 2 || rest.size() > 6 ||
+        rest.find_first_not_of("0123456789", 1) != std::string::npos) {
+      return false;
+    }
+    given = std::stoi(rest.substr(1));
+  }
+  return given == port && loopback_address(host.substr(0, name_end));
+}
+
 // The first line of an error, for a one-line 503.
 std::string first_line(const std::string& what) {
   return what.substr(0, what.find('\n'));
@@ -157,6 +358,7 @@ struct Dashboard::Impl {
   std::string shown_storage;  // its URL as storage shows it (a password hidden)
   httplib::Server server;
   int port = 0;
+  std::unique_ptr<ConnectionGuard> guard;  // made once the port is bound
   std::atomic<bool> running{false}, stop_asked{false};
 
   // A fresh read-only connection per request: a storage that comes back after an outage is
@@ -199,8 +401,10 @@ struct Dashboard::Impl {
   }
 
   // Only GET (and HEAD) are served: nothing changes the storage. On loopback, a page of another
-  // site that resolved its own name to 127.0.0.1 (DNS rebinding) is refused by its Host header.
+  // site that resolved its own name to 127.0.0.1 (DNS rebinding) is refused by its Host header,
+  // which must name loopback and this port exactly.
   httplib::Server::HandlerResponse screen(const httplib::Request& req, httplib::Response& res) {
+    guard->served(req.remote_addr + ":" + std::to_string(req.remote_port));
     if (req.method != "GET" && req.method != "HEAD") {
       res.status = 405;
       res.set_content("the dashboard is read-only: " + req.method + " is not served\n",
@@ -208,9 +412,7 @@ struct Dashboard::Impl {
       return httplib::Server::HandlerResponse::Handled;
     }
     const std::string host = req.get_header_value("Host");  // browsers always send one
-    const std::string name = !host.empty() && host[0] == '[' ? host.substr(0, host.find(']') + 1)
-                                                             : host.substr(0, host.find(':'));
-    if (loopback_address(o.bind()) && !host.empty() && !loopback_address(name)) {
+    if (loopback_address(o.bind()) && !host.empty() && !names_this_loopback_server(host, port)) {
       res.status = 403;
       res.set_content("the dashboard listens on loopback: open it as http://127.0.0.1:" +
                           std::to_string(port) + "/\n",
@@ -254,10 +456,22 @@ Dashboard::Dashboard(const DashboardOptions& options) : impl_(std::make_unique<I
               options.refresh_seconds());
   TORCH_CHECK(options.port() >= 0 && options.port() <= 65535,
               "tune serve: --port must be 0 to 65535, got ", options.port());
+  TORCH_CHECK(options.request_timeout_seconds() > 0,
+              "tune serve: the request timeout must be > 0 seconds, got ",
+              options.request_timeout_seconds());
+  TORCH_CHECK(options.max_connections() >= 1 && options.max_connections() <= 4096,
+              "tune serve: max_connections must be 1 to 4096, got ", options.max_connections());
   auto storage = open_storage(options.storage(), true);  // throws one line when unreachable
   storage->list_studies();
   impl_->shown_storage = storage->url();
   impl_->routes();
+  // One thread per connection held (ConnectionGuard bounds them), one request per connection,
+  // and no read may wait longer than a whole request may take.
+  const size_t threads = static_cast<size_t>(options.max_connections());
+  impl_->server.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  impl_->server.set_keep_alive_max_count(1);
+  impl_->server.set_read_timeout(
+      std::chrono::milliseconds(static_cast<int64_t>(options.request_timeout_seconds() * 1000)));
   // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second server binds
   // a port already in use and the two share its requests.
   impl_->server.set_socket_options([](socket_t sock) {
@@ -275,6 +489,11 @@ Dashboard::Dashboard(const DashboardOptions& options) : impl_(std::make_unique<I
   TORCH_CHECK(impl_->port > 0, "tune serve: cannot listen on ", host, ":", options.port(), ": ",
               err != 0 ? std::strerror(err) : "the address cannot be bound",
               " (choose another --port or --bind)");
+  impl_->guard = std::make_unique<ConnectionGuard>(
+      impl_->port,
+      std::chrono::milliseconds(static_cast<int64_t>(options.request_timeout_seconds() * 1000)),
+      static_cast<size_t>(options.max_connections()));
+  impl_->guard->start();
 }
 
 Dashboard::~Dashboard() {

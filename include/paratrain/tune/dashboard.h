@@ -27,6 +27,11 @@ struct DashboardOptions {
   TORCH_ARG(int, port) = 8080;
   /// How often an open page asks for fresh content.
   TORCH_ARG(double, refresh_seconds) = 2;
+  /// How long a connection may take to send its whole request before it is closed.
+  TORCH_ARG(double, request_timeout_seconds) = 5;
+  /// The connections held at once (each has a thread); beyond them, the oldest that has not yet
+  /// sent its request is closed.
+  TORCH_ARG(int, max_connections) = 64;
 };
 
 class Dashboard {
@@ -52,8 +57,9 @@ class Dashboard {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Whether `host` names the loopback interface (127.x.x.x, ::1, localhost), where the dashboard
-/// is reachable from this machine only.
+/// Whether `host` names the loopback interface, where the dashboard is reachable from this machine
+/// only: exactly "localhost" (any case), a dotted-quad address in 127.0.0.0/8, or ::1 (also
+/// bracketed, and IPv4-mapped 127.x). Not a name that starts with "127." but is a domain.
 bool loopback_address(const std::string& host);
 
 /// Whether this build has the dashboard (cpp-httplib).
