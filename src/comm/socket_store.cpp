@@ -34,7 +34,17 @@ using std::chrono::milliseconds;
 // Request body: op (1 byte), how long a get/wait may be held in ms (8 bytes, -1: no limit), the
 // number of fields (4 bytes), then each field as a length (4 bytes) and its bytes.
 // Reply body: a status (1 byte) and the payload.
-enum Op : uint8_t { kSet = 1, kGet, kAdd, kCompareSet, kCheck, kDelete, kNumKeys, kWait };
+enum Op : uint8_t {
+  kSet = 1,
+  kGet,
+  kAdd,
+  kCompareSet,
+  kCheck,
+  kDelete,
+  kNumKeys,
+  kWait,
+  kSetEphemeral  // a set whose key the server deletes when the setter's connection closes
+};
 enum Status : uint8_t { kOk = 0, kTimedOut = 1, kFailed = 2 };
 
 // Frames beyond this are a foreign or broken peer, not a store value.
@@ -138,6 +148,8 @@ class StoreServer {
 
  private:
   struct Client {
+    uint64_t id = 0;                  // unique for the server's life (descriptors are reused)
+    std::set<std::string> ephemeral;  // keys it set with kSetEphemeral
     std::string in;
     std::string out;
     bool bad = false;
@@ -159,12 +171,15 @@ class StoreServer {
   int next_deadline_ms() const;
   static void reply(Client& c, uint8_t status, const std::string& payload);
   static bool flush(int fd, Client& c);
+  void drop(std::map<int, Client>::iterator it);
 
   std::vector<int> listeners_;
   int wake_[2] = {-1, -1};
   int port_ = 0;
   std::map<int, Client> clients_;
   std::unordered_map<std::string, std::string> data_;
+  std::unordered_map<std::string, uint64_t> owner_;  // ephemeral keys: the client that set them
+  uint64_t next_client_id_ = 0;
   std::thread thread_;
 };
 
@@ -311,13 +326,25 @@ void StoreServer::run() {
     }
     for (auto it = clients_.begin(); it != clients_.end();) {
       if (it->second.bad || !flush(it->first, it->second)) {
-        ::close(it->first);
-        it = clients_.erase(it);
+        drop(it++);
       } else {
         ++it;
       }
     }
   }
+}
+
+// Closes a client's connection; the ephemeral keys it still owns go with it.
+void StoreServer::drop(std::map<int, Client>::iterator it) {
+  for (const std::string& k : it->second.ephemeral) {
+    auto owner = owner_.find(k);
+    if (owner != owner_.end() && owner->second == it->second.id) {
+      owner_.erase(owner);
+      data_.erase(k);
+    }
+  }
+  ::close(it->first);
+  clients_.erase(it);
 }
 
 void StoreServer::handle_io(const std::vector<pollfd>& polled) {
@@ -331,7 +358,7 @@ void StoreServer::handle_io(const std::vector<pollfd>& polled) {
       if (fd >= 0) {
         const int on = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
-        clients_[fd];
+        clients_[fd].id = next_client_id_++;
       } else if (errno == EMFILE || errno == ENFILE) {
         // The connection waits in the backlog, and poll would report it at once again.
         std::this_thread::sleep_for(milliseconds(50));
@@ -401,17 +428,27 @@ void StoreServer::execute(Client& c,
                           uint8_t op,
                           int64_t hold_ms,
                           const std::vector<std::string>& f) {
-  static const std::map<uint8_t, size_t> kFields = {{kSet, 2},        {kGet, 1},    {kAdd, 2},
-                                                    {kCompareSet, 3}, {kDelete, 1}, {kNumKeys, 0}};
+  static const std::map<uint8_t, size_t> kFields = {{kSet, 2},         {kGet, 1},    {kAdd, 2},
+                                                    {kCompareSet, 3},  {kDelete, 1}, {kNumKeys, 0},
+                                                    {kSetEphemeral, 2}};
   auto need = kFields.find(op);
   if ((need != kFields.end() && f.size() != need->second) ||
       (need == kFields.end() && op != kCheck && op != kWait)) {
     c.bad = true;
     return;
   }
+  if (op != kCheck && op != kWait && op != kGet && op != kNumKeys) {
+    owner_.erase(f[0]);  // whoever writes a key last decides how long it lives
+  }
   switch (op) {
     case kSet:
       data_[f[0]] = f[1];
+      reply(c, kOk, "");
+      return;
+    case kSetEphemeral:
+      data_[f[0]] = f[1];
+      owner_[f[0]] = c.id;
+      c.ephemeral.insert(f[0]);
       reply(c, kOk, "");
       return;
     case kGet:
@@ -602,8 +639,11 @@ void SocketStore::connect_locked(milliseconds timeout) {
     if (fd_ >= 0) {
       return;
     }
-    TORCH_CHECK(!bounded || Clock::now() + pause < deadline, "cannot connect to ", where(),
-                " within ", timeout.count(), " ms: ", last);
+    if (bounded && Clock::now() + pause >= deadline) {
+      // Refused: the host is there and nothing listens (the server's process ended).
+      last_failure_ = last == errno_text(ECONNREFUSED) ? Failure::kGone : Failure::kUnreachable;
+      TORCH_CHECK(false, "cannot connect to ", where(), " within ", timeout.count(), " ms: ", last);
+    }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, milliseconds(1000));
   }
@@ -642,11 +682,17 @@ std::string SocketStore::call(uint8_t op,
     why = receive_locked(reply, bounded, deadline);
   }
   if (!why.empty()) {
+    // Closed or reset by the server's end, or not a store: nothing serves there now. No reply in
+    // time, or no route: the network, which may come back.
+    const bool gone = why.rfind("the server closed", 0) == 0 || why.rfind("a malformed", 0) == 0 ||
+                      why == errno_text(ECONNRESET) || why == errno_text(EPIPE);
+    last_failure_ = gone ? Failure::kGone : Failure::kUnreachable;
     drop_locked();  // the reply may still come: this connection is out of step for good
     TORCH_CHECK(
         false, what, " on the store at ", where(), " failed: ", why,
         why.rfind("no ", 0) == 0 ? " within " + std::to_string(budget.count()) + " ms" : "");
   }
+  last_failure_ = Failure::kNone;
   const auto status = static_cast<uint8_t>(reply[4]);
   std::string payload = reply.substr(5);
   TORCH_CHECK(status != kTimedOut, "timed out after ", wait_for.count(), " ms waiting for ", what,
@@ -727,6 +773,10 @@ int64_t to_int64(const std::string& text, const std::string& what) {
 
 void SocketStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   call(kSet, {key, bytes(value)}, kNoStoreTimeout, "set of key '" + key + "'");
+}
+
+void SocketStore::setEphemeral(const std::string& key, const std::vector<uint8_t>& value) {
+  call(kSetEphemeral, {key, bytes(value)}, kNoStoreTimeout, "set of key '" + key + "'");
 }
 
 std::vector<uint8_t> SocketStore::compareSet(const std::string& key,

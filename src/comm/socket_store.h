@@ -54,6 +54,11 @@ class SocketStore {
                                   const std::vector<uint8_t>& desired);
   std::vector<uint8_t> get(const std::string& key);
   int64_t add(const std::string& key, int64_t value);
+  /// Sets `key` for as long as this client's connection lasts: the server deletes it when the
+  /// connection closes (the client's process ended, or it dropped the connection after a failed
+  /// call), unless a later call (from any connection) set the key since. Like ZooKeeper's
+  /// ephemeral nodes; it tells a peer that ended from one that cannot be reached.
+  void setEphemeral(const std::string& key, const std::vector<uint8_t>& value);
   bool deleteKey(const std::string& key);
   bool check(const std::vector<std::string>& keys);
   int64_t getNumKeys();
@@ -61,6 +66,13 @@ class SocketStore {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
   /// Another client of the same server, with this one's timeout (TCPStore::clone).
   std::unique_ptr<SocketStore> clone() const;
+
+  /// Why the last call failed, as far as the network tells: kNone when it succeeded (or failed in
+  /// the store itself, e.g. a wait that timed out); kGone when no server is there any more (the
+  /// connection was refused, closed or reset); kUnreachable when the server did not answer in
+  /// time or the network has no way to it (a partition, a host that stopped), which may pass.
+  enum class Failure { kNone, kGone, kUnreachable };
+  Failure lastFailure() const { return last_failure_.load(); }
 
  private:
   // One request and its reply; `wait_for` is how long the server may hold a get or wait.
@@ -84,6 +96,7 @@ class SocketStore {
   std::unique_ptr<StoreServer> server_;
   std::mutex mutex_;
   int fd_ = -1;
+  std::atomic<Failure> last_failure_{Failure::kNone};
 };
 
 /// Whether every address `host` resolves to is a loopback address (127.0.0.0/8, ::1). Such a

@@ -48,6 +48,7 @@ detail::RendezvousOptions rendezvous_options(const LaunchOptions& options) {
     ro.port = options.master_port() + 1;
     ro.fixed_node_rank = options.node_rank();
     ro.fixed_master = options.master_addr() + ":" + std::to_string(options.master_port());
+    ro.max_restarts = options.max_restarts();
   } else {
     std::tie(ro.host, ro.port) = parse_endpoint(options.rdzv_endpoint());
     ro.backend = options.rdzv_backend();

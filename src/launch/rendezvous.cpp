@@ -187,13 +187,78 @@ Assignment Rendezvous::next() {
   TORCH_CHECK(broken_.empty(), "rendezvous ", describe(),
               ": the connection to the endpoint failed (", broken_,
               "); the node serving it has probably ended");
+  // A store that cannot be reached (a partition, see Note [Partitions and dead nodes]) is tried
+  // again until the join timeout; one that is gone, or a refusal of the rendezvous, ends here.
+  const auto deadline = Clock::now() + o_.join_timeout;
+  bool told = false;
+  for (;;) {
+    try {
+      reopen_after_lost_contact();
+      Assignment a = join();
+      last_contact_ = Clock::now();
+      return a;
+    } catch (const std::exception& e) {
+      if (o_.backend == "etcd" || !store_->last_call_unreachable()) {
+        throw;
+      }
+      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(),
+                  ": the endpoint did not answer for ", o_.join_timeout.count() / 1000.0, " s (",
+                  error_message(e), "): its host is down or cut off from this one");
+      if (!told) {
+        std::cerr << "paratrain launch: rendezvous " << describe() << ": no answer ("
+                  << error_message(e) << "); trying again for up to "
+                  << o_.join_timeout.count() / 1000.0 << " s" << std::endl;
+        told = true;
+      }
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+  }
+}
+
+// This node left round `lost_contact_in_` when the store stopped answering: the others may not
+// have noticed (their view of its heartbeat lags), so the next round opens now, or, in a static
+// job without a restart left, the job ends.
+void Rendezvous::reopen_after_lost_contact() {
+  if (!lost_contact_in_) {
+    return;
+  }
+  const Assignment a = *lost_contact_in_;
+  const std::string why = "node " + std::to_string(a.node_rank) + " lost contact with the others";
+  if (read_int(key("round")) == a.round) {
+    if (!restart_left(a)) {
+      lost_contact_in_.reset();
+      shut_down(why + "; no restart left (--max-restarts " + std::to_string(o_.max_restarts) + ")",
+                a.nnodes - 1);
+      note_shutdown_seen();
+      TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", why,
+                  "; no restart left (--max-restarts ", o_.max_restarts, ")");
+    }
+    open_next_round(a, "unreachable");
+  }
+  lost_contact_in_.reset();
+}
+
+bool Rendezvous::restart_left(const Assignment& a) const {
+  return o_.fixed_node_rank < 0 || a.round < o_.max_restarts;
+}
+
+// One attempt at joining the open round (next()). A retry after the store stopped answering keeps
+// the ticket this node already took in that round. If the failed call was the ticket's own add,
+// whether it counted is unknown: it is taken again, and a count one too high closes a static
+// round no differently (places are fixed), a dynamic one with a node too many, whose workers
+// then fail to meet and restart.
+Assignment Rendezvous::join() {
   for (;;) {
     check_shutdown(/*may_move=*/true);
     const int64_t round = read_int(key("round"));
     // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
     // of joining.
     const int64_t fixed = o_.fixed_node_rank >= 0 ? take_place(round) : 0;
-    const int64_t ticket = store_->add(key(round, "count"), 1);
+    if (joined_ != key(round, "count")) {
+      joined_ticket_ = store_->add(key(round, "count"), 1);
+      joined_ = key(round, "count");
+    }
+    const int64_t ticket = joined_ticket_;
     const int64_t place = fixed > 0 ? fixed : ticket;
     const bool closed = store_->check(key(round, "closed"));
     if (place > o_.max_nodes || (closed && place > std::stoll(get_or(key(round, "closed"), "0")))) {
@@ -220,6 +285,7 @@ Assignment Rendezvous::next() {
     node0_done_ = false;
     last_beats_.assign(static_cast<size_t>(nnodes), -1);
     last_moved_.assign(static_cast<size_t>(nnodes), Clock::now());
+    ended_since_.assign(static_cast<size_t>(nnodes), Clock::time_point{});
     admitted_ = true;
     return a;
   }
@@ -386,7 +452,7 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
   bool ignored = false;
   bool& dead_peer = membership != nullptr ? *membership : ignored;
   dead_peer = false;  // only a dead peer explains this node's own failure
-  if (!broken_.empty()) {
+  if (!broken_.empty() || lost_contact_in_) {
     return false;  // no more calls on a connection that failed: a late reply could be misread
   }
   if (Clock::now() < retry_after_) {
@@ -394,6 +460,11 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
   }
   try {
     store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
+    last_contact_ = Clock::now();
+    if (store_->ephemeral_kept()) {
+      // Kept as long as this launcher's connection: the others tell its end from a partition.
+      store_->set_ephemeral(key(a.round, "alive" + std::to_string(a.node_rank)), "1");
+    }
     if (store_->check(key("shutdown"))) {
       note_shutdown_seen();
       *why = "a node gave up: " + get_or(key("shutdown"), "");
@@ -401,11 +472,12 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     }
     if (read_int(key("round")) > a.round) {
       const std::string reason = get_or(key(a.round, "next_reason"), "");
-      dead_peer = reason == "dead";
+      dead_peer = reason == "dead" || reason == "unreachable";
       *why = "another node opened rendezvous round " + std::to_string(a.round + 1) +
-             (reason == "dead"   ? " without a node that stopped"
-              : reason == "grow" ? " to take in waiting nodes"
-                                 : " after a failure");
+             (reason == "dead"          ? " without a node that stopped"
+              : reason == "unreachable" ? " after losing contact with a node"
+              : reason == "grow"        ? " to take in waiting nodes"
+                                        : " after a failure");
       return true;
     }
     if (o_.fixed_node_rank > 0 && !node0_done_) {
@@ -422,12 +494,12 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     }
     return peer_stopped(a, why, dead_peer);
   } catch (const std::exception& e) {
-    return store_failed(e, why);
+    return store_failed(a, e, why);
   }
 }
 
-// A peer whose heartbeat stood still for the keep-alive time (and is not done): a new round
-// without it, or, in a static job, the job's end.
+// A peer whose heartbeat stood still for the keep-alive time (and is not done): ended, or
+// unreachable (Note [Partitions and dead nodes]).
 bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_peer) {
   for (int n = 0; n < a.nnodes; ++n) {
     if (n == a.node_rank) {
@@ -438,37 +510,95 @@ bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_
     if (beat != last_beats_[i]) {
       last_beats_[i] = beat;
       last_moved_[i] = Clock::now();
-    } else if (Clock::now() - last_moved_[i] > o_.keep_alive &&
-               !store_->check(key(a.round, "done" + std::to_string(n)))) {
-      *why = "node " + std::to_string(n) + " (" +
-             get_or(key(a.round, "addr" + std::to_string(n)), "?") + ") stopped its heartbeat " +
-             std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
-      if (o_.fixed_node_rank >= 0) {
-        // A static job cannot go on without a node: it ends now rather than wait for it.
-        *why += "; a static job cannot go on without it";
-        shut_down(*why, a.nnodes - 2);
-        shutdown_seen_ = true;
-        return true;
+      continue;
+    }
+    if (Clock::now() - last_moved_[i] <= o_.keep_alive ||
+        store_->check(key(a.round, "done" + std::to_string(n)))) {
+      continue;
+    }
+    const std::string who = "node " + std::to_string(n) + " (" +
+                            get_or(key(a.round, "addr" + std::to_string(n)), "?") + ")";
+    if (!peer_ended(a, n)) {
+      if (ended_since_[i] != Clock::time_point{}) {
+        continue;  // its connection closed a moment ago: ended, unless it comes back at once
       }
       dead_peer = true;
-      open_next_round(a, "dead");
+      return peer_unreachable(a, who, why);
+    }
+    *why =
+        who + " stopped its heartbeat " + std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
+    if (o_.fixed_node_rank >= 0) {
+      // A static job cannot go on without a node: it ends now rather than wait for it.
+      *why += "; a static job cannot go on without it";
+      shut_down(*why, a.nnodes - 2);
+      shutdown_seen_ = true;
       return true;
     }
+    dead_peer = true;
+    open_next_round(a, "dead");
+    return true;
   }
   return false;
 }
 
-// A store call of must_restart failed: the store is gone or late (its node ended, or the
-// network). The workers carry on, and next() reports it; a timed-out call on the socket store may
-// still be answered later, so that connection is not used again. etcd's HTTP calls are
-// independent, and retried a little later.
-bool Rendezvous::store_failed(const std::exception& e, std::string* why) {
+// Whether stalled node n's launcher has ended: its "alive" key went with its connection, and
+// stayed away for a moment. A partition that heals can close an old connection of the node
+// (its close arrives late) just before the node sets the key again on a new one, hence the
+// moment. Without ephemeral keys (etcd), every stalled node counts as ended.
+bool Rendezvous::peer_ended(const Assignment& a, int n) {
+  const auto i = static_cast<size_t>(n);
+  if (!store_->ephemeral_kept()) {
+    return true;
+  }
+  if (store_->check(key(a.round, "alive" + std::to_string(n)))) {
+    ended_since_[i] = Clock::time_point{};
+    return false;
+  }
+  if (ended_since_[i] == Clock::time_point{}) {
+    ended_since_[i] = Clock::now();
+  }
+  return Clock::now() - ended_since_[i] >= std::chrono::seconds(2);
+}
+
+// A stalled peer whose launcher's connection is still open: a partition, or a host that stopped.
+// A new round waits for it (the join timeout); a static job counts it as a restart.
+bool Rendezvous::peer_unreachable(const Assignment& a, const std::string& who, std::string* why) {
+  *why = who + " has not been heard from for " + std::to_string(o_.keep_alive.count() / 1000.0) +
+         " s, and its connection is still open (a network partition, or its host stopped)";
+  if (!restart_left(a)) {
+    *why += "; no restart left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
+    shut_down(*why, a.nnodes - 2);
+    shutdown_seen_ = true;
+    return true;
+  }
+  open_next_round(a, "unreachable");
+  return true;
+}
+
+// A store call of must_restart failed (Note [Partitions and dead nodes]). etcd's HTTP calls are
+// independent, and retried a little later. The socket store: a server that is gone (its node
+// ended) is not called again, and next() reports it; one that does not answer is ridden out for
+// the keep-alive time, then this node stops its workers to rejoin once it answers.
+bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std::string* why) {
   if (o_.backend == "etcd") {
     // Nobody's heartbeat was seen while etcd failed: the waits start again from now, so that an
     // outage does not pass for dead nodes.
     retry_after_ = Clock::now() + o_.keep_alive / 4;
     std::fill(last_moved_.begin(), last_moved_.end(), Clock::now() + o_.keep_alive / 4);
     return false;
+  }
+  if (store_->last_call_unreachable()) {
+    const auto silent = Clock::now() - last_contact_;
+    if (silent <= o_.keep_alive) {
+      return false;
+    }
+    *why = "the rendezvous at " + o_.host + ":" + std::to_string(o_.port) +
+           " has not answered for " +
+           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(silent).count() /
+                          1000.0) +
+           " s (" + error_message(e) + ")";
+    lost_contact_in_ = a;
+    return true;
   }
   broken_ = error_message(e);
   if (o_.fixed_node_rank > 0 && !node0_done_) {

@@ -19,8 +19,24 @@
 // or one node giving up) moves the id to the next generation, so a later run with the same id
 // starts clean. A node that gives up (out of restarts, interrupted) writes why under "shutdown",
 // and every other node of the job stops with that reason instead of waiting for a round that
-// cannot form. After a store call fails once (the endpoint ended, or a
-// deadline passed), the connection is not used again: next() reports it.
+// cannot form.
+//
+// Note [Partitions and dead nodes]
+// A node is taken for dead or unreachable only when its heartbeat has stood still for the
+// keep-alive time, never after one failed call. What happens then depends on why:
+// - Its launcher ended (killed, or its host reset the connection): its key "alive<n>", set as an
+//   ephemeral key on its connection to the store, is gone with that connection. A static job
+//   ends at once (it cannot go on without the node); a dynamic one forms a new round without it.
+// - It cannot be reached (a network partition, a host that stopped): its connection is still
+//   open, so the key stays. The others open a new round and wait for it (the join timeout): an
+//   agreed restart, which a static job counts against max_restarts. On its side, the node rides
+//   out a store that does not answer for the keep-alive time, then stops its workers too and
+//   keeps trying to reach the store (the join timeout); once it answers, the node joins that
+//   round (opening it, if nobody did).
+// A partition shorter than the keep-alive time, less the second or two a node needs to reconnect,
+// passes with no restart. The same rules hold on the node serving the store, whose own calls
+// never fail. A store call that finds no server at all (refused, closed) is the serving node's end:
+// the connection is not used again, and next() reports it.
 
 #include "rendezvous_store.h"
 
@@ -29,6 +45,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +73,8 @@ struct RendezvousOptions {
   /// meet at `fixed_master` ("addr:port", the job's --master-addr and --master-port).
   int fixed_node_rank = -1;
   std::string fixed_master;
+  /// Static: the rounds after the first are the job's restarts; one beyond this ends the job.
+  int max_restarts = 0;
 };
 
 struct Assignment {
@@ -120,7 +139,12 @@ class Rendezvous {
   std::string how_to_join() const;
   void skip_dead_generation();
   bool peer_stopped(const Assignment& a, std::string* why, bool& dead_peer);
-  bool store_failed(const std::exception& e, std::string* why);
+  bool peer_ended(const Assignment& a, int n);
+  bool peer_unreachable(const Assignment& a, const std::string& who, std::string* why);
+  bool store_failed(const Assignment& a, const std::exception& e, std::string* why);
+  Assignment join();
+  void reopen_after_lost_contact();
+  bool restart_left(const Assignment& a) const;
 
   std::unique_ptr<RendezvousStore> store_;
   bool serving_ = false;
@@ -130,6 +154,13 @@ class Rendezvous {
   std::string my_address_;
   std::vector<int64_t> last_beats_;
   std::vector<std::chrono::steady_clock::time_point> last_moved_;
+  // Since when a stalled node's "alive" key is missing (its launcher's connection closed); the
+  // epoch while it is there.
+  std::vector<std::chrono::steady_clock::time_point> ended_since_;
+  std::chrono::steady_clock::time_point last_contact_{};  // the store's last answer
+  std::optional<Assignment> lost_contact_in_;  // a round this node left, unable to reach the store
+  std::string joined_;  // the count key of the round whose ticket this node holds
+  int64_t joined_ticket_ = 0;
   std::chrono::steady_clock::time_point retry_after_{};  // etcd: no call before (after a failure)
   bool shutdown_seen_ = false;  // this node counted itself in shutdown_seen, or ended the job
   bool node0_done_ = false;     // static: node 0's workers finished (its store may go)

@@ -53,6 +53,13 @@ class SocketRendezvousStore : public RendezvousStore {
     return text(store_->get(key));
   }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  void set_ephemeral(const std::string& key, const std::string& value) override {
+    store_->setEphemeral(key, bytes(value));
+  }
+  bool ephemeral_kept() const override { return true; }
+  bool last_call_unreachable() const override {
+    return store_->lastFailure() == SocketStore::Failure::kUnreachable;
+  }
 
  private:
   std::unique_ptr<SocketStore> store_;

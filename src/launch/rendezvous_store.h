@@ -29,6 +29,13 @@ class RendezvousStore {
   /// Adds `delta` to the decimal number the key holds (0 when absent); returns the sum.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   bool check(const std::string& key) { return get(key).has_value(); }
+  /// A set whose key lives as long as this client's connection (SocketStore::setEphemeral). A
+  /// store without such keys (etcd here) keeps it as a plain set: ephemeral_kept() says so.
+  virtual void set_ephemeral(const std::string& key, const std::string& value) { set(key, value); }
+  virtual bool ephemeral_kept() const { return false; }
+  /// Whether the last call failed because the server could not be reached in time (a partition,
+  /// a host that stopped), rather than because no server is there any more, or not at all.
+  virtual bool last_call_unreachable() const { return false; }
 };
 
 /// paratrain's socket store at host:port, served by this process when `serve` (throws c10::Error

@@ -2,6 +2,7 @@
 // semantics, the addresses its server binds, and a deadline on every call. Real sockets on
 // loopback.
 
+#include "comm/socket_store.h"
 #include "comm/c10d_socket_store.h"
 #include "test_util.h"  // error_of
 
@@ -14,6 +15,8 @@
 
 #include <chrono>
 #include <future>
+#include <memory>
+#include <string>
 #include <thread>
 
 namespace paratrain {
@@ -218,6 +221,73 @@ TEST(SocketStore, EveryCallHasADeadline) {
   EXPECT_NE(why.find("add to key 'k' on the store at 127.0.0.1:"), std::string::npos) << why;
   EXPECT_NE(why.find("no reply within 300 ms"), std::string::npos) << why;
   EXPECT_LT(Clock::now() - t0, milliseconds(3000));
+  ::close(fd);
+}
+
+// Ephemeral keys (setEphemeral) live as long as the connection that set them last: the launchers'
+// rendezvous tells a node whose launcher ended (its key gone) from one it cannot reach.
+TEST(SocketStore, EphemeralKeysGoWithTheirConnection) {
+  using Raw = dist::detail::SocketStore;
+  Raw server("127.0.0.1", 0, /*serve=*/true, milliseconds(5000));
+  auto client = [&] {
+    return std::make_unique<Raw>("127.0.0.1", server.port(), false, milliseconds(5000));
+  };
+  auto a = client();
+  auto b = client();
+  auto c = client();
+  a->setEphemeral("alive", v("1"));
+  b->setEphemeral("made-permanent", v("x"));
+  a->set("made-permanent", v("y"));  // a plain set: the key outlives b
+  b->setEphemeral("moved", v("1"));
+  c->setEphemeral("moved", v("2"));  // c's now: b's end leaves it
+  EXPECT_TRUE(server.check({"alive"}));
+  // Whether `key` is gone within two seconds (the server sees a closed connection at its pace).
+  auto gone = [&](const std::string& key) {
+    for (int i = 0; i < 200 && server.check({key}); ++i) {
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return !server.check({key});
+  };
+  a.reset();
+  b.reset();
+  EXPECT_TRUE(gone("alive"));
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_TRUE(server.check({"made-permanent"}));
+  EXPECT_EQ(s(server.get("made-permanent")), "y");
+  EXPECT_TRUE(server.check({"moved"}));
+  EXPECT_EQ(s(server.get("moved")), "2");
+  c.reset();
+  EXPECT_TRUE(gone("moved"));
+}
+
+// lastFailure() tells a server that is gone (closed, refused) from one that does not answer (a
+// partition, a hung host), which the rendezvous rides out.
+TEST(SocketStore, FailuresSayWhetherTheServerIsGoneOrUnreachable) {
+  using Raw = dist::detail::SocketStore;
+  auto server = std::make_unique<Raw>("127.0.0.1", 0, /*serve=*/true, milliseconds(5000));
+  Raw client("127.0.0.1", server->port(), /*serve=*/false, milliseconds(500));
+  client.add("k", 1);
+  EXPECT_EQ(client.lastFailure(), Raw::Failure::kNone);
+  EXPECT_NE(error_of([&] { client.wait({"never"}, milliseconds(100)); }), "");
+  EXPECT_EQ(client.lastFailure(), Raw::Failure::kNone) << "the server answered: timed out";
+  server.reset();
+  EXPECT_NE(error_of([&] { client.add("k", 1); }), "");
+  EXPECT_EQ(client.lastFailure(), Raw::Failure::kGone) << "closed by the server's end";
+  EXPECT_NE(error_of([&] { client.add("k", 1); }).find("Connection refused"), std::string::npos);
+  EXPECT_EQ(client.lastFailure(), Raw::Failure::kGone) << "refused";
+  // A peer that accepts but never answers.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  Raw silent("127.0.0.1", ntohs(addr.sin_port), /*serve=*/false, milliseconds(300));
+  EXPECT_NE(error_of([&] { silent.add("k", 1); }).find("no reply within 300 ms"),
+            std::string::npos);
+  EXPECT_EQ(silent.lastFailure(), Raw::Failure::kUnreachable);
   ::close(fd);
 }
 

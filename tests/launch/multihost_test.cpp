@@ -11,11 +11,13 @@
 
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -202,6 +204,146 @@ TEST(Rendezvous, StaticJobEndsWhenANodeDies) {
         << r.output;
     EXPECT_EQ(r.output.find("to join the next round"), std::string::npos) << r.output;
   }
+}
+
+// `paratrain train` of the mlp on Fashion-MNIST (DDP over gloo, one epoch, a checkpoint every 20
+// steps, --resume auto), its final weights written to `weights`.
+std::vector<std::string> train_mlp(const std::string& dir, const std::string& weights) {
+  return {cli_path(),
+          "train",
+          "--model",
+          "mlp",
+          "--strategy",
+          "ddp",
+          "--backend",
+          "gloo",
+          "--device",
+          "cpu",
+          "--epochs",
+          "1",
+          "--seed",
+          "0",
+          "--batch-size",
+          "64",
+          "--lr",
+          "0.05",
+          "--momentum",
+          "0.9",
+          "--resume",
+          "auto",
+          "--checkpoint-every",
+          "20",
+          "--checkpoint-dir",
+          dir + "/ckpt",
+          "--save-weights",
+          weights};
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A static two-node job (one rank per host, --max-restarts 3, the rendezvous' `conf`) trains the
+// mlp while host 1's link is down for `cut_seconds`, from its first checkpoint on. Returns both
+// nodes' results; the weights are in dir/partitioned.safetensors.
+std::vector<ProcessResult> train_through_partition(FakeHosts& hosts,
+                                                   const std::string& dir,
+                                                   const std::string& conf,
+                                                   double cut_seconds) {
+  std::vector<RunningProcess> running;
+  for (int k = 0; k < 2; ++k) {
+    std::vector<std::string> argv{cli_path(),
+                                  "launch",
+                                  "--nnodes",
+                                  "2",
+                                  "--nproc-per-node",
+                                  "1",
+                                  "--node-rank",
+                                  std::to_string(k),
+                                  "--master-addr",
+                                  hosts.address(0),
+                                  "--master-port",
+                                  "29500",
+                                  "--max-restarts",
+                                  "3",
+                                  "--rdzv-conf",
+                                  conf,
+                                  "--"};
+    const auto job = train_mlp(dir, dir + "/partitioned.safetensors");
+    argv.insert(argv.end(), job.begin(), job.end());
+    running.push_back(start_process(hosts.exec(k, argv), {{"PARATRAIN_TIMEOUT", "120"}}));
+  }
+  const std::string first = dir + "/ckpt/ckpt-0000000020.json";
+  for (int i = 0; i < 1200 && ::access(first.c_str(), F_OK) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(::access(first.c_str(), F_OK), 0) << running[0].output;
+  hosts.set_link(1, false);
+  std::this_thread::sleep_for(std::chrono::duration<double>(cut_seconds));
+  hosts.set_link(1, true);
+  std::vector<ProcessResult> out;
+  for (auto& p : running) {
+    out.push_back(p.finish(240));
+  }
+  return out;
+}
+
+// The same training on one host without a partition: the weights both partition cases must
+// match bit for bit.
+std::string unpartitioned_weights(const std::string& dir) {
+  auto job = train_mlp(dir + "/reference", dir + "/reference.safetensors");
+  job.insert(job.begin() + 2, {"--nproc", "2"});
+  const auto r = run_process(job, {{"PARATRAIN_TIMEOUT", "120"}}, 240);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return file_bytes(dir + "/reference.safetensors");
+}
+
+// Note [Partitions and dead nodes], shorter: host 1 is cut off for 6 s while a node is taken for
+// gone after 15 s without its heartbeat (5 s x 3, torchrun's default). The job rides it out: no
+// restart, and the weights are bitwise those of the same job on one host.
+TEST(MultiHost, PartitionShorterThanKeepAliveIsRiddenOut) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(2);
+  const std::string dir = make_temp_dir("paratrain-partition");
+  const auto nodes =
+      train_through_partition(hosts, dir, "keep_alive_interval=5,keep_alive_max_attempt=3", 6);
+  for (const auto& r : nodes) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(r.output.find("round 1"), std::string::npos) << "restarted:\n" << r.output;
+  }
+  const std::string weights = file_bytes(dir + "/partitioned.safetensors");
+  EXPECT_FALSE(weights.empty());
+  EXPECT_TRUE(weights == unpartitioned_weights(dir)) << "the weights differ from one host's";
+  remove_tree(dir);
+}
+
+// Note [Partitions and dead nodes], longer: cut off for 12 s while a node is taken for gone after
+// 4 s. Both nodes stop their workers (node 0 sees host 1 unreachable, host 1 its store); once the
+// link is back, host 1 joins round 1 and both resume from the newest checkpoint, bitwise.
+TEST(MultiHost, PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise) {
+  SKIP_WITHOUT_NAMESPACES();
+  FakeHosts hosts(2);
+  const std::string dir = make_temp_dir("paratrain-partition");
+  const auto nodes =
+      train_through_partition(hosts, dir, "keep_alive_interval=1,keep_alive_max_attempt=4", 12);
+  for (int k = 0; k < 2; ++k) {
+    const std::string& out = nodes[static_cast<size_t>(k)].output;
+    EXPECT_EQ(nodes[static_cast<size_t>(k)].exit_code, 0) << out;
+    EXPECT_NE(out.find("round 1: node " + std::to_string(k) + " of 2"), std::string::npos) << out;
+    EXPECT_EQ(out.find("round 2"), std::string::npos) << out;
+  }
+  EXPECT_NE(nodes[0].output.find("node 1 (" + hosts.address(1) +
+                                 ") has not been heard from for 4.000000 s, and its connection is "
+                                 "still open"),
+            std::string::npos)
+      << nodes[0].output;
+  EXPECT_NE(nodes[1].output.find("has not answered for"), std::string::npos) << nodes[1].output;
+  EXPECT_NE(nodes[0].output.find("resumed from "), std::string::npos) << nodes[0].output;
+  const std::string weights = file_bytes(dir + "/partitioned.safetensors");
+  EXPECT_FALSE(weights.empty());
+  EXPECT_TRUE(weights == unpartitioned_weights(dir)) << "the weights differ from one host's";
+  remove_tree(dir);
 }
 
 #ifdef PARATRAIN_WITH_MPI

@@ -164,6 +164,10 @@ std::vector<std::string> FakeHosts::exec(int k, const std::vector<std::string>& 
   return out;
 }
 
+void FakeHosts::set_link(int k, bool up) {
+  must("ip netns exec " + netns(k) + " ip link set eth0 " + (up ? "up" : "down"));
+}
+
 void FakeHosts::set_delay(int k, double delay_ms) {
   must("ip netns exec " + netns(k) + " tc qdisc replace dev eth0 root netem delay " +
        std::to_string(delay_ms) + "ms");

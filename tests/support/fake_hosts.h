@@ -41,6 +41,9 @@ class FakeHosts {
   /// eth0 between ranks (btl self,tcp: host 0's own ranks share the machine's /dev/shm with
   /// processes started outside the agent, so no shared-memory pairing is left to chance).
   std::map<std::string, std::string> mpirun_env() const;
+  /// Cuts host k off the others (its eth0 down: a network partition; its address stays) or
+  /// connects it again. Throws like the constructor.
+  void set_link(int k, bool up);
   /// Adds `delay_ms` of latency (netem) to every packet host k sends; for benchmarks that model
   /// a slower link. Throws like the constructor.
   void set_delay(int k, double delay_ms);
