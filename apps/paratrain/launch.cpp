@@ -223,6 +223,10 @@ int run_launch(const std::vector<std::string>& argv) {
   }
   o.env(parse_env(args));
   o.mpi_shim({self_path(), "launch", "--from-mpirun"});
+  // This process only runs the job, so every child it has is the job's: what a worker leaves
+  // running out of its process group (a daemon, `setsid cmd &`) is adopted and ends with the job
+  // instead of outliving it.
+  o.adopt_orphans(true);
 
   int mpi_rank = -1;
   int mpi_size = -1;

@@ -10,17 +10,89 @@
 
 #include <c10/util/Exception.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <set>
+#include <sstream>
+#include <string>
 
 namespace paratrain {
 namespace dist {
 namespace launch_internal {
+namespace {
+
+// ---- Why a program cannot be run -------------------------------------------------------------
+
+// What to run a file without its execute bit through: the interpreter its "#!" line names
+// ("/usr/bin/env python3"), else a guess from its name; "" for a compiled program.
+std::string interpreter_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[256] = {};
+  in.read(head, sizeof(head) - 1);
+  const std::string first(head, static_cast<size_t>(in.gcount()));
+  if (first.rfind("\177ELF", 0) == 0) {  // an executable's magic number, 0x7f "ELF"
+    return "";
+  }
+  if (first.rfind("#!", 0) == 0) {
+    const std::string line = first.substr(2, first.find('\n') - 2);
+    const size_t start = line.find_first_not_of(" \t");
+    const size_t end = line.find_last_not_of(" \t\r");
+    if (start != std::string::npos) {
+      return line.substr(start, end - start + 1);
+    }
+  }
+  const bool python = path.size() > 3 && path.compare(path.size() - 3, 3, ".py") == 0;
+  return python ? "python3" : "sh";
+}
+
+std::string not_executable(const std::string& path) {
+  const std::string interpreter = interpreter_of(path);
+  return "exists but is not executable: make it so (chmod +x " + path + ")" +
+         (interpreter.empty()
+              ? std::string()
+              : " or run it through its interpreter (-- " + interpreter + " " + path + ")");
+}
+
+// The rest of "program 'NAME' ..." when find_program found nothing: a file without its execute
+// bit, a directory, a script in this directory named without ./, or nothing at all.
+std::string why_not_runnable(const std::string& name) {
+  struct stat st {};
+  if (name.find('/') != std::string::npos) {
+    if (::stat(name.c_str(), &st) != 0) {
+      return errno == ENOENT ? "not found: no such file"
+                             : "cannot be run: " + std::string(std::strerror(errno));
+    }
+    return S_ISDIR(st.st_mode)    ? "is a directory, not a program"
+           : !S_ISREG(st.st_mode) ? "is not a regular file"
+                                  : not_executable(name);
+  }
+  // A bare name is looked up on PATH alone, as execvp does.
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      return "is on PATH as " + candidate + ", which " + not_executable(candidate);
+    }
+  }
+  if (::stat(name.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+    return "is not a command on PATH; for the file in this directory write ./" + name;
+  }
+  return "not found: it is neither an executable file nor a command on PATH";
+}
+
+}  // namespace
 
 void validate(const LaunchOptions& o) {
-  TORCH_CHECK(!o.command().empty(), o.name(),
-              ": no program given; usage: paratrain launch [options] -- PROGRAM ARGS...");
+  TORCH_CHECK(!o.command().empty(),
+              "no program given; usage: paratrain launch [options] -- PROGRAM ARGS...");
   TORCH_CHECK(o.nproc_per_node() >= 0, "--nproc-per-node must be at least 1, got ",
               o.nproc_per_node());
   TORCH_CHECK(o.nnodes() >= 1, "--nnodes must be at least 1, got ", o.nnodes());
@@ -72,8 +144,9 @@ void validate(const LaunchOptions& o) {
     TORCH_CHECK(d >= 0, "--devices: GPU index ", d, " is negative");
     TORCH_CHECK(seen.insert(d).second, "--devices lists GPU ", d, " twice");
   }
-  TORCH_CHECK(!find_program(o.command()[0]).empty(), o.name(), ": program '", o.command()[0],
-              "' not found: it is neither an executable file nor a command on PATH");
+  TORCH_CHECK(!find_program(o.command()[0]).empty(), "program '", o.command()[0], "' ",
+              why_not_runnable(o.command()[0]));
+  check_limits(o);
 }
 
 int resolved_nproc(const LaunchOptions& o) {

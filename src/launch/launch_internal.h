@@ -6,6 +6,7 @@
 
 #include "paratrain/launch/launch.h"
 
+#include <cstdint>
 #include <string>
 
 namespace paratrain {
@@ -15,11 +16,31 @@ namespace launch_internal {
 // hosts.cpp: an executable regular file.
 bool runnable(const std::string& path);
 
-// launch.cpp: the checks of launch()'s options (one line per mistake), the workers per node, and
-// one worker's failure in a line.
+// launch.cpp: the checks of launch()'s options (one line per mistake; check_limits last), the
+// workers per node, and one worker's failure in a line.
 void validate(const LaunchOptions& o);
 int resolved_nproc(const LaunchOptions& o);
 std::string describe_failure(const WorkerFailure& f);
+
+// limits.cpp: the processes and descriptors a job of these options needs, against this process's
+// open-files limit and the processes this user, this cgroup and the system may run; one line
+// naming --nproc-per-node and the limit when one is too low.
+void check_limits(const LaunchOptions& o);
+
+// limits.cpp: while it lives, this process's soft limit of open files is raised to the hard one
+// when a job of `nproc` workers needs more (validate refused a job beyond the hard one); the
+// workers get the limit from before (for_children, -1 when it was not raised).
+class OpenFilesLimit {
+ public:
+  OpenFilesLimit(const LaunchOptions& o, int nproc);
+  ~OpenFilesLimit();
+  OpenFilesLimit(const OpenFilesLimit&) = delete;
+  OpenFilesLimit& operator=(const OpenFilesLimit&) = delete;
+  int64_t for_children() const { return before_; }
+
+ private:
+  int64_t before_ = -1;
+};
 
 // mpirun.cpp: runs a job of `nproc` ranks through mpirun.
 LaunchResult launch_mpirun(const LaunchOptions& o, int nproc);

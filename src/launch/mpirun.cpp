@@ -82,7 +82,7 @@ std::vector<std::string> mpirun_shim(const LaunchOptions& o) {
     return o.mpi_shim();
   }
   const std::string cli = own_cli();
-  TORCH_CHECK(!cli.empty(), o.name(), ": --backend ", o.backend(),
+  TORCH_CHECK(!cli.empty(), "--backend ", o.backend(),
               " starts each rank through the paratrain CLI (paratrain launch --from-mpirun), and "
               "none was found beside libparatrain_launch; set PARATRAIN_CLI to its path or "
               "LaunchOptions::mpi_shim");
@@ -276,8 +276,8 @@ bool runs_on_mpi(const std::string& backend) {
 }
 
 LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int world_size) {
-  TORCH_CHECK(rank >= 0 && rank < world_size, options.name(), ": mpirun gave rank ", rank,
-              " of a world of ", world_size);
+  TORCH_CHECK(rank >= 0 && rank < world_size, "mpirun gave rank ", rank, " of a world of ",
+              world_size);
   LaunchOptions one = options;
   one.nproc_per_node(1);
   return launch_internal::run_job(one, launch_internal::Placement{true, rank, world_size});

@@ -21,13 +21,18 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <functional>
+#include <iostream>
+#include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace paratrain {
 namespace dist {
@@ -157,7 +162,8 @@ void signal_groups(std::vector<Worker>& workers, int sig) {
 }
 
 // Owns what launch() sets up, so that an exception (a failed fork, say) leaves no worker running,
-// no descriptor open and no signal handler of ours installed.
+// nothing they left behind (adopt_orphans), no descriptor open and no signal handler of ours
+// installed.
 struct JobGuard {
   std::vector<Worker> workers;
   struct sigaction old_int {};
@@ -165,6 +171,56 @@ struct JobGuard {
   struct sigaction old_chld {};
   bool handlers_installed = false;
   int dev_null = -1;
+  // LaunchOptions::adopt_orphans: this process is the subreaper of the workers' descendants while
+  // the job runs. `spared` holds the children it had before the job: other code's, never touched.
+  bool adopting = false;
+  bool was_subreaper = false;
+  std::set<pid_t> spared;
+  std::chrono::milliseconds grace{0};
+  std::string name;
+
+  // The children of this process that are not the job's leftovers: the workers (reaped by their
+  // own pid) and the spared.
+  std::set<pid_t> keep() const {
+    std::set<pid_t> out = spared;
+    for (const auto& w : workers) {
+      if (w.pid > 0) {
+        out.insert(w.pid);
+      }
+    }
+    return out;
+  }
+
+  // Stops what the workers left running, and names in one line what their process groups did not
+  // hold (a daemon, a `setsid cmd &`): the groups' members were sent SIGKILL with the groups, and
+  // are only reaped here, as they die.
+  void stop_leftovers() const {
+    if (!adopting) {
+      return;
+    }
+    std::set<pid_t> groups;
+    for (const auto& w : workers) {
+      groups.insert(w.pid);  // each worker leads its own group
+    }
+    std::vector<std::string> left;
+    for (const ChildInfo& c : stop_children(keep(), grace)) {
+      if (groups.count(c.group) == 0) {
+        left.push_back(std::to_string(c.pid) + " (" + c.name + ")");
+      }
+    }
+    if (left.empty()) {
+      return;
+    }
+    std::string names;
+    for (size_t i = 0; i < left.size() && i < 5; ++i) {
+      names += (i == 0 ? "" : ", ") + left[i];
+    }
+    if (left.size() > 5) {
+      names += " and " + std::to_string(left.size() - 5) + " more";
+    }
+    std::cerr << name << ": stopped " << left.size() << " process" << (left.size() == 1 ? "" : "es")
+              << " that the workers left running: " << names << std::endl;
+  }
 
   ~JobGuard() {
     bool any_running = false;
@@ -179,6 +235,10 @@ struct JobGuard {
           w.running = false;
         }
       }
+    }
+    stop_leftovers();  // none after a Supervisor's run, which stops them itself
+    if (adopting) {
+      set_child_subreaper(was_subreaper);
     }
     for (auto& w : workers) {
       for (auto& s : w.streams) {
@@ -215,6 +275,7 @@ struct JobPlan {
   int world_size = 1;
   std::string master_addr;
   int master_port = 0;
+  int64_t child_open_files = -1;  // ChildOptions::open_files_limit (OpenFilesLimit)
 };
 
 JobPlan plan_job(const LaunchOptions& o, int nproc, const Placement& where) {
@@ -289,11 +350,25 @@ void install_signal_handlers(JobGuard& job) {
   job.dev_null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
 }
 
+// LaunchOptions::adopt_orphans: from here to the job's end, the processes the workers orphan are
+// reparented to this one (PR_SET_CHILD_SUBREAPER) instead of to init, for the job to stop them.
+void adopt_orphans(const LaunchOptions& o, JobGuard& job) {
+  job.spared = current_children();
+  job.was_subreaper = set_child_subreaper(true);
+  job.adopting = true;
+  job.grace = o.kill_grace();
+  job.name = o.name();
+}
+
 // Starts one worker with its output on two pipes the loop relays.
-void start_worker(const LaunchOptions& o, const JobGuard& job, Worker& w, const Environment& env) {
+void start_worker(const LaunchOptions& o,
+                  const JobPlan& plan,
+                  const JobGuard& job,
+                  Worker& w,
+                  const Environment& env) {
   // validate() found it; gone since, it must not fall back to a name relative to the directory.
   const std::string program = find_program(o.command()[0]);
-  TORCH_CHECK(!program.empty(), o.name(), ": cannot start worker ", w.rank, ": ", o.command()[0],
+  TORCH_CHECK(!program.empty(), "cannot start worker ", w.rank, ": ", o.command()[0],
               " is no longer an executable program");
   std::vector<std::string> argv = o.command();
   if (o.pass_local_rank()) {
@@ -305,7 +380,8 @@ void start_worker(const LaunchOptions& o, const JobGuard& job, Worker& w, const 
                          .inherit_environment(false)
                          .stdin_fd(job.dev_null)
                          .capture_stdout(true)
-                         .capture_stderr(true));
+                         .capture_stderr(true)
+                         .open_files_limit(plan.child_open_files));
   w.pid = child.pid();
   w.running = true;
   w.streams[0].fd = child.release_stdout();
@@ -327,10 +403,9 @@ void start_workers(const LaunchOptions& o,
     if (!o.log_dir().empty()) {
       w.log_path = o.log_dir() + "/rank_" + std::to_string(w.rank) + ".log";
       w.log_fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      TORCH_CHECK(w.log_fd >= 0, o.name(), ": cannot write ", w.log_path, ": ",
-                  std::strerror(errno));
+      TORCH_CHECK(w.log_fd >= 0, "cannot write ", w.log_path, ": ", std::strerror(errno));
     }
-    start_worker(o, job, w, worker_environment(o, plan, where, w.rank, local));
+    start_worker(o, plan, job, w, worker_environment(o, plan, where, w.rank, local));
   }
 }
 
@@ -342,16 +417,21 @@ class Supervisor {
   /// (with its reason), the workers are stopped as for a signal, and the result says why in
   /// stopped_for (the elastic launcher's new rendezvous round).
   Supervisor(const LaunchOptions& o,
-             std::vector<Worker>& workers,
+             JobGuard& job,
              std::function<bool(std::string*)> must_stop = nullptr)
       : o_(o),
-        workers_(workers),
-        running_(static_cast<int>(workers.size())),
+        job_(job),
+        workers_(job.workers),
+        keep_(job.keep()),
+        running_(static_cast<int>(job.workers.size())),
         must_stop_(std::move(must_stop)) {}
 
   LaunchResult run() {
     for (;;) {
       reap();
+      if (job_.adopting) {
+        reap_exited_children(keep_);  // what the workers orphaned, as it ends
+      }
       // Asked also while stopping: for the elastic launcher it is this node's heartbeat too.
       if (must_stop_ && running_ > 0 && Clock::now() >= next_stop_check_) {
         next_stop_check_ = Clock::now() + std::chrono::milliseconds(500);
@@ -362,8 +442,10 @@ class Supervisor {
         }
       }
       if (running_ == 0 && drain_deadline_ == Clock::time_point{}) {
-        // Whatever the workers left behind goes now, and their pipes get a moment to drain.
+        // Whatever the workers left behind goes now, in their process groups and (adopted) out of
+        // them, which also closes the pipes it inherited; the pipes get a moment to drain.
         signal_groups(workers_, SIGKILL);
+        job_.stop_leftovers();
         drain_deadline_ = Clock::now() + std::chrono::milliseconds(1000);
       }
       if (stopping_ && !killed_ && running_ > 0 && Clock::now() >= kill_deadline_) {
@@ -496,7 +578,9 @@ class Supervisor {
   }
 
   const LaunchOptions& o_;
+  const JobGuard& job_;
   std::vector<Worker>& workers_;
+  const std::set<pid_t> keep_;  // children reap_exited_children leaves to their owners
   LaunchResult result_;
   int running_;
   bool stopping_ = false;
@@ -522,16 +606,21 @@ LaunchResult run_job(const LaunchOptions& o,
   if (detail::runs_on_mpi(o.backend()) && !where.from_mpirun) {
     return launch_mpirun(o, nproc);
   }
-  TORCH_CHECK(!g_launch_active.exchange(true), o.name(),
-              ": another launch is already running in this process");
+  TORCH_CHECK(!g_launch_active.exchange(true), "another launch is already running in this process");
   struct ActiveReset {
     ~ActiveReset() { g_launch_active = false; }
   } active_reset;
-  const JobPlan plan = plan_job(o, nproc, where);
+  // Outlives the job's descriptors (JobGuard closes them).
+  const OpenFilesLimit open_files(o, nproc);
+  JobPlan plan = plan_job(o, nproc, where);
+  plan.child_open_files = open_files.for_children();
   JobGuard job;
   install_signal_handlers(job);
+  if (o.adopt_orphans()) {
+    adopt_orphans(o, job);
+  }
   start_workers(o, plan, where, job);
-  return Supervisor(o, job.workers, std::move(must_stop)).run();
+  return Supervisor(o, job, std::move(must_stop)).run();
 }
 
 }  // namespace launch_internal

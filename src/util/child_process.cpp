@@ -2,16 +2,26 @@
 
 #include <c10/util/Exception.h>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
 
 extern char** environ;
 
@@ -38,6 +48,8 @@ struct ExecPlan {
   std::vector<char*> envp;  // empty: inherit
   cpu_set_t cores;
   bool pin = false;
+  bool limit_open_files = false;
+  rlimit open_files{};
   pid_t parent = 0;
   int in = -1, out = -1, err = -1;
 };
@@ -132,6 +144,10 @@ void redirect(int from, int to) {
   if (plan.pin) {
     ::sched_setaffinity(0, sizeof(plan.cores), &plan.cores);  // best effort
   }
+  // After the redirections: a lower limit must not refuse their descriptors.
+  if (plan.limit_open_files) {
+    ::setrlimit(RLIMIT_NOFILE, &plan.open_files);  // best effort
+  }
   char** envp = plan.envp.empty() ? environ : plan.envp.data();
   ::execve(plan.program.c_str(), plan.argv.data(), envp);
   const int error = errno;
@@ -158,6 +174,11 @@ ExecPlan make_plan(const ChildOptions& o) {
   for (int c : o.cores()) {
     CPU_SET(c, &plan.cores);
     plan.pin = true;
+  }
+  if (o.open_files_limit() >= 0 && ::getrlimit(RLIMIT_NOFILE, &plan.open_files) == 0) {
+    plan.open_files.rlim_cur =
+        std::min(static_cast<rlim_t>(o.open_files_limit()), plan.open_files.rlim_max);
+    plan.limit_open_files = true;
   }
   plan.parent = ::getpid();
   plan.in = o.stdin_fd();
@@ -341,6 +362,136 @@ std::vector<std::string> environment_with(const std::map<std::string, std::strin
 
 int exit_code(int status) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+namespace {
+
+// What /proc/PID/stat says of a process: "PID (NAME) STATE PPID PGRP ...".
+struct ProcessStat {
+  pid_t pid = 0;
+  char state = 0;  // 'Z': exited, not yet reaped
+  pid_t parent = 0;
+  pid_t group = 0;
+  std::string name;
+};
+
+bool read_process_stat(pid_t pid, ProcessStat* st) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return false;
+  }
+  char text[512];  // the fields read here come first, and NAME has at most 15 characters
+  const ssize_t n = ::read(fd, text, sizeof(text) - 1);
+  ::close(fd);
+  if (n <= 0) {
+    return false;
+  }
+  text[n] = '\0';
+  // NAME may hold spaces and parentheses: it ends at the last ')'.
+  const char* name_start = std::strchr(text, '(');
+  const char* name_end = std::strrchr(text, ')');
+  int parent = 0;
+  int group = 0;
+  if (name_start == nullptr || name_end == nullptr || name_end < name_start ||
+      std::sscanf(name_end + 1, " %c %d %d", &st->state, &parent, &group) != 3) {
+    return false;
+  }
+  st->pid = pid;
+  st->parent = parent;
+  st->group = group;
+  st->name.assign(name_start + 1, name_end);
+  return true;
+}
+
+// This process's children, from a walk of /proc (Linux keeps no list of them elsewhere that
+// every kernel shows: /proc/PID/task/TID/children needs CONFIG_PROC_CHILDREN).
+std::vector<ProcessStat> children_of_this_process() {
+  std::vector<ProcessStat> out;
+  const pid_t self = ::getpid();
+  DIR* dir = ::opendir("/proc");
+  if (dir == nullptr) {
+    return out;
+  }
+  while (const dirent* e = ::readdir(dir)) {
+    char* end = nullptr;
+    const long pid = std::strtol(e->d_name, &end, 10);
+    ProcessStat st;
+    if (pid > 0 && *end == '\0' && read_process_stat(static_cast<pid_t>(pid), &st) &&
+        st.parent == self) {
+      out.push_back(st);
+    }
+  }
+  ::closedir(dir);
+  return out;
+}
+
+}  // namespace
+
+bool set_child_subreaper(bool on) {
+  int was = 0;
+  ::prctl(PR_GET_CHILD_SUBREAPER, &was);
+  ::prctl(PR_SET_CHILD_SUBREAPER, on ? 1UL : 0UL);
+  return was != 0;
+}
+
+std::set<pid_t> current_children() {
+  std::set<pid_t> out;
+  for (const ProcessStat& c : children_of_this_process()) {
+    out.insert(c.pid);
+  }
+  return out;
+}
+
+void reap_exited_children(const std::set<pid_t>& keep) {
+  for (;;) {
+    // WNOWAIT: look first, so that a child in `keep` stays waitable for its owner's waitpid.
+    siginfo_t info{};
+    if (::waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0 ||
+        keep.count(info.si_pid) != 0) {
+      return;
+    }
+    ::waitpid(info.si_pid, nullptr, WNOHANG);
+  }
+}
+
+std::vector<ChildInfo> stop_children(const std::set<pid_t>& keep, std::chrono::milliseconds grace) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point kill_at = Clock::now() + grace;
+  const Clock::time_point give_up = kill_at + std::chrono::seconds(5);
+  std::map<pid_t, int> sent;  // the last signal each child got
+  std::vector<ChildInfo> stopped;
+  for (;;) {
+    const int sig = Clock::now() < kill_at ? SIGTERM : SIGKILL;
+    bool running = false;
+    // A child cannot be another process until it is reaped, here: its pid (and its group's id,
+    // while it leads the group) is safe to signal.
+    for (const ProcessStat& c : children_of_this_process()) {
+      if (keep.count(c.pid) != 0) {
+        continue;
+      }
+      if (c.state == 'Z') {
+        ::waitpid(c.pid, nullptr, WNOHANG);
+        continue;
+      }
+      running = true;
+      auto it = sent.find(c.pid);
+      if (it == sent.end()) {
+        stopped.push_back(ChildInfo{c.pid, c.group, c.name});
+      }
+      if (it == sent.end() || it->second != sig) {
+        ::kill(c.pid, sig);
+        if (c.group == c.pid) {
+          ::killpg(c.pid, sig);
+        }
+        sent[c.pid] = sig;
+      }
+    }
+    if (!running || Clock::now() >= give_up) {
+      return stopped;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 }  // namespace paratrain

@@ -6,13 +6,20 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <regex>
 #include <set>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace paratrain {
 namespace testing {
@@ -348,6 +355,170 @@ TEST(Launch, PassLocalRankServesTorchDistributedLaunchScripts) {
   r = run(false);
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("--local_rank=0 but LOCAL_RANK="), std::string::npos) << r.output;
+}
+
+// ---- Bad input: the program, the limits ---------------------------------------------------------
+
+size_t count_of(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) {
+    ++n;
+  }
+  return n;
+}
+
+// A script without its execute bit is named as such, with the two ways to run it, whether given
+// by its path or found on PATH by its name.
+TEST(Launch, ProgramWithoutExecuteBitIsNamed) {
+  const std::string dir = make_temp_dir("launch-noexec");
+  const std::string script = dir + "/train.sh";
+  std::ofstream(script) << "#!/bin/bash\necho hi\n";
+  ASSERT_EQ(::chmod(script.c_str(), 0644), 0);
+  auto r = run_cli({cli_path(), "launch", "--", script});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("paratrain launch: error: program '" + script +
+                          "' exists but is not executable: make it so (chmod +x " + script +
+                          ") or run it through its interpreter (-- /bin/bash " + script + ")"),
+            std::string::npos)
+      << r.output;
+  r = run_cli({cli_path(), "launch", "--", "train.sh"}, {{"PATH", dir}});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("program 'train.sh' is on PATH as " + script +
+                          ", which exists but is not executable: make it so (chmod +x " + script),
+            std::string::npos)
+      << r.output;
+  remove_tree(dir);
+}
+
+// The launcher's own errors reach the command line once prefixed, whichever depth throws them:
+// the options' checks, the start of the workers, the command line's parsing.
+TEST(Launch, ErrorsNameTheCommandOnce) {
+  const std::string dir = make_temp_dir("launch-errors");
+  ASSERT_EQ(::mkdir((dir + "/rank_0.log").c_str(), 0755), 0);  // where rank 0's log would go
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> cases{
+      {{"--", "/no/such/program"}, "program '/no/such/program' not found: no such file"},
+      {{"--", dir}, "program '" + dir + "' is a directory, not a program"},
+      {{"--log-dir", dir, "--", "/bin/true"},
+       "cannot write " + dir + "/rank_0.log: Is a directory"},
+      {{"--nproc-per-node", "2"}, "no program given"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{cli_path(), "launch"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    auto r = run_cli(argv);
+    EXPECT_NE(r.exit_code, 0) << c.message;
+    EXPECT_NE(r.output.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.output;
+    EXPECT_EQ(count_of(r.output, "paratrain launch:"), 1u) << r.output;
+    EXPECT_EQ(count_of(r.output, "\n"), 1u) << r.output;
+  }
+  remove_tree(dir);
+}
+
+// `ulimit -n` sets both limits: 40 workers need about 100 open files in the launcher (a pipe per
+// output stream of each), more than 64. Refused at once, naming the option and the limit, with
+// nothing started; before, the launcher forked until a pipe failed.
+TEST(Launch, WorkersBeyondTheOpenFilesLimitAreRefusedAtOnce) {
+  const std::string token = unique_token("nofile");
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_process({"/bin/sh", "-c", "ulimit -n 64 && exec \"$@\"", "sh", cli_path(), "launch",
+                        "--nproc-per-node", "40", "--", probe_path(), "env", token},
+                       {}, 60);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("paratrain launch: error: --nproc-per-node 40 needs about "),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("but its limit is 64 (ulimit -Hn): raise it (ulimit -n "),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "\n"), 1u) << r.output;
+  EXPECT_EQ(r.output.find("[rank"), std::string::npos) << "a worker was started: " << r.output;
+  EXPECT_LT(seconds, 2.0) << r.output;
+}
+
+// Under the hard limit, the launcher raises its soft limit for the workers' pipes; the workers
+// keep the soft limit they would have had (select() cannot watch descriptors from 1024 on).
+TEST(Launch, RaisesItsOwnOpenFilesLimitForManyWorkersButNotTheirs) {
+  rlimit lim{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &lim), 0);
+  if (lim.rlim_max < 512) {
+    GTEST_SKIP() << "the hard limit of open files here is " << lim.rlim_max << ", under 512";
+  }
+  auto r = run_process({"/bin/sh", "-c", "ulimit -Sn 64 && exec \"$@\"", "sh", cli_path(), "launch",
+                        "--nproc-per-node", "40", "--", "/bin/sh", "-c", "ulimit -Sn"},
+                       {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 40; ++rank) {
+    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "]: 64\n"), std::string::npos)
+        << r.output;
+  }
+}
+
+// ---- What the workers leave running ---------------------------------------------------------
+
+// A sleep of a length no other process has, to find it by its command line afterwards.
+std::string leftover_seconds() {
+  static int n = 0;
+  return "4747" + std::to_string(::getpid()) + "." + std::to_string(++n);
+}
+
+// Shell lines that leave `sleep $LEFTOVER` running in a session of its own, as a daemon, which the
+// worker's process group does not hold; they wait until it has its session (its id is its pid).
+const std::string kLeaveASleep =
+    "setsid sleep \"$LEFTOVER\" & "
+    "until [ \"$(cut -d' ' -f6 /proc/$!/stat)\" = \"$!\" ]; do sleep 0.01; done; ";
+
+TEST(Launch, WhatWorkersLeaveRunningEndsWithTheJob) {
+  const std::string left = leftover_seconds();
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", "/bin/sh", "-c",
+                        kLeaveASleep + "exit 0"},
+                       {{"LEFTOVER", left}}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("paratrain launch: stopped 2 processes that the workers left running: "),
+            std::string::npos)
+      << r.output;
+  expect_no_leftovers(left);
+}
+
+// A failed attempt's leftovers are gone before the next attempt starts, and the last attempt's
+// when the job ends.
+TEST(Launch, WhatAFailedAttemptLeftRunningEndsBeforeTheRestart) {
+  const std::string first = leftover_seconds();
+  const std::string second = leftover_seconds();
+  const std::string pid_file = "/tmp/" + unique_token("leftover-pid");
+  const std::string script =
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then LEFTOVER=$FIRST; " + kLeaveASleep +
+      "echo $! > \"$PID_FILE\"; exit 3; fi; "
+      "if kill -0 \"$(cat \"$PID_FILE\")\" 2>/dev/null; then echo 'attempt 0 left it running'; fi; "
+      "LEFTOVER=$SECOND; " +
+      kLeaveASleep + "exit 0";
+  auto r = run_process({cli_path(), "launch", "--max-restarts", "1", "--", "/bin/sh", "-c", script},
+                       {{"FIRST", first}, {"SECOND", second}, {"PID_FILE", pid_file}}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("restarting all (restart 1 of 1)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("attempt 0 left it running"), std::string::npos) << r.output;
+  expect_no_leftovers(first);
+  expect_no_leftovers(second);
+  std::remove(pid_file.c_str());
+}
+
+TEST(Launch, WhatWorkersLeaveRunningEndsWhenTheLauncherIsInterrupted) {
+  const std::string left = leftover_seconds();
+  RunningProcess p = start_process(
+      {cli_path(), "launch", "--", "/bin/sh", "-c", kLeaveASleep + "echo ready; exec sleep 600"},
+      {{"LEFTOVER", left}});
+  ASSERT_TRUE(p.wait_for_output("[rank 0]: ready", 30)) << p.output;
+  ::kill(p.pid, SIGINT);
+  ProcessResult r = p.finish(30);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.output;
+  expect_no_leftovers(left);
 }
 
 TEST(Spawn, ChildrenRunAndParentContinues) {

@@ -8,7 +8,9 @@
 // every worker has exited. SIGINT and SIGTERM received by the process during launch() are
 // forwarded to every worker (then SIGKILL after kill_grace); the previous handlers are restored on
 // return. Each worker runs in its own process group, so stopping a worker also stops the processes
-// it started, and workers are killed if the launcher itself dies (PR_SET_PDEATHSIG).
+// it started, and workers are killed if the launcher itself dies (PR_SET_PDEATHSIG). With
+// adopt_orphans (`paratrain launch` sets it), what the workers leave behind in other process groups
+// or sessions is stopped too, at the end of each attempt.
 
 #include <torch/arg.h>
 
@@ -85,6 +87,14 @@ struct LaunchOptions {
   /// A node whose heartbeat has not moved for this long is taken for dead, and the others form
   /// a new round without it.
   TORCH_ARG(std::chrono::milliseconds, rdzv_keep_alive) = std::chrono::milliseconds(10000);
+  /// Makes this process the workers' descendants' child subreaper while the job runs
+  /// (PR_SET_CHILD_SUBREAPER): a process a worker leaves behind when it exits (a daemon, a
+  /// `setsid cmd &`, which its process group does not hold) is reparented here rather than to
+  /// init, reaped when it exits, and stopped at the end of each attempt (SIGTERM, SIGKILL after
+  /// kill_grace), with one line naming it. Every child of this process that the launch did not
+  /// start and that was not there before it counts as such: so only for a process that starts no
+  /// other children while the job runs, as `paratrain launch` (which sets it).
+  TORCH_ARG(bool, adopt_orphans) = false;
   /// With backend "mpi" (or routes with mpi): an Open MPI host file ("host [slots=N]" per line).
   /// mpirun starts nproc_per_node ranks on each host listed (each host's slots when
   /// nproc_per_node is 0) through its own remote start (ssh, or OMPI_MCA_plm_rsh_agent), and
@@ -136,8 +146,11 @@ struct LaunchResult {
 };
 
 /// Checks the options (throws c10::Error with one line for bad input: nproc_per_node < 1, a
-/// missing program, nnodes > 1 without master_addr, node_rank out of range, duplicate or negative
-/// devices), then runs the job.
+/// missing or non-executable program, nnodes > 1 without master_addr, node_rank out of range,
+/// duplicate or negative devices, more workers than this process's open files or this user's,
+/// this cgroup's or this system's processes allow), then runs the job. When the workers need more
+/// open files in this process than its soft limit, it is raised up to the hard limit for the job
+/// (the workers keep the one from before).
 LaunchResult launch(const LaunchOptions& options);
 
 /// "0,1,3" -> {0, 1, 3}; throws on non-numbers, negatives, duplicates and empty entries.

@@ -17,12 +17,20 @@
 //   in between would otherwise run the parent's handler in the child. The child starts with the
 //   default action for SIGINT, SIGTERM, SIGCHLD and SIGPIPE (a rank ignores SIGPIPE) and an empty
 //   signal mask, as Python's subprocess gives it.
+//
+// And for a launcher, what its children leave behind: a process that makes itself their child
+// subreaper (set_child_subreaper) adopts the processes they orphan, a daemon or a `setsid cmd &`
+// that would otherwise be reparented to init and outlive them, and can stop those with the job
+// (stop_children) and reap them meanwhile (reap_exited_children).
 
 #include <sys/types.h>
 
 #include <torch/arg.h>
 
+#include <chrono>
+#include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,6 +60,10 @@ struct ChildOptions {
   TORCH_ARG(bool, capture_output) = false;
   /// CPU cores the child may run on (sched_setaffinity, best effort); empty: any.
   TORCH_ARG(std::vector<int>, cores);
+  /// The child's soft limit of open files (RLIMIT_NOFILE, at most the hard limit); -1 keeps this
+  /// process's. A launcher that raised its own to relay many workers gives them the limit from
+  /// before: programs that use select() cannot watch a descriptor from 1024 on.
+  TORCH_ARG(int64_t, open_files_limit) = -1;
 };
 
 /// A started child. Movable, not copyable. The destructor closes the pipes it still owns; it
@@ -107,5 +119,32 @@ std::vector<std::string> environment_with(const std::map<std::string, std::strin
 
 /// The exit code a shell reports for waitpid's `status`: the code, or 128 + the signal.
 int exit_code(int status);
+
+/// Makes this process a child subreaper (prctl PR_SET_CHILD_SUBREAPER), or stops it being one:
+/// while it is one, a descendant whose parent exits is reparented to it instead of to init.
+/// Returns whether it was one before, to put back.
+bool set_child_subreaper(bool on);
+
+/// This process's children now (from /proc/PID/stat), exited ones not yet reaped included.
+std::set<pid_t> current_children();
+
+/// Reaps the children that have exited, but none in `keep` (whose owners wait for them with
+/// waitpid(pid)): what a subreaper adopted. Never blocks; one exited child in `keep` ends the
+/// round, so call it again once its owner has reaped it.
+void reap_exited_children(const std::set<pid_t>& keep);
+
+/// A child of this process as /proc/PID/stat shows it: its process group and its name.
+struct ChildInfo {
+  pid_t pid = 0;
+  pid_t group = 0;
+  std::string name;
+};
+
+/// Stops every child of this process that is not in `keep`, with the process group of each that
+/// leads one: SIGTERM, SIGKILL after `grace`, and the same for those their deaths hand to a
+/// subreaper, until none runs (giving up 5 s after the SIGKILL); reaps them. Returns those that
+/// were running. Every child not in `keep` counts: only for a process that knows all of its own
+/// (a launcher).
+std::vector<ChildInfo> stop_children(const std::set<pid_t>& keep, std::chrono::milliseconds grace);
 
 }  // namespace paratrain
