@@ -10,19 +10,23 @@
 #include "paratrain/data/make_image_folder.h"
 #include "paratrain/data/tokens.h"
 
+#include <c10/util/Exception.h>
 #include <torch/torch.h>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <iterator>
+#include <string>
+#include <system_error>
 #include <tuple>
+#include <vector>
 
 namespace paratrain {
 namespace cli {
@@ -117,22 +121,13 @@ const CommandSpec& tokenize_spec() {
   return spec;
 }
 
-// The whole of `path`; c10::Error naming it when it cannot be read.
-std::vector<uint16_t> byte_tokens(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot read ", path, ": ", std::strerror(errno));
-  std::vector<uint16_t> tokens;
-  for (std::istreambuf_iterator<char> it(in), end; it != end; ++it) {
-    tokens.push_back(static_cast<unsigned char>(*it));
-  }
-  TORCH_CHECK(!in.bad(), "cannot read ", path, ": ", std::strerror(errno));
-  TORCH_CHECK(!tokens.empty(), path, " is empty: there is nothing to tokenize");
-  return tokens;
-}
-
 // --out, made if missing, and found writable before anything is written into it.
 void make_out_dir(const std::string& out) {
   std::error_code ec;
+  if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec)) {
+    throw UsageError("--out " + out + " is a file, not a folder: give a folder for train.bin " +
+                     "and val.bin");
+  }
   std::filesystem::create_directories(out, ec);
   if (ec || ::access(out.c_str(), W_OK) != 0) {
     throw UsageError("cannot write --out " + out + ": " +
@@ -157,15 +152,19 @@ int tokenize(const std::vector<std::string>& argv) {
   if (format != "nanogpt" && format != "llmc") {
     throw UsageError("unknown --format '" + format + "': choose nanogpt or llmc");
   }
-  std::vector<uint16_t> tokens = byte_tokens(args.get("bytes"));
-  const std::string out = args.get("out");
-  make_out_dir(out);
+  // The input is read, and found to be a non-empty file (not a folder, not missing) that splits
+  // into two non-empty parts, before --out is made: a refused command writes nothing.
+  const std::string bytes = args.get("bytes");
+  std::vector<uint16_t> tokens = data::read_byte_tokens(bytes);
+  TORCH_CHECK(!tokens.empty(), bytes, " is empty: there is nothing to tokenize");
   const size_t n = tokens.size();
   // nanoGPT's split: train = data[:int(n * 0.9)], val = data[int(n * 0.9):].
   const auto n_train = static_cast<size_t>(static_cast<double>(n) * (1.0 - val_fraction));
-  TORCH_CHECK(n_train > 0 && n_train < n, args.get("bytes"), "'s ", n, " bytes leave ",
+  TORCH_CHECK(n_train > 0 && n_train < n, bytes, "'s ", n, " bytes leave ",
               n_train == 0 ? "train" : "val", " empty at --val-fraction ", val_fraction,
               ": give a larger file or another fraction");
+  const std::string out = args.get("out");
+  make_out_dir(out);
   const std::vector<uint16_t> val(tokens.begin() + static_cast<std::ptrdiff_t>(n_train),
                                   tokens.end());
   tokens.resize(n_train);

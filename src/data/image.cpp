@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <csetjmp>
 #include <cstdio>
@@ -371,6 +373,10 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, Im
 }
 
 std::string read_file(const std::string& path) {
+  // A folder opens as a stream and reads as empty: say what it is instead.
+  struct stat st {};
+  TORCH_CHECK(::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode), "cannot read ", path,
+              ": it is a folder, not an image file");
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     TORCH_CHECK(false, "cannot read ", path, ": ", std::strerror(errno));

@@ -132,6 +132,9 @@ TEST(Image, CorruptFilesAreNamed) {
       << e;
   e = error_of([&] { data::read_image(dir + "/missing.jpg"); });
   EXPECT_NE(e.find("cannot read " + dir + "/missing.jpg: No such file"), std::string::npos) << e;
+  e = error_of([&] { data::read_image(dir); });
+  EXPECT_NE(e.find("cannot read " + dir + ": it is a folder, not an image file"), std::string::npos)
+      << e;
   remove_tree(dir);
 }
 

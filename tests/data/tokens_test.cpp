@@ -11,11 +11,18 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace paratrain {
@@ -187,14 +194,18 @@ TEST(TokenDataset, BadFilesAreNamedInOneLine) {
   const std::vector<Case> cases{
       {"odd.bin", std::string(201, '\x01'), "is 201 bytes, an odd number: not whole uint16 tokens"},
       {"llmc_odd.bin", llmc_header_bytes(20240520, 1, 100) + tokens100 + "x",
-       "holds 201 bytes after its llm.c header, an odd number"},
+       "is an llm.c token file (magic 20240520) that paratrain cannot read: the 201 bytes after "
+       "the header are not whole uint16 tokens (truncated?)"},
       {"llmc_v2.bin", llmc_header_bytes(20240520, 2, 50) + tokens100,
-       "is an llm.c token file of version 2; paratrain reads version 1"},
+       "that paratrain cannot read: version 2 (uint32 LLaMA-3 tokens), expected 1 (uint16 GPT-2 "
+       "tokens, the only kind paratrain reads). Make the file again"},
       {"llmc_count.bin", llmc_header_bytes(20240520, 1, 99) + tokens100,
-       "its llm.c header counts 99 tokens but the file holds 100"},
+       "that paratrain cannot read: token count 99 in the header but the file holds 100 "
+       "(truncated or appended to?)"},
       {"llmc_magic.bin", llmc_header_bytes(20240326, 1, 100) + tokens100,
-       "has llm.c's header (version 1, a count of 100 tokens that matches its size) but its "
-       "magic is 20240326, not 20240520 (20240326 is llm.c's model checkpoint)"},
+       "laid out as llm.c's (version 1 at int32 1, a count at int32 2, zeros from int32 3 to 255), "
+       "not with tokens, and paratrain cannot read it: magic 20240326, expected 20240520 (llm.c's; "
+       "20240326 marks llm.c's model checkpoints, not token files). Make the file again"},
       {"llmc_short.bin", le_int32s({20240520, 1, 0}),
        "starts with llm.c's magic 20240520 but is 12 bytes, shorter than its 1024-byte header"},
       {"short.bin", std::string(20, '\x01'), "holds 10 tokens, fewer than the 17 that one sample"},
@@ -239,6 +250,122 @@ TEST(TokenDataset, BadFilesAreNamedInOneLine) {
                                     data::TokenDatasetOptions(4).windows("shuffled"));
             }).find("unknown windows 'shuffled': choose sequential or random"),
             std::string::npos);
+  remove_tree(dir);
+}
+
+TEST(TokenDataset, DamagedLlmcHeaderIsNamedNotReadAsTokens) {
+  // A file whose first 1024 bytes are laid out as llm.c's header is refused, naming each wrong
+  // field with its value and the expected one, whatever its magic and count say: read as raw
+  // tokens, its header would be trained on as 512 tokens.
+  const std::string dir = make_temp_dir("tokens");
+  const std::string tokens512(1024, '\x01');  // 512 tokens of 257
+  std::string overwritten = llmc_header_bytes(20240521, 1, 512);
+  overwritten.replace(4 * 10, 4, le_int32s({5}));  // a reserved int32 written over
+  struct Case {
+    std::string name;
+    std::string bytes;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases{
+      // Magic and count both wrong: taken for 1024 tokens of nanoGPT's format before.
+      {"both.bin",
+       llmc_header_bytes(20240521, 1, 100) + tokens512,
+       {"starts with a 1024-byte header laid out as llm.c's (version 1 at int32 1, a count at "
+        "int32 2, zeros from int32 3 to 255), not with tokens, and paratrain cannot read it: "
+        "magic 20240521, expected 20240520 (llm.c's); token count 100 in the header but the file "
+        "holds 512 (truncated or appended to?). Make the file again with llm.c's dev/data "
+        "scripts"}},
+      {"zero_magic.bin",
+       llmc_header_bytes(0, 1, 7) + tokens512,
+       {"magic 0, expected 20240520 (llm.c's); token count 7 in the header but the file holds "
+        "512"}},
+      // llm.c's version 2 (uint32 tokens): the count is of uint32 tokens, 256 here.
+      {"v2.bin",
+       llmc_header_bytes(123, 2, 5) + tokens512,
+       {"(version 2 at int32 1,",
+        "magic 123, expected 20240520 (llm.c's); version 2 (uint32 LLaMA-3 tokens), expected 1 "
+        "(uint16 GPT-2 tokens, the only kind paratrain reads); token count 5 in the header but "
+        "the file holds 256"}},
+      {"magic_odd.bin",
+       llmc_header_bytes(20240521, 1, 100) + tokens512 + "x",
+       {"magic 20240521, expected 20240520 (llm.c's); the 1025 bytes after the header are not "
+        "whole uint16 tokens (truncated?)"}},
+      // The reserved part written over, but the count matches the size.
+      {"overwritten.bin",
+       overwritten + tokens512,
+       {"(version 1 at int32 1, a count at int32 2 that matches the file's size)",
+        "cannot read it: magic 20240521, expected 20240520 (llm.c's). Make"}},
+      // llm.c's magic: every wrong field is named at once.
+      {"right_magic.bin",
+       llmc_header_bytes(20240520, 2, 99) + tokens512,
+       {"is an llm.c token file (magic 20240520) that paratrain cannot read: version 2 (uint32 "
+        "LLaMA-3 tokens), expected 1 (uint16 GPT-2 tokens, the only kind paratrain reads); token "
+        "count 99 in the header but the file holds 256 (truncated or appended to?)"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string path = dir + "/" + c.name;
+    write_token_file_bytes(path, c.bytes);
+    const std::string e =
+        error_of([&] { data::TokenDataset ds(path, data::TokenDatasetOptions(16)); });
+    for (const auto& part : c.parts) {
+      expect_one_line_naming(e, part, path);
+    }
+  }
+  remove_tree(dir);
+}
+
+TEST(TokenDataset, TokensThatOnlyResembleAnLlmcHeaderStayNanoGpt) {
+  // The header's shape needs int32 3 to 255 all zero (tokens 6 to 511) and a version of 1 or 2
+  // (token 2, then token 3 zero): token data that misses any of these is read as tokens.
+  const std::string dir = make_temp_dir("tokens");
+  // Tokens whose first 1024 bytes are llm.c's header under magic 5 + 6 * 65536, count 9.
+  auto header_like = [](uint16_t version, uint16_t count_high) {
+    std::vector<uint16_t> t(1000, 7);
+    std::fill(t.begin(), t.begin() + 512, uint16_t{0});
+    t[0] = 5;
+    t[1] = 6;
+    t[2] = version;
+    t[4] = 9;
+    t[5] = count_high;
+    return t;
+  };
+  std::vector<uint16_t> last_reserved = header_like(1, 0);
+  last_reserved[511] = 1;  // int32 255
+  std::vector<uint16_t> first_reserved = header_like(1, 0);
+  first_reserved[6] = 1;  // int32 3
+  std::vector<uint16_t> shorter = header_like(1, 0);
+  shorter.resize(511);  // 1022 bytes: no room for a header
+  const std::vector<std::pair<std::string, std::vector<uint16_t>>> files{
+      {"zeros.bin", std::vector<uint16_t>(2000, 0)},  // version 0: padding, a test's zeros
+      {"version3.bin", header_like(3, 0)},
+      {"negative_count.bin", header_like(1, 0x8000)},
+      {"last_reserved.bin", last_reserved},
+      {"first_reserved.bin", first_reserved},
+      {"short.bin", shorter},
+  };
+  for (const auto& [name, tokens] : files) {
+    SCOPED_TRACE(name);
+    const std::string path = dir + "/" + name;
+    data::write_tokens(path, tokens, "nanogpt");
+    std::unique_ptr<data::TokenDataset> ds;
+    EXPECT_EQ(error_of([&] {
+                ds = std::make_unique<data::TokenDataset>(path, data::TokenDatasetOptions(16));
+              }),
+              "");
+    ASSERT_TRUE(ds != nullptr);
+    EXPECT_EQ(ds->format(), "nanogpt");
+    EXPECT_EQ(ds->num_tokens(), static_cast<int64_t>(tokens.size()));
+  }
+  // The same tokens with the shape whole are refused: version3.bin, negative_count.bin and the two
+  // *_reserved.bin above differ from them in one token each.
+  const std::string path = dir + "/shaped.bin";
+  data::write_tokens(path, header_like(1, 0), "nanogpt");
+  expect_one_line_naming(
+      error_of([&] { data::TokenDataset ds(path, data::TokenDatasetOptions(16)); }),
+      "magic 393221, expected 20240520 (llm.c's); token count 9 in the header but the file holds "
+      "488",
+      path);
   remove_tree(dir);
 }
 
@@ -316,7 +443,7 @@ TEST(Data, TokenizeWritesByteTokens) {
   const std::vector<Case> cases{
       {{"--bytes", dir + "/missing.txt", "--out", dir + "/o"},
        1,
-       "cannot read " + dir + "/missing.txt: No such file or directory"},
+       "cannot open " + dir + "/missing.txt: No such file or directory"},
       {{"--bytes", dir + "/empty.txt", "--out", dir + "/o"},
        1,
        dir + "/empty.txt is empty: there is nothing to tokenize"},
@@ -348,6 +475,72 @@ TEST(Data, TokenizeWritesByteTokens) {
                                 "tokenize"),
             std::string::npos)
       << unknown.output;
+  remove_tree(dir);
+}
+
+TEST(Data, TokenizeNamesABadInputPathBeforeWritingAnything) {
+  // A folder, a missing or unreachable path, an unreadable file: one line naming the path and the
+  // problem, exit 1, and no --out made. A folder opens as a stream and fails only at the first
+  // read, which gave libstdc++'s "basic_filebuf::underflow error reading the file: Is a
+  // directory", without the path.
+  const std::string dir = make_temp_dir("tokenize-input");
+  const std::string input = dir + "/input.txt";
+  write_token_file_bytes(input, "First Citizen: before we proceed any further, hear me speak.\n");
+  write_token_file_bytes(dir + "/one.txt", "x");
+  ASSERT_TRUE(std::filesystem::create_directory(dir + "/folder"));
+  struct Case {
+    std::string bytes;
+    std::string message;
+  };
+  std::vector<Case> cases{
+      {dir + "/folder", "cannot read " + dir +
+                            "/folder: it is a folder, not a file: give one file (to tokenize the "
+                            "files of a folder, join them first: cat DIR/*.txt > input.txt)"},
+      {dir + "/missing.txt", "cannot open " + dir + "/missing.txt: No such file or directory"},
+      {input + "/x", "cannot open " + input + "/x: Not a directory"},
+      {dir + "/one.txt", dir + "/one.txt's 1 bytes leave train empty at --val-fraction 0.1"},
+  };
+  if (::geteuid() != 0) {  // root reads any file
+    write_token_file_bytes(dir + "/secret.txt", "abc");
+    ASSERT_EQ(::chmod((dir + "/secret.txt").c_str(), 0), 0);
+    cases.push_back({dir + "/secret.txt", "cannot open " + dir + "/secret.txt: Permission denied"});
+  }
+  const std::string out = dir + "/out";
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.bytes);
+    auto r = run_cli({cli_path(), "data", "tokenize", "--bytes", c.bytes, "--out", out});
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << r.output;
+    const std::string line = r.output.substr(0, r.output.find_last_not_of('\n') + 1);
+    EXPECT_EQ(line.find('\n'), std::string::npos) << "not one line: " << r.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << "--out was made before the input was refused";
+  }
+  // --out naming a file.
+  auto r = run_cli({cli_path(), "data", "tokenize", "--bytes", input, "--out", dir + "/one.txt"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out " + dir + "/one.txt is a file, not a folder"), std::string::npos)
+      << r.output;
+  // The library's reader: the same lines, and the bytes as tokens.
+  expect_one_line_naming(error_of([&] { data::read_byte_tokens(dir + "/folder"); }),
+                         "it is a folder, not a file", dir + "/folder");
+  expect_one_line_naming(error_of([&] { data::read_byte_tokens(dir + "/missing.txt"); }),
+                         "No such file or directory", dir + "/missing.txt");
+  EXPECT_EQ(data::read_byte_tokens(dir + "/one.txt"), std::vector<uint16_t>{'x'});
+  write_token_file_bytes(dir + "/empty.txt", "");
+  EXPECT_TRUE(data::read_byte_tokens(dir + "/empty.txt").empty());
+  // A token file's reader says the same of a folder, and what to give.
+  expect_one_line_naming(
+      error_of([&] { data::TokenDataset ds(dir + "/folder", data::TokenDatasetOptions(4)); }),
+      "TokenDataset: cannot read " + dir +
+          "/folder: it is a folder, not a token file: give one of its files (e.g. train.bin or "
+          "val.bin)",
+      dir + "/folder");
+  // A FIFO is refused before it is opened: open() would wait for a writer.
+  ASSERT_EQ(::mkfifo((dir + "/fifo").c_str(), 0600), 0);
+  expect_one_line_naming(
+      error_of([&] { data::TokenDataset ds(dir + "/fifo", data::TokenDatasetOptions(4)); }),
+      "TokenDataset: cannot read " + dir + "/fifo: not a regular file", dir + "/fifo");
   remove_tree(dir);
 }
 

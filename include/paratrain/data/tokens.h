@@ -30,7 +30,9 @@
 namespace paratrain {
 namespace data {
 
-/// llm.c's token files: header[0], then header[1] (uint16 GPT-2 tokens); 256 int32 in all.
+/// llm.c's token files: header[0], then header[1] (uint16 GPT-2 tokens; llm.c's version 2 holds
+/// uint32 LLaMA-3 tokens, which paratrain does not read), then the token count; 256 int32 in all,
+/// the rest zero.
 constexpr int32_t kLlmcTokensMagic = 20240520;
 constexpr int32_t kLlmcTokensVersion = 1;
 constexpr size_t kLlmcHeaderInts = 256;
@@ -54,8 +56,10 @@ struct TokenDatasetOptions {
 class TokenDataset : public Dataset {
  public:
   /// Maps `path` and checks it: a size that is not whole tokens, an llm.c header whose version or
-  /// count is wrong, a header shaped like llm.c's under another magic, fewer than context + 1
-  /// tokens, a missing file. Each is a c10::Error of one line naming the file.
+  /// count is wrong, a header laid out as llm.c's (a version of 1 or 2, then zeros; or a count
+  /// that matches the size) under another magic, fewer than context + 1 tokens, a missing file, a
+  /// folder. Each is a c10::Error of one line naming the file and, for a header, each field that
+  /// is wrong with its value and the expected one.
   TokenDataset(std::string path, TokenDatasetOptions options);
   ~TokenDataset() override;
   TokenDataset(const TokenDataset&) = delete;
@@ -92,6 +96,12 @@ class TokenDataset : public Dataset {
   int64_t num_tokens_ = 0;
   size_t windows_ = 0;
 };
+
+/// The bytes of `path` as tokens, one per byte (a vocabulary of 256): what `paratrain data
+/// tokenize` splits into train.bin and val.bin. A folder, a missing or unreadable path is a
+/// c10::Error of one line naming it, raised before anything is read; pipes and devices are read
+/// to their end. An empty file gives no tokens.
+std::vector<uint16_t> read_byte_tokens(const std::string& path);
 
 /// Writes `tokens` to `path` as "nanogpt" (raw uint16) or "llmc" (llm.c's header, then the
 /// tokens), atomically (write_pieces_atomic: a crash leaves the old file or the new one).
