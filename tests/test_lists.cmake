@@ -10,6 +10,9 @@ set(paratrain_unit_suites
 set(paratrain_unit_tests
     BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal BadInput.ReservedPointToPointTag
     Checkpoint.OptimizerStateRoundTripsBitwise
+    Checkpoint.EveryCheckpointDamagedFailsAndDeletesNothing
+    Checkpoint.RotationPrunesEveryRanksFilesAndKeepsNewerCheckpoints
+    FsdpCheckpoint.ConsolidateNeverWritesOverACheckpoint
     Checkpoint.RngStateRestoresTheSameDraws FashionMNIST.ReadsDebiansFiles
     SlurmHostList.BadListsAreOneLine SlurmHostList.PlacementFromTheAllocationsVariables
     FashionMNIST.MissingFilesSayWhatToInstall ImageFolder.FollowsTorchvisionsRules
@@ -22,16 +25,18 @@ set(paratrain_unit_tests
     Tuner.BohbLearnsFromAshaRungsWithoutWaiting
     Zero.WorldOfOneIsThePlainOptimizer Zero.RefusesWhatCannotBeSharded
     Zoo.ResNetParameterCountsEqualTorchvision Zoo.CustomHeadAndFrozenBackbone Zoo.NotAWeightsFile
-    Data.TokenizeWritesByteTokens Gpt.NamesFollowHuggingFace Gpt.BadShapesAndInputsAreOneLine Gpt.CausalMaskHidesTheFuture
+    Data.TokenizeWritesByteTokens Data.TokenizeNamesABadInputPathBeforeWritingAnything
+    Gpt.NamesFollowHuggingFace Gpt.BadShapesAndInputsAreOneLine Gpt.CausalMaskHidesTheFuture
     Gpt.TrainsOnARepeatingSequence ActivationCheckpoint.GradientsAreBitwiseEqualWithDropout
     ActivationCheckpoint.KeepsNamesAndRefusesUnknownChildren Fsdp.RefusesWhatCannotBeSharded
     Fsdp.KeptBlocksAreFreedAfterBackward
-    FsdpCheckpoint.WorldOfOneRoundTripsBitwise FsdpCheckpoint.BadDirectoriesAreOneLine)
+    FsdpCheckpoint.WorldOfOneRoundTripsBitwise FsdpCheckpoint.BadDirectoriesAreOneLine
+    Launch.ProgramWithoutExecuteBitIsNamed Launch.ErrorsNameTheCommandOnce)
 # Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
 # (the same order).
 set(paratrain_slow_tests
     MixedPrecision.EveryOptLevelTrainsLikeFp32 Slurm.SbatchRunsSrunTasksAndLaunch
-    MultiHost.ElasticJobTakesInALateHost Resume.BadInput
+    MultiHost.ElasticJobTakesInALateHost Resume.BadInput Resume.MessagesSayWhatHappened
     ImageFolder.CliMakesAFolderAndTrainsOnItWithDdp Train.CustomHeadOnTorchvisionWeights
     MultiHost.ElasticTrainingLosesNoSampleAcrossAMembershipChange Train.MixedPrecisionDdpExample
     Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
@@ -40,8 +45,10 @@ set(paratrain_slow_tests
     Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults
     Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
     Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank
-    Etcd.ElasticJobSurvivesTheFirstHostsDeath Etcd.ARunWhoseLaunchersWereKilledLeavesTheIdUsable)
-set(paratrain_slow_costs 112 35 20 19 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14)
+    Etcd.ElasticJobSurvivesTheFirstHostsDeath Etcd.ARunWhoseLaunchersWereKilledLeavesTheIdUsable
+    MultiHost.PartitionShorterThanKeepAliveIsRiddenOut
+    MultiHost.PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise)
+set(paratrain_slow_costs 112 35 20 24 25 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14 40 50)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites
@@ -78,10 +85,12 @@ set(paratrain_both_legs_tests
     Cases/PipelineDistributed.MatchesSingleProcess/gpipe_3_stages_mpi)
 # In the suites above, but first leg only: the long accuracy comparison (its fp32 run alone takes
 # minutes in the second leg, and the per-step comparison MixedPrecision.EveryOptLevelStepsLikeFp32
-# runs in both; the test explains), and the launcher's hostfile checks (text parsing).
+# runs in both; the test explains), the launcher's hostfile checks (text parsing), and the
+# partitions (the launcher's rendezvous calls no libtorch; a minute each).
 set(paratrain_one_leg_tests
     MixedPrecision.EveryOptLevelTrainsLikeFp32 MultiHost.BadHostfiles
-    MultiHost.UnreachableHostfileEntryIsNamed)
+    MultiHost.UnreachableHostfileEntryIsNamed MultiHost.PartitionShorterThanKeepAliveIsRiddenOut
+    MultiHost.PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise)
 
 # The cases CI runs a second time with the instruction set capped (tests/CMakeLists.txt, suffix
 # @avx2), as an older CPU would run them.

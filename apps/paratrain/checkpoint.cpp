@@ -22,12 +22,15 @@ const CommandSpec& consolidate_spec() {
   static const CommandSpec spec{
       "paratrain checkpoint consolidate",
       "paratrain checkpoint consolidate DIR --out FILE [--names hf]: writes every parameter of\n"
-      "the sharded FSDP checkpoint in DIR (its fsdp.json and one rank-R-of-W.safetensors per\n"
-      "rank) to one safetensors file, by the model's names, in the dtype they were saved in,\n"
-      "with the checkpoint's metadata. It needs no ranks, and holds one copy of the weights in\n"
-      "memory (not the optimizer's state).",
+      "the sharded FSDP checkpoint in the directory DIR (its fsdp.json and one\n"
+      "rank-R-of-W.safetensors per rank, or the newest of `paratrain train --strategy fsdp\n"
+      "--checkpoint-dir DIR`) to one safetensors file, by the model's names, in the dtype they\n"
+      "were saved in, with the checkpoint's metadata. It needs no ranks, and holds one copy of\n"
+      "the weights in memory (not the optimizer's state).",
       {
-          {"out", "FILE", "the safetensors file to write (required; replaced atomically)"},
+          {"out", "FILE",
+           "the safetensors file to write (required; outside DIR, and not named as a "
+           "checkpoint's file; an existing one is replaced atomically)"},
           {"names", "module|hf",
            "the tensors' names: module (the model's own, the default) or hf (those of Hugging "
            "Face's GPT2LMHeadModel, transformer.h.0.attn.c_attn.weight)"},

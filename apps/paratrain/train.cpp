@@ -9,6 +9,7 @@
 #include "paratrain/models/gpt.h"
 #include "paratrain/paratrain.h"
 
+#include <c10/util/Exception.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
@@ -21,6 +22,9 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace paratrain {
 namespace cli {
@@ -143,6 +147,7 @@ int launch_ranks(const Args& args,
       .standalone(true)
       .command(rank_command(argv))
       .prefix_output(false)
+      .adopt_orphans(true)  // as `paratrain launch`: nothing the ranks start outlives the job
       .name("paratrain train");
   const int restarts = args.get_int("max-restarts", 0);
   if (restarts < 0) {
@@ -298,6 +303,12 @@ void configure_run(TrainerOptions& o,
   const char* elastic_env = std::getenv("PARATRAIN_ELASTIC");
   o.elastic(elastic_env != nullptr && std::string(elastic_env) == "1");
   const nlohmann::json config = resume_config(args, s, o, where.world);
+  // The config's world size is -1 in an elastic job: it is not compared. The Trainer checks the
+  // checkpoint's number of ranks itself, from its manifest (an elastic job takes any), and names
+  // both counts.
+  std::vector<std::string> may_change = o.resume_may_change();
+  may_change.push_back("world_size");
+  o.resume_may_change(may_change);
   const int image_size = s.image_size;
   const int channels = s.channels;
   o.strategy(parse_strategy(s.strategy))
@@ -409,6 +420,23 @@ void show_progress(Trainer& trainer, int epochs) {
 // is counted in tokens.
 void print_epoch(const EpochResult& r, bool json, int epochs, int64_t context) {
   const double tokens_per_sec = r.images_per_sec * static_cast<double>(context);
+  if (!r.trained) {
+    // Resumed from a checkpoint of the epoch's last step: its training was an earlier run's, so
+    // there is no loss or throughput of it to show; the evaluation is this run's. As in the
+    // --metrics row, the training values are left out rather than shown as zeros.
+    if (json) {
+      std::cout << json_line(JsonRow{{"epoch", r.epoch + 1},
+                                     {"test_accuracy", r.val_accuracy},
+                                     {"test_loss", r.val_loss},
+                                     {"resumed", true}})
+                << std::endl;
+    } else {
+      std::cout << std::fixed << std::setprecision(4) << "epoch " << r.epoch + 1 << "/" << epochs
+                << ": trained before the resume; test_accuracy " << r.val_accuracy << ", test_loss "
+                << r.val_loss << ", lr " << std::setprecision(6) << r.lr << std::endl;
+    }
+    return;
+  }
   if (json) {
     JsonRow row{{"epoch", r.epoch + 1},
                 {"train_loss", r.train_loss},
@@ -470,6 +498,15 @@ int fit_and_save(Trainer& trainer, const Args& args, const Placement& where, std
   } catch (const ReplicaDivergence& e) {
     std::cerr << "paratrain train: " << e.what() << std::endl;
     return 1;
+  } catch (const c10::Error& e) {
+    // Every checkpoint damaged: the library names its option, the command line has a flag.
+    std::string what = e.what_without_backtrace();
+    const std::string option = "set start_fresh_if_damaged";
+    const size_t at = what.find(option);
+    if (at == std::string::npos) {
+      throw;
+    }
+    throw std::runtime_error(what.replace(at, option.size(), "add --start-fresh-if-damaged"));
   }
   if (args.has("save-weights") &&
       (where.rank == 0 || trainer.options().strategy() == Strategy::kFSDP)) {

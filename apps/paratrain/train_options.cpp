@@ -91,6 +91,9 @@ std::vector<OptionSpec> loop_option_specs() {
       {"keep", "K", "keep the newest K checkpoints (default 3)"},
       {"resume", "auto|PATH",
        "continue from the newest checkpoint that verifies (auto) or from PATH (ckpt-N.json)"},
+      {"start-fresh-if-damaged", "",
+       "with --resume auto: when every checkpoint in --checkpoint-dir is damaged, start from "
+       "step 0 beside them (kept, never rotated away) instead of failing"},
       {"resume-may-change", "LIST",
        "settings that may differ from the checkpoint's on resume, as lr,momentum (population-"
        "based training perturbs them)"},
@@ -485,6 +488,7 @@ void read_outputs(const Args& args, TrainerOptions& o) {
       .checkpoint_every_epoch(args.has("checkpoint-every-epoch"))
       .keep(args.get_int("keep", 3))
       .resume(args.get("resume", ""))
+      .start_fresh_if_damaged(args.has("start-fresh-if-damaged"))
       .resume_may_change(split_list(args.get("resume-may-change", "")))
       .metrics(args.get("metrics", ""))
       .tensorboard(args.get("tensorboard", ""))
@@ -524,6 +528,11 @@ void check_outputs(const Args& args, TrainerOptions& o) {
   }
   if (o.resume() == "auto" && o.checkpoint_dir().empty()) {
     throw UsageError("--resume auto needs --checkpoint-dir (where to look)");
+  }
+  if (o.start_fresh_if_damaged() && o.resume() != "auto") {
+    throw UsageError(
+        "--start-fresh-if-damaged says what --resume auto does when every checkpoint is "
+        "damaged: add --resume auto");
   }
 }
 

@@ -18,14 +18,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 namespace paratrain {
 
@@ -161,6 +165,33 @@ int64_t manifest_step(const std::string& name) {
     return -1;
   }
   return std::stoll(digits);
+}
+
+// The step of any file of a checkpoint: its manifest ckpt-N.json (`manifest` set), its shared
+// ckpt-N.safetensors, and the ckpt-N.rank-R.safetensors (and earlier versions' ckpt-N.rank-R.json)
+// of any rank R. -1 for other names, temporaries (NAME.tmp-PID) included.
+int64_t checkpoint_file_step(const std::string& name, bool& manifest) {
+  manifest = false;
+  const std::string digits = "0123456789";
+  if (name.size() < 15 || name.compare(0, 5, "ckpt-") != 0 ||
+      name.substr(5, 10).find_first_not_of(digits) != std::string::npos) {
+    return -1;
+  }
+  const std::string rest = name.substr(15);
+  bool ours = rest == ".json" || rest == ".safetensors";
+  if (!ours && rest.compare(0, 6, ".rank-") == 0) {
+    const size_t dot = rest.find('.', 6);
+    const std::string rank = dot == std::string::npos ? "" : rest.substr(6, dot - 6);
+    const std::string kind = dot == std::string::npos ? "" : rest.substr(dot);
+    ours = !rank.empty() && rank.size() <= 9 &&
+           rank.find_first_not_of(digits) == std::string::npos &&
+           (kind == ".safetensors" || kind == ".json");
+  }
+  if (!ours) {
+    return -1;
+  }
+  manifest = rest == ".json";
+  return std::stoll(name.substr(5, 10));
 }
 
 void make_dirs(const std::string& dir) {
@@ -303,7 +334,8 @@ void Checkpoint::write(const CheckpointState& s) {
   // whose files did not all reach the disk fails its checks on load, and load_latest takes the
   // checkpoint before it (every file was itself fsynced before its rename).
   fsync_directory(dir);
-  prune();
+  written_.insert(s.step);
+  prune(s.step);
   last_write_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -325,46 +357,60 @@ std::vector<int64_t> Checkpoint::steps() const {
   return out;
 }
 
-// Deletes the checkpoints older than the `keep` newest: rank 0 the manifests (first, so a
-// half-deleted checkpoint is never listed) and shared files, every rank its own files, judged by
-// its own listing (the manifests may already be gone).
-void Checkpoint::prune() {
-  const size_t keep = static_cast<size_t>(options_.keep());
-  const std::string base = options_.dir() + "/";
-  if (rank_ == 0) {
-    const std::vector<int64_t> all = steps();
-    for (size_t i = keep; i < all.size(); ++i) {
-      ::unlink((base + stem(all[i]) + ".json").c_str());
-      ::unlink((base + stem(all[i]) + ".safetensors").c_str());
+// Deletes the checkpoints beyond the `keep` newest, counting only the ones rotation may delete:
+// steps up to `newest` (the one just written) that this object wrote or that are not newer than
+// the step resumed from. The newer ones it did not write were skipped as damaged, or are of the
+// run the caller went back from: they stay. Rank 0 deletes every file of a pruned step, the
+// manifest first (a half-deleted checkpoint is never listed), then the shared file and the rank
+// files of every rank, whichever world size wrote them: the directory is shared by the ranks, and
+// an elastic job that shrank leaves rank files that no rank of its own would delete. The files of
+// a step older than this one that has no manifest (a save that did not finish: no checkpoint) go
+// too. The other ranks' writes under way are of this step or the one before (each save waits for
+// its previous one), whose manifests rank 0 wrote, and which are kept: keep >= 2 with several
+// ranks.
+void Checkpoint::prune(int64_t newest) {
+  if (rank_ != 0) {
+    return;
+  }
+  const std::vector<int64_t> listed = steps();  // newest first
+  const std::set<int64_t> manifests_of(listed.begin(), listed.end());
+  auto counted = [&](int64_t step) {
+    return step <= newest && (step <= resumed_step_ || written_.count(step) != 0);
+  };
+  std::set<int64_t> kept;
+  for (int64_t step : listed) {
+    if (counted(step) && kept.size() < static_cast<size_t>(options_.keep())) {
+      kept.insert(step);
     }
   }
-  const std::vector<int64_t> mine = own_steps();
-  for (size_t i = keep; i < mine.size(); ++i) {
-    ::unlink((base + rank_stem(mine[i], rank_) + ".json").c_str());
-    ::unlink((base + rank_stem(mine[i], rank_) + ".safetensors").c_str());
-  }
-}
-
-// The steps of this rank's own files (ckpt-N.rank-R.safetensors), newest first.
-std::vector<int64_t> Checkpoint::own_steps() const {
-  std::vector<int64_t> out;
+  auto pruned = [&](int64_t step) {
+    return manifests_of.count(step) != 0 ? counted(step) && kept.count(step) == 0 : step < newest;
+  };
   DIR* d = ::opendir(options_.dir().c_str());
   if (d == nullptr) {
-    return out;
+    return;
   }
-  // The rank's tensor file (an earlier version also wrote a .json beside it).
-  const std::string suffix = ".rank-" + std::to_string(rank_) + ".safetensors";
+  std::vector<std::string> manifests;
+  std::vector<std::string> others;
   while (dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.size() == 5 + 10 + suffix.size() && name.compare(0, 5, "ckpt-") == 0 &&
-        name.compare(15, suffix.size(), suffix) == 0 &&
-        name.substr(5, 10).find_first_not_of("0123456789") == std::string::npos) {
-      out.push_back(std::stoll(name.substr(5, 10)));
+    bool manifest = false;
+    const int64_t step = checkpoint_file_step(e->d_name, manifest);
+    if (step >= 0 && pruned(step)) {
+      (manifest ? manifests : others).push_back(options_.dir() + "/" + e->d_name);
     }
   }
   ::closedir(d);
-  std::sort(out.rbegin(), out.rend());
-  return out;
+  for (const auto& path : manifests) {
+    ::unlink(path.c_str());
+  }
+  for (const auto& path : others) {
+    ::unlink(path.c_str());
+  }
+}
+
+void Checkpoint::set_resumed_step(int64_t step) {
+  wait();  // the writer's rotation reads it
+  resumed_step_ = step;
 }
 
 int Checkpoint::saved_world_size(const std::string& path) {
@@ -492,6 +538,19 @@ std::optional<CheckpointState> Checkpoint::load_latest(
     candidates.assign(list.data_ptr<int64_t>(), list.data_ptr<int64_t>() + list.numel());
   }
   const int world = pg_ ? pg_->size() : 1;
+  std::string newest_fault;  // why this rank skipped the newest checkpoint
+  auto skip = [&](int64_t step, const std::string& what) {
+    if (step == candidates.front()) {
+      newest_fault = what;
+    }
+    const std::string line = std::string("skipping checkpoint ") + stem(step) + ": " + what +
+                             (step != candidates.back() ? "; trying the one before" : "");
+    if (warn) {
+      warn(line);
+    } else {
+      std::cerr << "paratrain: warning: " << line << std::endl;
+    }
+  };
   for (int64_t step : candidates) {
     std::optional<CheckpointState> s;
     const std::string path = options_.dir() + "/" + stem(step) + ".json";
@@ -516,17 +575,10 @@ std::optional<CheckpointState> Checkpoint::load_latest(
         throw;  // the same on every rank: not a damaged file to skip
       }
       s.reset();
-      const std::string line = std::string("skipping checkpoint ") + stem(step) + ": " + what +
-                               "; trying the one before";
-      if (warn) {
-        warn(line);
-      } else {
-        std::cerr << "paratrain: warning: " << line << std::endl;
-      }
+      skip(step, what);
     } catch (const std::exception& e) {
       s.reset();
-      std::cerr << "paratrain: warning: skipping checkpoint " << stem(step) << ": " << e.what()
-                << std::endl;
+      skip(step, e.what());
     }
     if (pg_) {
       // Every rank must resume from the same step: take it only if it verified everywhere.
@@ -537,9 +589,22 @@ std::optional<CheckpointState> Checkpoint::load_latest(
       }
     }
     if (s) {
+      resumed_step_ = s->step;
       return s;
     }
   }
+  if (candidates.empty()) {
+    return std::nullopt;  // no checkpoint yet
+  }
+  // Checkpoints, and none verifies: a start from step 0 would go on beside them, and rotation
+  // would delete them (intact rank files included), so it takes the caller's explicit choice.
+  TORCH_CHECK(options_.start_fresh_if_damaged(), "every checkpoint in ", options_.dir(),
+              " is damaged (", candidates.size(), " of them; the newest, ",
+              stem(candidates.front()), ": ",
+              newest_fault.empty() ? "its files failed their checks on another rank" : newest_fault,
+              "): none was loaded and none deleted; move them out of the directory, or set "
+              "start_fresh_if_damaged to start from step 0 and keep them");
+  resumed_step_ = -1;  // every damaged one stays
   return std::nullopt;
 }
 

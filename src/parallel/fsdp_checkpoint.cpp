@@ -617,6 +617,59 @@ ConsolidatedCheckpoint consolidate_trainer_checkpoint(
   return c;
 }
 
+bool all_digits(const std::string& text) {
+  return !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+}
+
+// Whether `name` is a file name that a checkpoint lists: a Trainer checkpoint's ckpt-N.json,
+// ckpt-N.safetensors and ckpt-N.rank-R.safetensors (or .json), a sharded checkpoint's fsdp.json
+// and rank-R-of-W.safetensors.
+bool is_checkpoint_file_name(const std::string& name) {
+  if (name == kFsdpManifest) {
+    return true;
+  }
+  const std::string tensors = ".safetensors";
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() > suffix.size() &&
+           name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (starts_with(name, "rank-") && ends_with(tensors)) {
+    const std::string middle = name.substr(5, name.size() - 5 - tensors.size());  // R-of-W
+    const size_t of = middle.find("-of-");
+    return of != std::string::npos && all_digits(middle.substr(0, of)) &&
+           all_digits(middle.substr(of + 4));
+  }
+  if (!starts_with(name, "ckpt-") || name.size() < 15 || !all_digits(name.substr(5, 10))) {
+    return false;
+  }
+  std::string rest = name.substr(15);  // .json, .safetensors, .rank-R.safetensors, .rank-R.json
+  if (starts_with(rest, ".rank-")) {
+    const size_t dot = rest.find('.', 6);
+    if (dot == std::string::npos || !all_digits(rest.substr(6, dot - 6))) {
+      return false;
+    }
+    rest = rest.substr(dot);
+  }
+  return rest == ".json" || rest == tensors;
+}
+
+// The output of a consolidation, checked before anything is read: never in the checkpoint's own
+// directory, and never under the name of a file that a checkpoint lists (anywhere: replacing one
+// would damage that checkpoint, and a new one would pass for a checkpoint's file).
+void check_output(const std::string& dir, const std::string& out_file) {
+  const std::string out_dir = parent_directory(out_file);
+  struct stat a {};
+  struct stat b {};
+  TORCH_CHECK(::stat(out_dir.c_str(), &a) != 0 || ::stat(dir.c_str(), &b) != 0 ||
+                  a.st_dev != b.st_dev || a.st_ino != b.st_ino,
+              "consolidate: the output file ", out_file, " is in the checkpoint's directory ", dir,
+              ", whose files are the checkpoint: write it elsewhere");
+  const std::string name = out_file.substr(out_file.rfind('/') + 1);
+  TORCH_CHECK(!is_checkpoint_file_name(name), "consolidate: the output file ", out_file,
+              " has the name of a checkpoint's own file (", name,
+              "), which it would replace or pass for: give it another name");
+}
+
 }  // namespace
 
 ConsolidatedCheckpoint consolidate_sharded_checkpoint(
@@ -624,11 +677,17 @@ ConsolidatedCheckpoint consolidate_sharded_checkpoint(
     const std::string& out_file,
     const std::function<std::string(const std::string&)>& name_map) {
   struct stat st;
+  TORCH_CHECK(::stat(dir.c_str(), &st) != 0 || S_ISDIR(st.st_mode),
+              "consolidate takes a checkpoint's directory, and ", dir,
+              " is a file: give the directory that holds it, ", parent_directory(dir));
   const std::string trainer = newest_trainer_manifest(dir);
-  if (::stat((dir + "/" + kFsdpManifest).c_str(), &st) != 0 && !trainer.empty()) {
+  const bool sharded = ::stat((dir + "/" + kFsdpManifest).c_str(), &st) == 0;
+  // Without any checkpoint there, read_manifest says so, before the output is looked at.
+  const Manifest m = sharded || trainer.empty() ? read_manifest(dir) : Manifest();
+  check_output(dir, out_file);
+  if (!sharded) {
     return consolidate_trainer_checkpoint(trainer, out_file, name_map);
   }
-  const Manifest m = read_manifest(dir);
   check_rank_files_exist(dir, m);
   std::vector<TensorMap> files;
   for (int r = 0; r < m.world; ++r) {

@@ -139,6 +139,10 @@ void Trainer::Impl::check_options() const {
               "checkpoints need a directory: set checkpoint_dir (--checkpoint-dir)");
   TORCH_CHECK(o.resume().empty() || o.resume() != "auto" || !o.checkpoint_dir().empty(),
               "resume auto needs checkpoint_dir (--checkpoint-dir): where to look");
+  TORCH_CHECK(!o.start_fresh_if_damaged() || o.resume() == "auto",
+              "start_fresh_if_damaged says what resume \"auto\" does when every checkpoint is "
+              "damaged; set resume \"auto\" with it (resume is '",
+              o.resume(), "')");
   const bool ranks = o.strategy() == Strategy::kDDP || o.strategy() == Strategy::kFSDP;
   TORCH_CHECK(ranks == (o.process_group() != nullptr), "the ", to_string(o.strategy()),
               ranks ? " strategy needs a process_group"
@@ -683,8 +687,12 @@ EpochResult Trainer::Impl::run_epoch() {
     o.process_group()->allreduce(totals)->wait();
     totals = totals.cpu();
   }
-  r.train_loss = totals[0].item<double>() / std::max(1.0, totals[1].item<double>());
-  r.images_per_sec = totals[1].item<double>() / std::max(1e-9, r.seconds);
+  // No sample trained by any rank: resumed from a checkpoint of the epoch's last step. Its loss
+  // and throughput were the earlier run's (which may have died before it reported them).
+  r.trained = totals[1].item<double>() > 0;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  r.train_loss = r.trained ? totals[0].item<double>() / totals[1].item<double>() : nan;
+  r.images_per_sec = r.trained ? totals[1].item<double>() / std::max(1e-9, r.seconds) : nan;
   r.lr = schedule->lr();
   if (!o.schedule_per_step()) {
     schedule->step();
@@ -698,7 +706,7 @@ EpochResult Trainer::Impl::run_epoch() {
     refresh_batches();
   }
   r.global_step = global_step;
-  write_epoch_row(r, totals[1].item<double>() > 0);
+  write_epoch_row(r, r.trained);
   if (o.checkpoint_every_epoch()) {
     trace::Span span("checkpoint (copy to host)", "checkpoint");
     ckpt->save(capture());
@@ -751,7 +759,8 @@ Trainer::Trainer(torch::nn::Sequential model,
         CheckpointOptions(m.o.checkpoint_dir())
             .keep(m.o.keep())
             .collective_device(m.ddp || m.fsdp ? m.device : torch::kCPU)
-            .any_world_size(m.o.elastic()),
+            .any_world_size(m.o.elastic())
+            .start_fresh_if_damaged(m.o.start_fresh_if_damaged()),
         m.o.process_group());
     // A fresh run would mix its checkpoints with another run's (and prune its own first).
     TORCH_CHECK(!m.o.resume().empty() || m.ckpt->steps().empty(), "the checkpoint directory ",

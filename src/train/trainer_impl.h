@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -82,6 +83,7 @@ struct Trainer::Impl {
   Evaluation evaluate();
   std::optional<data::Batch> next_val_batch(std::optional<data::Batch>& last);
   void resume();
+  void agree_on_load(const std::string& path, const std::exception_ptr& error);
   void restore(const CheckpointState& s);
   void capture_fsdp(CheckpointState& s, Json& meta);
   void check_fsdp_layout(const CheckpointState& s, const Json& meta) const;

@@ -9,6 +9,7 @@
 #include "paratrain/parallel/zero_redundancy_optimizer.h"
 
 #include <algorithm>
+#include <exception>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -338,13 +339,48 @@ void Trainer::Impl::restore(const CheckpointState& s) {
   resumed_from = s.path;
 }
 
+// Under ddp and fsdp, whether every rank loaded its part of the checkpoint it was given: each
+// rank reads its own files, and one that fails must not leave the others restoring (and saying
+// so) and training without it. Throws on every rank when any failed: that rank with its own
+// error, the others naming it.
+void Trainer::Impl::agree_on_load(const std::string& path, const std::exception_ptr& error) {
+  if (!o.process_group()) {
+    if (error) {
+      std::rethrow_exception(error);
+    }
+    return;
+  }
+  const torch::Device where = ddp || fsdp ? device : torch::Device(torch::kCPU);
+  at::Tensor failed = torch::zeros({world}, torch::kInt);
+  failed[rank].fill_(error ? 1 : 0);
+  failed = failed.to(where);
+  o.process_group()->allreduce(failed)->wait();  // every rank's flag
+  failed = failed.cpu();
+  if (error) {
+    std::rethrow_exception(error);
+  }
+  for (int r = 0; r < world; ++r) {
+    TORCH_CHECK(failed[r].item<int>() == 0, "checkpoint ", path, " failed its checks on rank ", r,
+                " (whose error says why): nothing was restored");
+  }
+}
+
 void Trainer::Impl::resume() {
   if (o.resume() == "auto") {
+    // Every rank agrees on the newest checkpoint that verified everywhere; when there are
+    // checkpoints and none verifies, this fails (deleting nothing) unless start_fresh_if_damaged.
     std::optional<CheckpointState> s = ckpt->load_latest();
     if (!s) {
       if (rank == 0) {
-        std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
-                  << " yet: starting from step 0" << std::endl;
+        if (ckpt->steps().empty()) {
+          std::cerr << "paratrain: no checkpoint in " << o.checkpoint_dir()
+                    << " yet: starting from step 0" << std::endl;
+        } else {
+          std::cerr << "paratrain: every checkpoint in " << o.checkpoint_dir()
+                    << " is damaged: starting from step 0, as asked; they stay where they are, "
+                       "and no save deletes them"
+                    << std::endl;
+        }
       }
       write_metrics(Json{{"resumed_from", nullptr}, {"step", 0}});
       return;
@@ -359,10 +395,24 @@ void Trainer::Impl::resume() {
     TORCH_CHECK(o.elastic() || saved_world == world, "checkpoint ", o.resume(), " was made by ",
                 saved_world, " ranks and this job has ", world,
                 ": resume with as many ranks, or in an elastic job (--nnodes MIN:MAX)");
-    restore(o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
-                        : Checkpoint::load(o.resume(), rank));
+    std::optional<CheckpointState> s;
+    std::exception_ptr error;
+    try {
+      s = o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
+                      : Checkpoint::load(o.resume(), rank);
+    } catch (const std::exception&) {
+      error = std::current_exception();
+    }
+    agree_on_load(o.resume(), error);
+    restore(*s);
+    if (ckpt) {
+      // The checkpoints of checkpoint_dir newer than this one stay (a run the caller went back
+      // from): rotation deletes only older ones and this run's own.
+      ckpt->set_resumed_step(s->step);
+    }
   }
-  // In the metrics, where this attempt starts: the steps logged after it repeat lost work.
+  // Everything verified and restored, on every rank: in the metrics, where this attempt starts
+  // (the steps logged after it repeat lost work).
   write_metrics(Json{{"resumed_from", resumed_from}, {"step", global_step}});
   if (rank == 0) {
     std::cerr << "paratrain: resumed from " << resumed_from << " (step " << global_step

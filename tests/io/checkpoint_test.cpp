@@ -16,7 +16,12 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
+#include <string>
+#include <vector>
 
 namespace paratrain {
 namespace testing {
@@ -180,6 +185,153 @@ TEST(Checkpoint, RankFilesCarryTheirManifestInTheirHeader) {
               Checkpoint::load_own(base + "30.json", 1, 30);
             }).find("ckpt-0000000030.rank-1.safetensors"),
             std::string::npos);
+  remove_tree(dir);
+}
+
+// Every file in `dir` by name, with its bytes.
+std::map<std::string, std::string> files_in(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    out[entry.path().filename().string()] =
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+void save_step(Checkpoint& ckpt, int64_t step) {
+  CheckpointState s;
+  s.step = step;
+  s.shared["w"] = torch::full({4}, static_cast<float>(step));
+  s.own["r"] = torch::arange(16, torch::kFloat) + static_cast<float>(step);
+  ckpt.save(std::move(s));
+}
+
+void flip_last_byte(const std::string& path) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-1, std::ios::end);
+  const char c = static_cast<char>(f.get());
+  f.seekp(-1, std::ios::end);
+  f.put(static_cast<char>(c ^ 0x55));
+}
+
+// No checkpoint at all is a start from step 0; checkpoints that all fail their checks are not:
+// load_latest fails, naming the newest one's fault, and nothing is deleted. A fresh start beside
+// them is an explicit choice, after which rotation still deletes none of them.
+TEST(Checkpoint, EveryCheckpointDamagedFailsAndDeletesNothing) {
+  const std::string dir = make_temp_dir("ckpt-damaged");
+  {
+    Checkpoint empty{CheckpointOptions(dir)};
+    EXPECT_FALSE(empty.load_latest().has_value());  // nothing there yet
+    Checkpoint ckpt(CheckpointOptions(dir).keep(3).background(false));
+    save_step(ckpt, 10);
+    save_step(ckpt, 20);
+  }
+  // Step 20's shared file cut short; step 10's rank file with a changed byte (its shared file and
+  // manifest intact).
+  ASSERT_EQ(::truncate((dir + "/ckpt-0000000020.safetensors").c_str(), 20), 0);
+  flip_last_byte(dir + "/ckpt-0000000010.rank-0.safetensors");
+  const auto damaged = files_in(dir);
+  ASSERT_EQ(damaged.size(), 6u);
+
+  Checkpoint ckpt(CheckpointOptions(dir).keep(2).background(false));
+  std::vector<std::string> warnings;
+  const std::string e =
+      error_of([&] { ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); }); });
+  EXPECT_NE(e.find("every checkpoint in " + dir +
+                   " is damaged (2 of them; the newest, ckpt-0000000020: " + dir +
+                   "/ckpt-0000000020.safetensors has 20 bytes, its manifest says "),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("): none was loaded and none deleted; move them out of the directory, or set "
+                   "start_fresh_if_damaged to start from step 0 and keep them"),
+            std::string::npos)
+      << e;
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[1].find("ckpt-0000000010.rank-0.safetensors fails its CRC-32 check"),
+            std::string::npos)
+      << warnings[1];
+  EXPECT_EQ(files_in(dir), damaged);
+
+  // Chosen: a start from step 0 beside them. This run's checkpoints rotate among themselves.
+  Checkpoint fresh(CheckpointOptions(dir).keep(2).background(false).start_fresh_if_damaged(true));
+  EXPECT_FALSE(fresh.load_latest([](const std::string&) {}).has_value());
+  for (int64_t step : {5, 15, 25}) {
+    save_step(fresh, step);
+  }
+  EXPECT_EQ(fresh.steps(), (std::vector<int64_t>{25, 20, 15, 10}));
+  const auto now = files_in(dir);
+  for (const auto& [name, bytes] : damaged) {
+    ASSERT_TRUE(now.count(name)) << name << " was deleted";
+    EXPECT_TRUE(now.at(name) == bytes) << name << " changed";
+  }
+  remove_tree(dir);
+}
+
+// Rotation deletes every file of a pruned checkpoint, the rank files of a larger world that wrote
+// it included (an elastic job that shrank from 2 ranks to 1), and the files of an unfinished save
+// once the run is past its step; never a file of a kept checkpoint, nor a checkpoint newer than
+// the one resumed (here one skipped as damaged).
+TEST(Checkpoint, RotationPrunesEveryRanksFilesAndKeepsNewerCheckpoints) {
+  const std::string dir = make_temp_dir("ckpt-rotation");
+  const std::string base = dir + "/ckpt-00000000";
+  {
+    Checkpoint ckpt(CheckpointOptions(dir).keep(3).background(false));
+    for (int64_t step : {4, 8, 12}) {
+      save_step(ckpt, step);
+    }
+  }
+  // Rank 1's files of a job of 2 ranks, beside rank 0's (rotation goes by their names).
+  for (const char* step : {"04", "08", "12"}) {
+    std::filesystem::copy_file(base + step + ".rank-0.safetensors",
+                               base + step + ".rank-1.safetensors");
+  }
+  ASSERT_EQ(::truncate((base + "12.safetensors").c_str(), 20), 0);  // the newest is damaged
+  // And rank 1's file of a save of step 11 that did not finish (no manifest: no checkpoint).
+  std::filesystem::copy_file(base + "08.rank-0.safetensors", base + "11.rank-1.safetensors");
+  const auto twelve = files_in(dir);
+
+  Checkpoint ckpt(CheckpointOptions(dir).keep(2).background(false));
+  auto s = ckpt.load_latest([](const std::string&) {});
+  ASSERT_TRUE(s.has_value());
+  EXPECT_EQ(s->step, 8);
+  auto has = [&](const std::string& name) { return files_in(dir).count(name) != 0; };
+  // Which of a step's manifest, shared file, rank 0's and rank 1's files are there: "1111".
+  auto step_files = [&](const std::string& step) {
+    std::string out;
+    for (const char* suffix :
+         {".json", ".safetensors", ".rank-0.safetensors", ".rank-1.safetensors"}) {
+      out += has("ckpt-00000000" + step + suffix) ? "1" : "0";
+    }
+    return out;
+  };
+  const std::string all = "1111";
+  const std::string none = "0000";
+  save_step(ckpt, 9);  // keeps 9 and 8; 12, newer than the one resumed, stays
+  EXPECT_EQ(step_files("04"), none);
+  EXPECT_EQ(step_files("08"), all);
+  EXPECT_EQ(step_files("12"), all);
+  save_step(ckpt, 10);
+  EXPECT_EQ(step_files("08"), none);  // rank 1's file too
+  EXPECT_EQ(step_files("12"), all);
+  EXPECT_EQ(step_files("11"), "0001");
+  EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{12, 10, 9}));
+  for (const char* name : {"ckpt-0000000012.json", "ckpt-0000000012.safetensors",
+                           "ckpt-0000000012.rank-1.safetensors"}) {
+    EXPECT_TRUE(files_in(dir).at(name) == twelve.at(name)) << name;
+  }
+  // A save at step 12 replaces the damaged one; its old rank-1 file stays with it while it is
+  // kept, and goes with it.
+  save_step(ckpt, 12);
+  EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{12, 10}));
+  EXPECT_EQ(step_files("12"), all);
+  EXPECT_EQ(step_files("11"), none);  // passed: the unfinished save's file goes
+  save_step(ckpt, 13);
+  save_step(ckpt, 14);
+  EXPECT_EQ(step_files("12"), none);
+  EXPECT_EQ(ckpt.steps(), (std::vector<int64_t>{14, 13}));
+  EXPECT_EQ(files_in(dir).size(), 6u);  // 13 and 14: a manifest, a shared file, a rank file each
   remove_tree(dir);
 }
 

@@ -3,7 +3,8 @@
 // on 2 (the same weights bit for bit once loaded, then the same training); `paratrain checkpoint
 // consolidate` writes the whole model, under Hugging Face's names too; a checkpoint of another
 // model is refused in one line. In this process, on a world of one: the round trip bit for bit,
-// and the directories that hold no checkpoint, each refused in one line.
+// the directories that hold no checkpoint, each refused in one line, and consolidation's outputs
+// that would write over a checkpoint's files, refused before anything is written.
 
 #include "test_util.h"
 
@@ -17,10 +18,13 @@
 #include <torch/torch.h>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 namespace paratrain {
 namespace testing {
@@ -276,6 +280,100 @@ TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
   r = run_cli({cli_path(), "checkpoint", "--help"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("  consolidate DIR --out FILE"), std::string::npos) << r.output;
+  remove_tree(dir);
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// A consolidation writes outside the checkpoint, under a name of its own: never over a file of
+// the checkpoint it reads (its manifest, say, which a resume would then skip), nor over one of
+// another checkpoint; a manifest given for the directory names the directory; an existing file
+// elsewhere is replaced whole.
+TEST(FsdpCheckpoint, ConsolidateNeverWritesOverACheckpoint) {
+  auto pg = checkpoint_world_of_one();
+  const std::string dir = make_temp_dir("fsdp-out");
+  Trained a(pg, 1);
+  const std::string sharded = dir + "/sharded";
+  save_sharded_checkpoint(sharded, a.fsdp, &a.adam);
+  // A Trainer's checkpoint directory under the fsdp strategy, as it saves one at step 8: the
+  // manifest's metadata holds the layout, the rank file the shards.
+  const std::string trainer = dir + "/trainer";
+  {
+    nlohmann::json units = nlohmann::json::array();
+    for (const auto& u : a.fsdp.units()) {
+      units.push_back(nlohmann::json{{"name", u.name.empty() ? "root" : u.name},
+                                     {"params", u.params},
+                                     {"shapes", u.shapes},
+                                     {"offsets", u.offsets},
+                                     {"numel", u.numel},
+                                     {"padded", u.padded}});
+    }
+    CheckpointState s;
+    s.step = 8;
+    s.meta = nlohmann::json{{"strategy", "fsdp"}, {"fsdp", {{"world_size", 1}, {"units", units}}}}
+                 .dump();
+    for (const auto& kv : a.fsdp.sharded_state()) {
+      s.own["fsdp." + kv.first] = kv.second;
+    }
+    s.own_read_by_all = true;
+    Checkpoint ckpt(CheckpointOptions(trainer).background(false));
+    ckpt.save(std::move(s));
+  }
+  const std::string manifest = trainer + "/ckpt-0000000008.json";
+  const std::string saved = file_bytes(manifest);
+  ASSERT_FALSE(saved.empty());
+
+  auto refused = [&](const std::string& from, const std::string& out, const std::string& what) {
+    const std::string e = error_of([&] { consolidate_sharded_checkpoint(from, out); });
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  };
+  refused(trainer, manifest,
+          "consolidate: the output file " + manifest + " is in the checkpoint's directory " +
+              trainer + ", whose files are the checkpoint: write it elsewhere");
+  refused(trainer, trainer + "/whole.safetensors", "is in the checkpoint's directory");
+  refused(sharded, sharded + "/fsdp.json", "is in the checkpoint's directory");
+  // Another checkpoint's files, by their names.
+  refused(trainer, sharded + "/rank-0-of-1.safetensors",
+          "consolidate: the output file " + sharded +
+              "/rank-0-of-1.safetensors has the name of a checkpoint's own file "
+              "(rank-0-of-1.safetensors), which it would replace or pass for: give it another "
+              "name");
+  refused(sharded, dir + "/ckpt-0000000012.rank-1.safetensors",
+          "has the name of a checkpoint's own file");
+  refused(manifest, dir + "/x.safetensors",
+          "consolidate takes a checkpoint's directory, and " + manifest +
+              " is a file: give the directory that holds it, " + trainer);
+  EXPECT_EQ(file_bytes(manifest), saved);
+  EXPECT_EQ(Checkpoint::load(manifest).step, 8);  // still whole
+
+  // The command line says the same, and writes nothing.
+  auto r = run_cli({cli_path(), "checkpoint", "consolidate", trainer, "--out", manifest});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.output.rfind("paratrain checkpoint: error: consolidate: the output file " + manifest +
+                               " is in the checkpoint's directory",
+                           0),
+            0u)
+      << r.output;
+  r = run_cli({cli_path(), "checkpoint", "consolidate", manifest, "--out", dir + "/x"});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("consolidate takes a checkpoint's directory, and " + manifest +
+                          " is a file: give the directory that holds it, " + trainer),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(file_bytes(manifest), saved);
+
+  // Elsewhere, an existing file is replaced (atomically); both layouts give the same weights.
+  const std::string whole = dir + "/whole.safetensors";
+  std::ofstream(whole) << "an older file";
+  consolidate_sharded_checkpoint(trainer, whole);
+  consolidate_sharded_checkpoint(sharded, dir + "/whole-sharded.safetensors");
+  const auto from_trainer = load_safetensors(whole);
+  EXPECT_GT(from_trainer.size(), 4u);  // a parameter each
+  expect_bitwise(from_trainer, load_safetensors(dir + "/whole-sharded.safetensors"));
   remove_tree(dir);
 }
 

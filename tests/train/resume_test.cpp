@@ -5,6 +5,7 @@
 
 #include "test_util.h"
 
+#include <paratrain/io/checkpoint.h>
 #include <paratrain/io/safetensors.h>
 
 #include <torch/torch.h>
@@ -12,11 +13,16 @@
 #include <gtest/gtest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace paratrain {
 namespace testing {
@@ -84,7 +90,7 @@ void expect_exact_resume(const std::vector<std::string>& extra,
         << c.output;
   }
   if (ranks > 1) {
-    // Every rank prunes its own files: at most --keep (3) checkpoints of rank 1 stay.
+    // Rank 0 prunes every rank's files: at most --keep (3) checkpoints of rank 1 stay.
     auto ls =
         run_process({"/bin/sh", "-c", "ls '" + dir + "' | grep -c 'rank-1.safetensors$'"}, {}, 10);
     ASSERT_EQ(ls.exit_code, 0) << ls.output;
@@ -297,6 +303,69 @@ TEST(Resume, ShardedZeroCheckpointWithAMissingShardIsSkipped) {
   remove_with_prefix(base);
 }
 
+// What a resume says is what happened. A resume at an epoch's last step shows no training numbers
+// of its own for that epoch (in text and in --json rows). An elastic job resumes a checkpoint of a
+// job that was not elastic (the ranks are checked from the manifest, not the config's world size,
+// which an elastic job's config leaves open). With an explicit --resume, a rank whose file fails
+// its checks stops every rank before any says "resumed from".
+TEST(Resume, MessagesSayWhatHappened) {
+  const std::string base = "/tmp/" + unique_token("resumemsg");
+  const std::string dir = base + "-ckpt";
+  const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
+  // One epoch of 8 steps with checkpoints at steps 4 and 8: step 8 is the epoch's last.
+  auto first = run_process(
+      job({"--epochs", "1", "--checkpoint-dir", dir, "--checkpoint-every", "4"}), env, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto elastic = env;
+  elastic["PARATRAIN_ELASTIC"] = "1";
+  auto resumed = run_process(
+      job({"--checkpoint-dir", dir, "--checkpoint-every", "4", "--resume", "auto"}), elastic, 300);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + dir +
+                                "/ckpt-0000000008.json (step 8, epoch 1, batch 8)"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("epoch 1/2: trained before the resume; test_accuracy "),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(resumed.output.find("train_loss 0.0000"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("epoch 2/2: train_loss "), std::string::npos) << resumed.output;
+
+  auto json = run_process(job({"--resume", dir + "/ckpt-0000000008.json", "--json"}), env, 300);
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  const size_t row = json.output.find("{\"epoch\": 1, ");
+  ASSERT_NE(row, std::string::npos) << json.output;
+  const std::string epoch1 = json.output.substr(row, json.output.find('\n', row) - row);
+  EXPECT_EQ(epoch1.rfind("{\"epoch\": 1, \"test_accuracy\": ", 0), 0u) << epoch1;
+  EXPECT_NE(epoch1.find(", \"resumed\": true}"), std::string::npos) << epoch1;
+  EXPECT_EQ(epoch1.find("train_loss"), std::string::npos) << epoch1;
+  EXPECT_NE(json.output.find("{\"epoch\": 2, \"train_loss\": "), std::string::npos) << json.output;
+
+  // Two ranks; rank 1's file of step 4 gets a changed byte.
+  const std::string ddp_dir = base + "-ddp";
+  const std::vector<std::string> ddp{
+      "--strategy",         "ddp", "--nproc", "2", "--backend",        "gloo",
+      "--epochs",           "1",   "--steps", "4", "--checkpoint-dir", ddp_dir,
+      "--checkpoint-every", "4"};
+  auto made = run_process(job(ddp), env, 300);
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  const std::string rank1 = ddp_dir + "/ckpt-0000000004.rank-1.safetensors";
+  {
+    std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    const char c = static_cast<char>(f.get());
+    f.seekp(-1, std::ios::end);
+    f.put(static_cast<char>(c ^ 0x55));
+  }
+  auto refused =
+      run_process(job(plus(ddp, {"--resume", ddp_dir + "/ckpt-0000000004.json"})), env, 300);
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_NE(refused.output.find(rank1 + " fails its CRC-32 check"), std::string::npos)
+      << refused.output;
+  EXPECT_EQ(refused.output.find("resumed from"), std::string::npos) << refused.output;
+  remove_with_prefix(base);
+}
+
 // ZeroRedundancyOptimizer steps each parameter as the unsharded optimizer does: the weights are
 // the same bytes. SyncBatchNorm normalizes over both ranks' batches: the weights change.
 TEST(Train, ZeroEqualsUnshardedAndSyncBatchNormChangesTraining) {
@@ -371,6 +440,9 @@ TEST(Resume, BadInput) {
       {{"--config", "/dev/zero"}, "cannot read --config /dev/zero: not a regular file"},
       // A config list is one comma-separated value, not its last element.
       {{"--config", base + "-list.toml"}, "bad --lr-milestones entry 'x'"},
+      {{"--start-fresh-if-damaged"},
+       "--start-fresh-if-damaged says what --resume auto does when every checkpoint is damaged: "
+       "add --resume auto"},
   };
   { std::ofstream(base + "-typo.toml") << "lr = 0.1\nlr_shedule = \"cosine\"\n"; }
   { std::ofstream(base + "-section.toml") << "[optim]\nlr = 0.1\n"; }
@@ -393,6 +465,51 @@ TEST(Resume, BadInput) {
   EXPECT_NE(launch.exit_code, 0);
   EXPECT_NE(launch.output.find("--max-restarts must be >= 0, got -2"), std::string::npos)
       << launch.output;
+
+  // Every checkpoint damaged (the one of step 2, cut short): no start from step 0 over it, one
+  // line naming the fault and what to do, and nothing deleted.
+  const std::string damaged = base + "-damaged";
+  std::filesystem::copy(dir, damaged);
+  ASSERT_EQ(::truncate((damaged + "/ckpt-0000000002.safetensors").c_str(), 20), 0);
+  auto files_in = [&]() {
+    std::map<std::string, std::string> out;
+    for (const auto& entry : std::filesystem::directory_iterator(damaged)) {
+      out[entry.path().filename().string()] = read_bytes(entry.path().string());
+    }
+    return out;
+  };
+  const auto before = files_in();
+  ASSERT_EQ(before.size(), 3u) << "the checkpoint of step 2: manifest, shared file, rank file";
+  const auto auto_resume = job({"--epochs", "1", "--steps", "1", "--checkpoint-dir", damaged,
+                                "--checkpoint-every", "1", "--resume", "auto"});
+  auto refused = run_cli(auto_resume, {kCpuOnly});
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("paratrain train: error: every checkpoint in " + damaged +
+                                " is damaged (1 of them; the newest, ckpt-0000000002: " + damaged +
+                                "/ckpt-0000000002.safetensors has 20 bytes"),
+            std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("none was loaded and none deleted; move them out of the "
+                                "directory, or add --start-fresh-if-damaged to start from step "
+                                "0 and keep them\n"),
+            std::string::npos)
+      << refused.output;
+  EXPECT_EQ(refused.output.find("starting from step 0"), std::string::npos) << refused.output;
+  EXPECT_TRUE(files_in() == before);
+  // Asked for: a run from step 0 beside it, which stays as it was (the run's own checkpoint is
+  // of step 1).
+  auto fresh = run_process(plus(auto_resume, {"--start-fresh-if-damaged"}), {kCpuOnly}, 120);
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_NE(fresh.output.find("every checkpoint in " + damaged +
+                              " is damaged: starting from step 0, as asked"),
+            std::string::npos)
+      << fresh.output;
+  const auto after = files_in();
+  EXPECT_TRUE(after.count("ckpt-0000000001.json"));
+  for (const auto& [name, bytes] : before) {
+    ASSERT_TRUE(after.count(name)) << name << " was deleted";
+    EXPECT_TRUE(after.at(name) == bytes) << name << " changed";
+  }
   remove_with_prefix(base);
 }
 

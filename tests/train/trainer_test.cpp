@@ -21,10 +21,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <sstream>
+#include <string>
 #include <thread>
+#include <vector>
 
 namespace paratrain {
 namespace testing {
@@ -246,6 +252,102 @@ TEST(Trainer, ResumeAfterAFailureIsBitwiseEqual) {
   remove_tree(b);
 }
 
+// Every file in `dir` by name, with its bytes.
+std::map<std::string, std::string> files_in(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    out[entry.path().filename().string()] =
+        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+// resume "auto" over checkpoints that are all damaged fails, deletes nothing, and names the
+// option that starts from step 0 beside them; with it, the run trains from step 0 and leaves
+// them as they were (rotation deletes only this run's older checkpoints).
+TEST(Trainer, EveryCheckpointDamagedFailsUnlessAFreshStartIsChosen) {
+  auto data = toy_data(256);  // 4 steps of 64
+  const std::string dir = make_temp_dir("all-damaged");
+  auto options = [&]() {
+    return base_options().epochs(1).checkpoint_dir(dir).checkpoint_every(2).keep(2).resume("auto");
+  };
+  {
+    Trainer t(fresh("linear"), data, nullptr, options());
+    t.fit();
+  }
+  ASSERT_EQ(::truncate((dir + "/ckpt-0000000004.safetensors").c_str(), 10), 0);
+  ASSERT_EQ(::truncate((dir + "/ckpt-0000000002.safetensors").c_str(), 10), 0);
+  const auto damaged = files_in(dir);
+  ASSERT_EQ(damaged.size(), 6u);  // steps 2 and 4: manifest, shared file, rank file
+  const std::string e = error_of([&] {
+    Trainer t(fresh("linear"), data, nullptr, options());
+    t.fit();
+  });
+  EXPECT_NE(e.find("every checkpoint in " + dir +
+                   " is damaged (2 of them; the newest, ckpt-0000000004: " + dir +
+                   "/ckpt-0000000004.safetensors has 10 bytes"),
+            std::string::npos)
+      << e;
+  EXPECT_NE(e.find("set start_fresh_if_damaged to start from step 0"), std::string::npos) << e;
+  EXPECT_EQ(files_in(dir), damaged);
+
+  Trainer t(fresh("linear"), data, nullptr,
+            options().checkpoint_every(3).start_fresh_if_damaged(true));
+  t.fit();
+  EXPECT_EQ(t.resumed_from(), "");
+  EXPECT_EQ(t.global_step(), 4);
+  const auto now = files_in(dir);
+  EXPECT_TRUE(now.count("ckpt-0000000003.json"));
+  for (const auto& [name, bytes] : damaged) {
+    ASSERT_TRUE(now.count(name)) << name << " was deleted";
+    EXPECT_TRUE(now.at(name) == bytes) << name << " changed";
+  }
+  remove_tree(dir);
+}
+
+// A run resumed from a checkpoint of an epoch's last step trains none of that epoch: its result
+// says so (no invented loss or throughput), and its metrics row is marked "resumed".
+TEST(Trainer, AResumeAtAnEpochsEndInventsNoTrainingResult) {
+  auto data = toy_data(256);  // 4 steps of 64
+  const std::string dir = make_temp_dir("epoch-end");
+  auto options = [&](int64_t epochs) {
+    return base_options()
+        .epochs(epochs)
+        .checkpoint_dir(dir + "/ckpt")
+        .checkpoint_every(4)
+        .resume("auto")
+        .metrics(dir + "/metrics.jsonl");
+  };
+  {
+    Trainer t(fresh("linear"), data, data, options(1));
+    t.fit();
+  }
+  Trainer t(fresh("linear"), data, data, options(2));
+  const auto results = t.fit();
+  EXPECT_NE(t.resumed_from().find("ckpt-0000000004.json"), std::string::npos) << t.resumed_from();
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_FALSE(results[0].trained);
+  EXPECT_TRUE(std::isnan(results[0].train_loss)) << results[0].train_loss;
+  EXPECT_TRUE(std::isnan(results[0].images_per_sec)) << results[0].images_per_sec;
+  EXPECT_GT(results[0].val_accuracy, 0.0);  // this run's evaluation of the restored weights
+  EXPECT_TRUE(results[1].trained);
+  EXPECT_GT(results[1].train_loss, 0.0);
+  EXPECT_GT(results[1].images_per_sec, 0.0);
+  std::ifstream in(dir + "/metrics.jsonl");
+  std::vector<std::string> epoch_rows;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"val_accuracy\"") != std::string::npos) {
+      epoch_rows.push_back(line);
+    }
+  }
+  ASSERT_EQ(epoch_rows.size(), 3u);  // epoch 1, then epoch 1 again (resumed) and epoch 2
+  EXPECT_NE(epoch_rows[1].find("\"resumed\":true"), std::string::npos) << epoch_rows[1];
+  EXPECT_EQ(epoch_rows[1].find("train_loss"), std::string::npos) << epoch_rows[1];
+  EXPECT_NE(epoch_rows[2].find("\"train_loss\""), std::string::npos) << epoch_rows[2];
+  remove_tree(dir);
+}
+
 TEST(Trainer, NonFiniteLossStopsWithStepAndRank) {
   // One sample holds a NaN: the step whose batch has it stops the run.
   torch::Tensor x = torch::randn({256, 1, 28, 28});
@@ -340,6 +442,10 @@ TEST(Trainer, BadOptions) {
                       "process_group"),
             std::string::npos);
   EXPECT_NE(error(base_options().checkpoint_dir("/tmp").keep(0)).find("keep must be >= 1, got 0"),
+            std::string::npos);
+  EXPECT_NE(error(base_options().start_fresh_if_damaged(true))
+                .find("start_fresh_if_damaged says what resume \"auto\" does when every "
+                      "checkpoint is damaged; set resume \"auto\" with it (resume is '')"),
             std::string::npos);
 }
 

@@ -21,8 +21,11 @@
 // Each file is written to a temporary name, fsynced and renamed; the directory is fsynced once,
 // after the rank's last file. load_latest takes a checkpoint only when every file it reads
 // verifies on every rank, so a checkpoint is either whole or skipped, and a damaged one (a missing
-// or truncated file, a flipped byte) fails its checks on load. Checkpoints of earlier versions,
-// with a ckpt-N.rank-r.json beside each rank file, load as before.
+// or truncated file, a flipped byte) fails its checks on load. When every checkpoint there is
+// damaged, load_latest fails (unless start_fresh_if_damaged) and nothing is deleted. Rotation
+// (keep) deletes every file of a pruned step, rank files of any world size included, and never a
+// checkpoint newer than the one resumed that this object did not write. Checkpoints of earlier
+// versions, with a ckpt-N.rank-r.json beside each rank file, load as before.
 #pragma once
 
 #include "paratrain/comm/process_group.h"
@@ -36,9 +39,11 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,6 +65,11 @@ struct CheckpointOptions {
   /// Elastic jobs: load_latest also takes a checkpoint made by another number of ranks (rank r
   /// gets rank r's own tensors when that rank existed, else none).
   TORCH_ARG(bool, any_world_size) = false;
+  /// When every checkpoint in the directory fails its checks, load_latest throws, naming the
+  /// newest one's fault, and deletes nothing. With this it returns nullopt instead (a start from
+  /// step 0): the damaged checkpoints stay on disk, and rotation deletes none of them (a save at
+  /// the same step replaces one).
+  TORCH_ARG(bool, start_fresh_if_damaged) = false;
 };
 
 struct CheckpointState {
@@ -100,8 +110,16 @@ class Checkpoint {
   /// 0's listing is the one all ranks walk, so the directory must be shared by the ranks).
   /// A damaged one is skipped with a warning to `warn` (stderr by default) naming the file and
   /// the reason; one made by another number of ranks is an error. nullopt when there is none.
+  /// When there are checkpoints but every one is damaged: c10::Error naming the newest one's
+  /// fault, with nothing loaded or deleted (nullopt with options.start_fresh_if_damaged).
+  /// Rotation then keeps every checkpoint newer than the one returned (set_resumed_step).
   std::optional<CheckpointState> load_latest(
       const std::function<void(const std::string&)>& warn = nullptr);
+  /// The step the caller resumed from, when it loaded the checkpoint itself (load): rotation
+  /// never deletes a checkpoint newer than it that this object did not write (one skipped as
+  /// damaged, or one of the run the caller went back from). -1: keep every checkpoint that was
+  /// in the directory. Without it (and without load_latest) every checkpoint counts for `keep`.
+  void set_resumed_step(int64_t step);
   /// The steps of the manifests in the directory, newest first.
   std::vector<int64_t> steps() const;
 
@@ -123,12 +141,15 @@ class Checkpoint {
 
  private:
   void write(const CheckpointState& state);
-  void prune();
+  void prune(int64_t newest);
   void remove_stale_temporaries();
-  std::vector<int64_t> own_steps() const;
   CheckpointOptions options_;
   dist::ProcessGroupPtr pg_;
   int rank_ = 0;
+  // Rotation's bounds: the steps this object wrote, and the step resumed from (the checkpoints
+  // above it that are not in written_ are never deleted).
+  std::set<int64_t> written_;
+  int64_t resumed_step_ = std::numeric_limits<int64_t>::max();
   std::thread writer_;
   std::exception_ptr error_;
   std::atomic<double> last_write_seconds_{0};

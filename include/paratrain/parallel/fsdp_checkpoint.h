@@ -81,12 +81,14 @@ struct ConsolidatedCheckpoint {
 
 /// Writes the whole model of the sharded checkpoint in `dir` (save_sharded_checkpoint's, or the
 /// newest of a Trainer's checkpoint directory under the fsdp strategy) to `out_file`: one
-/// safetensors file
-/// (written atomically) of every parameter by its module name (or name_map's of it), in the
-/// dtype it was saved in, with the checkpoint's metadata. Needs no process group and no model:
-/// the layout is the manifest's. Holds one copy of the weights (not the optimizer's state) in
-/// memory. Throws c10::Error with one line for a directory that holds no complete checkpoint, a
-/// missing or damaged rank file, and two names that name_map makes one.
+/// safetensors file (written atomically: an existing file is replaced whole or not at all) of
+/// every parameter by its module name (or name_map's of it), in the dtype it was saved in, with
+/// the checkpoint's metadata. Needs no process group and no model: the layout is the manifest's.
+/// Holds one copy of the weights (not the optimizer's state) in memory. Throws c10::Error with one
+/// line, before anything is written, for a `dir` that is a file (a manifest, say) or holds no
+/// complete checkpoint, an `out_file` inside `dir` or named as a checkpoint's own file
+/// (ckpt-N.json, fsdp.json, rank-R-of-W.safetensors, ...), a missing or damaged rank file, and two
+/// names that name_map makes one.
 ConsolidatedCheckpoint consolidate_sharded_checkpoint(
     const std::string& dir,
     const std::string& out_file,

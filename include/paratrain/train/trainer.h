@@ -118,6 +118,12 @@ struct TrainerOptions {
   TORCH_ARG(bool, checkpoint_every_epoch) = false;
   TORCH_ARG(int64_t, keep) = 3;
   TORCH_ARG(std::string, resume) = "";
+  /// With resume "auto": when every checkpoint in checkpoint_dir is damaged, start from step 0
+  /// instead of failing. The damaged checkpoints stay on disk and rotation deletes none of them
+  /// (a save at the same step replaces one). Without it that case fails naming the newest one's
+  /// fault, and deletes nothing; a directory with no checkpoint at all starts from step 0 either
+  /// way.
+  TORCH_ARG(bool, start_fresh_if_damaged) = false;
   /// JSON object describing the run; a checkpoint whose config differs is refused on resume,
   /// naming the first difference.
   TORCH_ARG(std::string, config) = "{}";
@@ -180,6 +186,10 @@ struct StepInfo {
 
 struct EpochResult {
   int64_t epoch = 0;  // 0-based
+  /// False for an epoch this run trained no step of: one resumed from a checkpoint of its last
+  /// step, whose training an earlier run did. Its train_loss and images_per_sec are then NaN (the
+  /// evaluation, lr and seconds are this run's), and its metrics row says "resumed".
+  bool trained = true;
   double train_loss = 0;
   /// Over the validation set (per token for sequence outputs), every rank's share counted under
   /// ddp; NaN without a validation set.
