@@ -48,7 +48,7 @@ set(paratrain_slow_tests
     Etcd.ElasticJobSurvivesTheFirstHostsDeath Etcd.ARunWhoseLaunchersWereKilledLeavesTheIdUsable
     MultiHost.PartitionShorterThanKeepAliveIsRiddenOut
     MultiHost.PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise)
-set(paratrain_slow_costs 112 35 20 24 25 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14 40 50)
+set(paratrain_slow_costs 112 35 20 24 25 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14 45 50)
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites

@@ -13,14 +13,16 @@
 #include <nlohmann/json.hpp>
 #endif
 
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iostream>
+#include <stdexcept>
 #include <thread>
 
 namespace paratrain {
@@ -337,8 +339,66 @@ const CommandSpec& serve_spec() {
   return spec;
 }
 
-// Serves until SIGINT or SIGTERM: once the storage answered, the signals are blocked here (and
-// so in the server's threads) and taken by a thread of their own, which stops the server.
+// The write end of serve's stop pipe, for its signal handler (-1 when none is installed).
+int g_serve_stop_fd = -1;
+
+extern "C" void on_serve_stop_signal(int) {
+  const int saved = errno;
+  const char stop = 1;
+  if (g_serve_stop_fd >= 0 && ::write(g_serve_stop_fd, &stop, 1) < 0) {
+    // Nothing to do in a handler: the pipe holds a stop already.
+  }
+  errno = saved;
+}
+
+// While it lives, SIGINT and SIGTERM write a stop to a pipe that wait() reads. A handler, not a
+// blocked mask and sigwait: the signal lands on whichever thread does not block it, and libraries
+// (OpenBLAS) start threads of their own before main, blocking nothing.
+class StopSignals {
+ public:
+  StopSignals() {
+    if (::pipe2(pipe_, O_CLOEXEC) != 0) {
+      throw std::runtime_error(std::string("tune serve: pipe: ") + std::strerror(errno));
+    }
+    g_serve_stop_fd = pipe_[1];
+    struct sigaction on_stop {};
+    on_stop.sa_handler = on_serve_stop_signal;
+    on_stop.sa_flags = SA_RESTART;
+    sigemptyset(&on_stop.sa_mask);
+    sigaction(SIGINT, &on_stop, &old_int_);
+    sigaction(SIGTERM, &on_stop, &old_term_);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int_, nullptr);
+    sigaction(SIGTERM, &old_term_, nullptr);
+    g_serve_stop_fd = -1;
+    ::close(pipe_[0]);
+    ::close(pipe_[1]);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  /// Until a signal (true) or wake() (false).
+  bool wait() {
+    char what = 0;
+    while (::read(pipe_[0], &what, 1) < 0 && errno == EINTR) {
+    }
+    return what == 1;
+  }
+  void wake() {
+    const char done = 0;
+    if (::write(pipe_[1], &done, 1) < 0) {
+      // A full pipe holds a stop already: wait() returns.
+    }
+  }
+
+ private:
+  int pipe_[2] = {-1, -1};
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+// Serves until SIGINT or SIGTERM (taken once the storage answered), which a thread of ours turns
+// into the server's stop.
 int run_serve(const std::vector<std::string>& argv) {
   Args args(argv, serve_spec());
   if (args.has("help")) {
@@ -352,12 +412,8 @@ int run_serve(const std::vector<std::string>& argv) {
                                        .port(args.get_int("port", 8080))
                                        .refresh_seconds(args.get_double("refresh", 2));
   tune::Dashboard dashboard(o);  // Ctrl-C still interrupts a slow storage here
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);  // before run() makes the server's threads
-  if (!tune::loopback_address(bind)) {
+  StopSignals signals;
+  if (!tune::binds_loopback_only(bind)) {
     std::cerr << "paratrain tune serve: warning: listening on " << bind
               << ", not loopback: anyone who can reach this address reads the studies (there is "
                  "no authentication)"
@@ -366,18 +422,20 @@ int run_serve(const std::vector<std::string>& argv) {
   std::cout << "paratrain tune serve: http://"
             << (bind.find(':') != std::string::npos ? "[" + bind + "]" : bind) << ":"
             << dashboard.port() << "/ (" << dashboard.storage_url() << ")" << std::endl;
-  std::atomic<bool> served{false};
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&stop_signals, &sig);
-    if (!served) {
+    if (signals.wait()) {
       dashboard.stop();
     }
   });
+  struct Joined {  // also when run() throws
+    StopSignals& signals;
+    std::thread& waiter;
+    ~Joined() {
+      signals.wake();
+      waiter.join();
+    }
+  } joined{signals, waiter};
   dashboard.run();
-  served = true;
-  pthread_kill(waiter.native_handle(), SIGTERM);  // the waiter may still wait
-  waiter.join();
   return 0;
 }
 

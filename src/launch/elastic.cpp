@@ -133,7 +133,8 @@ bool join_next_round(const LaunchOptions& options,
     restarts.used = static_cast<int>(a.round);
   }
   if (!fixed && r.first_failure && r.interrupted_by == 0 && r.signal_received == 0 &&
-      rdzv.membership_changed(a, ro.keep_alive + std::chrono::seconds(1), &why)) {
+      rdzv.membership_changed(a, ro.keep_alive + detail::kEndedGrace + std::chrono::seconds(1),
+                              &why)) {
     std::cerr << options.name() << ": " << describe_failure(*r.first_failure) << ", as " << why
               << "; joining the next round (a change of membership, not a restart)" << std::endl;
     return true;

@@ -12,8 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iomanip>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 namespace paratrain {
@@ -25,9 +27,26 @@ using paratrain::detail::error_message;
 
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPoll{100};
-// The deadline of each store call once connected: long enough for a loaded server, short enough
+// The deadline of each etcd call once connected: long enough for a loaded server, short enough
 // that a launcher whose endpoint vanished without a reset notices within seconds.
 constexpr std::chrono::milliseconds kStoreCallTimeout{5000};
+
+// The socket store's calls: a quarter of the keep-alive time (within 0.25 s to 5 s), so that a
+// node rides out several failed calls before it takes the store for lost, and the supervisor that
+// asks must_restart while the workers run waits no longer than that on each. The store answers
+// in microseconds; a call that takes a quarter second is a network that does not deliver.
+std::chrono::milliseconds socket_call_timeout(std::chrono::milliseconds keep_alive) {
+  return std::clamp<std::chrono::milliseconds>(keep_alive / 4, std::chrono::milliseconds(250),
+                                               kStoreCallTimeout);
+}
+
+// "15 s", "2.5 s": seconds as a person writes them.
+std::string seconds_text(std::chrono::steady_clock::duration d) {
+  std::ostringstream out;
+  out << std::setprecision(3)
+      << std::chrono::duration_cast<std::chrono::milliseconds>(d).count() / 1000.0 << " s";
+  return out.str();
+}
 // How long a launcher tries to reach etcd: a server that runs already, unlike the c10d endpoint,
 // which waits for the launcher that serves it.
 constexpr std::chrono::milliseconds kEtcdConnect{30000};
@@ -62,10 +81,10 @@ void Rendezvous::open_store() {
     return;
   }
   const bool fixed = o_.fixed_node_rank >= 0;
+  const auto call_timeout = socket_call_timeout(o_.keep_alive);
   if (fixed ? o_.fixed_node_rank == 0 : is_local_address(o_.host)) {
     try {
-      store_ =
-          open_socket_store(o_.host, o_.port, /*serve=*/true, o_.join_timeout, kStoreCallTimeout);
+      store_ = open_socket_store(o_.host, o_.port, /*serve=*/true, o_.join_timeout, call_timeout);
       serving_ = true;
       if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
         std::cerr << "paratrain launch: warning: " << (fixed ? "--master-addr" : "--rdzv-endpoint")
@@ -85,8 +104,7 @@ void Rendezvous::open_store() {
   }
   if (!store_) {
     try {
-      store_ =
-          open_socket_store(o_.host, o_.port, /*serve=*/false, o_.join_timeout, kStoreCallTimeout);
+      store_ = open_socket_store(o_.host, o_.port, /*serve=*/false, o_.join_timeout, call_timeout);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
                   o_.join_timeout.count() / 1000.0, " s (", error_message(e),
@@ -188,54 +206,62 @@ Assignment Rendezvous::next() {
               ": the connection to the endpoint failed (", broken_,
               "); the node serving it has probably ended");
   // A store that cannot be reached (a partition, see Note [Partitions and dead nodes]) is tried
-  // again until the join timeout; one that is gone, or a refusal of the rendezvous, ends here.
-  const auto deadline = Clock::now() + o_.join_timeout;
-  bool told = false;
+  // again for the join timeout from its first failure; one that is gone, or a refusal of the
+  // rendezvous, ends here.
+  std::optional<Clock::time_point> unreachable_since;
   for (;;) {
     try {
-      reopen_after_lost_contact();
+      open_pending_round();
       Assignment a = join();
+      joined_.clear();  // a later next() in this round is a node that came back: a new ticket
       last_contact_ = Clock::now();
       return a;
     } catch (const std::exception& e) {
       if (o_.backend == "etcd" || !store_->last_call_unreachable()) {
+        TORCH_CHECK(o_.backend == "etcd" || !store_->last_call_found_none(), "rendezvous ",
+                    describe(), ": the node serving it has ended (", error_message(e), ")");
         throw;
       }
-      TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(),
-                  ": the endpoint did not answer for ", o_.join_timeout.count() / 1000.0, " s (",
-                  error_message(e), "): its host is down or cut off from this one");
-      if (!told) {
+      if (!unreachable_since) {
+        unreachable_since = Clock::now();
         std::cerr << "paratrain launch: rendezvous " << describe() << ": no answer ("
                   << error_message(e) << "); trying again for up to "
-                  << o_.join_timeout.count() / 1000.0 << " s" << std::endl;
-        told = true;
+                  << seconds_text(o_.join_timeout) << std::endl;
       }
+      TORCH_CHECK(Clock::now() - *unreachable_since < o_.join_timeout, "rendezvous ", describe(),
+                  ": the endpoint did not answer for ", seconds_text(o_.join_timeout), " (",
+                  error_message(e), "): its host is down or cut off from this one");
       std::this_thread::sleep_for(std::chrono::seconds(1));
     }
   }
 }
 
-// This node left round `lost_contact_in_` when the store stopped answering: the others may not
-// have noticed (their view of its heartbeat lags), so the next round opens now, or, in a static
-// job without a restart left, the job ends.
-void Rendezvous::reopen_after_lost_contact() {
-  if (!lost_contact_in_) {
+// This node left round pending_->left while the store did not answer: the others may not have
+// noticed (their view of its heartbeat lags), so the next round opens now. A static job with no
+// restart left ends instead, when the node left for lost contact (a failure checked that first).
+void Rendezvous::open_pending_round() {
+  if (!pending_) {
     return;
   }
-  const Assignment a = *lost_contact_in_;
-  const std::string why = "node " + std::to_string(a.node_rank) + " lost contact with the others";
-  if (read_int(key("round")) == a.round) {
-    if (!restart_left(a)) {
-      lost_contact_in_.reset();
-      shut_down(why + "; no restart left (--max-restarts " + std::to_string(o_.max_restarts) + ")",
-                a.nnodes - 1);
+  const PendingRound p = *pending_;
+  if (read_int(key("round")) == p.left.round) {
+    if (p.reason == "unreachable" && !restart_left(p.left)) {
+      pending_.reset();
+      const std::string why = "node " + std::to_string(p.left.node_rank) +
+                              " lost contact with the others; no restart left (--max-restarts " +
+                              std::to_string(o_.max_restarts) + ")";
+      shut_down(why, p.left.nnodes - 1);
       note_shutdown_seen();
-      TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", why,
-                  "; no restart left (--max-restarts ", o_.max_restarts, ")");
+      TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", why);
     }
-    open_next_round(a, "unreachable");
+    open_next_round(p.left, p.reason);
   }
-  lost_contact_in_.reset();
+  pending_.reset();
+}
+
+// This launcher, as the store's claims name it.
+std::string Rendezvous::me() const {
+  return my_address_ + " (pid " + std::to_string(::getpid()) + ")";
 }
 
 bool Rendezvous::restart_left(const Assignment& a) const {
@@ -266,7 +292,9 @@ Assignment Rendezvous::join() {
       continue;
     }
     store_->set(key(round, "addr" + std::to_string(place - 1)), my_address_);
-    if (ticket == 1) {
+    // The closer is claimed, not taken from the ticket: a ticket 1 whose reply was lost (a retry
+    // draws another) would leave the round without one.
+    if (!closed && store_->compare_set(key(round, "closer"), "", me()) == me()) {
       close_round(round);
     }
     wait_closed(round);
@@ -349,11 +377,10 @@ void Rendezvous::skip_dead_generation() {
 // Static rendezvous: this node claims its fixed node rank in the round; a second node claiming it
 // is refused (two launchers given one --node-rank).
 int64_t Rendezvous::take_place(int64_t round) {
-  const std::string me = my_address_ + " (pid " + std::to_string(::getpid()) + ")";
   const std::string holder =
-      store_->compare_set(key(round, "claim" + std::to_string(o_.fixed_node_rank)), "", me);
-  TORCH_CHECK(holder == me, "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
-              " and this one, ", me,
+      store_->compare_set(key(round, "claim" + std::to_string(o_.fixed_node_rank)), "", me());
+  TORCH_CHECK(holder == me(), "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
+              " and this one, ", me(),
               "): give each node its own --node-rank (a launcher started again while its job runs "
               "cannot rejoin a static job: restart the whole job)");
   return o_.fixed_node_rank + 1;
@@ -443,16 +470,23 @@ void Rendezvous::wait_standby(int64_t round) {
 }
 
 void Rendezvous::open_next_round(const Assignment& a, const std::string& reason) {
-  // The first opener's reason stands (compareSet on an absent key).
-  store_->compare_set(key(a.round, "next_reason"), "", reason);
-  store_->compare_set(key("round"), std::to_string(a.round), std::to_string(a.round + 1));
+  try {
+    // The first opener's reason stands (compareSet on an absent key).
+    store_->compare_set(key(a.round, "next_reason"), "", reason);
+    store_->compare_set(key("round"), std::to_string(a.round), std::to_string(a.round + 1));
+  } catch (const std::exception&) {
+    if (store_->last_call_unreachable()) {
+      pending_ = PendingRound{a, reason};  // next() opens it once the store answers
+    }
+    throw;
+  }
 }
 
 bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membership) {
   bool ignored = false;
   bool& dead_peer = membership != nullptr ? *membership : ignored;
   dead_peer = false;  // only a dead peer explains this node's own failure
-  if (!broken_.empty() || lost_contact_in_) {
+  if (!broken_.empty() || pending_) {
     return false;  // no more calls on a connection that failed: a late reply could be misread
   }
   if (Clock::now() < retry_after_) {
@@ -510,6 +544,7 @@ bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_
     if (beat != last_beats_[i]) {
       last_beats_[i] = beat;
       last_moved_[i] = Clock::now();
+      ended_since_[i] = Clock::time_point{};
       continue;
     }
     if (Clock::now() - last_moved_[i] <= o_.keep_alive ||
@@ -525,8 +560,7 @@ bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_
       dead_peer = true;
       return peer_unreachable(a, who, why);
     }
-    *why =
-        who + " stopped its heartbeat " + std::to_string(o_.keep_alive.count() / 1000.0) + " s ago";
+    *why = who + " stopped its heartbeat " + seconds_text(Clock::now() - last_moved_[i]) + " ago";
     if (o_.fixed_node_rank >= 0) {
       // A static job cannot go on without a node: it ends now rather than wait for it.
       *why += "; a static job cannot go on without it";
@@ -557,14 +591,14 @@ bool Rendezvous::peer_ended(const Assignment& a, int n) {
   if (ended_since_[i] == Clock::time_point{}) {
     ended_since_[i] = Clock::now();
   }
-  return Clock::now() - ended_since_[i] >= std::chrono::seconds(2);
+  return Clock::now() - ended_since_[i] >= kEndedGrace;
 }
 
 // A stalled peer whose launcher's connection is still open: a partition, or a host that stopped.
 // A new round waits for it (the join timeout); a static job counts it as a restart.
 bool Rendezvous::peer_unreachable(const Assignment& a, const std::string& who, std::string* why) {
-  *why = who + " has not been heard from for " + std::to_string(o_.keep_alive.count() / 1000.0) +
-         " s, and its connection is still open (a network partition, or its host stopped)";
+  *why = who + " has not been heard from for " + seconds_text(o_.keep_alive) +
+         ", and its connection is still open (a network partition, or its host stopped)";
   if (!restart_left(a)) {
     *why += "; no restart left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
     shut_down(*why, a.nnodes - 2);
@@ -593,11 +627,8 @@ bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std:
       return false;
     }
     *why = "the rendezvous at " + o_.host + ":" + std::to_string(o_.port) +
-           " has not answered for " +
-           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(silent).count() /
-                          1000.0) +
-           " s (" + error_message(e) + ")";
-    lost_contact_in_ = a;
+           " has not answered for " + seconds_text(silent) + " (" + error_message(e) + ")";
+    pending_ = PendingRound{a, "unreachable"};
     return true;
   }
   broken_ = error_message(e);

@@ -53,6 +53,10 @@ namespace paratrain {
 namespace dist {
 namespace detail {
 
+/// How long a stalled node's connection must stay closed before it counts as ended rather than
+/// reconnecting (Note [Partitions and dead nodes]).
+constexpr std::chrono::milliseconds kEndedGrace{2000};
+
 struct RendezvousOptions {
   std::string host;  // the endpoint
   int port = 29400;
@@ -143,7 +147,8 @@ class Rendezvous {
   bool peer_unreachable(const Assignment& a, const std::string& who, std::string* why);
   bool store_failed(const Assignment& a, const std::exception& e, std::string* why);
   Assignment join();
-  void reopen_after_lost_contact();
+  void open_pending_round();
+  std::string me() const;
   bool restart_left(const Assignment& a) const;
 
   std::unique_ptr<RendezvousStore> store_;
@@ -158,8 +163,14 @@ class Rendezvous {
   // epoch while it is there.
   std::vector<std::chrono::steady_clock::time_point> ended_since_;
   std::chrono::steady_clock::time_point last_contact_{};  // the store's last answer
-  std::optional<Assignment> lost_contact_in_;  // a round this node left, unable to reach the store
-  std::string joined_;  // the count key of the round whose ticket this node holds
+  // A round this node left while the store did not answer, and why ("unreachable", "failure"): the
+  // next round opens once it answers (next()).
+  struct PendingRound {
+    Assignment left;
+    std::string reason;
+  };
+  std::optional<PendingRound> pending_;
+  std::string joined_;  // the count key of the round whose ticket this node holds in next()
   int64_t joined_ticket_ = 0;
   std::chrono::steady_clock::time_point retry_after_{};  // etcd: no call before (after a failure)
   bool shutdown_seen_ = false;  // this node counted itself in shutdown_seen, or ended the job

@@ -60,6 +60,9 @@ class SocketRendezvousStore : public RendezvousStore {
   bool last_call_unreachable() const override {
     return store_->lastFailure() == SocketStore::Failure::kUnreachable;
   }
+  bool last_call_found_none() const override {
+    return store_->lastFailure() == SocketStore::Failure::kGone;
+  }
 
  private:
   std::unique_ptr<SocketStore> store_;

@@ -36,6 +36,8 @@ class RendezvousStore {
   /// Whether the last call failed because the server could not be reached in time (a partition,
   /// a host that stopped), rather than because no server is there any more, or not at all.
   virtual bool last_call_unreachable() const { return false; }
+  /// Whether the last call failed because no server is there any more (refused, closed).
+  virtual bool last_call_found_none() const { return false; }
 };
 
 /// paratrain's socket store at host:port, served by this process when `serve` (throws c10::Error

@@ -179,12 +179,13 @@ struct JobGuard {
   std::chrono::milliseconds grace{0};
   std::string name;
 
-  // The children of this process that are not the job's leftovers: the workers (reaped by their
-  // own pid) and the spared.
+  // The children of this process that are not the job's leftovers: the workers not yet reaped
+  // (the supervisor reaps them by their own pid; a reaped one's pid may come back as an orphan's)
+  // and the spared.
   std::set<pid_t> keep() const {
     std::set<pid_t> out = spared;
     for (const auto& w : workers) {
-      if (w.pid > 0) {
+      if (w.pid > 0 && w.running) {
         out.insert(w.pid);
       }
     }
@@ -422,7 +423,6 @@ class Supervisor {
       : o_(o),
         job_(job),
         workers_(job.workers),
-        keep_(job.keep()),
         running_(static_cast<int>(job.workers.size())),
         must_stop_(std::move(must_stop)) {}
 
@@ -430,7 +430,7 @@ class Supervisor {
     for (;;) {
       reap();
       if (job_.adopting) {
-        reap_exited_children(keep_);  // what the workers orphaned, as it ends
+        reap_exited_children(job_.keep());  // what the workers orphaned, as it ends
       }
       // Asked also while stopping: for the elastic launcher it is this node's heartbeat too.
       if (must_stop_ && running_ > 0 && Clock::now() >= next_stop_check_) {
@@ -580,7 +580,6 @@ class Supervisor {
   const LaunchOptions& o_;
   const JobGuard& job_;
   std::vector<Worker>& workers_;
-  const std::set<pid_t> keep_;  // children reap_exited_children leaves to their owners
   LaunchResult result_;
   int running_;
   bool stopping_ = false;

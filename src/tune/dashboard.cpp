@@ -10,13 +10,13 @@
 #include <c10/util/Exception.h>
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
 
 #ifdef PARATRAIN_WITH_DASHBOARD
 #include <dirent.h>
 #include <httplib.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #endif
 
 #include <algorithm>
@@ -24,6 +24,7 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +65,30 @@ bool loopback_address(const std::string& host) {
     return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
   }
   return false;
+}
+
+bool binds_loopback_only(const std::string& bind) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(bind.c_str(), nullptr, &hints, &found) != 0) {
+    return false;
+  }
+  bool loopback = found != nullptr;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const auto* v4 = reinterpret_cast<const sockaddr_in*>(a->ai_addr);
+      loopback = loopback && (ntohl(v4->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const in6_addr& v6 = reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      loopback = loopback && (IN6_IS_ADDR_LOOPBACK(&v6) ||
+                              (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127));
+    } else {
+      loopback = false;
+    }
+  }
+  freeaddrinfo(found);
+  return loopback;
 }
 
 #ifndef PARATRAIN_WITH_DASHBOARD
@@ -182,7 +207,7 @@ std::string study_fragment(Storage& storage, const std::string& name) {
 // that sees a connection before its request, so this guard finds the server's connections
 // itself (the process's sockets whose local port is the dashboard's), and shuts down each one
 // that has not sent a whole request within `request_timeout`, or that comes beyond
-// `max_connections` (the newest first): its thread then reads end-of-file and moves on. A
+// `max_connections` (the oldest first): its thread then reads end-of-file and moves on. A
 // connection counts as served once its request reaches the router (served()). Each connection
 // serves one request (no keep-alive), so a served one is busy answering, never idle.
 class ConnectionGuard {
@@ -192,6 +217,10 @@ class ConnectionGuard {
   ~ConnectionGuard() { stop(); }
 
   void start() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = false;
+    }
     thread_ = std::thread([this] {
       std::unique_lock<std::mutex> lock(mutex_);
       while (!stopping_) {
@@ -359,6 +388,7 @@ struct Dashboard::Impl {
   httplib::Server server;
   int port = 0;
   std::unique_ptr<ConnectionGuard> guard;  // made once the port is bound
+  bool on_loopback = true;                 // binds_loopback_only(o.bind())
   std::atomic<bool> running{false}, stop_asked{false};
 
   // A fresh read-only connection per request: a storage that comes back after an outage is
@@ -412,7 +442,7 @@ struct Dashboard::Impl {
       return httplib::Server::HandlerResponse::Handled;
     }
     const std::string host = req.get_header_value("Host");  // browsers always send one
-    if (loopback_address(o.bind()) && !host.empty() && !names_this_loopback_server(host, port)) {
+    if (on_loopback && !host.empty() && !names_this_loopback_server(host, port)) {
       res.status = 403;
       res.set_content("the dashboard listens on loopback: open it as http://127.0.0.1:" +
                           std::to_string(port) + "/\n",
@@ -472,6 +502,10 @@ Dashboard::Dashboard(const DashboardOptions& options) : impl_(std::make_unique<I
   impl_->server.set_keep_alive_max_count(1);
   impl_->server.set_read_timeout(
       std::chrono::milliseconds(static_cast<int64_t>(options.request_timeout_seconds() * 1000)));
+  // httplib also waits this long for a connection's first byte (5 s by default).
+  impl_->server.set_keep_alive_timeout(
+      static_cast<time_t>(std::ceil(options.request_timeout_seconds())));
+  impl_->on_loopback = binds_loopback_only(options.bind());
   // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second server binds
   // a port already in use and the two share its requests.
   impl_->server.set_socket_options([](socket_t sock) {
@@ -493,7 +527,6 @@ Dashboard::Dashboard(const DashboardOptions& options) : impl_(std::make_unique<I
       impl_->port,
       std::chrono::milliseconds(static_cast<int64_t>(options.request_timeout_seconds() * 1000)),
       static_cast<size_t>(options.max_connections()));
-  impl_->guard->start();
 }
 
 Dashboard::~Dashboard() {
@@ -510,8 +543,12 @@ const std::string& Dashboard::storage_url() const {
 
 void Dashboard::run() {
   impl_->running = true;
+  // Started here, as httplib's threads are: a caller that blocks signals before run() (to take
+  // them on a thread of its own) blocks them in every thread of the server.
+  impl_->guard->start();
   const bool served = impl_->stop_asked || impl_->server.listen_after_bind();
   const int err = errno;
+  impl_->guard->stop();
   impl_->running = false;
   // httplib leaves its loop by itself only when accept() fails for good (out of memory or
   // descriptors).

@@ -464,6 +464,9 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }
+  if (row.value("resumed", false)) {
+    return;  // `paratrain train` repeating an epoch trained before its resume: reported then
+  }
   TrialRecord& t = trials_.at(r.number);
   ++r.rows;
   const auto metric = row.find(o_.metric());

@@ -57,10 +57,15 @@ class Dashboard {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Whether `host` names the loopback interface, where the dashboard is reachable from this machine
-/// only: exactly "localhost" (any case), a dotted-quad address in 127.0.0.0/8, or ::1 (also
-/// bracketed, and IPv4-mapped 127.x). Not a name that starts with "127." but is a domain.
+/// Whether `host`, as a browser's Host header gives it, names the loopback interface: exactly
+/// "localhost" (any case), a dotted-quad address in 127.0.0.0/8, or ::1 (also bracketed, and
+/// IPv4-mapped 127.x). Never resolved: not a name that starts with "127." but is a domain.
 bool loopback_address(const std::string& host);
+
+/// Whether the address `bind` (a name, or an address in any form the resolver reads: 127.1,
+/// ip6-localhost) resolves only to loopback addresses, where the dashboard is reachable from this
+/// machine only.
+bool binds_loopback_only(const std::string& bind);
 
 /// Whether this build has the dashboard (cpp-httplib).
 bool dashboard_available();
