@@ -200,6 +200,12 @@ std::string study_fragment(Storage& storage, const std::string& name) {
          html_report_body(spec, storage.load_trials(), storage.load_exploits());
 }
 
+}  // namespace
+
+// Named, not anonymous: Dashboard::Impl holds one, and a class of a header must not hold a type
+// of an anonymous namespace (GCC's -Wsubobject-linkage, in a unity batch).
+namespace dashboard_internal {
+
 // Note [Connections the dashboard holds]
 // cpp-httplib (0.11) gives each connection a pool thread until it has read a request, with a
 // per-read timeout only: a client that connects and sends nothing, or one byte now and then,
@@ -271,7 +277,7 @@ class ConnectionGuard {
 // The peer ("address:port", as httplib's Request::remote_addr and remote_port give it) of `fd`
 // when it is a connected TCP socket whose own port is `port`; "" otherwise (the listening socket
 // has no peer; this process's own clients of the dashboard have another local port).
-std::string connection_peer(int fd, int port) {
+static std::string connection_peer(int fd, int port) {
   sockaddr_storage local{};
   socklen_t n = sizeof(local);
   if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &n) != 0) {
@@ -353,6 +359,10 @@ void ConnectionGuard::scan() {
   }
 }
 
+}  // namespace dashboard_internal
+
+namespace {
+
 // Whether a Host header ("name" or "name:port") names this server on loopback: a loopback name or
 // address (loopback_address) and the port it serves (80 when the header gives none).
 bool names_this_loopback_server(const std::string& host, int port) {
@@ -387,8 +397,8 @@ struct Dashboard::Impl {
   std::string shown_storage;  // its URL as storage shows it (a password hidden)
   httplib::Server server;
   int port = 0;
-  std::unique_ptr<ConnectionGuard> guard;  // made once the port is bound
-  bool on_loopback = true;                 // binds_loopback_only(o.bind())
+  std::unique_ptr<dashboard_internal::ConnectionGuard> guard;  // made once the port is bound
+  bool on_loopback = true;                                     // binds_loopback_only(o.bind())
   std::atomic<bool> running{false}, stop_asked{false};
 
   // A fresh read-only connection per request: a storage that comes back after an outage is
@@ -523,7 +533,7 @@ Dashboard::Dashboard(const DashboardOptions& options) : impl_(std::make_unique<I
   TORCH_CHECK(impl_->port > 0, "tune serve: cannot listen on ", host, ":", options.port(), ": ",
               err != 0 ? std::strerror(err) : "the address cannot be bound",
               " (choose another --port or --bind)");
-  impl_->guard = std::make_unique<ConnectionGuard>(
+  impl_->guard = std::make_unique<dashboard_internal::ConnectionGuard>(
       impl_->port,
       std::chrono::milliseconds(static_cast<int64_t>(options.request_timeout_seconds() * 1000)),
       static_cast<size_t>(options.max_connections()));

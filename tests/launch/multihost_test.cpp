@@ -242,11 +242,6 @@ std::vector<std::string> train_mlp(const std::string& dir, const std::string& we
           weights};
 }
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 // A static two-node job (one rank per host, --max-restarts 3, the rendezvous' `conf`) trains the
 // mlp while host 1's link is down for `cut_seconds`, from its first checkpoint on. Returns both
 // nodes' results; the weights are in dir/partitioned.safetensors.

@@ -283,11 +283,6 @@ TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
   remove_tree(dir);
 }
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 // A consolidation writes outside the checkpoint, under a name of its own: never over a file of
 // the checkpoint it reads (its manifest, say, which a resume would then skip), nor over one of
 // another checkpoint; a manifest given for the directory names the directory; an existing file

@@ -401,6 +401,11 @@ void expect_every_rank_ok(const std::string& worker,
   }
 }
 
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 void remove_tree(const std::string& path) {
   detail::remove_tree(path);  // best effort: a test's clean-up must not fail the test
 }

@@ -121,6 +121,10 @@ int free_port();
 
 /// Removes `path` and everything under it; no error when it is missing.
 void remove_tree(const std::string& path);
+
+/// The bytes of the file at `path` ("" when it cannot be read).
+std::string file_bytes(const std::string& path);
+
 /// Removes every file or directory whose path starts with `prefix` (e.g. "/tmp/run-" removes
 /// /tmp/run-1 and /tmp/run-2.json): what `rm -rf PREFIX*` does.
 void remove_with_prefix(const std::string& prefix);
