@@ -166,6 +166,7 @@ class StoreServer {
   void handle_io(const std::vector<pollfd>& polled);
   bool step(Client& c);
   void execute(Client& c, uint8_t op, int64_t hold_ms, const std::vector<std::string>& f);
+  void add(Client& c, const std::string& key, const std::string& amount);
   bool present(const std::vector<std::string>& keys) const;
   void expire_waits();
   int next_deadline_ms() const;
@@ -463,18 +464,9 @@ void StoreServer::execute(Client& c,
       c.has_deadline = hold_ms >= 0 && milliseconds(hold_ms) < kForever;
       c.deadline = c.has_deadline ? Clock::now() + milliseconds(hold_ms) : Clock::time_point();
       return;
-    case kAdd: {
-      int64_t delta = 0;
-      int64_t current = 0;
-      auto it = data_.find(f[0]);
-      if (!parse_int64(f[1], delta) || (it != data_.end() && !parse_int64(it->second, current))) {
-        reply(c, kFailed, "key '" + f[0] + "' does not hold an integer");
-        return;
-      }
-      data_[f[0]] = std::to_string(current + delta);
-      reply(c, kOk, data_[f[0]]);
+    case kAdd:
+      add(c, f[0], f[1]);
       return;
-    }
     case kCompareSet: {
       // c10d's semantics: a missing key is created only when `expected` is empty; the answer is
       // the value the key holds afterwards (for a missing key, `expected` itself).
@@ -504,6 +496,18 @@ void StoreServer::execute(Client& c,
     default:
       c.bad = true;
   }
+}
+
+void StoreServer::add(Client& c, const std::string& key, const std::string& amount) {
+  int64_t delta = 0;
+  int64_t current = 0;
+  auto it = data_.find(key);
+  if (!parse_int64(amount, delta) || (it != data_.end() && !parse_int64(it->second, current))) {
+    reply(c, kFailed, "key '" + key + "' does not hold an integer");
+    return;
+  }
+  data_[key] = std::to_string(current + delta);
+  reply(c, kOk, data_[key]);
 }
 
 bool StoreServer::present(const std::vector<std::string>& keys) const {

@@ -517,26 +517,33 @@ TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, 
   }
 }
 
+// Rank 0's listing of the steps, on every rank: all vote on the same steps in the same order.
+std::vector<int64_t> Checkpoint::agreed_steps() const {
+  std::vector<int64_t> candidates = steps();
+  if (!pg_) {
+    return candidates;
+  }
+  const torch::Device where = options_.collective_device();
+  at::Tensor count = torch::tensor({static_cast<int64_t>(candidates.size())}).to(where);
+  pg_->broadcast(count, 0)->wait();
+  at::Tensor list = torch::zeros({count.cpu().item<int64_t>()}, torch::kLong);
+  if (rank_ == 0 && list.numel() > 0) {
+    list.copy_(torch::tensor(candidates, torch::kLong));
+  }
+  list = list.to(where);
+  if (list.numel() > 0) {
+    pg_->broadcast(list, 0)->wait();
+  }
+  list = list.cpu();
+  candidates.assign(list.data_ptr<int64_t>(), list.data_ptr<int64_t>() + list.numel());
+  return candidates;
+}
+
 std::optional<CheckpointState> Checkpoint::load_latest(
     const std::function<void(const std::string&)>& warn) {
   wait();
-  std::vector<int64_t> candidates = steps();
+  const std::vector<int64_t> candidates = agreed_steps();
   const torch::Device where = options_.collective_device();
-  if (pg_) {
-    // Every rank walks rank 0's listing, so that all vote on the same steps in the same order.
-    at::Tensor count = torch::tensor({static_cast<int64_t>(candidates.size())}).to(where);
-    pg_->broadcast(count, 0)->wait();
-    at::Tensor list = torch::zeros({count.cpu().item<int64_t>()}, torch::kLong);
-    if (rank_ == 0 && list.numel() > 0) {
-      list.copy_(torch::tensor(candidates, torch::kLong));
-    }
-    list = list.to(where);
-    if (list.numel() > 0) {
-      pg_->broadcast(list, 0)->wait();
-    }
-    list = list.cpu();
-    candidates.assign(list.data_ptr<int64_t>(), list.data_ptr<int64_t>() + list.numel());
-  }
   const int world = pg_ ? pg_->size() : 1;
   std::string newest_fault;  // why this rank skipped the newest checkpoint
   auto skip = [&](int64_t step, const std::string& what) {

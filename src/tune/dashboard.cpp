@@ -352,7 +352,9 @@ void ConnectionGuard::scan() {
     if (now - since < timeout_ && held <= max_) {
       continue;
     }
-    // Shut down, not closed: httplib's thread still owns the descriptor and closes it.
+    // Shut down, not closed: httplib's thread still owns the descriptor and closes it. The peer
+    // is read again first: a descriptor closed and reused since the scan is another connection
+    // (only one of this server's own, with the same peer, could pass, in the instant between).
     if (connection_peer(fd, port_) == seen_[fd].peer && ::shutdown(fd, SHUT_RDWR) == 0) {
       --held;
     }

@@ -143,6 +143,7 @@ class Checkpoint {
   void write(const CheckpointState& state);
   void prune(int64_t newest);
   void remove_stale_temporaries();
+  std::vector<int64_t> agreed_steps() const;
   CheckpointOptions options_;
   dist::ProcessGroupPtr pg_;
   int rank_ = 0;
