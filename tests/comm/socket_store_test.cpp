@@ -204,18 +204,27 @@ TEST(SocketStore, ACallFailsWhenTheServerExits) {
   EXPECT_LT(Clock::now() - t0, milliseconds(5000));
 }
 
-// A peer that accepts but never answers (a hung process): even set and add end at the store's
-// timeout, where c10d's TCPStore would wait forever.
-TEST(SocketStore, EveryCallHasADeadline) {
+// A listening socket on loopback that accepts (in the kernel's backlog) but never answers, as a
+// hung process: its port goes to `port`. Close the returned descriptor.
+int silent_listener(int& port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(::listen(fd, 4), 0);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  SocketStore client("127.0.0.1", ntohs(addr.sin_port), /*serve=*/false, milliseconds(300));
+  port = ntohs(addr.sin_port);
+  return fd;
+}
+
+// A peer that accepts but never answers (a hung process): even set and add end at the store's
+// timeout, where c10d's TCPStore would wait forever.
+TEST(SocketStore, EveryCallHasADeadline) {
+  int port = 0;
+  const int fd = silent_listener(port);
+  SocketStore client("127.0.0.1", port, /*serve=*/false, milliseconds(300));
   auto t0 = Clock::now();
   const std::string why = error_of([&] { client.add("k", 1); });
   EXPECT_NE(why.find("add to key 'k' on the store at 127.0.0.1:"), std::string::npos) << why;
@@ -276,15 +285,9 @@ TEST(SocketStore, FailuresSayWhetherTheServerIsGoneOrUnreachable) {
   EXPECT_NE(error_of([&] { client.add("k", 1); }).find("Connection refused"), std::string::npos);
   EXPECT_EQ(client.lastFailure(), Raw::Failure::kGone) << "refused";
   // A peer that accepts but never answers.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  Raw silent("127.0.0.1", ntohs(addr.sin_port), /*serve=*/false, milliseconds(300));
+  int port = 0;
+  const int fd = silent_listener(port);
+  Raw silent("127.0.0.1", port, /*serve=*/false, milliseconds(300));
   EXPECT_NE(error_of([&] { silent.add("k", 1); }).find("no reply within 300 ms"),
             std::string::npos);
   EXPECT_EQ(silent.lastFailure(), Raw::Failure::kUnreachable);

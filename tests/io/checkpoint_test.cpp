@@ -188,17 +188,6 @@ TEST(Checkpoint, RankFilesCarryTheirManifestInTheirHeader) {
   remove_tree(dir);
 }
 
-// Every file in `dir` by name, with its bytes.
-std::map<std::string, std::string> files_in(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    std::ifstream in(entry.path(), std::ios::binary);
-    out[entry.path().filename().string()] =
-        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  return out;
-}
-
 void save_step(Checkpoint& ckpt, int64_t step) {
   CheckpointState s;
   s.step = step;

@@ -125,6 +125,9 @@ void remove_tree(const std::string& path);
 /// The bytes of the file at `path` ("" when it cannot be read).
 std::string file_bytes(const std::string& path);
 
+/// Every file directly in `dir`, by name, with its bytes.
+std::map<std::string, std::string> files_in(const std::string& dir);
+
 /// Removes every file or directory whose path starts with `prefix` (e.g. "/tmp/run-" removes
 /// /tmp/run-1 and /tmp/run-2.json): what `rm -rf PREFIX*` does.
 void remove_with_prefix(const std::string& prefix);

@@ -252,17 +252,6 @@ TEST(Trainer, ResumeAfterAFailureIsBitwiseEqual) {
   remove_tree(b);
 }
 
-// Every file in `dir` by name, with its bytes.
-std::map<std::string, std::string> files_in(const std::string& dir) {
-  std::map<std::string, std::string> out;
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    std::ifstream in(entry.path(), std::ios::binary);
-    out[entry.path().filename().string()] =
-        std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  return out;
-}
-
 // resume "auto" over checkpoints that are all damaged fails, deletes nothing, and names the
 // option that starts from step 0 beside them; with it, the run trains from step 0 and leaves
 // them as they were (rotation deletes only this run's older checkpoints).
