@@ -589,8 +589,14 @@ std::string SocketStore::where() const {
          std::to_string(port_);
 }
 
-void SocketStore::drop_locked() {
+void SocketStore::drop_locked(bool abortive) {
   if (fd_ >= 0) {
+    if (abortive) {
+      // A reset, not a close: the kernel would otherwise still deliver the request it holds (a
+      // partition heals), after the retry on a new connection, and undo it (a set, say).
+      const linger reset{1, 0};
+      ::setsockopt(fd_, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    }
     ::close(fd_);
     fd_ = -1;
   }
@@ -691,7 +697,7 @@ std::string SocketStore::call(uint8_t op,
     const bool gone = why.rfind("the server closed", 0) == 0 || why.rfind("a malformed", 0) == 0 ||
                       why == errno_text(ECONNRESET) || why == errno_text(EPIPE);
     last_failure_ = gone ? Failure::kGone : Failure::kUnreachable;
-    drop_locked();  // the reply may still come: this connection is out of step for good
+    drop_locked(/*abortive=*/true);  // the reply may still come: out of step for good
     TORCH_CHECK(
         false, what, " on the store at ", where(), " failed: ", why,
         why.rfind("no ", 0) == 0 ? " within " + std::to_string(budget.count()) + " ms" : "");

@@ -87,7 +87,7 @@ class SocketStore {
                              bool bounded,
                              std::chrono::steady_clock::time_point deadline);
   void connect_locked(std::chrono::milliseconds timeout);
-  void drop_locked();
+  void drop_locked(bool abortive = false);
   std::string where() const;
 
   std::string host_;

@@ -269,10 +269,33 @@ bool Rendezvous::restart_left(const Assignment& a) const {
 }
 
 // One attempt at joining the open round (next()). A retry after the store stopped answering keeps
-// the ticket this node already took in that round. If the failed call was the ticket's own add,
-// whether it counted is unknown: it is taken again, and a count one too high closes a static
-// round no differently (places are fixed), a dynamic one with a node too many, whose workers
-// then fail to meet and restart.
+// the ticket this node already took in that round, and a round closed already is not closed
+// again; the closer's writes keep the first value (compareSet), should a retry repeat them.
+// This node's ticket in `round` (kept across retries), or 0 when the round is moved past: a
+// ticket drawn before whose reply never came may or may not have counted, and a count one off
+// would close the round with a place nobody holds (or none with ticket 1 to close it), so the
+// round is abandoned for the next one, which every node joins.
+int64_t Rendezvous::draw_ticket(int64_t round) {
+  if (joined_ == key(round, "count")) {
+    return joined_ticket_;
+  }
+  if (abandoned_ == round) {
+    store_->compare_set(key("round"), std::to_string(round), std::to_string(round + 1));
+    abandoned_.reset();
+    return 0;
+  }
+  abandoned_ = round;  // until the reply comes
+  joined_ticket_ = store_->add(key(round, "count"), 1);
+  joined_ = key(round, "count");
+  abandoned_.reset();
+  return joined_ticket_;
+}
+
+// Whether a node abandoned `round` (draw_ticket) while this one waited for it to close.
+bool Rendezvous::round_moved(int64_t round) {
+  return read_int(key("round")) > round;
+}
+
 Assignment Rendezvous::join() {
   for (;;) {
     check_shutdown(/*may_move=*/true);
@@ -280,9 +303,8 @@ Assignment Rendezvous::join() {
     // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
     // of joining.
     const int64_t fixed = o_.fixed_node_rank >= 0 ? take_place(round) : 0;
-    if (joined_ != key(round, "count")) {
-      joined_ticket_ = store_->add(key(round, "count"), 1);
-      joined_ = key(round, "count");
+    if (draw_ticket(round) == 0) {
+      continue;  // the round was abandoned: the next one is open
     }
     const int64_t ticket = joined_ticket_;
     const int64_t place = fixed > 0 ? fixed : ticket;
@@ -292,12 +314,13 @@ Assignment Rendezvous::join() {
       continue;
     }
     store_->set(key(round, "addr" + std::to_string(place - 1)), my_address_);
-    // The closer is claimed, not taken from the ticket: a ticket 1 whose reply was lost (a retry
-    // draws another) would leave the round without one.
-    if (!closed && store_->compare_set(key(round, "closer"), "", me()) == me()) {
-      close_round(round);
+    if (store_->ephemeral_kept()) {  // from now on: Note [Partitions and dead nodes]
+      store_->set_ephemeral(key(round, "alive" + std::to_string(place - 1)), "1");
     }
-    wait_closed(round);
+    // Ticket 1 closes: node rank 0, whose host serves the workers' store (the round's master).
+    if ((!closed && ticket == 1 && !close_round(round)) || !wait_closed(round)) {
+      continue;  // the round was abandoned: the next one is open
+    }
     const int64_t nnodes = std::stoll(get_or(key(round, "closed"), "0"));
     if (place > nnodes) {
       wait_standby(round);
@@ -386,21 +409,27 @@ int64_t Rendezvous::take_place(int64_t round) {
   return o_.fixed_node_rank + 1;
 }
 
-void Rendezvous::wait_closed(int64_t round) {
+// False when the round was moved past before it closed.
+bool Rendezvous::wait_closed(int64_t round) {
   const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
   while (!store_->check(key(round, "closed"))) {
     if (store_->check(key(round, "failed"))) {
       TORCH_CHECK(false, get_or(key(round, "failed"), ""));
     }
     check_shutdown();
+    if (round_moved(round)) {
+      return false;
+    }
     TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
                 " was never closed: its first node (", get_or(key(round, "addr0"), "unknown"),
                 ") stopped before enough nodes joined");
     std::this_thread::sleep_for(kPoll);
   }
+  return true;
 }
 
-void Rendezvous::close_round(int64_t round) {
+// False when the round was moved past before it could close.
+bool Rendezvous::close_round(int64_t round) {
   const auto start = Clock::now();
   std::optional<Clock::time_point> enough_since;
   Clock::time_point next_closer_beat{};
@@ -427,6 +456,9 @@ void Rendezvous::close_round(int64_t round) {
       TORCH_CHECK(false, message);
     }
     check_shutdown();
+    if (round_moved(round)) {
+      return false;
+    }
     if (o_.backend == "etcd" && Clock::now() >= next_closer_beat) {
       store_->add(key(round, "closer_beat"), 1);  // alive, for skip_dead_generation
       next_closer_beat = Clock::now() + std::chrono::milliseconds(500);
@@ -434,10 +466,13 @@ void Rendezvous::close_round(int64_t round) {
     std::this_thread::sleep_for(kPoll);
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
-  store_->set(key(round, "master"), !o_.fixed_master.empty()
-                                        ? o_.fixed_master
-                                        : my_address_ + ":" + std::to_string(pick_free_port()));
-  store_->set(key(round, "closed"), std::to_string(nnodes));
+  // The first value stands: a retry (the store did not answer) must not change what others read.
+  store_->compare_set(key(round, "master"), "",
+                      !o_.fixed_master.empty()
+                          ? o_.fixed_master
+                          : my_address_ + ":" + std::to_string(pick_free_port()));
+  store_->compare_set(key(round, "closed"), "", std::to_string(nnodes));
+  return true;
 }
 
 void Rendezvous::wait_standby(int64_t round) {
@@ -476,7 +511,10 @@ void Rendezvous::open_next_round(const Assignment& a, const std::string& reason)
     store_->compare_set(key("round"), std::to_string(a.round), std::to_string(a.round + 1));
   } catch (const std::exception&) {
     if (store_->last_call_unreachable()) {
-      pending_ = PendingRound{a, reason};  // next() opens it once the store answers
+      // next() opens it once the store answers; meanwhile this node leaves the round too.
+      pending_ = PendingRound{a, reason,
+                              "the rendezvous did not answer while this node opened round " +
+                                  std::to_string(a.round + 1)};
     }
     throw;
   }
@@ -486,7 +524,11 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
   bool ignored = false;
   bool& dead_peer = membership != nullptr ? *membership : ignored;
   dead_peer = false;  // only a dead peer explains this node's own failure
-  if (!broken_.empty() || pending_) {
+  if (pending_) {
+    *why = pending_->why;  // this node decided to leave the round: its workers stop
+    return true;
+  }
+  if (!broken_.empty()) {
     return false;  // no more calls on a connection that failed: a late reply could be misread
   }
   if (Clock::now() < retry_after_) {
@@ -621,6 +663,10 @@ bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std:
     std::fill(last_moved_.begin(), last_moved_.end(), Clock::now() + o_.keep_alive / 4);
     return false;
   }
+  if (pending_) {
+    *why = pending_->why;  // a new round this node could not open: it leaves this one
+    return true;
+  }
   if (store_->last_call_unreachable()) {
     const auto silent = Clock::now() - last_contact_;
     if (silent <= o_.keep_alive) {
@@ -628,7 +674,7 @@ bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std:
     }
     *why = "the rendezvous at " + o_.host + ":" + std::to_string(o_.port) +
            " has not answered for " + seconds_text(silent) + " (" + error_message(e) + ")";
-    pending_ = PendingRound{a, "unreachable"};
+    pending_ = PendingRound{a, "unreachable", *why};
     return true;
   }
   broken_ = error_message(e);

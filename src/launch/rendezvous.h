@@ -131,8 +131,8 @@ class Rendezvous {
   std::string key(int64_t round, const std::string& name) const;
   int64_t read_int(const std::string& k);
   std::string describe() const;
-  void close_round(int64_t round);
-  void wait_closed(int64_t round);
+  bool close_round(int64_t round);
+  bool wait_closed(int64_t round);
   std::string get_or(const std::string& k, const std::string& fallback);
   void wait_standby(int64_t round);
 
@@ -147,6 +147,8 @@ class Rendezvous {
   bool peer_unreachable(const Assignment& a, const std::string& who, std::string* why);
   bool store_failed(const Assignment& a, const std::exception& e, std::string* why);
   Assignment join();
+  int64_t draw_ticket(int64_t round);
+  bool round_moved(int64_t round);
   void open_pending_round();
   std::string me() const;
   bool restart_left(const Assignment& a) const;
@@ -168,10 +170,13 @@ class Rendezvous {
   struct PendingRound {
     Assignment left;
     std::string reason;
+    std::string why;  // what must_restart says while it waits
   };
   std::optional<PendingRound> pending_;
   std::string joined_;  // the count key of the round whose ticket this node holds in next()
   int64_t joined_ticket_ = 0;
+  // A round in which this node drew a ticket whose reply never came (join()).
+  std::optional<int64_t> abandoned_;
   std::chrono::steady_clock::time_point retry_after_{};  // etcd: no call before (after a failure)
   bool shutdown_seen_ = false;  // this node counted itself in shutdown_seen, or ended the job
   bool node0_done_ = false;     // static: node 0's workers finished (its store may go)

@@ -555,13 +555,18 @@ const std::string& Dashboard::storage_url() const {
 
 void Dashboard::run() {
   impl_->running = true;
+  struct Running {  // also when starting a thread throws: stop() would wait for the loop
+    Impl& impl;
+    ~Running() {
+      impl.guard->stop();
+      impl.running = false;
+    }
+  } running{*impl_};
   // Started here, as httplib's threads are: a caller that blocks signals before run() (to take
   // them on a thread of its own) blocks them in every thread of the server.
   impl_->guard->start();
   const bool served = impl_->stop_asked || impl_->server.listen_after_bind();
   const int err = errno;
-  impl_->guard->stop();
-  impl_->running = false;
   // httplib leaves its loop by itself only when accept() fails for good (out of memory or
   // descriptors).
   TORCH_CHECK(served || impl_->stop_asked,

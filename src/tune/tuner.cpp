@@ -464,12 +464,16 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }
-  if (row.value("resumed", false)) {
-    return;  // `paratrain train` repeating an epoch trained before its resume: reported then
+  const auto metric = row.find(o_.metric());
+  const auto resumed = row.find("resumed");
+  if (metric == row.end() && resumed != row.end() && resumed->is_boolean() &&
+      resumed->get<bool>()) {
+    // `paratrain train`'s row of an epoch trained before its resume, without the training values
+    // (train_loss): the evaluation's metrics still count; others were reported when it trained.
+    return;
   }
   TrialRecord& t = trials_.at(r.number);
   ++r.rows;
-  const auto metric = row.find(o_.metric());
   if (metric == row.end() || !(metric->is_number() || metric->is_null())) {
     if (!metric_seen_) {
       std::string keys;
