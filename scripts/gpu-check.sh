@@ -15,7 +15,10 @@ build="${BUILD_DIR:-build-gpu}"
 out="${OUT:-/tmp/paratrain-gpu-check}"
 mkdir -p "$out"
 
-prefix=$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# The torch directory first, then its CMake files: TorchConfig.cmake looks for libtorch.so in the
+# system's library directories before its own (as scripts/test-official.sh does).
+torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+prefix="$torch_dir;$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 "$python" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))'
 
 # The dataset where paratrain looks for it by default.

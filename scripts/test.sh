@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine, in two legs:
+# The whole test suite on a fresh machine, in three legs:
 #   1. Debian 12's libtorch 1.13 (CPU): set-up, the build scripts/run.sh makes too
 #      (scripts/build.sh: unity batches, -Werror), the formatting check, every test through ctest;
-#   2. Debian 13's libtorch 2.6 (CPU), in a debootstrap root kept between runs on the same
-#      machine (scripts/test-libtorch2.sh): the same build but the header checks, and the tests
-#      of code whose libtorch calls differ between 1.13 and 2.x (every test not labelled one-leg;
-#      tests/labels.cmake says which and why).
-# In both legs the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
-# instruction set capped to AVX2. The root of leg 2 is made in the background while leg 1 builds
-# and tests (it downloads and unpacks; the build computes). Multi-process tests start real
-# processes on loopback. At the end, a table of the seconds each step took.
+#   official: the official libtorch, inside PyTorch's wheel from PyPI (2.15, with CUDA), in a
+#      virtual environment kept between runs (scripts/test-official.sh): the build with every CUDA
+#      path compiled and linked by this machine's nvcc and CUDA 13 libraries, a check that Debian's
+#      gloo headers match the wheel's gloo, and the tests of code whose libtorch calls differ
+#      between versions (every test not labelled one-leg; tests/labels.cmake says which and why),
+#      with the Hugging Face tests against real transformers;
+#   2. Debian 13's libtorch 2.6 and GCC 14 (CPU), in a debootstrap root kept between runs on the
+#      same machine (scripts/test-libtorch2.sh): the same build with -Werror, and a smoke run (the
+#      unit tests and a two-rank DDP job); the official leg runs the rest on a 2.x libtorch.
+# In legs 1 and official the tests labelled cpu-kernels run twice, the second time (NAME@avx2)
+# with the instruction set capped to AVX2. The root of leg 2 and the virtual environment are made
+# in the background while leg 1 builds and tests (they download and unpack; the build computes).
+# Multi-process tests start real processes on loopback. At the end, a table of the seconds each
+# step took.
 #
-#   scripts/test.sh           both legs (CI runs this: .ci/run)
+#   scripts/test.sh           every leg (CI runs this: .ci/run)
 #   scripts/test.sh --quick   on the existing build (${BUILD_DIR:-build}): rebuilds, then runs the
 #                             unit tests and the tests of the files changed since origin/main
 #
-# PARATRAIN_LEGS=1 or PARATRAIN_LEGS=2 runs one leg only. PARATRAIN_ISA=avx2 runs every test of
+# PARATRAIN_LEGS="1 official 2" (the default) picks legs. PARATRAIN_ISA=avx2 runs every test of
 # the legs with the instruction set capped to AVX2, as on a CPU without AVX512.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +30,7 @@ if [ "${1:-}" = "--quick" ]; then
   exec bash scripts/test-quick.sh
 fi
 
-legs="${PARATRAIN_LEGS:-1 2}"
+legs="${PARATRAIN_LEGS:-1 official 2}"
 build_dir="${BUILD_DIR:-build}"
 # .ci/run runs the main job first and passes its timings file and start on, for one table.
 started="${PARATRAIN_STARTED:-$(date +%s)}"
@@ -32,6 +38,8 @@ timings="${PARATRAIN_TIMINGS:-$(mktemp /tmp/paratrain-timings.XXXXXX)}"
 export PARATRAIN_TIMINGS="$timings"
 root_pid=""
 root_log=/tmp/paratrain-trixie-root.log
+venv_pid=""
+venv_log=/tmp/paratrain-venv.log
 
 # The environment of both legs' tests. Two tests run at a time on this machine's two cores, so
 # each test's processes get one intra-op thread: libtorch 2.6 otherwise takes both cores in every
@@ -51,9 +59,10 @@ source scripts/timing.sh  # step NAME COMMAND...
 
 table() {
   local status=$?
-  if [ -n "$root_pid" ] && kill -0 "$root_pid" 2>/dev/null; then
-    kill -- -"$root_pid" 2>/dev/null || true  # the root's set-up, when leg 1 failed first
-  fi
+  local pid
+  for pid in "$root_pid" "$venv_pid"; do  # what runs in the background, when a leg failed first
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill -- -"$pid" 2>/dev/null || true; fi
+  done
   echo
   echo "test: seconds per step (status $status)"
   awk '{ name = $1; for (i = 2; i < NF; ++i) name = name " " $i; printf "  %-34s %6d\n", name, $NF }' \
@@ -64,13 +73,34 @@ table() {
 trap table EXIT
 
 step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, debootstrap too
+# background VAR NAME LOG COMMAND...: COMMAND in a process group of its own (so that a failure of
+# leg 1 can stop it whole), its seconds in the table; its pid goes to VAR.
+background() {
+  local var="$1" name="$2" log="$3"
+  shift 3
+  # In the inner script: $0 the log, $1 the name, $2 the table's file, then the command.
+  setsid bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
+    [ $rc -eq 0 ] || name="$name (failed)"
+    echo "$name, in the background $(($(date +%s) - t0))" >> "$table"; exit $rc' \
+    "$log" "$name" "$timings" "$@" >/dev/null 2>&1 &
+  printf -v "$var" '%s' "$!"
+}
+# wait_for NAME PID LOG: waits for a background step; shows its log's end when it failed.
+wait_for() {
+  local t0
+  t0=$(date +%s)
+  if ! wait "$2"; then
+    echo "test: $1 failed:" >&2
+    tail -n 20 "$3" >&2
+    exit 1
+  fi
+  echo "waiting for $1 $(($(date +%s) - t0))" >>"$timings"
+}
 if [[ " $legs " == *" 2 "* ]]; then
-  # A process group of its own, so that a failure of leg 1 can stop it whole.
-  setsid bash -c "t0=\$(date +%s); bash scripts/test-libtorch2.sh --root-only > '$root_log' 2>&1; \
-    rc=\$?; name='leg 2 root, in the background'; [ \$rc -eq 0 ] || name=\"\$name (failed)\"; \
-    echo \"\$name \$((\$(date +%s) - t0))\" >> '$timings'; \
-    exit \$rc" &
-  root_pid=$!
+  background root_pid "leg 2 root" "$root_log" bash scripts/test-libtorch2.sh --root-only
+fi
+if [[ " $legs " == *" official "* ]]; then
+  background venv_pid "official venv" "$venv_log" bash scripts/venv.sh
 fi
 if [[ " $legs " == *" 1 "* ]]; then
   # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.
@@ -81,16 +111,16 @@ if [[ " $legs " == *" 1 "* ]]; then
     bash -c "cd '$build_dir' && ctest -j 2 --output-on-failure --timeout 300"
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
+if [[ " $legs " == *" official "* ]]; then
+  wait_for "the virtual environment" "$venv_pid" "$venv_log"
+  venv_pid=""
+  bash scripts/test-official.sh  # records its build and tests in $PARATRAIN_TIMINGS
+  echo "test: the official leg (libtorch from PyTorch's wheel) passed after" \
+    "$(($(date +%s) - started)) s"
+fi
 if [[ " $legs " == *" 2 "* ]]; then
-  t0=$(date +%s)
-  if ! wait "$root_pid"; then
-    root_pid=""
-    echo "test: making the Debian 13 root failed:" >&2
-    tail -n 20 "$root_log" >&2
-    exit 1
-  fi
+  wait_for "the Debian 13 root" "$root_pid" "$root_log"
   root_pid=""
-  echo "leg 2 waiting for the root $(($(date +%s) - t0))" >>"$timings"
-  bash scripts/test-libtorch2.sh  # records its build and tests in $PARATRAIN_TIMINGS
-  echo "test: leg 2 (libtorch 2.6) passed; both legs took $(($(date +%s) - started)) s"
+  bash scripts/test-libtorch2.sh  # records its build and smoke run in $PARATRAIN_TIMINGS
+  echo "test: leg 2 (libtorch 2.6) passed; every leg took $(($(date +%s) - started)) s"
 fi

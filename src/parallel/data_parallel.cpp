@@ -12,6 +12,7 @@
 #include "../util/errors.h"
 #include "paratrain/comm/devices.h"
 #include "paratrain/parallel/threads.h"
+#include "paratrain/util/autograd_node.h"
 #include "worker_team.h"
 
 #include <algorithm>
@@ -314,7 +315,7 @@ void attach_gather_backward(const std::shared_ptr<DataParallel::State>& state,
                             const std::vector<at::Tensor>& outputs,
                             at::Tensor& gathered) {
   DataParallel::State& st = *state;
-  auto node = std::shared_ptr<GatherBackward>(new GatherBackward(), torch::autograd::deleteNode);
+  auto node = detail::make_node<GatherBackward>();
   node->state = state;
   node->outputs = outputs;
   node->dim = st.dim;

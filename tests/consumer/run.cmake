@@ -22,10 +22,13 @@ endfunction()
 file(MAKE_DIRECTORY ${WORK_DIR})
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
 # The main build's generator: the machine may have ninja and no make.
+# libtorch's own Caffe2 files and library directory, as a user of a PyTorch wheel's libtorch gives
+# them on a machine that also has Debian's (cmake/torch_wheel.cmake).
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}
     -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=Release
-    -DCMAKE_PREFIX_PATH=${prefix} -DTorch_DIR=${TORCH_DIR})
+    -DCMAKE_PREFIX_PATH=${prefix} -DTorch_DIR=${TORCH_DIR} -DCaffe2_DIR=${TORCH_DIR}/../Caffe2
+    -DCMAKE_LIBRARY_PATH=${TORCH_PREFIX}/lib)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 
 # The installed CLI must not point into the source or build tree. Its text, that is: debug

@@ -486,7 +486,8 @@ TEST(MultiHost, DynamicRendezvousKeepsJobsApart) {
 TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
-  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
+  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "1000",
+                                        "--step-sleep-ms", "10"};
   std::vector<RunningProcess> running;
   start_elastic(running, hosts, "el", 0, 3, kFastElastic, worker);
   for (auto& p : running) {
@@ -628,7 +629,8 @@ TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
 TEST(MultiHost, ElasticJobTakesInALateHost) {
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
-  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "3000"};
+  const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "1000",
+                                        "--step-sleep-ms", "10"};
   const std::vector<std::string> conf{"--rdzv-conf", "last_call_timeout=1"};
   std::vector<RunningProcess> running;
   start_elastic(running, hosts, "late", 0, 2, conf, worker);

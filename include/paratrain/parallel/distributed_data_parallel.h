@@ -34,6 +34,7 @@
 
 #include "paratrain/comm/process_group.h"
 #include "paratrain/parallel/comm_hooks.h"
+#include "paratrain/util/autograd_node.h"
 
 #include <chrono>
 #include <functional>
@@ -171,8 +172,8 @@ class DistributedDataParallel {
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // kept alive for the hooks
-  std::vector<uintptr_t> hook_keys_;  // to remove the hooks when this object goes away
+  std::vector<detail::NodePtr> accumulators_;  // kept alive for the hooks
+  std::vector<uintptr_t> hook_keys_;           // to remove the hooks when this object goes away
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // parameter -> (bucket, position)
 
