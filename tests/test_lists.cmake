@@ -5,7 +5,7 @@ set(paratrain_unit_suites
     AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
     DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore TokenDataset
-    Trace
+    GptPretrained Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests
     BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal BadInput.ReservedPointToPointTag
@@ -58,11 +58,13 @@ set(paratrain_parameterized_suites
 # Cases that scripts select by name (scripts/sanitize.sh), which therefore run as ctest tests of
 # their own rather than inside their suite's.
 set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollectiveTimeout)
-# The tests CI runs in both legs (libtorch 1.13 and 2.6): those of code that calls libtorch where
-# 1.13 and 2.x differ, namely c10d (stores, process groups and their engines, Work, timeouts), the
+# The tests CI runs in leg 1 and in the official leg (libtorch 1.13 and the wheel's 2.x): those of
+# code that calls libtorch where 1.13 and 2.x differ, namely c10d (stores, process groups and their engines, Work, timeouts), the
 # launcher and the rendezvous on top of it, autograd functions and hooks (DDP, SyncBatchNorm,
 # ZeRO, Join, pipelines, DataParallel), autocast and the CPU kernels, serialization (checkpoints,
-# PyTorch's and torchvision's files), and the installed CMake package. Every other test runs in
+# PyTorch's and torchvision's files), the installed CMake package, and the Hugging Face GPT-2
+# tests (HfGpt2: against transformers, which the official leg's environment holds; in leg 1 they
+# skip, saying so, until that environment exists). Every other test runs in
 # the first leg only (label one-leg): argument checking, the tuner, data readers, TensorBoard,
 # Slurm, the benchmarks, the CLI's end-to-end runs; so do the mpi cases of the parameterized
 # suites but one each (their gloo cases run in both, the mpi engine's own tests too).
@@ -72,7 +74,7 @@ set(paratrain_both_legs_suites
     MixedPrecision MultiHost Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Rendezvous Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer
     WorldOfOne Zero ZeroEquivalence Zoo GradScaler Fsdp FsdpEquivalence ActivationCheckpoint
-    Gpt FsdpCheckpoint)
+    Gpt GptPretrained FsdpCheckpoint HfGpt2)
 set(paratrain_both_legs_tests
     Train.MainJobShortened Train.ModelParallelResNet50Example Resume.SingleProcess
     Resume.DdpOnGloo Resume.AmpO1AndO2Bf16 Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize

@@ -27,8 +27,12 @@ const std::vector<Command>& commands() {
        "jobs or any command",
        run_tune},
       {"checkpoint", "<command> [opts]",
-       "checkpoint tools: consolidate (a sharded FSDP checkpoint as one safetensors file)",
+       "checkpoint tools: consolidate (a sharded FSDP checkpoint as one safetensors file, or as "
+       "a Hugging Face model directory)",
        run_checkpoint},
+      {"generate", "[opts]",
+       "continue token ids with a GPT (greedy or sampled), as transformers' generate()",
+       run_generate},
       {"bench", "<name> [opts]",
        "run a benchmark (the paratrain-bench program); `paratrain bench --help` lists them",
        run_bench},

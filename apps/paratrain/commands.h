@@ -17,6 +17,7 @@ int run_train(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
 int run_tune(const std::vector<std::string>& args);
 int run_checkpoint(const std::vector<std::string>& args);
+int run_generate(const std::vector<std::string>& args);
 /// Runs the paratrain-bench program beside this one (bench/main.cpp) in this process's place.
 int run_bench(const std::vector<std::string>& args);
 

@@ -7,6 +7,7 @@
 
 #include "paratrain/data/tokens.h"
 #include "paratrain/models/gpt.h"
+#include "paratrain/models/gpt_pretrained.h"
 #include "paratrain/paratrain.h"
 
 #include <c10/util/Exception.h>
@@ -178,32 +179,12 @@ struct Placement {
   torch::Device device = torch::kCPU;
 };
 
-// A GPT's --load-weights: Hugging Face's GPT-2 safetensors (model.safetensors, its names with or
-// without "transformer.") through load_gpt2_safetensors, else this model's own names (a
-// --save-weights file, or torch.save's), strictly.
-void load_gpt_weights(torch::nn::Sequential& model, const std::string& path) {
-  bool hugging_face = false;
-  try {
-    load_safetensors(path, [&hugging_face](const std::string& name) {
-      hugging_face = hugging_face || name == "transformer.wte.weight" || name == "wte.weight";
-      return false;  // the names tell; no tensor is read
-    });
-  } catch (const c10::Error&) {
-    // Not safetensors: load_weights below reads torch.save files, and names what is wrong.
-  }
-  if (hugging_face) {
-    models::load_gpt2_safetensors(model, path);
-  } else {
-    load_module_state(*model, load_weights(path));
-  }
-}
-
 torch::nn::Sequential build_model(const Args& args, const TrainSettings& s, int64_t classes) {
   torch::manual_seed(s.seed);  // the same initial weights on every run
   if (s.gpt) {
     torch::nn::Sequential model = models::gpt(s.gpt_options);
     if (args.has("load-weights")) {
-      load_gpt_weights(model, args.get("load-weights"));
+      models::load_gpt_weights(model, args.get("load-weights"));
     }
     return model;
   }

@@ -3,6 +3,8 @@
 
 #include "train_options.h"
 
+#include "paratrain/models/gpt_pretrained.h"
+
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -113,7 +115,9 @@ std::vector<OptionSpec> loop_option_specs() {
        "with --zero: checkpoints hold the optimizer state gathered on rank 0 (default) or "
        "each rank's shard"},
       {"save-weights", "FILE", "write the trained weights as safetensors"},
-      {"load-weights", "FILE", "start from these weights (safetensors or torch.save files)"},
+      {"load-weights", "FILE|DIR",
+       "start from these weights: safetensors or torch.save files, or a Hugging Face GPT-2 "
+       "directory (config.json gives the shape; --context may shorten it)"},
       {"json", "", "print each epoch as a JSON object"},
   };
 }
@@ -185,18 +189,45 @@ std::vector<std::string> model_names() {
   return known;
 }
 
+}  // namespace
+
 bool is_gpt(const std::string& name) {
   const auto presets = models::gpt_presets();
   return name == "gpt" || std::find(presets.begin(), presets.end(), name) != presets.end();
 }
 
-// --model gpt's shape, or a preset's; either with --vocab and --context applied.
+namespace {
+
+// A Hugging Face model directory's shape (config.json), with --context shortening it.
+models::GptOptions read_hf_gpt(const Args& args, const std::string& dir) {
+  for (const char* flag : {"layers", "width", "heads", "vocab"}) {
+    if (args.has(flag)) {
+      throw UsageError(std::string("--") + flag + " shapes a GPT built from scratch; with " +
+                       "--load-weights " + dir + " (a Hugging Face model directory) the shape is " +
+                       "its config.json's: drop --" + flag);
+    }
+  }
+  models::GptOptions o = models::gpt2_config_options(dir);
+  const int64_t context = args.get_int("context", static_cast<int>(o.context()));
+  if (context < 1 || context > o.context()) {
+    throw UsageError("--context " + std::to_string(context) + " does not fit " + dir +
+                     "'s n_positions of " + std::to_string(o.context()) +
+                     " (its position embeddings): give 1 to " + std::to_string(o.context()));
+  }
+  return o.context(context);
+}
+
+}  // namespace
+
 models::GptOptions read_gpt(const Args& args, const std::string& name) {
   for (const char* flag : {"image-size", "channels", "head", "freeze-backbone"}) {
     if (args.has(flag)) {
       throw UsageError(std::string("--") + flag + " goes with the image models; --model " + name +
                        " is a GPT");
     }
+  }
+  if (args.has("load-weights") && std::filesystem::is_directory(args.get("load-weights"))) {
+    return read_hf_gpt(args, args.get("load-weights"));
   }
   models::GptOptions o;
   if (name == "gpt") {
@@ -231,6 +262,8 @@ models::GptOptions read_gpt(const Args& args, const std::string& name) {
   }
   return o;
 }
+
+namespace {
 
 // The model, the input it is fed and its head.
 void check_model(const Args& args, TrainSettings& s) {

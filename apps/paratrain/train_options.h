@@ -53,6 +53,15 @@ struct TrainSettings {
 
 const CommandSpec& train_spec();
 
+/// Whether --model `name` is a GPT: a GPT-2 preset, or "gpt".
+bool is_gpt(const std::string& name);
+
+/// A GPT's shape: --model gpt's --layers, --width and --heads, or a preset's, with --vocab and
+/// --context applied; with --load-weights DIR, a Hugging Face model directory, its config.json's,
+/// --context shortening it. Throws UsageError for flags that do not go together, c10::Error for a
+/// config.json paratrain's GPT-2 cannot follow.
+models::GptOptions read_gpt(const Args& args, const std::string& name);
+
 /// Started by a launcher that already made the ranks.
 bool inside_a_job();
 

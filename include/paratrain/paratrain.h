@@ -27,9 +27,12 @@
 
 #include "paratrain/io/checkpoint.h"                   // Checkpoint, optimizer_state, rng_state
 #include "paratrain/io/safetensors.h"                  // save/load_safetensors, module_state
+#include "paratrain/io/safetensors_shards.h"           // save/load_safetensors_shards
 #include "paratrain/io/tensorboard.h"                  // tensorboard::SummaryWriter (event files)
 #include "paratrain/io/torch_load.h"                   // load_torch_state_dict, load_weights
+#include "paratrain/models/generate.h"                 // models::generate (greedy, top-k)
 #include "paratrain/models/gpt.h"                      // models::gpt, GptOptions, presets
+#include "paratrain/models/gpt_pretrained.h"           // Hugging Face GPT-2 directories
 #include "paratrain/models/registry.h"                 // models::make
 #include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, checkpoint_children
 #include "paratrain/parallel/comm_hooks.h"             // CommHook, fp16/bf16 compression

@@ -1,17 +1,12 @@
 #include "paratrain/models/gpt.h"
 
-#include "paratrain/io/safetensors.h"
-
 #include <torch/torch.h>
 
 #include <cmath>
-#include <cstring>
 #include <iterator>
 #include <limits>
-#include <map>
 #include <memory>
 #include <ostream>
-#include <set>
 #include <utility>
 #include <vector>
 
@@ -320,40 +315,13 @@ std::string hf_gpt2_name(const std::string& name) {
               "' is not the name of a gpt() parameter (embed.wte.*, embed.wpe.*, h<N>.*, ln_f.*)");
 }
 
-void load_gpt2_safetensors(const torch::nn::Sequential& model, const std::string& path) {
-  // GPT2LMHeadModel's files name the tensors "transformer.h.0...."; GPT2Model's (the hub's
-  // gpt2/model.safetensors among them) "h.0....". Only these names are read: Hugging Face's
-  // extras (lm_head.weight, a copy of wte; in older files a context x context mask per block)
-  // stay on disk.
-  std::set<std::string> wanted;
-  for (const auto& p : model->named_parameters()) {
-    const std::string hf = hf_gpt2_name(p.key());
-    wanted.insert(hf);
-    wanted.insert(hf.substr(std::strlen(kHfPrefix)));
-  }
-  const std::map<std::string, torch::Tensor> file =
-      load_safetensors(path, [&](const std::string& name) { return wanted.count(name) > 0; });
-  // Every tensor is found and checked before any is copied: a failed load leaves the model as it
-  // was.
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
-  for (const auto& p : model->named_parameters()) {
-    const std::string hf = hf_gpt2_name(p.key());
-    const std::string bare = hf.substr(std::strlen(kHfPrefix));
-    auto it = file.find(hf);
-    if (it == file.end()) {
-      it = file.find(bare);
-    }
-    TORCH_CHECK(it != file.end(), "gpt: ", path, " has no tensor '", hf, "' (nor '", bare,
-                "') for the model's '", p.key(), "'; is it a GPT-2 checkpoint?");
-    TORCH_CHECK(it->second.sizes() == p.value().sizes(), "gpt: tensor '", it->first, "' of ", path,
-                " has shape ", it->second.sizes(), ", but the model's '", p.key(), "' has shape ",
-                p.value().sizes(), "; the file holds a GPT-2 of another shape");
-    copies.emplace_back(p.value(), it->second);
-  }
-  torch::NoGradGuard no_grad;
-  for (auto& c : copies) {
-    c.first.copy_(c.second);
-  }
+GptOptions gpt_options_of(const torch::nn::Sequential& model) {
+  const auto children = model->named_children();
+  const auto* embed = children.find("embed");
+  const auto* embedding = embed == nullptr ? nullptr : (*embed)->as<GptEmbeddingImpl>();
+  TORCH_CHECK(embedding != nullptr,
+              "gpt: the model is not a gpt() model (it has no GPT embedding named 'embed')");
+  return GptOptions(embedding->options).context(embedding->wpe->weight.size(0));
 }
 
 int64_t gpt_context(const torch::nn::Sequential& model) {

@@ -569,10 +569,8 @@ std::string newest_trainer_manifest(const std::string& dir) {
 // A Trainer's checkpoint (paratrain train --strategy fsdp, TrainerOptions::checkpoint_dir): the
 // newest one's manifest holds the layout (meta "fsdp"), each rank's own file its shards
 // ("fsdp.<unit>").
-ConsolidatedCheckpoint consolidate_trainer_checkpoint(
-    const std::string& path,
-    const std::string& out_file,
-    const std::function<std::string(const std::string&)>& name_map) {
+ConsolidatedModel consolidate_trainer_checkpoint(
+    const std::string& path, const std::function<std::string(const std::string&)>& name_map) {
   const CheckpointState shared = Checkpoint::load_shared(path, 0);
   const Json meta = Json::parse(shared.meta);
   TORCH_CHECK(meta.contains("fsdp"), "consolidate: ", path, " is a checkpoint of the ",
@@ -585,8 +583,9 @@ ConsolidatedCheckpoint consolidate_trainer_checkpoint(
   for (int r = 0; r < world; ++r) {
     own.push_back(Checkpoint::load_own(path, r, shared.step, world));
   }
-  TensorMap out;
-  ConsolidatedCheckpoint c;
+  ConsolidatedModel model;
+  TensorMap& out = model.tensors;
+  ConsolidatedCheckpoint& c = model.counts;
   for (const Unit& u : units) {
     if (u.padded == 0) {
       continue;
@@ -613,8 +612,9 @@ ConsolidatedCheckpoint consolidate_trainer_checkpoint(
       out[name_map ? name_map(name) : name] = kv.second;
     }
   }
-  write_safetensors(out_file, out, {{"step", std::to_string(shared.step)}});
-  return c;
+  model.metadata = {{"step", std::to_string(shared.step)}};
+  model.config = meta.contains("config") ? meta.at("config").dump() : "";
+  return model;
 }
 
 bool all_digits(const std::string& text) {
@@ -672,21 +672,31 @@ void check_output(const std::string& dir, const std::string& out_file) {
 
 }  // namespace
 
-ConsolidatedCheckpoint consolidate_sharded_checkpoint(
-    const std::string& dir,
-    const std::string& out_file,
-    const std::function<std::string(const std::string&)>& name_map) {
+namespace {
+
+// The checkpoint in `dir`: a Trainer's manifest (ckpt-N.json) when it holds no sharded one, ""
+// for save_sharded_checkpoint's (whose manifest is returned in `m`). Throws for a file, or a
+// directory without a complete checkpoint.
+std::string find_checkpoint(const std::string& dir, Manifest& m) {
   struct stat st;
   TORCH_CHECK(::stat(dir.c_str(), &st) != 0 || S_ISDIR(st.st_mode),
               "consolidate takes a checkpoint's directory, and ", dir,
               " is a file: give the directory that holds it, ", parent_directory(dir));
   const std::string trainer = newest_trainer_manifest(dir);
   const bool sharded = ::stat((dir + "/" + kFsdpManifest).c_str(), &st) == 0;
-  // Without any checkpoint there, read_manifest says so, before the output is looked at.
-  const Manifest m = sharded || trainer.empty() ? read_manifest(dir) : Manifest();
-  check_output(dir, out_file);
-  if (!sharded) {
-    return consolidate_trainer_checkpoint(trainer, out_file, name_map);
+  // Without any checkpoint there, read_manifest says so.
+  m = sharded || trainer.empty() ? read_manifest(dir) : Manifest();
+  return sharded ? "" : trainer;
+}
+
+}  // namespace
+
+ConsolidatedModel consolidate_sharded_model(
+    const std::string& dir, const std::function<std::string(const std::string&)>& name_map) {
+  Manifest m;
+  const std::string trainer = find_checkpoint(dir, m);
+  if (!trainer.empty()) {
+    return consolidate_trainer_checkpoint(trainer, name_map);
   }
   check_rank_files_exist(dir, m);
   std::vector<TensorMap> files;
@@ -696,9 +706,8 @@ ConsolidatedCheckpoint consolidate_sharded_checkpoint(
     }));
   }
   const std::vector<bool> all(files.size(), true);
-  TensorMap out;
+  ConsolidatedModel model;
   std::map<std::string, std::string> source;  // each output name's parameter
-  ConsolidatedCheckpoint c;
   for (size_t k = 0; k < m.units.size(); ++k) {
     const Unit& u = m.units[k];
     if (u.padded == 0) {
@@ -714,13 +723,25 @@ ConsolidatedCheckpoint consolidate_sharded_checkpoint(
       TORCH_CHECK(source.emplace(to, u.params[i]).second, "consolidate: '", u.params[i], "' and '",
                   source[to], "' would both be saved as '", to, "'");
       const int64_t n = c10::multiply_integers(u.shapes[i]);
-      out[to] = flat.narrow(0, u.offsets[i], n).view(u.shapes[i]);
-      ++c.tensors;
-      c.parameters += n;
+      model.tensors[to] = flat.narrow(0, u.offsets[i], n).view(u.shapes[i]);
+      ++model.counts.tensors;
+      model.counts.parameters += n;
     }
   }
-  write_safetensors(out_file, out, m.metadata);
-  return c;
+  model.metadata = m.metadata;
+  return model;
+}
+
+ConsolidatedCheckpoint consolidate_sharded_checkpoint(
+    const std::string& dir,
+    const std::string& out_file,
+    const std::function<std::string(const std::string&)>& name_map) {
+  Manifest m;
+  find_checkpoint(dir, m);  // a missing checkpoint is named before the output is looked at
+  check_output(dir, out_file);
+  const ConsolidatedModel model = consolidate_sharded_model(dir, name_map);
+  write_safetensors(out_file, model.tensors, model.metadata);
+  return model.counts;
 }
 
 }  // namespace paratrain

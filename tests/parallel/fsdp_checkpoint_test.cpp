@@ -155,11 +155,13 @@ TEST(FsdpCheckpoint, ConsolidateWritesTheWholeModel) {
   expect_bitwise(full, load_safetensors(dir + "/one"));
   EXPECT_EQ(load_safetensors_metadata(dir + "/one").at("step"), "2");
 
-  r = run_process(
-      {cli_path(), "checkpoint", "consolidate", "--out", dir + "/hf", "--names", "hf", ckpt},
-      {kCpuOnly}, 120);
+  // One file by Hugging Face's names (an --out that does not end in .safetensors is a model
+  // directory: tests/models/gpt_pretrained_test.cpp).
+  r = run_process({cli_path(), "checkpoint", "consolidate", "--out", dir + "/hf.safetensors",
+                   "--names", "hf", ckpt},
+                  {kCpuOnly}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto hf = load_safetensors(dir + "/hf");
+  const auto hf = load_safetensors(dir + "/hf.safetensors");
   ASSERT_EQ(hf.size(), full.size());
   for (const auto& kv : full) {
     ASSERT_TRUE(hf.count(models::hf_gpt2_name(kv.first))) << kv.first;

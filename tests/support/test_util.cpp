@@ -327,6 +327,26 @@ bool python_has(const std::string& module) {
   return it->second;
 }
 
+std::string hf_python() {
+  return PARATRAIN_HF_PYTHON;
+}
+
+std::string hf_python_missing() {
+  static const std::string reason = [] {
+    const std::string remedy =
+        "no Python with transformers: make it with scripts/venv.sh, or set "
+        "-DPARATRAIN_HF_PYTHON";
+    if (hf_python().empty()) {
+      return remedy + " (PARATRAIN_HF_PYTHON is empty)";
+    }
+    auto r = run_process({hf_python(), "-c", "import transformers, safetensors"},
+                         {{"HF_HUB_OFFLINE", "1"}, {"TRANSFORMERS_OFFLINE", "1"}}, 120);
+    return r.exit_code == 0 ? std::string()
+                            : remedy + " (" + hf_python() + " cannot import transformers)";
+  }();
+  return reason;
+}
+
 bool has_cuda() {
   return torch::cuda::is_available();
 }

@@ -109,6 +109,13 @@ std::string test_python();
 /// Whether test_python() has `module` installed (e.g. "torchvision"); checked once per module.
 bool python_has(const std::string& module);
 
+/// The Python with transformers for the Hugging Face tests (CMake's PARATRAIN_HF_PYTHON); "" when
+/// none was configured.
+std::string hf_python();
+/// Why the Hugging Face tests cannot run here ("" when hf_python() imports transformers): their
+/// GTEST_SKIP reason. Checked once.
+std::string hf_python_missing();
+
 /// Whether this machine has a CUDA device (tests that need one skip with this reason otherwise).
 bool has_cuda();
 

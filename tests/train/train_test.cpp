@@ -456,7 +456,7 @@ TEST(Cli, HelpListsEveryCommandAndBenchmark) {
   auto r = run_process({cli_path(), "--help"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* row : {"  info ", "  launch [opts] -- PROG ", "  train [opts] ", "  data ",
-                          "  tune ", "  bench <name> [opts] "}) {
+                          "  tune ", "  generate [opts] ", "  bench <name> [opts] "}) {
     EXPECT_NE(r.output.find(row), std::string::npos) << row << " is missing from\n" << r.output;
   }
   // The benchmarks are their own program, which `paratrain bench` runs.

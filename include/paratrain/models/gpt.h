@@ -64,13 +64,22 @@ int64_t gpt_parameter_count(const GptOptions& options);
 /// "transformer.wte.weight", "h0.ln_1.bias" -> "transformer.h.0.ln_1.bias").
 std::string hf_gpt2_name(const std::string& name);
 
-/// Loads a Hugging Face GPT-2 safetensors file (model.safetensors, or one saved with
-/// hf_gpt2_name's names) into `model`. Names with or without the "transformer." prefix are found
+/// Loads Hugging Face GPT-2 weights into `model`. `path` is a model directory as save_pretrained
+/// writes it (config.json, and model.safetensors or shards with model.safetensors.index.json), a
+/// model.safetensors.index.json, or one safetensors file (model.safetensors, or one saved with
+/// hf_gpt2_name's names). Names with or without the "transformer." prefix are found
 /// (GPT2LMHeadModel saves them with it, GPT2Model, as the hub's gpt2 files, without). Tensors
 /// Hugging Face stores besides the weights (the attention's "bias" masks, a "lm_head.weight" equal
-/// to wte) are ignored. Throws c10::Error naming the first missing tensor or the first shape that
-/// differs (both shapes), before copying anything.
+/// to wte) are ignored. From a directory the model must have config.json's shape
+/// (gpt2_config_options in models/gpt_pretrained.h), or a shorter context, which keeps the first
+/// rows of the position embedding (as nanoGPT's crop_block_size), and the weights must be those
+/// config.json describes. Throws c10::Error naming the first missing tensor or the first shape
+/// that differs (both shapes; config.json's when it is to blame), before copying anything.
 void load_gpt2_safetensors(const torch::nn::Sequential& model, const std::string& path);
+
+/// The shapes a gpt() model was built with (its context: the position embedding's rows). Throws
+/// c10::Error for another model.
+GptOptions gpt_options_of(const torch::nn::Sequential& model);
 
 /// The context a gpt() model takes (its position embedding's rows); 0 for another model.
 int64_t gpt_context(const torch::nn::Sequential& model);

@@ -94,4 +94,21 @@ ConsolidatedCheckpoint consolidate_sharded_checkpoint(
     const std::string& out_file,
     const std::function<std::string(const std::string&)>& name_map = nullptr);
 
+/// The whole model of a sharded checkpoint in memory: what consolidate_sharded_checkpoint writes.
+struct ConsolidatedModel {
+  std::map<std::string, torch::Tensor> tensors;  ///< by module name, or name_map's of it
+  std::map<std::string, std::string> metadata;   ///< the caller's; a Trainer checkpoint's step
+  /// A Trainer checkpoint's run configuration (TrainerOptions::config, JSON); "" for one that
+  /// save_sharded_checkpoint wrote.
+  std::string config;
+  ConsolidatedCheckpoint counts;
+};
+
+/// The same as consolidate_sharded_checkpoint, without writing: for another format (a Hugging
+/// Face model directory, models/gpt_pretrained.h). Throws as consolidate_sharded_checkpoint does
+/// for the checkpoint and for name_map.
+ConsolidatedModel consolidate_sharded_model(
+    const std::string& dir,
+    const std::function<std::string(const std::string&)>& name_map = nullptr);
+
 }  // namespace paratrain
