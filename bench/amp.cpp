@@ -8,7 +8,13 @@
 // accuracy on the 10,000 test images (--accuracy-steps, 0 to skip; --test-images). A step is
 // zero_grad + forward + loss + backward + step on a fixed random batch; a row reports the slowest
 // rank's median.
+//
+// Beside paratrain's O0 and O1, the same steps in PyTorch's own DDP, fp32 and under CPU autocast
+// (torch.autocast("cpu", dtype=torch.bfloat16)), for each anchor Python (anchors.h: Debian's
+// PyTorch 1.13.1, PyPI's 2.15.0; bench/ddp_pytorch.py --amp bf16), on the same backend (gloo
+// unless --backend says otherwise, and PyTorch's only where its build has that backend).
 
+#include "anchors.h"
 #include "args.h"
 #include "bench_util.h"
 #include "benchmarks.h"
@@ -21,11 +27,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
+#include <string>
+#include <vector>
 
 namespace paratrain {
 namespace cli {
@@ -45,7 +55,12 @@ const BenchSpec& amp_spec() {
           {"steps", "N", "timed steps per level", "1"},
           {"accuracy-steps", "N", "training steps of the accuracy comparison (0: skip)", "2"},
           {"test-images", "N", "test images the accuracy comparison scores (default 10000)", "256"},
-          {"backend", "NAME", "mpi or gloo"},
+          {"backend", "NAME", "gloo (default: PyTorch's backend too) or mpi"},
+          {"no-pytorch", "", "skip PyTorch's rows"},
+          {"python", "LIST",
+           "the Pythons with torch for PyTorch's rows, comma-separated (default: "
+           "/usr/bin/python3 and $PARATRAIN_VENV/bin/python, those present; or "
+           "PARATRAIN_PYTHON)"},
           {"accuracy", "", ""},
           {"level", "L", ""},
           {"dtype", "T", ""},
@@ -171,24 +186,51 @@ std::vector<std::string> amp_levels(const Bench& bench) {
   return levels;
 }
 
-// The speed rows, one per level in order, and the CNN's test accuracy by level.
+// The speed rows, one per level in order, PyTorch's rows (O0 and O1 of each anchor), and the
+// CNN's test accuracy by level.
 struct AmpResults {
   std::vector<JsonRow> speed;
+  std::vector<JsonRow> pytorch;
   std::map<std::string, double> accuracy;
 };
 
-AmpResults measure_amp(const Bench& bench,
-                       const std::vector<std::string>& levels,
-                       int accuracy_steps,
-                       const std::string& backend) {
+// What one measurement runs on: paratrain's backend and the anchors beside it.
+struct AmpPlan {
+  std::vector<std::string> levels;
+  int accuracy_steps = 0;
+  std::string backend;
+  std::vector<AnchorPython> anchors;  // those with the backend; empty when skipped
+};
+
+// PyTorch's DDP on the speed side's ResNet-18 at O0 (fp32) and O1 (autocast), for each anchor.
+void measure_pytorch_amp(const Bench& bench, const AmpPlan& plan, const std::string& out) {
+  const Workload w = bench_workload("resnet18", bench);
+  const int64_t batch = bench.smoke() ? w.batch : 32;
+  for (const auto& a : plan.anchors) {
+    for (const char* level : {"O0", "O1"}) {
+      if (std::find(plan.levels.begin(), plan.levels.end(), level) == plan.levels.end()) {
+        continue;
+      }
+      bench.progress("measuring resnet18 in PyTorch " + a.torch + " at " + level + "...");
+      run_bench_job(
+          {a.python, bench_script("ddp_pytorch.py"), "--workload", "resnet18", "--batch",
+           std::to_string(batch), "--steps", std::to_string(w.steps), "--warmup",
+           std::to_string(w.warmup), "--backend", plan.backend, "--amp",
+           std::string(level) == "O1" ? "bf16" : "none", "--system", a.label(), "--out", out},
+          2, plan.backend == "mpi" ? "mpi" : "", out);
+    }
+  }
+}
+
+AmpResults measure_amp(const Bench& bench, const AmpPlan& plan) {
   const std::string out = results_file("amp");
   auto run = [&](std::vector<std::string> extra) {
     for (const auto& word : bench.forwarded({"test-images"})) {
       extra.push_back(word);
     }
-    run_bench_job(bench.worker_command(out, extra), 2, backend, out);
+    run_bench_job(bench.worker_command(out, extra), 2, plan.backend, out);
   };
-  for (const auto& level : levels) {
+  for (const auto& level : plan.levels) {
     bench.progress("measuring resnet18 at " + level + "...");
     std::vector<std::string> extra{"--level", level};
     for (const auto& word : bench.forwarded({"steps"})) {
@@ -196,15 +238,22 @@ AmpResults measure_amp(const Bench& bench,
     }
     run(extra);
   }
-  if (accuracy_steps > 0) {
+  measure_pytorch_amp(bench, plan, out);
+  if (plan.accuracy_steps > 0) {
     for (const char* level : {"O0", "O1"}) {
       bench.progress(std::string("training the CNN on Fashion-MNIST at ") + level + "...");
-      run({"--level", level, "--accuracy", "--steps", std::to_string(accuracy_steps)});
+      run({"--level", level, "--accuracy", "--steps", std::to_string(plan.accuracy_steps)});
     }
   }
   AmpResults r;
-  for (const JsonRow& row : read_rows(out)) {
-    if (string_field(row, "workload") == "resnet18") {
+  for (JsonRow row : read_rows(out)) {
+    if (string_field(row, "system").rfind("pytorch-", 0) == 0) {
+      row["level"] = string_field(row, "amp") == "bf16" ? "O1" : "O0";
+      row["dtype"] = "bf16";
+      r.pytorch.push_back(row);
+    } else if (string_field(row, "workload") == "resnet18") {
+      row["system"] = "paratrain";
+      row["backend"] = plan.backend;
       r.speed.push_back(row);
     } else {
       r.accuracy[string_field(row, "level")] = number_field(row, "test_accuracy");
@@ -214,33 +263,64 @@ AmpResults measure_amp(const Bench& bench,
   return r;
 }
 
-void print_amp_json(const AmpResults& r) {
-  const double o0 = number_field(r.speed.front(), "step_seconds");
-  for (JsonRow row : r.speed) {
-    row["speedup_vs_O0"] = o0 / number_field(row, "step_seconds");
-    const auto acc = r.accuracy.find(string_field(row, "level"));
-    if (acc != r.accuracy.end()) {
-      row["cnn_test_accuracy"] = acc->second;
+// The step seconds of `system` at `level` in `rows`; 0 when absent.
+double step_of(const std::vector<JsonRow>& rows,
+               const std::string& system,
+               const std::string& level) {
+  for (const auto& row : rows) {
+    if (string_field(row, "system") == system && string_field(row, "level") == level) {
+      return number_field(row, "step_seconds");
     }
-    print_row(row);
   }
-  std::cout.flush();
+  return 0;
 }
 
-void print_amp_text(const AmpResults& r, const std::string& backend, int accuracy_steps) {
-  const double o0 = number_field(r.speed.front(), "step_seconds");
-  std::cout << "resnet18 (CIFAR stem, batch 32 per rank), DDP 2 ranks x 1 thread (" << backend
+// The rows with their speedups over their own O0, and paratrain's ratios to each PyTorch at the
+// same level.
+std::vector<JsonRow> amp_rows(const Bench& bench, const AmpPlan& plan, const AmpResults& r) {
+  std::vector<JsonRow> rows = r.speed;
+  rows.insert(rows.end(), r.pytorch.begin(), r.pytorch.end());
+  for (JsonRow& row : rows) {
+    const std::string system = string_field(row, "system"), level = string_field(row, "level");
+    const double o0 = step_of(rows, system, "O0"), s = number_field(row, "step_seconds");
+    row["speedup_vs_O0"] = o0 / s;
+    for (const auto& a : plan.anchors) {
+      if (system == "paratrain" && step_of(rows, a.label(), level) > 0) {
+        row["ratio_to_" + a.label()] = s / step_of(rows, a.label(), level);
+      } else if (system == a.label()) {
+        mark_anchor(row, a, a.torch);
+      }
+    }
+    const auto acc = r.accuracy.find(level);
+    if (system == "paratrain" && acc != r.accuracy.end()) {
+      row["cnn_test_accuracy"] = acc->second;
+    }
+    if (system == "paratrain") {
+      note_smoke_skip(bench, row);
+    }
+  }
+  return rows;
+}
+
+void print_amp_text(const std::vector<JsonRow>& rows, const AmpPlan& plan, const AmpResults& r) {
+  std::cout << "resnet18 (CIFAR stem, batch 32 per rank), DDP 2 ranks x 1 thread (" << plan.backend
             << "), bf16:\n"
-            << "  level  ms/step  speedup vs O0\n";
-  for (const auto& row : r.speed) {
+            << "  system            level  ms/step  speedup vs O0  paratrain / this\n";
+  for (const auto& row : rows) {
+    const std::string system = string_field(row, "system"), level = string_field(row, "level");
     const double s = number_field(row, "step_seconds");
-    std::cout << "  " << std::left << std::setw(5) << string_field(row, "level") << std::right
+    std::cout << "  " << std::left << std::setw(18) << system << std::setw(5) << level << std::right
               << std::fixed << std::setprecision(1) << std::setw(9) << s * 1e3
-              << std::setprecision(2) << std::setw(10) << o0 / s << "x\n";
+              << std::setprecision(2) << std::setw(14) << number_field(row, "speedup_vs_O0") << "x";
+    const double ours = step_of(rows, "paratrain", level);
+    if (system != "paratrain" && ours > 0) {
+      std::cout << std::setw(17) << ours / s << "x";
+    }
+    std::cout << "\n";
   }
   if (r.accuracy.count("O0") && r.accuracy.count("O1")) {
     const double a0 = r.accuracy.at("O0"), a1 = r.accuracy.at("O1");
-    std::cout << std::setprecision(4) << "  CNN on Fashion-MNIST, " << accuracy_steps
+    std::cout << std::setprecision(4) << "  CNN on Fashion-MNIST, " << plan.accuracy_steps
               << " steps of 64 per rank: test accuracy O0 " << a0 << ", O1 " << a1
               << " (difference " << std::setprecision(2) << 100 * (a1 - a0) << " points)\n";
   }
@@ -248,14 +328,28 @@ void print_amp_text(const AmpResults& r, const std::string& backend, int accurac
 }
 
 int run_amp(const Bench& bench) {
-  const std::vector<std::string> levels = amp_levels(bench);
-  const int accuracy_steps = bench.get_int("accuracy-steps", 400);
-  const std::string backend = bench_backend(bench);
-  const AmpResults r = measure_amp(bench, levels, accuracy_steps, backend);
+  AmpPlan plan;
+  plan.levels = amp_levels(bench);
+  plan.accuracy_steps = bench.get_int("accuracy-steps", 400);
+  // gloo by default: PyTorch's DDP beside it has no other backend in most builds.
+  plan.backend = bench.get("backend", "gloo");
+  for (const auto& a : anchor_pythons(bench)) {
+    if (a.has_backend(plan.backend)) {
+      plan.anchors.push_back(a);
+    } else {
+      std::cerr << "paratrain bench amp: leaving out PyTorch " << a.torch << " (" << a.python
+                << "): it has no " << plan.backend << " backend" << std::endl;
+    }
+  }
+  const AmpResults r = measure_amp(bench, plan);
+  const std::vector<JsonRow> rows = amp_rows(bench, plan, r);
   if (bench.json()) {
-    print_amp_json(r);
+    for (const auto& row : rows) {
+      print_row(row);
+    }
+    std::cout.flush();
   } else {
-    print_amp_text(r, backend, accuracy_steps);
+    print_amp_text(rows, plan, r);
   }
   return 0;
 }

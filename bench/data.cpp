@@ -1,6 +1,8 @@
 // paratrain bench data: how fast images come out of an ImageFolder, paratrain's DataLoader
 // (worker threads, TurboJPEG/libpng/libwebp) against PyTorch's DataLoader with
-// torchvision.datasets.ImageFolder (worker processes, PIL), on the same folder in the same run.
+// torchvision.datasets.ImageFolder (worker processes, PIL), on the same folder in the same run,
+// for each anchor Python with torchvision (anchors.h: Debian's PyTorch 1.13.1, PyPI's 2.15.0).
+// The target: paratrain's loader at least 2x the fastest PyTorch at each worker count.
 //
 // Both run RandomResizedCrop(224) + RandomHorizontalFlip + ToTensor + Normalize, batch 64,
 // shuffled, one epoch over the folder per measurement, at each worker count; the rounds
@@ -9,6 +11,7 @@
 // already in memory, one thread). Without --dir the folder is made from Fashion-MNIST
 // (--images of them, side --size, as `paratrain data make-imagefolder`) in a temporary folder.
 
+#include "anchors.h"
 #include "args.h"
 #include "bench_util.h"
 #include "benchmarks.h"
@@ -106,7 +109,9 @@ const BenchSpec& data_spec() {
           {"batch", "B", "batch size (default 64)", "16"},
           {"crop", "N", "RandomResizedCrop's size (default 224)", "32"},
           {"no-pytorch", "", "skip PyTorch's DataLoader"},
-          {"python", "P", "the Python with torch (default: python3 or /usr/bin/python3)"},
+          {"python", "LIST",
+           "the Pythons with torch and torchvision, comma-separated (default: /usr/bin/python3 "
+           "and $PARATRAIN_VENV/bin/python, those present; or PARATRAIN_PYTHON)"},
       },
       "print JSON"};
   return spec;
@@ -116,7 +121,7 @@ const BenchSpec& data_spec() {
 struct DataPlan {
   int repeats = 0, batch = 0, crop = 0, images = 0, size = 0;
   std::vector<int64_t> workers;
-  std::string python;  // "" when PyTorch's loader is skipped
+  std::vector<AnchorPython> anchors;  // empty when PyTorch's loader is skipped
   std::string script;
 };
 
@@ -133,8 +138,8 @@ DataPlan data_plan(const Bench& bench) {
         "then has images), --size >= 8");
   }
   p.workers = worker_counts(bench);
-  p.python = comparison_python(bench);
-  p.script = p.python.empty() ? "" : bench_script("data_pytorch.py");
+  p.anchors = anchors_with(bench, anchor_pythons(bench), "torchvision");
+  p.script = p.anchors.empty() ? "" : bench_script("data_pytorch.py");
   return p;
 }
 
@@ -152,7 +157,23 @@ void make_folder(const Bench& bench, const DataPlan& p, const std::string& path)
 
 using Rates = std::map<std::pair<std::string, int64_t>, std::vector<double>>;
 
-// The rounds, paratrain and PyTorch alternating at each worker count: images/s by (system,
+// One epoch of PyTorch's loader under anchor `a`, its row appended to `out`.
+void pytorch_epoch(const DataPlan& p,
+                   const AnchorPython& a,
+                   const std::string& dir,
+                   int64_t w,
+                   int round,
+                   const std::string& out) {
+  const std::string cmd = "'" + a.python + "' '" + p.script + "' --dir '" + dir + "' --workers " +
+                          std::to_string(w) + " --batch " + std::to_string(p.batch) + " --crop " +
+                          std::to_string(p.crop) + " --repeat " + std::to_string(round) +
+                          " --system " + a.label() + " --out '" + out + "'";
+  if (std::system(cmd.c_str()) != 0) {
+    throw std::runtime_error("PyTorch " + a.torch + "'s loader failed: " + cmd);
+  }
+}
+
+// The rounds, paratrain and each PyTorch alternating at each worker count: images/s by (system,
 // workers), one entry per round.
 Rates measure_rates(const Bench& bench, const DataPlan& p, const std::string& dir) {
   const std::string out = results_file("data-rows");
@@ -162,22 +183,16 @@ Rates measure_rates(const Bench& bench, const DataPlan& p, const std::string& di
       for (int64_t w : p.workers) {
         rates[{"paratrain", w}].push_back(
             paratrain_epoch(dir, w, p.batch, p.crop, static_cast<uint64_t>(r)));
-        if (!p.python.empty()) {
-          const std::string cmd = "'" + p.python + "' '" + p.script + "' --dir '" + dir +
-                                  "' --workers " + std::to_string(w) + " --batch " +
-                                  std::to_string(p.batch) + " --crop " + std::to_string(p.crop) +
-                                  " --repeat " + std::to_string(r) + " --out '" + out + "'";
-          if (std::system(cmd.c_str()) != 0) {
-            throw std::runtime_error("the PyTorch loader failed: " + cmd);
-          }
+        for (const auto& a : p.anchors) {
+          pytorch_epoch(p, a, dir, w, r, out);
         }
         bench.info() << "round " << r + 1 << "/" << p.repeats << ", " << w << " worker(s) done"
                      << std::endl;
       }
     }
     for (const JsonRow& row : read_rows(out)) {
-      rates[{"pytorch", static_cast<int64_t>(number_field(row, "workers"))}].push_back(
-          number_field(row, "images_per_second"));
+      rates[{string_field(row, "system"), static_cast<int64_t>(number_field(row, "workers"))}]
+          .push_back(number_field(row, "images_per_second"));
     }
   } catch (...) {
     std::remove(out.c_str());
@@ -187,40 +202,72 @@ Rates measure_rates(const Bench& bench, const DataPlan& p, const std::string& di
   return rates;
 }
 
+// paratrain's row at `w` workers, with its ratio to each PyTorch, and the target against the
+// fastest of them.
+JsonRow paratrain_row(
+    const Bench& bench, const DataPlan& p, Rates& rates, int64_t w, std::vector<Target>& targets) {
+  const double ips = median(rates[{"paratrain", w}]);
+  JsonRow row{
+      {"system", "paratrain"}, {"workers", w}, {"images_per_second", ips}, {"repeats", p.repeats}};
+  std::string fastest;
+  double fastest_ips = 0;
+  for (const auto& a : p.anchors) {
+    const double theirs = median(rates[{a.label(), w}]);
+    row["ratio_to_" + a.label()] = ips / theirs;
+    if (theirs > fastest_ips) {
+      fastest = a.label();
+      fastest_ips = theirs;
+    }
+  }
+  if (fastest.empty()) {
+    note_smoke_skip(bench, row);
+  } else {
+    row["ratio_to_pytorch"] = ips / fastest_ips;
+    row["fastest_pytorch"] = fastest;
+    targets.push_back({"loader " + std::to_string(w) + " worker(s)",
+                       fastest,
+                       {{"ratio", ips / fastest_ips, 2.0, false}}});
+  }
+  return row;
+}
+
 void print_rates(const Bench& bench, const DataPlan& p, Rates& rates, double ceiling) {
+  std::vector<Target> targets;
   for (int64_t w : p.workers) {
-    for (const std::string system : {"paratrain", "pytorch"}) {
-      if (!rates.count({system, w})) {
+    std::vector<JsonRow> rows{paratrain_row(bench, p, rates, w, targets)};
+    for (const auto& a : p.anchors) {
+      JsonRow row{{"system", a.label()},
+                  {"workers", w},
+                  {"images_per_second", median(rates[{a.label(), w}])},
+                  {"repeats", p.repeats}};
+      mark_anchor(row, a, a.torch + " (torchvision " + a.package("torchvision") + ")");
+      rows.push_back(row);
+    }
+    for (const auto& row : rows) {
+      if (bench.json()) {
+        print_row(row);
         continue;
       }
-      const double ips = median(rates[{system, w}]);
-      JsonRow row{
-          {"system", system}, {"workers", w}, {"images_per_second", ips}, {"repeats", p.repeats}};
-      std::string ratio;  // as the table shows it: "1.23"
-      if (system == "paratrain" && rates.count({"pytorch", w})) {
-        row["ratio_to_pytorch"] = ips / median(rates[{"pytorch", w}]);
-        ratio = std::to_string(ips / median(rates[{"pytorch", w}])).substr(0, 4);
-      } else if (system == "paratrain") {
-        note_smoke_skip(bench, row);
+      const std::string system = string_field(row, "system");
+      std::cout << std::left << std::setw(16) << system << " workers " << w << ": " << std::fixed
+                << std::setprecision(0) << number_field(row, "images_per_second") << " images/s";
+      if (row.contains("ratio_to_pytorch")) {
+        std::cout << std::setprecision(2) << " (" << number_field(row, "ratio_to_pytorch") << "x "
+                  << string_field(row, "fastest_pytorch") << ", the fastest PyTorch)";
       }
-      if (bench.json()) {
-        std::cout << json_line(row) << std::endl;
-      } else {
-        std::cout << std::left << std::setw(10) << system << " workers " << w << ": " << std::fixed
-                  << std::setprecision(0) << ips << " images/s"
-                  << (ratio.empty() ? "" : " (" + ratio + "x PyTorch)") << std::endl;
-      }
+      std::cout << std::endl;
     }
   }
   if (bench.json()) {
-    std::cout << json_line({{"system", "turbojpeg-decode"},
-                            {"workers", 1},
-                            {"images_per_second", ceiling}})
-              << std::endl;
+    print_row({{"system", "turbojpeg-decode"}, {"workers", 1}, {"images_per_second", ceiling}});
   } else {
     std::cout << "decode alone (1 thread, files in memory): " << std::fixed << std::setprecision(0)
               << ceiling << " images/s" << std::endl;
   }
+  for (const auto& t : targets) {
+    print_target(bench, t);
+  }
+  std::cout.flush();
 }
 
 int run_data_bench(const Bench& bench) {

@@ -2,11 +2,17 @@
 //
 // For each workload (the mlp at batch 64 per rank, a CIFAR-style ResNet-18 at batch 16 per rank),
 // 2 ranks with 1 thread each, run one after the other in one invocation:
-//   paratrain    paratrain::DistributedDataParallel (mpi backend when built, else gloo)
-//   independent  two single-process trainers of the same model at the same time, no
-//                communication: the limit of data parallelism on this machine
-//   pytorch      torch.nn.parallel.DistributedDataParallel from Debian's python3-torch (the same
-//                libtorch build), gloo, via bench/ddp_pytorch.py
+//   paratrain       paratrain::DistributedDataParallel on each backend of --backend (default
+//                   gloo, and mpi when built)
+//   independent     two single-process trainers of the same model at the same time, no
+//                   communication: the limit of data parallelism on this machine
+//   pytorch-VERSION torch.nn.parallel.DistributedDataParallel of each anchor Python (anchors.h:
+//                   Debian's 1.13.1 and PyPI's 2.15.0), via bench/ddp_pytorch.py, on each backend
+//                   of --backend its torch.distributed has (gloo; mpi only in a PyTorch built
+//                   with it)
+// The headline compares the same backend on both sides; paratrain's fastest backend also gets a
+// ratio to the fastest PyTorch on any backend, labelled as its best backend. The target: a step
+// of paratrain at most 1.0x the fastest PyTorch's on the same backend.
 // A step is zero_grad + forward + loss + backward + optimizer step on a fixed random batch; each
 // process takes the median of its timed steps and a row reports the slowest process's median.
 //
@@ -18,6 +24,7 @@
 // optimizer step, each bucket's allreduce from launch to wait, and DDP's exposed wait), and the
 // report adds, from the trace, backward's time and the wait in it after its compute ended.
 
+#include "anchors.h"
 #include "args.h"
 #include "bench_util.h"
 #include "benchmarks.h"
@@ -42,6 +49,7 @@
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 namespace paratrain {
 namespace cli {
@@ -50,18 +58,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The trace of workload `name`: FILE itself for one workload, else FILE with the name before
-// its extension (trace.json -> trace.mlp.json).
-std::string trace_path(const std::string& file, const std::string& name, size_t workloads) {
-  if (workloads == 1) {
+// The trace of one paratrain run: FILE itself when it is the only one, else FILE with the
+// workload and backend before its extension (trace.json -> trace.mlp.gloo.json); `tag` is
+// "mlp.gloo", or the part of it that varies.
+std::string trace_path(const std::string& file, const std::string& tag) {
+  if (tag.empty()) {
     return file;
   }
   const size_t dot = file.rfind('.');
   const size_t slash = file.rfind('/');
   if (dot == std::string::npos || (slash != std::string::npos && dot < slash)) {
-    return file + "." + name;
+    return file + "." + tag;
   }
-  return file.substr(0, dot) + "." + name + file.substr(dot);
+  return file.substr(0, dot) + "." + tag + file.substr(dot);
 }
 
 // From a merged trace: the median over ranks and steps of the backward span, and of DDP's
@@ -103,17 +112,18 @@ const BenchSpec& ddp_spec() {
       "DDP step time against independent trainers and PyTorch's DDP, on the same kernels.",
       {
           {"workloads", "LIST", "mlp, resnet18, ... (default mlp,resnet18)", "mlp"},
-          {"backend", "NAME", "mpi or gloo"},
+          {"backend", "LIST", "paratrain's backends: gloo, mpi (default both, mpi when built)"},
           {"steps", "N", "timed steps per workload", "1"},
           {"gradient-as-bucket-view", "", "DDP's gradient_as_bucket_view"},
-          {"no-pytorch", "", "skip PyTorch's DDP row"},
-          {"python", "P",
-           "the Python with torch for the PyTorch row (default: python3 on PATH or "
-           "/usr/bin/python3, whichever imports torch; or PARATRAIN_PYTHON)"},
+          {"no-pytorch", "", "skip PyTorch's DDP rows"},
+          {"python", "LIST",
+           "the Pythons with torch for the PyTorch rows, comma-separated (default: "
+           "/usr/bin/python3 and $PARATRAIN_VENV/bin/python, those present; or "
+           "PARATRAIN_PYTHON)"},
           {"trace", "FILE",
            "also write a Chrome trace of paratrain's DDP steps and print how much of the "
-           "allreduce time backward hides; with several workloads, one file each "
-           "(trace.json: trace.mlp.json, trace.resnet18.json)"},
+           "allreduce time backward hides; with several workloads or backends, one file each "
+           "(trace.json: trace.mlp.gloo.json, ...)"},
           {"mode", "M", ""},
           {"workload", "W", ""},
       },
@@ -303,47 +313,96 @@ void check_trace_file(const Bench& bench) {
 // Where the systems run and write their rows.
 struct DdpJobs {
   std::vector<std::string> workloads;
-  std::string backend;
-  std::string python;  // "" when the PyTorch row is skipped
+  std::vector<std::string> backends;  // paratrain's, in order
+  std::vector<AnchorPython> anchors;  // empty when the PyTorch rows are skipped
   std::string script;
   std::string out;
 };
 
-// Workload `name` on the three systems, one job after the other.
+// --backend: a list of gloo and mpi, each built; by default gloo, then mpi when built.
+std::vector<std::string> ddp_backends(const Bench& bench) {
+  const std::vector<std::string> built = dist::available_backends();
+  auto has = [&](const std::string& b) {
+    return std::find(built.begin(), built.end(), b) != built.end();
+  };
+  if (!bench.has("backend")) {
+    return has("mpi") ? std::vector<std::string>{"gloo", "mpi"} : std::vector<std::string>{"gloo"};
+  }
+  std::vector<std::string> out = split_list(bench.get("backend"));
+  for (const auto& b : out) {
+    if ((b != "gloo" && b != "mpi") || !has(b)) {
+      throw UsageError("--backend '" + b + "': choose of gloo and mpi, those this build has");
+    }
+  }
+  return out;
+}
+
+// The trace file of paratrain's run of workload `name` on `backend`, "" without --trace.
+std::string ddp_trace(const Bench& bench,
+                      const DdpJobs& jobs,
+                      const std::string& name,
+                      const std::string& backend) {
+  if (!bench.has("trace")) {
+    return "";
+  }
+  std::string tag = jobs.workloads.size() > 1 ? name : "";
+  if (jobs.backends.size() > 1) {
+    tag += (tag.empty() ? "" : ".") + backend;
+  }
+  return trace_path(bench.get("trace"), tag);
+}
+
+// Workload `name` on every system, one job after the other.
 void measure_workload(const Bench& bench, const DdpJobs& jobs, const std::string& name) {
   const Workload w = bench_workload(name, bench);
   std::vector<std::string> extra{"--workload", name};
   for (const auto& word : bench.forwarded({"steps", "gradient-as-bucket-view"})) {
     extra.push_back(word);
   }
-  bench.progress("measuring " + name + ": paratrain DDP (" + jobs.backend + ")...");
-  auto ddp_cmd = bench.worker_command(jobs.out, extra);
-  ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
-  if (bench.has("trace")) {
-    ddp_cmd.insert(ddp_cmd.end(),
-                   {"--trace", trace_path(bench.get("trace"), name, jobs.workloads.size())});
+  for (const auto& backend : jobs.backends) {
+    bench.progress("measuring " + name + ": paratrain DDP (" + backend + ")...");
+    auto ddp_cmd = bench.worker_command(jobs.out, extra);
+    ddp_cmd.insert(ddp_cmd.end(), {"--mode", "ddp"});
+    const std::string trace = ddp_trace(bench, jobs, name, backend);
+    if (!trace.empty()) {
+      ddp_cmd.insert(ddp_cmd.end(), {"--trace", trace});
+    }
+    run_bench_job(ddp_cmd, 2, backend, jobs.out);
   }
-  run_bench_job(ddp_cmd, 2, jobs.backend, jobs.out);
   bench.progress("measuring " + name + ": two independent trainers...");
   auto single_cmd = bench.worker_command(jobs.out, extra);
   single_cmd.insert(single_cmd.end(), {"--mode", "single"});
   run_bench_job(single_cmd, 2, "", jobs.out);
-  if (!jobs.python.empty()) {
-    bench.progress("measuring " + name + ": PyTorch DDP (gloo)...");
-    run_bench_job({jobs.python, jobs.script, "--workload", name, "--batch", std::to_string(w.batch),
-                   "--steps", std::to_string(w.steps), "--warmup", std::to_string(w.warmup),
-                   "--out", jobs.out},
-                  2, "", jobs.out);
+  for (const auto& a : jobs.anchors) {
+    for (const auto& backend : jobs.backends) {
+      if (!a.has_backend(backend)) {
+        continue;  // said once in run_ddp
+      }
+      bench.progress("measuring " + name + ": PyTorch " + a.torch + " DDP (" + backend + ")...");
+      // gloo: the launcher's env:// contract; mpi: through mpirun, as paratrain's.
+      run_bench_job({a.python, jobs.script, "--workload", name, "--batch", std::to_string(w.batch),
+                     "--steps", std::to_string(w.steps), "--warmup", std::to_string(w.warmup),
+                     "--backend", backend, "--system", a.label(), "--out", jobs.out},
+                    2, backend == "mpi" ? "mpi" : "", jobs.out);
+    }
   }
 }
 
-// One row per (workload, system): the independent trainers' is the slower of their two.
-using DdpRows = std::map<std::pair<std::string, std::string>, JsonRow>;
+// The rows by (workload, system, backend): the independent trainers' is the slower of their two.
+using DdpKey = std::tuple<std::string, std::string, std::string>;
+using DdpRows = std::map<DdpKey, JsonRow>;
 
-DdpRows collect_rows(const std::string& out) {
+DdpRows collect_rows(const std::string& out, const std::vector<AnchorPython>& anchors) {
   DdpRows rows;
-  for (const JsonRow& row : read_rows(out)) {
-    const auto key = std::make_pair(string_field(row, "workload"), string_field(row, "system"));
+  for (JsonRow row : read_rows(out)) {
+    for (const auto& a : anchors) {
+      if (string_field(row, "system") == a.label()) {
+        mark_anchor(row, a, a.torch);
+        row["mpi_available"] = a.mpi;
+      }
+    }
+    const DdpKey key{string_field(row, "workload"), string_field(row, "system"),
+                     string_field(row, "backend")};
     if (!rows.count(key) ||
         number_field(row, "step_seconds") > number_field(rows[key], "step_seconds")) {
       rows[key] = row;
@@ -353,104 +412,204 @@ DdpRows collect_rows(const std::string& out) {
   return rows;
 }
 
-// What the report of one workload says beyond its rows.
+// The fastest PyTorch row of `workload` on `backend` ("": on any backend); null when none.
+const JsonRow* fastest_pytorch(const DdpRows& rows,
+                               const std::string& workload,
+                               const std::string& backend) {
+  const JsonRow* best = nullptr;
+  for (const auto& [key, row] : rows) {
+    const bool anchor = std::get<1>(key).rfind("pytorch-", 0) == 0;
+    if (anchor && std::get<0>(key) == workload &&
+        (backend.empty() || std::get<2>(key) == backend) &&
+        (!best || number_field(row, "step_seconds") < number_field(*best, "step_seconds"))) {
+      best = &row;
+    }
+  }
+  return best;
+}
+
+// One paratrain row with its ratios: to the independent trainers; to each PyTorch on its backend
+// and to the fastest of them (the headline, like with like); and on paratrain's fastest backend,
+// to the fastest PyTorch on any backend.
+void add_ratios(DdpRows& rows, JsonRow& row, double indep, bool best_backend) {
+  const std::string workload = string_field(row, "workload"),
+                    backend = string_field(row, "backend");
+  const double ours = number_field(row, "step_seconds");
+  row["ratio_to_independent"] = ours / indep;
+  for (const auto& [key, other] : rows) {
+    if (std::get<0>(key) == workload && std::get<2>(key) == backend &&
+        std::get<1>(key).rfind("pytorch-", 0) == 0) {
+      row["ratio_to_" + std::get<1>(key)] = ours / number_field(other, "step_seconds");
+    }
+  }
+  if (const JsonRow* same = fastest_pytorch(rows, workload, backend)) {
+    row["ratio_to_pytorch"] = ours / number_field(*same, "step_seconds");
+    row["fastest_pytorch"] = string_field(*same, "system");
+  }
+  row["best_backend"] = best_backend;
+  const JsonRow* any = fastest_pytorch(rows, workload, "");
+  if (best_backend && any) {
+    row["best_ratio_to_pytorch"] = ours / number_field(*any, "step_seconds");
+    row["best_against"] = string_field(*any, "system") + " (" + string_field(*any, "backend") + ")";
+  }
+}
+
+// What the report of one workload says beyond its rows: paratrain's rows with their ratios (and
+// trace findings), one per backend, and the targets.
 struct DdpSummary {
   std::string name;
-  double ours = 0, indep = 0, theirs = 0;  // step seconds: paratrain, independent, PyTorch
-  bool have_pt = false;
-  std::string traced;  // the trace file, "" without --trace
-  TracedBackward tb{0, 0};
-  double trace_hidden = 1;
+  std::vector<JsonRow> ours;
+  std::vector<Target> targets;
 };
 
-DdpSummary summarize(const Bench& bench, DdpRows& rows, const std::string& name, size_t workloads) {
+void add_trace(JsonRow& row, const std::string& traced) {
+  const TracedBackward tb = backward_in_trace(traced);
+  const double alone = number_field(row, "comm_seconds");
+  row["trace"] = traced;
+  row["trace_backward_seconds"] = tb.backward_seconds;
+  row["trace_exposed_seconds"] = tb.exposed_seconds;
+  row["trace_hidden_fraction"] =
+      alone > 0 ? std::clamp(1.0 - tb.exposed_seconds / alone, 0.0, 1.0) : 1.0;
+}
+
+DdpSummary summarize(const Bench& bench,
+                     const DdpJobs& jobs,
+                     DdpRows& rows,
+                     const std::string& name) {
   DdpSummary s;
   s.name = name;
-  auto step = [&](const char* system) {
-    return number_field(rows[{name, system}], "step_seconds");
-  };
-  s.ours = step("paratrain");
-  s.indep = step("independent");
-  s.have_pt = rows.count({name, "pytorch"}) > 0;
-  s.theirs = s.have_pt ? step("pytorch") : 0;
-  s.traced = bench.has("trace") ? trace_path(bench.get("trace"), name, workloads) : "";
-  if (!s.traced.empty()) {
-    s.tb = backward_in_trace(s.traced);
-    const double alone = number_field(rows[{name, "paratrain"}], "comm_seconds");
-    s.trace_hidden = alone > 0 ? std::clamp(1.0 - s.tb.exposed_seconds / alone, 0.0, 1.0) : 1.0;
+  const double indep = number_field(rows[{name, "independent", ""}], "step_seconds");
+  std::string best;
+  for (const auto& b : jobs.backends) {
+    if (best.empty() || number_field(rows[{name, "paratrain", b}], "step_seconds") <
+                            number_field(rows[{name, "paratrain", best}], "step_seconds")) {
+      best = b;
+    }
+  }
+  for (const auto& b : jobs.backends) {
+    JsonRow row = rows[{name, "paratrain", b}];
+    add_ratios(rows, row, indep, b == best && jobs.backends.size() > 1);
+    note_smoke_skip(bench, row);
+    const std::string traced = ddp_trace(bench, jobs, name, b);
+    if (!traced.empty()) {
+      add_trace(row, traced);
+    }
+    if (row.contains("ratio_to_pytorch")) {
+      s.targets.push_back({"ddp-step " + name + " " + b,
+                           string_field(row, "fastest_pytorch") + " (" + b + ")",
+                           {{"ratio", number_field(row, "ratio_to_pytorch"), 1.0, true}}});
+    }
+    s.ours.push_back(row);
   }
   return s;
 }
 
 void print_ddp_json(const Bench& bench, DdpRows& rows, const DdpSummary& s) {
-  for (const char* sys : {"paratrain", "independent", "pytorch"}) {
-    auto key = std::make_pair(s.name, std::string(sys));
-    if (!rows.count(key)) {
-      continue;
-    }
-    JsonRow row = rows[key];
-    if (std::string(sys) == "paratrain") {
-      row["ratio_to_independent"] = s.ours / s.indep;
-      if (s.have_pt) {
-        row["ratio_to_pytorch"] = s.ours / s.theirs;
-      }
-      note_smoke_skip(bench, row);
-      if (!s.traced.empty()) {
-        row["trace"] = s.traced;
-        row["trace_backward_seconds"] = s.tb.backward_seconds;
-        row["trace_exposed_seconds"] = s.tb.exposed_seconds;
-        row["trace_hidden_fraction"] = s.trace_hidden;
-      }
-    }
+  for (const auto& row : s.ours) {
     print_row(row);
+  }
+  for (const auto& [key, row] : rows) {
+    if (std::get<0>(key) == s.name && std::get<1>(key) != "paratrain") {
+      print_row(row);
+    }
+  }
+  for (const auto& t : s.targets) {
+    print_target(bench, t);
   }
 }
 
-void print_ddp_text(DdpRows& rows, const DdpSummary& s) {
-  const JsonRow& ddp_row = rows[{s.name, "paratrain"}];
-  std::cout << std::fixed << std::setprecision(1) << s.name << " (2 ranks x 1 thread):\n"
-            << "  paratrain DDP (" << string_field(ddp_row, "backend") << ")  " << s.ours * 1e3
-            << " ms/step\n"
-            << "  independent x2        " << s.indep * 1e3 << " ms/step\n";
-  if (s.have_pt) {
-    std::cout << "  PyTorch DDP (gloo)    " << s.theirs * 1e3 << " ms/step\n";
+// The paratrain row of one backend, as lines of the report.
+void print_ours_text(const JsonRow& row) {
+  const std::string backend = string_field(row, "backend");
+  std::cout << std::fixed << std::setprecision(2);
+  std::cout << "  paratrain / independent (" << backend
+            << ") = " << number_field(row, "ratio_to_independent") << "x";
+  for (const auto& [key, value] : row.items()) {
+    if (key.rfind("ratio_to_pytorch-", 0) == 0) {
+      std::cout << ", paratrain / PyTorch " << key.substr(17) << " (" << backend
+                << ") = " << value.get<double>() << "x";
+    }
   }
-  std::cout << std::setprecision(2) << "  paratrain / independent = " << s.ours / s.indep << "x";
-  if (s.have_pt) {
-    std::cout << ", paratrain / PyTorch = " << s.ours / s.theirs << "x";
+  if (row.value("best_backend", false) && row.contains("best_ratio_to_pytorch")) {
+    std::cout << "\n  paratrain's best backend (" << backend << ") / fastest PyTorch ("
+              << string_field(row, "best_against")
+              << ") = " << number_field(row, "best_ratio_to_pytorch") << "x";
   }
-  std::cout << "\n  communication hidden behind backward: " << std::setprecision(0)
-            << 100 * number_field(ddp_row, "hidden_comm_fraction") << "% ("
-            << static_cast<int64_t>(number_field(ddp_row, "buckets"))
+  std::cout << "\n  communication hidden behind backward (" << backend
+            << "): " << std::setprecision(0) << 100 * number_field(row, "hidden_comm_fraction")
+            << "% (" << static_cast<int64_t>(number_field(row, "buckets"))
             << " buckets, allreduce alone " << std::setprecision(2)
-            << 1e3 * number_field(ddp_row, "comm_seconds") << " ms, exposed "
-            << 1e3 * number_field(ddp_row, "exposed_comm_seconds") << " ms)\n";
-  if (!s.traced.empty()) {
-    std::cout << std::setprecision(2) << "  in the trace (" << s.traced << "): backward "
-              << s.tb.backward_seconds * 1e3 << " ms, of which waiting for allreduce after its "
-              << "compute " << s.tb.exposed_seconds * 1e3 << " ms: " << std::setprecision(0)
-              << 100 * s.trace_hidden << "% of the allreduce time hidden (medians)\n";
+            << 1e3 * number_field(row, "comm_seconds") << " ms, exposed "
+            << 1e3 * number_field(row, "exposed_comm_seconds") << " ms)\n";
+  if (row.contains("trace")) {
+    std::cout << "  in the trace (" << string_field(row, "trace") << "): backward "
+              << number_field(row, "trace_backward_seconds") * 1e3
+              << " ms, of which waiting for allreduce after its compute "
+              << number_field(row, "trace_exposed_seconds") * 1e3 << " ms: " << std::setprecision(0)
+              << 100 * number_field(row, "trace_hidden_fraction")
+              << "% of the allreduce time hidden (medians)\n";
+  }
+}
+
+void print_ddp_text(const Bench& bench, DdpRows& rows, const DdpSummary& s) {
+  std::cout << s.name << " (2 ranks x 1 thread):\n";
+  auto line = [](const std::string& what, const JsonRow& row, const std::string& note) {
+    std::cout << "  " << std::left << std::setw(30) << what << std::right << std::fixed
+              << std::setprecision(1) << std::setw(8) << number_field(row, "step_seconds") * 1e3
+              << " ms/step" << note << "\n";
+  };
+  for (const auto& row : s.ours) {
+    line("paratrain DDP (" + string_field(row, "backend") + ")", row,
+         row.value("best_backend", false) ? "  (paratrain's best backend)" : "");
+  }
+  line("independent x2", rows[{s.name, "independent", ""}], "");
+  for (const auto& [key, row] : rows) {
+    if (std::get<0>(key) == s.name && std::get<1>(key).rfind("pytorch-", 0) == 0) {
+      line("PyTorch " + string_field(row, "anchor_version") + " DDP (" + std::get<2>(key) + ")",
+           row, "");
+    }
+  }
+  for (const auto& row : s.ours) {
+    print_ours_text(row);
+  }
+  for (const auto& t : s.targets) {
+    print_target(bench, t);
+  }
+}
+
+// The anchors' backends: which of --backend each PyTorch lacks, said once.
+void say_missing_backends(const Bench& bench, const DdpJobs& jobs) {
+  for (const auto& a : jobs.anchors) {
+    for (const auto& b : jobs.backends) {
+      if (!a.has_backend(b)) {
+        bench.info() << "PyTorch " << a.torch << " (" << a.python << ") has no " << b
+                     << " backend (torch.distributed.is_" << b
+                     << "_available() is False): paratrain's " << b << " rows have no PyTorch "
+                     << "beside them" << std::endl;
+      }
+    }
   }
 }
 
 int run_ddp(const Bench& bench) {
   DdpJobs jobs;
   jobs.workloads = bench_workloads(bench);
-  jobs.backend = bench_backend(bench);
-  jobs.python = comparison_python(bench);
-  jobs.script = jobs.python.empty() ? "" : bench_script("ddp_pytorch.py");
+  jobs.backends = ddp_backends(bench);
+  jobs.anchors = anchor_pythons(bench);
+  jobs.script = jobs.anchors.empty() ? "" : bench_script("ddp_pytorch.py");
   check_trace_file(bench);
+  say_missing_backends(bench, jobs);
   jobs.out = results_file("ddp");
   for (const auto& name : jobs.workloads) {
     measure_workload(bench, jobs, name);
   }
-  DdpRows rows = collect_rows(jobs.out);
+  DdpRows rows = collect_rows(jobs.out, jobs.anchors);
   for (const auto& name : jobs.workloads) {
-    const DdpSummary s = summarize(bench, rows, name, jobs.workloads.size());
+    const DdpSummary s = summarize(bench, jobs, rows, name);
     if (bench.json()) {
       print_ddp_json(bench, rows, s);
     } else {
-      print_ddp_text(rows, s);
+      print_ddp_text(bench, rows, s);
     }
   }
   std::cout.flush();

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-# PyTorch's own DDP on the workloads of `paratrain bench ddp`, for the side-by-side comparison.
-# Started by the paratrain launcher (torchrun's environment contract), one thread per rank, gloo.
-# Writes one JSON line (rank 0) to --out: the slowest rank's median step time, steps timed.
-import argparse, json, os, statistics, time
+# PyTorch's own DDP on the workloads of `paratrain bench ddp` (and, with --amp bf16, CPU autocast
+# for `paratrain bench amp`), for the side-by-side comparison. Started by the paratrain launcher
+# (torchrun's environment contract; through mpirun for --backend mpi), one thread per rank. Runs
+# under any PyTorch from 1.13 on. Writes one JSON line (rank 0) to --out: the slowest rank's median
+# step time, steps timed.
+import argparse, contextlib, json, os, statistics, time
 
 import torch
 import torch.distributed as dist
@@ -52,6 +54,10 @@ def main():
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
+    p.add_argument("--amp", default="none", choices=["none", "bf16"],
+                   help="bf16: forward and loss under torch.autocast on the CPU (opt level O1)")
+    p.add_argument("--system", default="pytorch", help="the row's system: pytorch-VERSION")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -59,7 +65,7 @@ def main():
     # refuse ("use_libuv was requested but PyTorch was build without libuv support"). The classic
     # store exists in every version, and USE_LIBUV is PyTorch's own switch for the default.
     os.environ.setdefault("USE_LIBUV", "0")
-    dist.init_process_group("gloo")
+    dist.init_process_group(a.backend)
     torch.manual_seed(0)
     model = mlp() if a.workload == "mlp" else resnet18_cifar()
     shape = (a.batch, 1, 28, 28) if a.workload == "mlp" else (a.batch, 3, 32, 32)
@@ -67,12 +73,17 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(shape)
     y = torch.randint(0, 10, (a.batch,))
+    # bf16 needs no GradScaler: its range is fp32's (as paratrain's O1 in bf16).
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if a.amp == "bf16" \
+        else contextlib.nullcontext
     times = []
     for step in range(a.warmup + a.steps):
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
+        with autocast():
+            loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
         opt.step()
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
@@ -81,7 +92,8 @@ def main():
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         with open(a.out, "a") as f:
-            f.write(json.dumps({"workload": a.workload, "system": "pytorch",
+            f.write(json.dumps({"workload": a.workload, "system": a.system,
+                                "backend": a.backend, "amp": a.amp,
                                 "ranks": dist.get_world_size(),
                                 "step_seconds": t.item(),
                                 "steps": len(times)}) + "\n")

@@ -2,11 +2,20 @@
 // checkpointing, training one GPT with Adam on 2 ranks (--ranks; one process and one thread
 // each), on the CPU or, with --device cuda, each rank on its own GPU (--ranks 1 on one GPU).
 //
-// Rows: system, params, ranks, peak_rss_bytes (per rank: the largest rank's getrusage peak),
-// peak_tensor_bytes (per rank: the largest rank's peak of live tensor bytes on its main thread,
-// CPU and GPU, without what the allocators keep of freed memory; see tensor_memory.h),
-// step_seconds (median over the timed steps, the slowest rank's), loss (the last step's), first
-// loss, and estimate_bytes (the training state per rank the system needs: see state_estimate).
+// Beside them, the same training in PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2
+// (fully_shard on each block, then the root; with torch.utils.checkpoint on each block for
+// fsdp+ckpt) for each anchor Python (anchors.h: Debian's PyTorch 1.13.1, which has no fully_shard,
+// and PyPI's 2.15.0), on the CPU over gloo (bench/fsdp_pytorch.py). Every row names its
+// framework (paratrain, pytorch-VERSION); a system that an anchor cannot run has a row with the
+// exact error. PyTorch's rows have no live-tensor peak, and their RSS holds the interpreter too.
+//
+// Rows: framework, system, params, ranks, peak_rss_bytes (per rank: the largest rank's getrusage
+// peak), peak_tensor_bytes (per rank: the largest rank's peak of live tensor bytes on its main
+// thread, CPU and GPU, without what the allocators keep of freed memory; see tensor_memory.h),
+// rss_before_model_bytes (the largest rank's RSS before the model is built: the process and its
+// libraries), step_seconds (median over the timed steps, the slowest rank's), loss (the last
+// step's), first loss, and estimate_bytes (the training state per rank the system needs: see
+// state_estimate).
 //
 // A system whose state alone would not fit --memory-per-rank is refused before it starts, with a
 // row that says so (refused: the line) instead of a process the kernel kills. The default limit
@@ -16,6 +25,7 @@
 //   paratrain bench fsdp --model gpt --layers 24 --width 2048 --heads 16 --vocab 256
 //       --context 64 --batch 1 --steps 9 --systems ddp,zero,fsdp
 
+#include "anchors.h"
 #include "bench_util.h"
 #include "benchmarks.h"
 #include "harness.h"
@@ -28,6 +38,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <limits>
@@ -60,6 +71,11 @@ const BenchSpec& fsdp_spec() {
           {"backend", "NAME", "mpi or gloo (default gloo); nccl with --device cuda"},
           {"device", "NAME", "cpu (default) or cuda: rank r on its node's cuda:r"},
           {"ranks", "N", "ranks (default 2; 1 with --device cuda on one GPU)"},
+          {"no-pytorch", "", "skip PyTorch's rows"},
+          {"python", "LIST",
+           "the Pythons with torch for PyTorch's rows (DDP, ZeRO, FSDP2's fully_shard; CPU, "
+           "gloo), comma-separated (default: /usr/bin/python3 and $PARATRAIN_VENV/bin/python, "
+           "those present; or PARATRAIN_PYTHON)"},
           {"system", "S", ""},
       },
       "print JSON rows",
@@ -134,6 +150,14 @@ Wrapped wrap(const std::string& system,
   return w;
 }
 
+// This process's resident memory now, in bytes.
+int64_t current_rss_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * ::sysconf(_SC_PAGESIZE);
+}
+
 int run_fsdp_worker(const Bench& bench) {
   torch::set_num_threads(1);
   const std::string system = bench.get("system");
@@ -145,6 +169,7 @@ int run_fsdp_worker(const Bench& bench) {
   torch::manual_seed(0);
   const torch::Device device =
       bench.get("device", "cpu") == "cuda" ? dist::local_device() : torch::Device(torch::kCPU);
+  const int64_t before = current_rss_bytes();
   auto model = models::gpt(shape);
   model->to(device);
   Wrapped w = wrap(system, model, pg);
@@ -172,22 +197,25 @@ int run_fsdp_worker(const Bench& bench) {
     bench.progress("  " + system + " step " + std::to_string(step) + ": loss " +
                    std::to_string(loss));
   }
-  at::Tensor t = torch::tensor({median(times), static_cast<double>(peak_rss_bytes()),
-                                static_cast<double>(memory->peaks()[0])},
-                               torch::kDouble)
-                     .to(device);  // where the group moves tensors (nccl: only CUDA ones)
+  at::Tensor t =
+      torch::tensor({median(times), static_cast<double>(peak_rss_bytes()),
+                     static_cast<double>(memory->peaks()[0]), static_cast<double>(before)},
+                    torch::kDouble)
+          .to(device);  // where the group moves tensors (nccl: only CUDA ones)
   pg->allreduce(t, dist::ReduceOp::kMax)->wait();
   t = t.cpu();
   if (pg->rank() == 0) {
-    append_row(bench.get("out"), {{"system", system},
-                                  {"params", params},
-                                  {"ranks", pg->size()},
-                                  {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
-                                  {"peak_tensor_bytes", static_cast<int64_t>(t[2].item<double>())},
-                                  {"step_seconds", t[0].item<double>()},
-                                  {"first_loss", first},
-                                  {"loss", loss},
-                                  {"steps", steps}});
+    append_row(bench.get("out"),
+               {{"system", system},
+                {"params", params},
+                {"ranks", pg->size()},
+                {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
+                {"peak_tensor_bytes", static_cast<int64_t>(t[2].item<double>())},
+                {"rss_before_model_bytes", static_cast<int64_t>(t[3].item<double>())},
+                {"step_seconds", t[0].item<double>()},
+                {"first_loss", first},
+                {"loss", loss},
+                {"steps", steps}});
   }
   return 0;
 }
@@ -212,91 +240,205 @@ JsonRow refused_row(
           {"refused", line}};
 }
 
-// Each row with its ratios to DDP's (when DDP ran): JSON rows, or a table.
-void print_fsdp_rows(const Bench& bench, std::vector<JsonRow> rows) {
-  const JsonRow* ddp = nullptr;
-  for (const auto& row : rows) {
-    if (string_field(row, "system") == "ddp" && !row.contains("refused")) {
-      ddp = &row;
+// The ratios of each measured row to its own framework's DDP row, and of paratrain's rows to
+// each PyTorch's row of the same system.
+void add_fsdp_ratios(std::vector<JsonRow>& rows) {
+  auto find = [&](const std::string& framework, const std::string& system) -> const JsonRow* {
+    for (const auto& row : rows) {
+      if (string_field(row, "framework") == framework && string_field(row, "system") == system &&
+          row.contains("step_seconds")) {
+        return &row;
+      }
     }
-  }
-  if (ddp != nullptr) {
-    const double rss = number_field(*ddp, "peak_rss_bytes");
-    const double step = number_field(*ddp, "step_seconds");
-    for (auto& row : rows) {
-      if (!row.contains("refused")) {
-        row["peak_rss_ratio_to_ddp"] = number_field(row, "peak_rss_bytes") / rss;
-        row["step_ratio_to_ddp"] = number_field(row, "step_seconds") / step;
+    return nullptr;
+  };
+  std::vector<JsonRow> out = rows;
+  for (auto& row : out) {
+    if (!row.contains("step_seconds")) {
+      continue;
+    }
+    const std::string framework = string_field(row, "framework");
+    row["rss_growth_bytes"] =
+        number_field(row, "peak_rss_bytes") - number_field(row, "rss_before_model_bytes");
+    if (const JsonRow* ddp = find(framework, "ddp")) {
+      row["peak_rss_ratio_to_ddp"] =
+          number_field(row, "peak_rss_bytes") / number_field(*ddp, "peak_rss_bytes");
+      row["step_ratio_to_ddp"] =
+          number_field(row, "step_seconds") / number_field(*ddp, "step_seconds");
+    }
+    if (framework != "paratrain") {
+      continue;
+    }
+    for (const auto& other : rows) {
+      const std::string theirs = string_field(other, "framework");
+      if (theirs != "paratrain" && other.contains("step_seconds") &&
+          string_field(other, "system") == string_field(row, "system")) {
+        row["step_ratio_to_" + theirs] =
+            number_field(row, "step_seconds") / number_field(other, "step_seconds");
+        row["peak_rss_ratio_to_" + theirs] =
+            number_field(row, "peak_rss_bytes") / number_field(other, "peak_rss_bytes");
+        // What training added to each process, without what the interpreter and PyPI's CUDA
+        // libraries hold before (about 0.7 GiB).
+        row["rss_growth_ratio_to_" + theirs] =
+            number_field(row, "rss_growth_bytes") /
+            (number_field(other, "peak_rss_bytes") - number_field(other, "rss_before_model_bytes"));
       }
     }
   }
+  rows = out;
+}
+
+// One measured row of the table ("of it new": the peak RSS less the RSS before the model).
+void print_fsdp_line(const JsonRow& row) {
+  std::cout << std::setw(15) << gib(number_field(row, "peak_rss_bytes")) << std::setw(12)
+            << gib(number_field(row, "rss_growth_bytes")) << std::setw(14)
+            << (row.contains("peak_tensor_bytes") ? gib(number_field(row, "peak_tensor_bytes"))
+                                                  : "-")
+            << std::fixed << std::setprecision(3) << std::setw(10)
+            << number_field(row, "step_seconds");
+  if (row.contains("peak_rss_ratio_to_ddp")) {
+    std::cout << std::setprecision(2) << number_field(row, "peak_rss_ratio_to_ddp") << "x, "
+              << number_field(row, "step_ratio_to_ddp") << "x           ";
+  } else {
+    std::cout << "-                      ";
+  }
+  std::cout << std::setprecision(3) << number_field(row, "first_loss") << " -> "
+            << number_field(row, "loss") << "\n";
+}
+
+// Each row with its ratios (to its framework's DDP, and paratrain's to PyTorch's): JSON rows, or
+// a table.
+void print_fsdp_rows(const Bench& bench, std::vector<JsonRow> rows) {
+  add_fsdp_ratios(rows);
   if (bench.json()) {
     for (const auto& row : rows) {
       print_row(row);
     }
     return;
   }
-  std::cout
-      << "system      params       peak RSS/rank  tensors/rank  step (s)  vs ddp (memory, time)  "
-         "loss\n";
+  std::cout << "framework       system      params       peak RSS/rank  of it new   tensors/rank  "
+               "step (s)  vs ddp (memory, time)  loss\n";
   for (const auto& row : rows) {
-    std::cout << std::left << std::setw(11) << string_field(row, "system") << std::setw(13)
-              << static_cast<int64_t>(number_field(row, "params"));
-    if (row.contains("refused")) {
-      std::cout << "refused: " << string_field(row, "refused") << "\n";
+    std::cout << std::left << std::setw(16) << string_field(row, "framework") << std::setw(12)
+              << string_field(row, "system") << std::setw(13)
+              << (row.contains("params")
+                      ? std::to_string(static_cast<int64_t>(number_field(row, "params")))
+                      : "-");
+    if (row.contains("refused") || row.contains("error")) {
+      std::cout << (row.contains("refused") ? "refused: " + string_field(row, "refused")
+                                            : "failed: " + string_field(row, "error"))
+                << "\n";
       continue;
     }
-    std::cout << std::setw(15) << gib(number_field(row, "peak_rss_bytes")) << std::setw(14)
-              << gib(number_field(row, "peak_tensor_bytes")) << std::fixed << std::setprecision(3)
-              << std::setw(10) << number_field(row, "step_seconds");
-    if (row.contains("peak_rss_ratio_to_ddp")) {
-      std::cout << std::setprecision(2) << number_field(row, "peak_rss_ratio_to_ddp") << "x, "
-                << number_field(row, "step_ratio_to_ddp") << "x           ";
-    } else {
-      std::cout << "-                      ";
-    }
-    std::cout << std::setprecision(3) << number_field(row, "first_loss") << " -> "
-              << number_field(row, "loss") << "\n";
+    print_fsdp_line(row);
   }
   std::cout.flush();
 }
 
-int run_fsdp_bench(const Bench& bench) {
+// What every framework runs: the model's sizes, the systems, and the memory each rank may use.
+struct FsdpPlan {
+  int64_t params = 0, block = 0, root = 0, limit = 0;
+  int ranks = 0;
+  std::vector<std::string> systems;
+  std::vector<AnchorPython> anchors;  // PyTorch's side; empty when skipped
+};
+
+FsdpPlan fsdp_plan(const Bench& bench) {
+  FsdpPlan p;
   const models::GptOptions shape = gpt_shape(bench);
-  const int64_t params = models::gpt_parameter_count(shape);
-  const int64_t block = 12 * shape.width() * shape.width() + 13 * shape.width();
-  const int64_t root = (shape.vocab() + shape.context() + 2) * shape.width();
-  const int ranks = bench.get_int("ranks", 2);
+  p.params = models::gpt_parameter_count(shape);
+  p.block = 12 * shape.width() * shape.width() + 13 * shape.width();
+  p.root = (shape.vocab() + shape.context() + 2) * shape.width();
+  p.ranks = bench.get_int("ranks", 2);
   const std::string device = bench.get("device", "cpu");
   require(device == "cpu" || device == "cuda",
           "unknown --device '" + device + "': choose cpu or cuda");
-  require(ranks >= 1, "--ranks must be at least 1");
+  require(p.ranks >= 1, "--ranks must be at least 1");
   // On a GPU the limit is the device's, which the caching allocator enforces itself.
-  const int64_t limit = bench.has("memory-per-rank") ? bench.get_bytes("memory-per-rank", 0)
-                        : device == "cuda"           ? std::numeric_limits<int64_t>::max()
-                                                     : physical_memory() / ranks;
-  const std::string out = results_file("fsdp");
-  std::vector<JsonRow> rows;
-  for (const auto& system : split_list(bench.get("systems", "ddp,zero,fsdp,fsdp+ckpt"))) {
+  p.limit = bench.has("memory-per-rank") ? bench.get_bytes("memory-per-rank", 0)
+            : device == "cuda"           ? std::numeric_limits<int64_t>::max()
+                                         : physical_memory() / p.ranks;
+  p.systems = split_list(bench.get("systems", "ddp,zero,fsdp,fsdp+ckpt"));
+  for (const auto& system : p.systems) {
     require(system == "ddp" || system == "zero" || system == "fsdp" || system == "fsdp+ckpt",
             "unknown system '" + system + "' in --systems: choose of ddp, zero, fsdp, fsdp+ckpt");
-    const int64_t estimate = state_estimate(system, params, block, root, ranks);
-    if (estimate > limit) {
-      rows.push_back(refused_row(system, params, ranks, estimate, limit));
-      std::cerr << "bench fsdp: " << string_field(rows.back(), "refused") << std::endl;
-      continue;
+  }
+  // PyTorch's side runs what its script runs: the CPU over gloo.
+  if (device == "cpu" && bench.get("backend", "gloo") == "gloo") {
+    p.anchors = anchor_pythons(bench);
+  } else if (!bench.has("no-pytorch")) {
+    std::cerr << "bench fsdp: PyTorch's rows are left out: they run on the CPU over gloo only"
+              << std::endl;
+  }
+  return p;
+}
+
+// One system of one framework: its row, or the row that refuses it up front.
+JsonRow measure_system(const Bench& bench,
+                       const FsdpPlan& p,
+                       const std::string& system,
+                       const AnchorPython* anchor,
+                       const std::string& out) {
+  const std::string framework = anchor ? anchor->label() : "paratrain";
+  const int64_t estimate = state_estimate(system, p.params, p.block, p.root, p.ranks);
+  if (estimate > p.limit) {
+    JsonRow row = refused_row(system, p.params, p.ranks, estimate, p.limit);
+    row["framework"] = framework;
+    std::cerr << "bench fsdp: " << framework << ": " << string_field(row, "refused") << std::endl;
+    return row;
+  }
+  bench.progress("measuring " + framework + " " + system + " (" + std::to_string(p.params) +
+                 " parameters)...");
+  std::remove(out.c_str());
+  if (anchor) {
+    // The resolved shape, which the script cannot work out itself (the smoke values, presets).
+    const models::GptOptions shape = gpt_shape(bench);
+    std::vector<std::string> command{anchor->python, bench_script("fsdp_pytorch.py"),
+                                     "--framework",  framework,
+                                     "--out",        out,
+                                     "--system",     system,
+                                     "--model",      "gpt"};
+    for (const auto& [flag, value] :
+         std::vector<std::pair<std::string, int64_t>>{{"--layers", shape.layers()},
+                                                      {"--width", shape.width()},
+                                                      {"--heads", shape.heads()},
+                                                      {"--vocab", shape.vocab()},
+                                                      {"--context", shape.context()},
+                                                      {"--batch", bench.get_int("batch", 2)},
+                                                      {"--steps", bench.get_int("steps", 5)}}) {
+      command.insert(command.end(), {flag, std::to_string(value)});
     }
-    bench.progress("measuring " + system + " (" + std::to_string(params) + " parameters)...");
+    run_bench_job(command, p.ranks, "", out);
+  } else {
     std::vector<std::string> extra{"--system", system};
     for (const auto& word : bench.forwarded({"model", "layers", "width", "heads", "vocab",
                                              "context", "batch", "steps", "device"})) {
       extra.push_back(word);
     }
-    std::remove(out.c_str());
-    run_bench_job(bench.worker_command(out, extra), ranks, bench.get("backend", "gloo"), out);
-    JsonRow row = read_rows(out).at(0);
-    row["estimate_bytes"] = estimate;
-    rows.push_back(row);
+    run_bench_job(bench.worker_command(out, extra), p.ranks, bench.get("backend", "gloo"), out);
+  }
+  JsonRow row = read_rows(out).at(0);
+  row["framework"] = framework;
+  row["estimate_bytes"] = estimate;
+  if (anchor) {
+    mark_anchor(row, *anchor, anchor->torch);
+  } else {
+    note_smoke_skip(bench, row);
+  }
+  return row;
+}
+
+int run_fsdp_bench(const Bench& bench) {
+  const FsdpPlan p = fsdp_plan(bench);
+  const std::string out = results_file("fsdp");
+  std::vector<JsonRow> rows;
+  for (const auto& system : p.systems) {
+    rows.push_back(measure_system(bench, p, system, nullptr, out));
+  }
+  for (const auto& a : p.anchors) {
+    for (const auto& system : p.systems) {
+      rows.push_back(measure_system(bench, p, system, &a, out));
+    }
   }
   std::remove(out.c_str());
   print_fsdp_rows(bench, rows);

@@ -1,19 +1,31 @@
-// paratrain bench tune: paratrain tune against Optuna on the same search, in the same run.
+// paratrain bench tune: paratrain tune against Optuna and Ray Tune on the same search, in the
+// same run.
 //
 // The search: the mlp (the zoo's, with hidden units and dropout as parameters) on Fashion-MNIST,
 // lr loguniform(1e-3, 0.3), batch choice(32, 64, 128, 256), hidden choice(128, 256, 512), dropout
 // uniform(0, 0.5); at most 2 epochs a trial, test accuracy reported every quarter epoch (so
 // max_t is 8), 20 trials, 1 thread per trial. paratrain runs its trials as C++ functions,
-// --max-concurrent at once (default: one per core); Optuna (bench/tune_optuna.py, Debian's
-// python3-optuna) runs them one after another with n_jobs=1, Optuna's default.
+// --max-concurrent at once (default: one per core); Ray Tune (bench/tune_ray.py) runs as many at
+// once, one CPU each; Optuna (bench/tune_optuna.py) runs them one after another with n_jobs=1,
+// Optuna's default. Every side trains a trial the same way (bench/tune_common.py).
 //
-// Rows: system (paratrain-bohb (BOHB on synchronous Hyperband), paratrain-bohb-asha (BOHB's model
-// fed by ASHA's rungs), paratrain-asha, paratrain-random, optuna-tpe-hyperband, optuna-random),
-// seed, best_accuracy (the best trial that ran to max_t, at its last report, as
-// Optuna's best_value), epochs_used, wall_seconds; then one mean row per system with its ratios
-// to optuna-tpe-hyperband. Where no Python here imports torch and optuna, the Optuna systems are
-// left out, said in one line; a build without SQLite has no tuner, and says so.
+// The PBT case: --pbt-population trials (default 4) drawn at random from the same space, each
+// trained to --pbt-epochs (default 4), perturbed every half epoch (lr, batch and dropout
+// mutate), by paratrain's pbt and Ray Tune's PopulationBasedTraining, at the same concurrency.
+//
+// Systems: paratrain-bohb (BOHB on synchronous Hyperband), paratrain-bohb-asha (BOHB's model fed
+// by ASHA's rungs), paratrain-asha, paratrain-random, paratrain-pbt; optuna-VERSION-tpe-hyperband
+// and optuna-VERSION-random for each Optuna of the anchor Pythons (anchors.h: Debian's 3.1, PyPI's
+// current); ray-tune-asha (ASHA with random search), ray-tune-bohb (TuneBOHB with
+// HyperBandForBOHB), ray-tune-pbt. Rows: system, seed, best_accuracy (the best trial that ran to
+// max_t, at its last report, as Optuna's best_value), epochs_used (quarter epochs trained, over
+// 4), wall_seconds; then one mean row per system, with its ratios to the newest Optuna's TPE;
+// then the targets against Ray Tune: paratrain's accuracy at least Ray's (mean over the seeds,
+// within 0.1 point) in at most 0.5x its wall time, for ASHA and for BOHB; PBT's best accuracy at
+// least Ray's PBT's on the same epochs. A side whose Python is missing is left out, said in one
+// line; a build without SQLite has no tuner, and says so.
 
+#include "anchors.h"
 #include "args.h"
 #include "bench_util.h"
 #include "benchmarks.h"
@@ -33,12 +45,16 @@
 
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 namespace paratrain {
@@ -47,20 +63,28 @@ namespace cli {
 namespace {
 
 const BenchSpec& tune_spec() {
-  // --smoke: each system once, 2 trials of one epoch over the first 1024 training images (every
-  // batch choice fits in them), scored on 256 test images.
+  // --smoke: each paratrain system once, 2 trials of one epoch over the first 1024 training
+  // images (every batch choice fits in them), scored on 256 test images; PBT with 2 trials.
   static const BenchSpec spec{
       "tune",
-      "paratrain tune (BOHB on Hyperband or ASHA, ASHA, random) against Optuna (TPE with its "
+      "paratrain tune (BOHB on Hyperband or ASHA, ASHA, random, PBT) against Optuna (TPE with its "
       "Hyperband pruner, random)\n"
-      "on the same search over the mlp on Fashion-MNIST, in one run.",
+      "and Ray Tune (ASHA, BOHB, PBT) on the same search over the mlp on Fashion-MNIST, in one "
+      "run.",
       {
           {"seeds", "N", "seeds 0..N-1 (default 3)", "1"},
           {"trials", "N", "trials per search (default 20)", "2"},
           {"epochs", "E", "epochs a trial runs at most (default 2)", "1"},
-          {"max-concurrent", "K", "paratrain's concurrent trials (default: one per core)"},
-          {"systems", "LIST", "a comma-separated subset of the six systems"},
-          {"python", "PATH", "the Python with torch and optuna (default /usr/bin/python3)"},
+          {"pbt-population", "N", "the PBT case's trials (default 4)", "2"},
+          {"pbt-epochs", "E", "the PBT case's epochs a trial (default 4)", "1"},
+          {"max-concurrent", "K",
+           "paratrain's and Ray's concurrent trials (default: one per core)"},
+          {"systems", "LIST",
+           "a comma-separated subset of the systems (optuna-tpe-hyperband and optuna-random "
+           "name each Optuna's)"},
+          {"python", "LIST",
+           "the Pythons of Optuna and Ray Tune, comma-separated (default: /usr/bin/python3 and "
+           "$PARATRAIN_VENV/bin/python, those present; or PARATRAIN_PYTHON)"},
           {"train-images", "N", "the training images trials draw from (default 60000: all)",
            "1024"},
           {"test-images", "N", "the test images trials are scored on (default 10000: all)", "256"},
@@ -107,9 +131,36 @@ nn::Sequential mlp(int64_t hidden, double dropout) {
 
 std::mutex g_seed_mutex;  // torch::manual_seed is global: one trial builds its model at a time
 
+// One quarter epoch of SGD: batches drawn in order from a permutation seeded by the trial and the
+// quarter, so that a resumed trial continues the same sequence (bench/tune_common.py does the
+// same for Optuna and Ray Tune).
+void train_quarter(nn::Sequential& model,
+                   torch::optim::SGD& opt,
+                   const Data& d,
+                   int64_t batch,
+                   uint64_t trial_seed,
+                   int q) {
+  const int64_t n = d.train_x.size(0);
+  const int64_t per_quarter = (n + batch * 4 - 1) / (batch * 4);
+  auto gen = at::detail::createCPUGenerator(trial_seed * 100 + static_cast<uint64_t>(q));
+  const torch::Tensor perm = torch::randperm(n, gen, torch::kLong);
+  model->train();
+  for (int64_t s = 0; s < per_quarter; ++s) {
+    const torch::Tensor idx =
+        perm.slice(0, (s * batch) % (n - batch), (s * batch) % (n - batch) + batch);
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(d.train_x.index_select(0, idx)),
+                                         d.train_y.index_select(0, idx))
+        .backward();
+    opt.step();
+  }
+}
+
 // One trial: SGD (momentum 0.9) a quarter epoch at a time, test accuracy after each. It keeps
-// a checkpoint after each report, so that a paused (Hyperband) trial continues where it was.
-void run_trial(tune::TrialContext& t, const Data& d, int quarters, uint64_t seed) {
+// a checkpoint after each report, so that a paused (Hyperband, PBT) trial continues where it was,
+// and a PBT trial that exploits another continues from that one's. `trained` counts the quarters.
+void run_trial(
+    tune::TrialContext& t, const Data& d, int quarters, uint64_t seed, std::atomic<int>& trained) {
   const auto& c = t.config();
   const double lr = tune::to_double(c.at("lr"));
   const int64_t batch = std::get<int64_t>(c.at("batch"));
@@ -128,22 +179,12 @@ void run_trial(tune::TrialContext& t, const Data& d, int quarters, uint64_t seed
   if (t.resumed() && std::ifstream(ck + "/quarter") >> done) {
     torch::load(model, ck + "/model.pt");
     torch::load(opt, ck + "/opt.pt");
-  }
-  const int64_t n = d.train_x.size(0);
-  const int64_t per_quarter = (n + batch * 4 - 1) / (batch * 4);
-  for (int q = done + 1; q <= quarters; ++q) {
-    auto gen = at::detail::createCPUGenerator(trial_seed * 100 + static_cast<uint64_t>(q));
-    const torch::Tensor perm = torch::randperm(n, gen, torch::kLong);
-    model->train();
-    for (int64_t s = 0; s < per_quarter; ++s) {
-      const torch::Tensor idx =
-          perm.slice(0, (s * batch) % (n - batch), (s * batch) % (n - batch) + batch);
-      opt.zero_grad();
-      torch::nn::functional::cross_entropy(model->forward(d.train_x.index_select(0, idx)),
-                                           d.train_y.index_select(0, idx))
-          .backward();
-      opt.step();
+    for (auto& g : opt.param_groups()) {  // the checkpoint's lr is its source's: PBT changed ours
+      g.options().set_lr(lr);
     }
+  }
+  for (int q = done + 1; q <= quarters; ++q) {
+    train_quarter(model, opt, d, batch, trial_seed, q);
     model->eval();
     double acc = 0;
     {
@@ -155,6 +196,7 @@ void run_trial(tune::TrialContext& t, const Data& d, int quarters, uint64_t seed
     torch::save(opt, ck + "/opt.pt");
     std::ofstream(ck + "/quarter.tmp") << q;
     std::filesystem::rename(ck + "/quarter.tmp", ck + "/quarter");
+    ++trained;
     t.report({{"training_iteration", q}, {"accuracy", acc}});
   }
 }
@@ -163,12 +205,30 @@ struct Outcome {
   double best_accuracy = 0, epochs_used = 0, wall_seconds = 0;
 };
 
+// One search's size: the trials, the quarter epochs each runs at most, and how many at once.
+struct SearchCase {
+  int trials = 0, quarters = 0, concurrent = 0;
+};
+
+// The schedulers of paratrain's systems: PBT perturbs every half epoch (2 quarters), as Ray's in
+// bench/tune_ray.py.
+tune::SchedulerOptions paratrain_scheduler(const std::string& system, int quarters) {
+  const std::string kind = system == "paratrain-bohb" ? "hyperband"
+                           : system == "paratrain-asha" || system == "paratrain-bohb-asha" ? "asha"
+                           : system == "paratrain-pbt"                                     ? "pbt"
+                                                                                           : "fifo";
+  tune::SchedulerOptions o = tune::SchedulerOptions().kind(kind).max_t(quarters);
+  if (kind == "pbt") {
+    o.perturbation_interval(2).mutations(
+        {"lr=loguniform(1e-3, 0.3)", "batch=choice(32, 64, 128, 256)", "dropout=uniform(0, 0.5)"});
+  }
+  return o;
+}
+
 Outcome run_paratrain(const std::string& system,
                       uint64_t seed,
                       const Data& d,
-                      int trials,
-                      int quarters,
-                      int concurrent,
+                      const SearchCase& c,
                       const std::string& dir) {
   tune::SearchSpace space;
   space.add("lr=loguniform(1e-3, 0.3)");
@@ -176,12 +236,8 @@ Outcome run_paratrain(const std::string& system,
   space.add("hidden=choice(128, 256, 512)");
   space.add("dropout=uniform(0, 0.5)");
   const bool bohb = system.rfind("paratrain-bohb", 0) == 0;
-  const std::string searcher = bohb ? "bohb" : "random";
-  const std::string scheduler = system == "paratrain-bohb" ? "hyperband"
-                                : system == "paratrain-asha" || system == "paratrain-bohb-asha"
-                                    ? "asha"
-                                    : "fifo";
   const std::string study = system + "-" + std::to_string(seed);
+  std::atomic<int> trained{0};
   const auto start = std::chrono::steady_clock::now();
   const tune::TuneResult r =
       tune::tune(space,
@@ -190,53 +246,68 @@ Outcome run_paratrain(const std::string& system,
                      .study(study)
                      .metric("accuracy")
                      .mode("max")
-                     .num_samples(trials)
-                     .max_concurrent(concurrent)
-                     .cpus(concurrent)
+                     .num_samples(c.trials)
+                     .max_concurrent(c.concurrent)
+                     .cpus(c.concurrent)
                      .trial_dir(dir + "/" + study)
                      .output("none")
-                     .searcher(tune::SearcherOptions().kind(searcher).seed(seed))
-                     .scheduler(tune::SchedulerOptions().kind(scheduler).max_t(quarters)),
-                 [&](tune::TrialContext& t) { run_trial(t, d, quarters, seed); });
+                     .searcher(tune::SearcherOptions().kind(bohb ? "bohb" : "random").seed(seed))
+                     .scheduler(paratrain_scheduler(system, c.quarters)),
+                 [&](tune::TrialContext& t) { run_trial(t, d, c.quarters, seed, trained); });
   Outcome o;
   o.wall_seconds = seconds_since(start);
+  o.epochs_used = trained.load() / 4.0;
   for (const auto& t : r.trials) {
-    o.epochs_used += static_cast<double>(t.iterations) / 4;
-    if (t.state == tune::TrialState::kComplete && t.iterations >= quarters) {
+    if (t.state == tune::TrialState::kComplete && t.iterations >= c.quarters) {
       o.best_accuracy = std::max(o.best_accuracy, t.value);
     }
   }
   return o;
 }
 
-// What every search runs: the search's size, and the data its trials see.
-struct TunePlan {
-  int seeds = 0, trials = 0, quarters = 0, concurrent = 0;
-  int train_images = 0, test_images = 0;
-  std::vector<std::string> systems;
-  std::string python;  // of the Optuna systems; "" when they are left out
+// A system of the Python side: its row name, the Python that runs it, the script's arguments
+// beyond the search's, and the version its rows carry.
+struct PythonSystem {
+  std::string name;  // optuna-5.0.0-tpe-hyperband, ray-tune-asha
+  std::string kind;  // its name in --systems: optuna-tpe-hyperband, ray-tune-asha
+  AnchorPython anchor;
+  std::string script;
+  std::vector<std::string> args;
+  std::string version;  // "optuna 5.0.0, torch 2.15.0"
 };
 
-Outcome run_optuna(const std::string& system, uint64_t seed, const TunePlan& plan) {
-  const bool tpe = system == "optuna-tpe-hyperband";
-  const std::string cmd =
-      "'" + plan.python + "' '" + bench_script("tune_optuna.py") + "' --seed " +
-      std::to_string(seed) + " --sampler " + (tpe ? "tpe" : "random") + " --pruner " +
-      (tpe ? "hyperband" : "none") + " --trials " + std::to_string(plan.trials) + " --quarters " +
-      std::to_string(plan.quarters) + " --train-images " + std::to_string(plan.train_images) +
-      " --test-images " + std::to_string(plan.test_images);
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) {
-    throw std::runtime_error("cannot run " + cmd);
+// What every search runs: the searches' sizes, the data their trials see, and the systems.
+struct TunePlan {
+  int seeds = 0;
+  SearchCase search, pbt;
+  int train_images = 0, test_images = 0;
+  std::vector<std::string> systems;  // every row name, in order
+  std::map<std::string, PythonSystem> python;
+};
+
+bool is_pbt(const std::string& system) {
+  return system == "paratrain-pbt" || system == "ray-tune-pbt";
+}
+
+// Runs a Python system's search: its script prints one row last.
+Outcome run_python(const PythonSystem& s, uint64_t seed, const TunePlan& plan) {
+  const SearchCase& c = is_pbt(s.name) ? plan.pbt : plan.search;
+  std::string cmd = "'" + s.anchor.python + "' '" + bench_script(s.script) + "' --seed " +
+                    std::to_string(seed) + " --trials " + std::to_string(c.trials) +
+                    " --quarters " + std::to_string(c.quarters) + " --train-images " +
+                    std::to_string(plan.train_images) + " --test-images " +
+                    std::to_string(plan.test_images);
+  for (const auto& arg : s.args) {
+    cmd += " " + arg;
   }
+  FILE* p = ::popen(cmd.c_str(), "r");
+  require(p != nullptr, "cannot run " + cmd);
   std::string last;
   char buf[4096];
   while (std::fgets(buf, sizeof(buf), p)) {
     last = buf;
   }
-  if (::pclose(p) != 0 || last.empty()) {
-    throw std::runtime_error("the Optuna side failed (is python3-optuna installed?): " + cmd);
-  }
+  require(::pclose(p) == 0 && !last.empty(), s.name + " failed: " + cmd);
   const JsonRow row = parse_row(last);
   Outcome o;
   o.best_accuracy = number_field(row, "best_accuracy");
@@ -245,56 +316,104 @@ Outcome run_optuna(const std::string& system, uint64_t seed, const TunePlan& pla
   return o;
 }
 
-// The Python of the Optuna systems, or "" where they are left out: under --smoke without
-// --python (the rows say so), or where no Python here has torch and optuna (said in one line).
-std::string optuna_python(const Bench& bench) {
-  if (bench.smoke() && !bench.has("python")) {
-    return "";
-  }
-  std::string python;
+// The Optuna and Ray Tune systems of the anchors: Optuna's two for each Optuna version, Ray's
+// three for the first Python with Ray, hpbandster and ConfigSpace. Left out under --smoke unless
+// --python names the Pythons; Ray then also waits for --systems to name it (it starts slowly).
+std::vector<PythonSystem> python_systems(const Bench& bench, const TunePlan& p) {
+  std::vector<PythonSystem> out;
+  std::vector<AnchorPython> anchors;
   try {
-    python = torch_python(bench.get("python", ""));
+    anchors = anchor_pythons(bench);
   } catch (const std::exception& e) {
-    std::cerr << "paratrain bench tune: the Optuna systems are left out: " << e.what() << std::endl;
-    return "";
+    std::cerr << "paratrain bench tune: the Optuna and Ray Tune systems are left out: " << e.what()
+              << std::endl;
   }
-  if (std::system(("'" + python + "' -c 'import optuna' >/dev/null 2>&1").c_str()) != 0) {
-    std::cerr << "paratrain bench tune: the Optuna systems are left out: " << python
-              << " cannot import optuna (install python3-optuna)" << std::endl;
-    return "";
+  std::set<std::string> optunas;
+  for (const auto& a : anchors_with(bench, anchors, "optuna")) {
+    const std::string v = a.package("optuna");
+    if (!optunas.insert(v).second) {
+      continue;
+    }
+    const std::string version = "optuna " + v + ", torch " + a.torch;
+    out.push_back({"optuna-" + v + "-tpe-hyperband",
+                   "optuna-tpe-hyperband",
+                   a,
+                   "tune_optuna.py",
+                   {"--sampler", "tpe", "--pruner", "hyperband"},
+                   version});
+    out.push_back({"optuna-" + v + "-random",
+                   "optuna-random",
+                   a,
+                   "tune_optuna.py",
+                   {"--sampler", "random", "--pruner", "none"},
+                   version});
   }
-  return python;
+  if (bench.smoke() && !bench.has("systems")) {
+    return out;
+  }
+  for (const auto& a : anchors_with(bench, anchors, "ray")) {
+    if (a.package("hpbandster").empty() || a.package("configspace").empty()) {
+      std::cerr << "paratrain bench tune: leaving out Ray Tune of " << a.python
+                << ": TuneBOHB needs hpbandster and ConfigSpace" << std::endl;
+      continue;
+    }
+    const std::string version = "ray " + a.package("ray") + ", torch " + a.torch;
+    for (const char* kind : {"asha", "bohb", "pbt"}) {
+      const std::string concurrent =
+          std::to_string(std::string(kind) == "pbt" ? p.pbt.concurrent : p.search.concurrent);
+      out.push_back({std::string("ray-tune-") + kind,
+                     std::string("ray-tune-") + kind,
+                     a,
+                     "tune_ray.py",
+                     {"--system", kind, "--concurrent", concurrent},
+                     version});
+    }
+    break;  // one Ray Tune
+  }
+  return out;
 }
 
-bool is_optuna(const std::string& system) {
-  return system.rfind("optuna", 0) == 0;
-}
-
-// --systems (default all six).
-std::vector<std::string> tune_systems(const Bench& bench) {
-  const std::vector<std::string> all{"paratrain-bohb",   "paratrain-bohb-asha",  "paratrain-asha",
-                                     "paratrain-random", "optuna-tpe-hyperband", "optuna-random"};
-  if (!bench.has("systems")) {
-    return all;
-  }
-  const std::vector<std::string> systems = split_list(bench.get("systems"));
-  for (const auto& s : systems) {
-    if (std::find(all.begin(), all.end(), s) == all.end()) {
+// --systems (default all): the row names to run. A name selects each version of it.
+void choose_systems(const Bench& bench, TunePlan& p, const std::vector<PythonSystem>& python) {
+  const std::vector<std::string> ours{"paratrain-bohb", "paratrain-bohb-asha", "paratrain-asha",
+                                      "paratrain-random", "paratrain-pbt"};
+  const std::set<std::string> known{ours.begin(), ours.end()};
+  std::set<std::string> kinds{"optuna-tpe-hyperband", "optuna-random", "ray-tune-asha",
+                              "ray-tune-bohb", "ray-tune-pbt"};
+  const std::vector<std::string> asked = split_list(bench.get("systems", ""));
+  for (const auto& s : asked) {
+    if (!known.count(s) && !kinds.count(s)) {
       throw UsageError("unknown system '" + s + "' in --systems");
     }
   }
-  return systems;
+  auto wanted = [&](const std::string& kind) {
+    return asked.empty() || std::find(asked.begin(), asked.end(), kind) != asked.end();
+  };
+  for (const auto& s : ours) {
+    if (wanted(s)) {
+      p.systems.push_back(s);
+    }
+  }
+  for (const auto& s : python) {
+    if (wanted(s.kind)) {
+      p.systems.push_back(s.name);
+      p.python[s.name] = s;
+    }
+  }
 }
 
 TunePlan tune_plan(const Bench& bench) {
   TunePlan p;
   p.seeds = bench.get_int("seeds", 3);
-  p.trials = bench.get_int("trials", 20);
-  p.quarters = 4 * bench.get_int("epochs", 2);
-  p.concurrent = bench.get_int("max-concurrent",
-                               static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  if (p.seeds < 1 || p.trials < 1 || p.quarters < 4 || p.concurrent < 1) {
-    throw UsageError("--seeds, --trials, --epochs and --max-concurrent must be >= 1");
+  const int concurrent = bench.get_int(
+      "max-concurrent", static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  p.search = {bench.get_int("trials", 20), 4 * bench.get_int("epochs", 2), concurrent};
+  p.pbt = {bench.get_int("pbt-population", 4), 4 * bench.get_int("pbt-epochs", 4), concurrent};
+  if (p.seeds < 1 || p.search.trials < 1 || p.search.quarters < 4 || concurrent < 1 ||
+      p.pbt.trials < 2 || p.pbt.quarters < 4) {
+    throw UsageError(
+        "--seeds, --trials, --epochs, --pbt-epochs and --max-concurrent must be >= 1, "
+        "--pbt-population >= 2");
   }
   p.train_images = bench.get_int("train-images", 60000);
   p.test_images = bench.get_int("test-images", 10000);
@@ -304,13 +423,7 @@ TunePlan tune_plan(const Bench& bench) {
     throw UsageError("--train-images must be 512 to 60000 and --test-images 1 to 10000, got " +
                      std::to_string(p.train_images) + " and " + std::to_string(p.test_images));
   }
-  p.systems = tune_systems(bench);
-  if (std::any_of(p.systems.begin(), p.systems.end(), is_optuna)) {
-    p.python = optuna_python(bench);
-  }
-  if (p.python.empty()) {
-    p.systems.erase(std::remove_if(p.systems.begin(), p.systems.end(), is_optuna), p.systems.end());
-  }
+  choose_systems(bench, p, python_systems(bench, p));
   return p;
 }
 
@@ -327,15 +440,20 @@ std::map<std::string, std::vector<Outcome> > run_searches(const Bench& bench, co
   std::map<std::string, std::vector<Outcome> > all;
   for (int seed = 0; seed < p.seeds; ++seed) {
     for (const auto& system : p.systems) {
-      const Outcome o = is_optuna(system) ? run_optuna(system, static_cast<uint64_t>(seed), p)
-                                          : run_paratrain(system, static_cast<uint64_t>(seed), d,
-                                                          p.trials, p.quarters, p.concurrent, dir);
+      const auto python = p.python.find(system);
+      const uint64_t s = static_cast<uint64_t>(seed);
+      const Outcome o = python != p.python.end()
+                            ? run_python(python->second, s, p)
+                            : run_paratrain(system, s, d, is_pbt(system) ? p.pbt : p.search, dir);
       all[system].push_back(o);
       JsonRow row{{"system", system},
                   {"seed", seed},
                   {"best_accuracy", o.best_accuracy},
                   {"epochs_used", o.epochs_used},
                   {"wall_seconds", o.wall_seconds}};
+      if (python != p.python.end()) {
+        mark_anchor(row, python->second.anchor, python->second.version);
+      }
       note_smoke_skip(bench, row, "optuna");
       std::cout << (bench.json() ? json_line(row) : row.dump()) << std::endl;
     }
@@ -352,13 +470,59 @@ double mean_of(const std::vector<Outcome>& v, double Outcome::*f) {
   return s / static_cast<double>(v.size());
 }
 
+// The targets against Ray Tune, each where both sides ran: paratrain's accuracy at least Ray's
+// (the mean over the seeds, within 0.1 point) in at most 0.5x its wall time, for ASHA and BOHB
+// (both of paratrain's BOHBs); PBT's best accuracy at least Ray's, with the ratio of the epochs
+// each trained beside it (the same schedule; an exploit of a trial behind retrains quarters).
+std::vector<Target> tune_targets(std::map<std::string, std::vector<Outcome> >& all) {
+  std::vector<Target> out;
+  const std::vector<std::array<std::string, 3> > pairs{
+      {"tune-asha", "paratrain-asha", "ray-tune-asha"},
+      {"tune-bohb", "paratrain-bohb", "ray-tune-bohb"},
+      {"tune-bohb (BOHB on ASHA)", "paratrain-bohb-asha", "ray-tune-bohb"},
+      {"tune-pbt", "paratrain-pbt", "ray-tune-pbt"}};
+  for (const auto& [name, ours, theirs] : pairs) {
+    if (!all.count(ours) || !all.count(theirs)) {
+      continue;
+    }
+    const double accuracy =
+        mean_of(all[ours], &Outcome::best_accuracy) - mean_of(all[theirs], &Outcome::best_accuracy);
+    Target t{name, theirs, {}};
+    if (name == "tune-pbt") {
+      t.checks = {{"accuracy_difference", accuracy, 0.0, false}};
+      t.notes = {{"epochs_ratio", mean_of(all[ours], &Outcome::epochs_used) /
+                                      mean_of(all[theirs], &Outcome::epochs_used)}};
+    } else {
+      t.checks = {{"accuracy_difference", accuracy, -0.001, false},
+                  {"wall_ratio",
+                   mean_of(all[ours], &Outcome::wall_seconds) /
+                       mean_of(all[theirs], &Outcome::wall_seconds),
+                   0.5, true}};
+    }
+    out.push_back(t);
+  }
+  return out;
+}
+
+// The reference of the mean rows' ratios: the newest Optuna's TPE ("" when none ran).
+std::string optuna_reference(const TunePlan& p) {
+  std::string best;
+  for (const auto& [name, s] : p.python) {
+    if (s.kind == "optuna-tpe-hyperband" &&
+        (best.empty() || s.anchor.package("optuna") > p.python.at(best).anchor.package("optuna"))) {
+      best = name;
+    }
+  }
+  return best;
+}
+
 int run_tune_bench(const Bench& bench) {
   const TunePlan p = tune_plan(bench);
   if (p.systems.empty()) {
     return not_available(bench, "no system of --systems can run here");
   }
   std::map<std::string, std::vector<Outcome> > all = run_searches(bench, p);
-  const auto ref = all.find("optuna-tpe-hyperband");
+  const std::string ref = optuna_reference(p);
   for (const auto& system : p.systems) {
     const auto& v = all[system];
     JsonRow row{{"system", system},
@@ -366,14 +530,19 @@ int run_tune_bench(const Bench& bench) {
                 {"mean_best_accuracy", mean_of(v, &Outcome::best_accuracy)},
                 {"mean_epochs_used", mean_of(v, &Outcome::epochs_used)},
                 {"mean_wall_seconds", mean_of(v, &Outcome::wall_seconds)}};
-    if (ref != all.end()) {
+    if (!ref.empty() && !is_pbt(system)) {
+      row["optuna_reference"] = ref;
       row["accuracy_minus_optuna_tpe"] =
-          mean_of(v, &Outcome::best_accuracy) - mean_of(ref->second, &Outcome::best_accuracy);
+          mean_of(v, &Outcome::best_accuracy) - mean_of(all[ref], &Outcome::best_accuracy);
       row["wall_ratio_to_optuna_tpe"] =
-          mean_of(v, &Outcome::wall_seconds) / mean_of(ref->second, &Outcome::wall_seconds);
+          mean_of(v, &Outcome::wall_seconds) / mean_of(all[ref], &Outcome::wall_seconds);
     }
     std::cout << (bench.json() ? json_line(row) : row.dump()) << std::endl;
   }
+  for (const auto& t : tune_targets(all)) {
+    print_target(bench, t);
+  }
+  std::cout.flush();
   return 0;
 }
 

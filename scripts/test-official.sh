@@ -28,23 +28,25 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 
 configure_and_build() {
+  local log="$build_dir/paratrain-configure.log"
+  mkdir -p "$build_dir"
   # The torch directory itself comes first: TorchConfig.cmake looks for libtorch.so in the system's
   # library directories before its own, and would take Debian's libtorch-dev from /usr/lib.
   cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_WERROR=ON \
     -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=0 -DPARATRAIN_HEADER_CHECKS=OFF \
     -DCMAKE_PREFIX_PATH="$torch_dir;$torch_dir/share/cmake" -DGLOO_INCLUDE_DIR=/usr/include \
-    -DPARATRAIN_HF_PYTHON="$python" >"$build_dir.configure.log" 2>&1 || {
-    tail -n 30 "$build_dir.configure.log" >&2
+    -DPARATRAIN_HF_PYTHON="$python" >"$log" 2>&1 || {
+    tail -n 30 "$log" >&2
     return 1
   }
   local found
-  found=$(grep -E '^-- paratrain: (libtorch|backends)' "$build_dir.configure.log")
+  found=$(grep -E '^-- paratrain: (libtorch|backends)' "$log")
   echo "$found"
   # A CUDA libtorch that CMake did not take as one (no torch_cuda target) would leave the CUDA
   # code out without a word.
   if ! grep -q 'nccl=ON' <<<"$found" || ! grep -q 'gloo=ON' <<<"$found"; then
     echo "test-official: the build has not every backend (want gloo=ON and nccl=ON):" \
-      "see $build_dir.configure.log" >&2
+      "see $log" >&2
     return 1
   fi
   cmake --build "$build_dir" -j "${PARATRAIN_BUILD_JOBS:-2}"

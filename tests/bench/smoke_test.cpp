@@ -47,6 +47,43 @@ TEST_P(BenchSmoke, WritesJsonRows) {
   EXPECT_GT(rows, 0) << "bench " << name << " --json --smoke printed no row:\n" << r.output;
 }
 
+// With --python, a benchmark runs the anchor's side and names its rows by the version that ran
+// (bench/anchors.h): `bench data`, the quickest with a PyTorch side, against Debian's PyTorch,
+// whose torch reports 1.13.0a0 for its 1.13.1. The target row compares with that anchor.
+TEST(BenchAnchors, RowsCarryTheAnchorsVersionAndTheTarget) {
+  const std::string python = "/usr/bin/python3";
+  if (run_process({python, "-c", "import torch, torchvision"}, {}, 60).exit_code != 0) {
+    GTEST_SKIP() << python << " has no torch and torchvision (python3-torchvision)";
+  }
+  auto r = run_process({cli_path(), "bench", "data", "--json", "--smoke", "--python", python},
+                       {{"OMP_NUM_THREADS", "1"}, kCpuOnly}, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string anchor;  // the anchor row's system
+  bool target = false;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("{", 0) != 0) {
+      continue;
+    }
+    const nlohmann::json row = nlohmann::json::parse(line);
+    const std::string system = row.value("system", "");
+    if (system.rfind("pytorch-", 0) == 0) {
+      anchor = system;
+      EXPECT_EQ("pytorch-" + row.value("anchor_version", "").substr(0, system.size() - 8), system)
+          << line;
+      EXPECT_EQ(row.value("anchor_python", ""), python) << line;
+      EXPECT_EQ(system.find("a0"), std::string::npos) << "the release, not the build's version";
+    }
+    if (row.contains("target")) {
+      target = true;
+      EXPECT_EQ(row.value("against", ""), anchor) << line;
+      EXPECT_TRUE(row.contains("ratio") && row.contains("met")) << line;
+    }
+  }
+  EXPECT_FALSE(anchor.empty()) << "no PyTorch row:\n" << r.output;
+  EXPECT_TRUE(target) << "no target row:\n" << r.output;
+}
+
 // The benchmarks of bench/main.cpp's table.
 INSTANTIATE_TEST_SUITE_P(Benchmarks,
                          BenchSmoke,
