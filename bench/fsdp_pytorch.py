@@ -8,6 +8,7 @@ interpreter and libraries: about 0.7 GiB for PyPI's CUDA wheel), the first and l
 where this PyTorch cannot run the system, the exact error (PyTorch 1.13 has no fully_shard; in
 2.6 it failed on the CPU with "'Stream' object has no attribute 'record_event'")."""
 import argparse
+import datetime
 import json
 import math
 import os
@@ -153,7 +154,9 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("USE_LIBUV", "0")  # as bench/ddp_pytorch.py: Debian's has no libuv
-    dist.init_process_group("gloo")
+    # A short timeout: a rank whose train() failed alone leaves, and the other's next collective
+    # must end the job within minutes, not gloo's default half hour.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     shape = GPT2[a.model] if a.model in GPT2 else (a.layers, a.width, a.heads)
     row = {"system": a.system, "framework": a.framework, "ranks": dist.get_world_size()}
     try:
@@ -164,7 +167,9 @@ def main():
             row["error"] = f"{type(e).__name__}: {e}"
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        os._exit(0)  # the other rank may wait in a collective that will not come
+        # Not 0 on a rank that wrote no row: the launcher then stops the job at once, where the
+        # other rank may wait in a collective that will not come.
+        os._exit(0 if dist.get_rank() == 0 else 3)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t = torch.tensor([step, float(peak), float(before)], dtype=torch.double)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -49,12 +49,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 namespace paratrain {
@@ -192,8 +194,12 @@ void run_trial(
       acc =
           model->forward(d.test_x).argmax(1).eq(d.test_y).to(torch::kDouble).mean().item<double>();
     }
-    torch::save(model, ck + "/model.pt");
-    torch::save(opt, ck + "/opt.pt");
+    // Each file written aside, then renamed: an exploiting trial copies this directory while this
+    // one trains on, and must never read a half-written file (quarter is renamed last).
+    torch::save(model, ck + "/model.pt.tmp");
+    torch::save(opt, ck + "/opt.pt.tmp");
+    std::filesystem::rename(ck + "/model.pt.tmp", ck + "/model.pt");
+    std::filesystem::rename(ck + "/opt.pt.tmp", ck + "/opt.pt");
     std::ofstream(ck + "/quarter.tmp") << q;
     std::filesystem::rename(ck + "/quarter.tmp", ck + "/quarter");
     ++trained;
@@ -504,12 +510,29 @@ std::vector<Target> tune_targets(std::map<std::string, std::vector<Outcome> >& a
   return out;
 }
 
+// Whether version a ("5.0.0") is newer than b ("3.1.0"), number by number.
+bool newer_version(const std::string& a, const std::string& b) {
+  std::istringstream x(a), y(b);
+  for (std::string p, q;;) {
+    const bool more_a = static_cast<bool>(std::getline(x, p, '.'));
+    const bool more_b = static_cast<bool>(std::getline(y, q, '.'));
+    if (!more_a || !more_b) {
+      return more_a;
+    }
+    const long u = std::atol(p.c_str()), v = std::atol(q.c_str());
+    if (u != v) {
+      return u > v;
+    }
+  }
+}
+
 // The reference of the mean rows' ratios: the newest Optuna's TPE ("" when none ran).
 std::string optuna_reference(const TunePlan& p) {
   std::string best;
   for (const auto& [name, s] : p.python) {
     if (s.kind == "optuna-tpe-hyperband" &&
-        (best.empty() || s.anchor.package("optuna") > p.python.at(best).anchor.package("optuna"))) {
+        (best.empty() ||
+         newer_version(s.anchor.package("optuna"), p.python.at(best).anchor.package("optuna")))) {
       best = name;
     }
   }

@@ -17,8 +17,12 @@ build_dir="${BUILD_DIR_OFFICIAL:-build-official}"
 source scripts/timing.sh # step NAME COMMAND...
 
 python=$(bash scripts/venv.sh | tail -n 1)
-torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null)
-cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null)
+if ! torch_dir=$("$python" -c 'import os, torch; print(os.path.dirname(torch.__file__))'); then
+  echo "test-official: $python cannot import torch; remove ${PARATRAIN_VENV:-/var/cache/paratrain/py}" \
+    "and run again" >&2
+  exit 1
+fi
+cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
 if [ -z "$cuda" ]; then
   echo "test-official: $python's torch has no CUDA; scripts/python/ci.txt must pin a CUDA wheel" >&2
   exit 1
@@ -72,7 +76,12 @@ check_gloo() {
       echo "void $n::paratrain_probe() {}"
     done
   } >"$dir/probe.cpp"
-  g++ -std=c++17 -c "$dir/probe.cpp" -o "$dir/probe.o"
+  # (step runs this function where set -e does not hold: every failure returns by hand)
+  if ! g++ -std=c++17 -c "$dir/probe.cpp" -o "$dir/probe.o"; then
+    echo "test-official: the gloo probe does not compile with Debian's headers (libgloo-dev)" >&2
+    rm -rf "$dir"
+    return 1
+  fi
   local differ=0 ours theirs
   for c in "${classes[@]}"; do
     # nm -S prints a vtable's size in hex: two slots (offset, type), then one per function.
@@ -84,13 +93,22 @@ check_gloo() {
     [ -z "$theirs" ] || theirs=$((16#$theirs / 8 - 2))
     echo "test-official: gloo::$c has ${ours:-?} virtual functions in Debian's headers," \
       "${theirs:-?} in the wheel's gloo"
-    [ -n "$ours" ] && [ "$ours" = "$theirs" ] || differ=1
+    if [ -z "$ours" ] || [ -z "$theirs" ]; then
+      echo "test-official: no virtual table of gloo::$c to compare" >&2
+      rm -rf "$dir"
+      return 1
+    fi
+    [ "$ours" = "$theirs" ] || differ=1
   done
   rm -rf "$dir"
-  local emitted
-  emitted=$(for lib in "$build_dir"/libparatrain*.so "$build_dir"/libparatrain_commands.so; do
-    nm -DC --defined-only "$lib"
-  done | grep -E ' (gloo::|c10d::ProcessGroupGloo::GlooStore)' || true)
+  local emitted lib symbols=""
+  for lib in libparatrain_launch.so libparatrain.so libparatrain_commands.so; do
+    if ! symbols+=$(nm -DC --defined-only "$build_dir/$lib")$'\n'; then
+      echo "test-official: cannot read $build_dir/$lib's symbols" >&2
+      return 1
+    fi
+  done
+  emitted=$(grep -E ' (gloo::|c10d::ProcessGroupGloo::GlooStore)' <<<"$symbols" || true)
   if [ -n "$emitted" ]; then
     echo "test-official: paratrain's libraries define gloo code compiled with Debian's headers," \
       "which differ from the wheel's gloo:" >&2

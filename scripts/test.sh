@@ -79,17 +79,20 @@ background() {
   local var="$1" name="$2" log="$3"
   shift 3
   # In the inner script: $0 the log, $1 the name, $2 the table's file, then the command.
-  setsid bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
+  setsid -w bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
     [ $rc -eq 0 ] || name="$name (failed)"
     echo "$name, in the background $(($(date +%s) - t0))" >> "$table"; exit $rc' \
     "$log" "$name" "$timings" "$@" >/dev/null 2>&1 &
   printf -v "$var" '%s' "$!"
 }
-# wait_for NAME PID LOG: waits for a background step; shows its log's end when it failed.
+# wait_for NAME VAR LOG: waits for the background step whose pid is in VAR, then empties VAR (the
+# pid is reaped: table() must not signal it); shows the log's end when the step failed.
 wait_for() {
-  local t0
+  local t0 pid="${!2}" rc=0
   t0=$(date +%s)
-  if ! wait "$2"; then
+  wait "$pid" || rc=$?
+  printf -v "$2" '%s' ""
+  if [ "$rc" -ne 0 ]; then
     echo "test: $1 failed:" >&2
     tail -n 20 "$3" >&2
     exit 1
@@ -112,15 +115,13 @@ if [[ " $legs " == *" 1 "* ]]; then
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" official "* ]]; then
-  wait_for "the virtual environment" "$venv_pid" "$venv_log"
-  venv_pid=""
+  wait_for "the virtual environment" venv_pid "$venv_log"
   bash scripts/test-official.sh  # records its build and tests in $PARATRAIN_TIMINGS
   echo "test: the official leg (libtorch from PyTorch's wheel) passed after" \
     "$(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" 2 "* ]]; then
-  wait_for "the Debian 13 root" "$root_pid" "$root_log"
-  root_pid=""
+  wait_for "the Debian 13 root" root_pid "$root_log"
   bash scripts/test-libtorch2.sh  # records its build and smoke run in $PARATRAIN_TIMINGS
   echo "test: leg 2 (libtorch 2.6) passed; every leg took $(($(date +%s) - started)) s"
 fi

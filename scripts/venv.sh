@@ -25,32 +25,29 @@ if ! command -v "$base_python" >/dev/null 2>&1; then
   exit 1
 fi
 
-# The stamp holds the requirement files that were installed, so that a changed pin (or a set not
-# installed yet) installs again, and an environment whose making was cut short is made whole.
+# One pip at a time in the environment: CI's background run and a developer's --bench may meet.
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
+
+# The stamp holds the requirement files installed last, as they were, so that a changed pin (or a
+# reverted one) or a set not installed yet installs again, and an environment whose making was cut
+# short (no stamp) is made whole. A run without --bench accepts an environment made with it.
 stamp="$venv/.paratrain-requirements"
 want=$(cat "${sets[@]}")
 have=$(cat "$stamp" 2>/dev/null || true)
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c '' 2>/dev/null; then
+# A venv whose ensurepip step failed has a python but no pip: made again.
+if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
   rm -rf "$venv"
-  mkdir -p "$(dirname "$venv")"
   "$base_python" -m venv "$venv"
   have=""
 fi
-missing=0
-for f in "${sets[@]}"; do
-  # Every line of each wanted file must be in what was installed.
-  while IFS= read -r line; do
-    case "$line" in "#"* | "") continue ;; esac
-    grep -qxF -- "$line" <<<"$have" || missing=1
-  done <"$f"
-done
-if [ "$missing" -eq 1 ]; then
+if [ "$have" != "$want" ] && [ "$have" != "$(cat scripts/python/ci.txt scripts/python/bench.txt)" ]; then
   echo "venv: installing $(IFS=' '; echo "${sets[*]}") into $venv" >&2
   rm -f "$stamp"
   args=()
   for f in "${sets[@]}"; do args+=(-r "$f"); done
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${args[@]}" >&2
-  # What was installed before, and what is now: a later run without --bench keeps the bench set.
-  printf '%s\n%s\n' "$have" "$want" | sort -u >"$stamp"
+  echo "$want" >"$stamp"
 fi
 echo "$venv/bin/python"

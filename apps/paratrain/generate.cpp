@@ -46,7 +46,9 @@ const CommandSpec& generate_spec() {
            "(without: random weights from --seed)"},
           {"tokens", "IDS", "the prompt's token ids, comma-separated (required)"},
           {"max-new-tokens", "N", "how many tokens to add (default 20)"},
-          {"top-k", "K", "sample among the K likeliest tokens (0: all)"},
+          {"top-k", "K",
+           "sample among the K likeliest tokens (default 50 when sampling, as transformers; 0: "
+           "all)"},
           {"temperature", "T", "sample from softmax(logits / T) (default 1 when sampling)"},
           {"seed", "S", "the seed of the draws and of random weights (default 0)"},
           {"eos-token-id", "ID",
@@ -85,7 +87,9 @@ models::GenerateOptions generate_options(const Args& args, const std::string& we
   models::GenerateOptions o;
   o.max_new_tokens(args.get_int("max-new-tokens", 20));
   o.sample(args.has("top-k") || args.has("temperature"));
-  o.top_k(args.get_int("top-k", 0)).temperature(args.get_double("temperature", 1.0));
+  // transformers' generate(do_sample=True) keeps the 50 likeliest tokens unless top_k says
+  // otherwise (GenerationConfig's default): so does --temperature without --top-k.
+  o.top_k(args.get_int("top-k", 50)).temperature(args.get_double("temperature", 1.0));
   o.seed(static_cast<uint64_t>(args.get_int("seed", 0)));
   if (args.has("eos-token-id")) {
     const int eos = args.get_int("eos-token-id", -1);

@@ -11,9 +11,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <system_error>
 #include <utility>
 
 namespace paratrain {
@@ -43,11 +45,28 @@ void write_safetensors_file(const std::string& path,
                                          /*drop_cache=*/true});
 }
 
+// Whether `name` is a file of a saved model's weights: model.safetensors, its index, or a shard.
+bool is_weights_file(const std::string& name) {
+  return name == kSafetensorsWeightsFile || name == kSafetensorsIndexFile ||
+         (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos &&
+          name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0);
+}
+
+// Makes `dir`, or checks that an existing one holds no model weights: writing shards over another
+// save's would leave a mix of both that loads (the same tensor names), or stale files that loaders
+// prefer (model.safetensors over an index).
 void make_shards_directory(const std::string& dir) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) == 0) {
     TORCH_CHECK(S_ISDIR(st.st_mode), "safetensors: ", dir,
                 " is a file, not a directory to write a model's shards into");
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      TORCH_CHECK(!is_weights_file(name), "safetensors: ", dir, " already holds model weights (",
+                  name, "); nothing was written: give a new or empty directory, or remove them");
+    }
+    TORCH_CHECK(!ec, "safetensors: cannot list ", dir, ": ", ec.message());
     return;
   }
   TORCH_CHECK(::mkdir(dir.c_str(), 0755) == 0 || errno == EEXIST, "safetensors: cannot make ", dir,

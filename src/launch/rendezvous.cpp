@@ -172,8 +172,10 @@ void Rendezvous::check_shutdown(bool may_move) {
       return;
     }
   }
+  // The reason first: once every node has counted itself, the serving node exits with its store.
+  const std::string why = get_or(key("shutdown"), "");
   note_shutdown_seen();
-  TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", get_or(key("shutdown"), ""));
+  TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", why);
 }
 
 // Counted once per node: the node serving a socket store waits for every other node's count.
@@ -542,8 +544,9 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
       store_->set_ephemeral(key(a.round, "alive" + std::to_string(a.node_rank)), "1");
     }
     if (store_->check(key("shutdown"))) {
-      note_shutdown_seen();
+      // The reason before the count: the serving node exits once every node has counted itself.
       *why = "a node gave up: " + get_or(key("shutdown"), "");
+      note_shutdown_seen();
       return true;
     }
     if (read_int(key("round")) > a.round) {

@@ -257,8 +257,14 @@ GptOptions gpt2_config_options(const std::string& path) {
   c.require("scale_attn_by_inverse_layer_idx", false, "scales no layer's attention by its index");
   c.require("add_cross_attention", false, "is a decoder without cross-attention");
   c.require("tie_word_embeddings", true, "ties its output head to transformer.wte");
+  c.require("reorder_and_upcast_attn", false, "computes attention in the model's dtype");
   // One rate for the embeddings, attention and residuals: GPT-2's configs give 0.1 to all three.
   o.dropout(c.number("resid_pdrop", 0.1));
+  for (const char* other : {"embd_pdrop", "attn_pdrop"}) {
+    TORCH_CHECK(c.number(other, o.dropout()) == o.dropout(), "gpt: ", file, " sets ", other, " to ",
+                c.number(other, o.dropout()), " and resid_pdrop to ", o.dropout(),
+                ", but paratrain's GPT-2 applies one dropout rate: make them equal");
+  }
   TORCH_CHECK(o.dropout() >= 0 && o.dropout() < 1, "gpt: ", file, ": resid_pdrop ", o.dropout(),
               " is not in [0, 1)");
   return o;

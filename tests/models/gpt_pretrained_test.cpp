@@ -210,6 +210,30 @@ TEST(GptPretrained, ConfigThatDoesNotMatchTheWeightsIsOneLine) {
               models::gpt2_config_options(dir);
             }).find("is the config of a 'llama' model, not of GPT-2"),
             std::string::npos);
+  config["model_type"] = "gpt2";
+  config["attn_pdrop"] = 0.2;  // paratrain applies one rate: resid_pdrop's
+  write_text(dir + "/config.json", config.dump(2));
+  EXPECT_NE(error_of([&] { models::gpt2_config_options(dir); })
+                .find("sets attn_pdrop to 0.2 and resid_pdrop to 0, but paratrain's GPT-2 "
+                      "applies one dropout rate"),
+            std::string::npos);
+  remove_tree(base);
+}
+
+// A save into a directory that holds weights would mix two models (the same tensor names load
+// from either), or leave files a loader prefers: refused, and nothing is written.
+TEST(GptPretrained, ShardsAreNeverWrittenOverAnotherSave) {
+  const std::string base = make_temp_dir("gpt-shards-over");
+  const std::map<std::string, torch::Tensor> tensors{{"a", torch::zeros({64})},
+                                                     {"b", torch::ones({64})}};
+  save_safetensors_shards(base + "/m", tensors, 300);  // two shards and the index
+  const auto before = files_in(base + "/m");
+  for (const int64_t max_bytes : {int64_t{300}, int64_t{1} << 20}) {  // sharded, then whole
+    const std::string e =
+        error_of([&] { save_safetensors_shards(base + "/m", tensors, max_bytes); });
+    EXPECT_NE(e.find(base + "/m already holds model weights ("), std::string::npos) << e;
+    EXPECT_EQ(files_in(base + "/m"), before);
+  }
   remove_tree(base);
 }
 

@@ -339,6 +339,18 @@ std::string hf_python_missing() {
     if (hf_python().empty()) {
       return remedy + " (PARATRAIN_HF_PYTHON is empty)";
     }
+    if (!std::filesystem::exists(hf_python())) {
+      return remedy + " (" + hf_python() + " does not exist)";
+    }
+    // scripts/venv.sh writes its stamp once every package is in: without it, the environment is
+    // being made (CI makes it while the first leg's tests run) or its making was cut short.
+    const std::filesystem::path venv =
+        std::filesystem::path(hf_python()).parent_path().parent_path();
+    if (std::filesystem::exists(venv / "pyvenv.cfg") &&
+        !std::filesystem::exists(venv / ".paratrain-requirements")) {
+      return remedy + " (" + venv.string() +
+             " has no .paratrain-requirements: it is being made, or its making was cut short)";
+    }
     auto r = run_process({hf_python(), "-c", "import transformers, safetensors"},
                          {{"HF_HUB_OFFLINE", "1"}, {"TRANSFORMERS_OFFLINE", "1"}}, 120);
     return r.exit_code == 0 ? std::string()

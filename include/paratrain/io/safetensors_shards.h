@@ -26,18 +26,19 @@ namespace paratrain {
 constexpr const char* kSafetensorsWeightsFile = "model.safetensors";
 constexpr const char* kSafetensorsIndexFile = "model.safetensors.index.json";
 
-/// The tensors' names grouped into shards as huggingface_hub's split_torch_state_dict_into_shards
-/// groups a state dict (in the map's order): a tensor that would take the current shard over
-/// `max_shard_bytes` starts a new one, and a tensor larger than `max_shard_bytes` has a shard of
-/// its own. Throws c10::Error for a `max_shard_bytes` below 1.
+/// The tensors' names grouped into shards by huggingface_hub's split_torch_state_dict_into_shards's
+/// rule, over the map's (name) order, which is not the model's: a tensor that would take the
+/// current shard over `max_shard_bytes` starts a new one, and a tensor larger than
+/// `max_shard_bytes` has a shard of its own. Throws c10::Error for a `max_shard_bytes` below 1.
 std::vector<std::vector<std::string>> plan_safetensors_shards(
     const std::map<std::string, torch::Tensor>& tensors, int64_t max_shard_bytes);
 
 /// Writes `tensors` into the directory `dir` (made if missing) as save_pretrained does:
 /// model.safetensors when they fit in one shard of `max_shard_bytes`, else the shards of
 /// plan_safetensors_shards and then the index, each file atomically. `metadata` goes into every
-/// file, after "format": "pt". Returns the files' names in the order written. It writes over
-/// files of these names and leaves any other: which files may be replaced is the caller's call.
+/// file, after "format": "pt". Returns the files' names in the order written. Throws c10::Error,
+/// writing nothing, when `dir` already holds model weights (model.safetensors, the index, or a
+/// model-*-of-*.safetensors shard): a save over another would mix the two.
 std::vector<std::string> save_safetensors_shards(
     const std::string& dir,
     const std::map<std::string, torch::Tensor>& tensors,
