@@ -14,8 +14,10 @@
 #      libtorch.
 # In leg 1 the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
 # instruction set capped to AVX2. The root of leg 2 and the virtual environment are made in the
-# background while leg 1 builds and tests (they download and unpack; the build computes), and the
-# official leg's build follows the environment there, at the lowest priority.
+# background while leg 1 builds and tests (they download and unpack; the build computes). The
+# official leg's build does not run there: a background process group is a session of its own,
+# whose autogroup the scheduler shares the CPU with equally whatever its nice value, and it slowed
+# leg 1's tests past their timeouts.
 # Multi-process tests start real processes on loopback. At the end, a table of the seconds each
 # step took.
 #
@@ -105,11 +107,7 @@ if [[ " $legs " == *" 2 "* ]]; then
   background root_pid "leg 2 root" "$root_log" bash scripts/test-libtorch2.sh --root-only
 fi
 if [[ " $legs " == *" official "* ]]; then
-  # The environment, then the official leg's build, at the lowest priority: it takes the CPU time
-  # that leg 1's tests leave idle (many of them wait on timeouts, links and other processes) and
-  # yields the rest to them. Its rows in the table are its own times, not the total's.
-  background venv_pid "official venv and build" "$venv_log" nice -n 19 \
-    bash -c 'bash scripts/venv.sh && bash scripts/test-official.sh --build-only'
+  background venv_pid "official venv" "$venv_log" bash scripts/venv.sh
 fi
 if [[ " $legs " == *" 1 "* ]]; then
   # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.
@@ -123,8 +121,8 @@ if [[ " $legs " == *" 1 "* ]]; then
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" official "* ]]; then
-  wait_for "the official venv and build" venv_pid "$venv_log"
-  bash scripts/test-official.sh --tests-only  # records its tests in $PARATRAIN_TIMINGS
+  wait_for "the official venv" venv_pid "$venv_log"
+  bash scripts/test-official.sh  # records its build and tests in $PARATRAIN_TIMINGS
   echo "test: the official leg (libtorch from PyTorch's wheel) passed after" \
     "$(($(date +%s) - started)) s"
 fi
