@@ -15,8 +15,8 @@
 # In leg 1 the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
 # instruction set capped to AVX2. The root of leg 2 and the virtual environment are made in the
 # background while leg 1 builds and tests (they download and unpack; the build computes). The
-# official leg's build does not run there: a background process group is a session of its own,
-# whose autogroup the scheduler shares the CPU with equally whatever its nice value, and it slowed
+# official leg's build does not run there: a background process group (setsid) runs in its own scheduler group,
+# which gets an equal share of the CPU whatever its nice value, and it slowed
 # leg 1's tests past their timeouts.
 # Multi-process tests start real processes on loopback. At the end, a table of the seconds each
 # step took.
