@@ -7,7 +7,9 @@
 # PARATRAIN_TESTS=REGEX builds the tests too and runs the matching ones (a suite's cases are one
 # test, SUITE.*; tests/CMakeLists.txt), but those labelled one-leg; PARATRAIN_CTEST_ENV adds
 # environment (scripts/test.sh's ISA cap). Needs root (or
-# sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops.
+# sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops;
+# `--build-only` stops after the build; `--smoke-only` runs the smoke run (or the tests) of an
+# existing build (scripts/test.sh builds in the background while leg 1 runs its tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$(pwd)
@@ -141,11 +143,14 @@ timed() { # timed NAME SCRIPT: in_root, and the seconds go to $PARATRAIN_TIMINGS
 # PARATRAIN_TESTS=REGEX builds the tests too and runs those instead.
 tests=OFF
 if [ "${PARATRAIN_TESTS:-.}" != . ]; then tests=ON; fi
-timed "leg 2 build" "
+if [ "${1:-}" != "--smoke-only" ]; then
+  timed "leg 2 build" "
   cmake -S . -B '$build_dir' -G Ninja -DCMAKE_BUILD_TYPE=Release -DPARATRAIN_BUILD_TESTS=$tests \
     -DPARATRAIN_WERROR=ON -DCMAKE_UNITY_BUILD=ON -DCMAKE_UNITY_BUILD_BATCH_SIZE=0 \
     -DPARATRAIN_HEADER_CHECKS=OFF -DPARATRAIN_DOCS_SNIPPETS=OFF >/dev/null
   cmake --build '$build_dir' -j \${PARATRAIN_BUILD_JOBS:-2}"
+fi
+if [ "${1:-}" = "--build-only" ]; then exit 0; fi
 timed "leg 2 smoke run" "
   cd '$build_dir'
   if [ $tests = ON ]; then

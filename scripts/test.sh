@@ -13,11 +13,13 @@
 #      with -Werror, and a smoke run (a two-rank DDP job); the official leg runs the tests on a 2.x
 #      libtorch.
 # In leg 1 the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
-# instruction set capped to AVX2. The root of leg 2 and the virtual environment are made in the
-# background while leg 1 builds and tests (they download and unpack; the build computes). The
-# official leg's build does not run there: a background process group (setsid) runs in its own scheduler group,
-# which gets an equal share of the CPU whatever its nice value, and it slowed
-# leg 1's tests past their timeouts.
+# instruction set capped to AVX2. The other legs' builds run in the background while leg 1 builds
+# and tests, after what they need is made (the virtual environment, the root: downloads and
+# unpacking), one at a time and at the scheduler's idle priority (SCHED_IDLE): they take only the
+# CPU time that leg 1's tests leave, which wait on sockets, timeouts and each other much of the
+# time. They stay in this script's session: the kernel's autogroups give each session an equal
+# share of the CPU whatever its nice value or policy, and a build in a session of its own (setsid)
+# at nice 19 took half the CPU and slowed leg 1's tests past their timeouts.
 # Multi-process tests start real processes on loopback. At the end, a table of the seconds each
 # step took.
 #
@@ -78,17 +80,21 @@ trap table EXIT
 
 step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, debootstrap too
 # background VAR NAME LOG COMMAND...: COMMAND in a process group of its own (so that a failure of
-# leg 1 can stop it whole), its seconds in the table; its pid goes to VAR.
+# leg 1 can stop it whole) but in this session (see above), its seconds in the table; its pid goes
+# to VAR.
 background() {
   local var="$1" name="$2" log="$3"
   shift 3
   # In the inner script: $0 the log, $1 the name, $2 the table's file, then the command.
-  setsid -w bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
+  perl -e 'setpgrp(0, 0) or die "setpgrp: $!"; exec @ARGV or die "exec: $!"' -- \
+    bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
     [ $rc -eq 0 ] || name="$name (failed)"
     echo "$name, in the background $(($(date +%s) - t0))" >> "$table"; exit $rc' \
-    "$log" "$name" "$timings" "$@" >/dev/null 2>&1 &
+    "$log" "$name" "$timings" "$@" </dev/null >/dev/null 2>&1 &
   printf -v "$var" '%s' "$!"
 }
+# idle_build SCRIPT ARGS...: a leg's build at the idle priority, one such build at a time.
+idle_build=(flock /tmp/paratrain-idle-build.lock chrt --idle 0)
 # wait_for NAME VAR LOG: waits for the background step whose pid is in VAR, then empties VAR (the
 # pid is reaped: table() must not signal it); shows the log's end when the step failed.
 wait_for() {
@@ -104,10 +110,12 @@ wait_for() {
   echo "waiting for $1 $(($(date +%s) - t0))" >>"$timings"
 }
 if [[ " $legs " == *" 2 "* ]]; then
-  background root_pid "leg 2 root" "$root_log" bash scripts/test-libtorch2.sh --root-only
+  background root_pid "leg 2 root and build" "$root_log" bash -c \
+    "bash scripts/test-libtorch2.sh --root-only && ${idle_build[*]} bash scripts/test-libtorch2.sh --build-only"
 fi
 if [[ " $legs " == *" official "* ]]; then
-  background venv_pid "official venv" "$venv_log" bash scripts/venv.sh
+  background venv_pid "official venv and build" "$venv_log" bash -c \
+    "bash scripts/venv.sh && ${idle_build[*]} bash scripts/test-official.sh --build-only"
 fi
 if [[ " $legs " == *" 1 "* ]]; then
   # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.
@@ -121,13 +129,13 @@ if [[ " $legs " == *" 1 "* ]]; then
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" official "* ]]; then
-  wait_for "the official venv" venv_pid "$venv_log"
-  bash scripts/test-official.sh  # records its build and tests in $PARATRAIN_TIMINGS
+  wait_for "the official build" venv_pid "$venv_log"
+  bash scripts/test-official.sh --tests-only  # records its tests in $PARATRAIN_TIMINGS
   echo "test: the official leg (libtorch from PyTorch's wheel) passed after" \
     "$(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" 2 "* ]]; then
-  wait_for "the Debian 13 root" root_pid "$root_log"
-  bash scripts/test-libtorch2.sh  # records its build and smoke run in $PARATRAIN_TIMINGS
+  wait_for "the leg 2 build" root_pid "$root_log"
+  bash scripts/test-libtorch2.sh --smoke-only  # records its smoke run in $PARATRAIN_TIMINGS
   echo "test: leg 2 (libtorch 2.6) passed; every leg took $(($(date +%s) - started)) s"
 fi
