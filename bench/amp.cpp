@@ -57,10 +57,7 @@ const BenchSpec& amp_spec() {
           {"test-images", "N", "test images the accuracy comparison scores (default 10000)", "256"},
           {"backend", "NAME", "gloo (default: PyTorch's backend too) or mpi"},
           {"no-pytorch", "", "skip PyTorch's rows"},
-          {"python", "LIST",
-           "the Pythons with torch for PyTorch's rows, comma-separated (default: "
-           "/usr/bin/python3 and $PARATRAIN_VENV/bin/python, those present; or "
-           "PARATRAIN_PYTHON)"},
+          {"python", "LIST", anchor_pythons_help("with torch for PyTorch's rows")},
           {"accuracy", "", ""},
           {"level", "L", ""},
           {"dtype", "T", ""},
@@ -247,7 +244,7 @@ AmpResults measure_amp(const Bench& bench, const AmpPlan& plan) {
   }
   AmpResults r;
   for (JsonRow row : read_rows(out)) {
-    if (string_field(row, "system").rfind("pytorch-", 0) == 0) {
+    if (is_anchor_system(string_field(row, "system"))) {
       row["level"] = string_field(row, "amp") == "bf16" ? "O1" : "O0";
       row["dtype"] = "bf16";
       r.pytorch.push_back(row);
@@ -332,7 +329,11 @@ int run_amp(const Bench& bench) {
   plan.levels = amp_levels(bench);
   plan.accuracy_steps = bench.get_int("accuracy-steps", 400);
   // gloo by default: PyTorch's DDP beside it has no other backend in most builds.
-  plan.backend = bench.get("backend", "gloo");
+  const std::vector<std::string> backends = cpu_backends(bench, "backend", {"gloo"});
+  if (backends.size() != 1) {
+    throw UsageError("--backend '" + bench.get("backend") + "': name one backend, gloo or mpi");
+  }
+  plan.backend = backends.front();
   for (const auto& a : anchor_pythons(bench)) {
     if (a.has_backend(plan.backend)) {
       plan.anchors.push_back(a);

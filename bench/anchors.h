@@ -28,6 +28,18 @@
 namespace paratrain {
 namespace cli {
 
+/// Whether `system` names a PyTorch anchor's rows ("pytorch-2.15.0"; AnchorPython::label).
+inline bool is_anchor_system(const std::string& system) {
+  return system.rfind("pytorch-", 0) == 0;
+}
+
+/// The help of a benchmark's --python option: "the Pythons WHAT, comma-separated (default: ...)".
+inline std::string anchor_pythons_help(const std::string& what) {
+  return "the Pythons " + what +
+         ", comma-separated (default: /usr/bin/python3 and $PARATRAIN_VENV/bin/python, those "
+         "present; or PARATRAIN_PYTHON)";
+}
+
 /// One Python of the anchors, as bench/anchor_probe.py found it.
 struct AnchorPython {
   std::string python;  // the interpreter, as given

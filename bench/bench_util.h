@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -112,6 +113,32 @@ inline std::string results_file(const std::string& name) {
   }
   ::close(fd);
   return tmpl.data();
+}
+
+/// The CPU backends that option `name` lists (comma-separated), else `defaults` less those this
+/// build lacks. Each must be gloo or mpi, and built: a usage error names the option otherwise.
+inline std::vector<std::string> cpu_backends(const Bench& bench,
+                                             const std::string& name,
+                                             const std::vector<std::string>& defaults) {
+  const std::vector<std::string> built = dist::available_backends();
+  auto has = [&](const std::string& b) {
+    return std::find(built.begin(), built.end(), b) != built.end();
+  };
+  std::vector<std::string> out;
+  if (!bench.has(name)) {
+    std::copy_if(defaults.begin(), defaults.end(), std::back_inserter(out), has);
+    return out;
+  }
+  out = split_list(bench.get(name));
+  if (out.empty()) {
+    throw UsageError("--" + name + " is empty: name gloo or mpi");
+  }
+  for (const auto& b : out) {
+    if ((b != "gloo" && b != "mpi") || !has(b)) {
+      throw UsageError("--" + name + " '" + b + "': choose of gloo and mpi, those this build has");
+    }
+  }
+  return out;
 }
 
 /// --backend, else mpi when this build has it (the fast path on CPU), else gloo.

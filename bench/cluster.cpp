@@ -325,32 +325,13 @@ void print_cluster_text(const std::vector<std::string>& workloads,
             << median(m.step["resnet18 adam zero"]) / median(m.step["resnet18 adam ddp"]) << "\n";
 }
 
-// --backends, else gloo and mpi where built.
-std::vector<std::string> cluster_backends(const Bench& bench) {
-  std::vector<std::string> backends = split_list(bench.get("backends", ""));
-  if (backends.empty()) {
-    backends = {"gloo"};
-    for (const auto& b : dist::available_backends()) {
-      if (b == "mpi") {
-        backends.push_back("mpi");
-      }
-    }
-  }
-  for (const auto& b : backends) {
-    if (b != "gloo" && b != "mpi") {
-      throw UsageError("--backends: '" + b + "' is not gloo or mpi");
-    }
-  }
-  return backends;
-}
-
 int run_cluster(const Bench& bench) {
   const std::string why = FakeHosts::unavailable_reason();
   if (!why.empty()) {
     return not_available(bench, "it makes two hosts as network namespaces: " + why);
   }
   const std::vector<std::string> workloads = bench_workloads(bench);
-  const std::vector<std::string> backends = cluster_backends(bench);
+  const std::vector<std::string> backends = cpu_backends(bench, "backends", {"gloo", "mpi"});
   const int repeats = bench.get_int("repeats", 3);
   if (repeats < 1) {
     throw UsageError("--repeats must be at least 1, got " + std::to_string(repeats));

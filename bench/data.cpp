@@ -109,9 +109,7 @@ const BenchSpec& data_spec() {
           {"batch", "B", "batch size (default 64)", "16"},
           {"crop", "N", "RandomResizedCrop's size (default 224)", "32"},
           {"no-pytorch", "", "skip PyTorch's DataLoader"},
-          {"python", "LIST",
-           "the Pythons with torch and torchvision, comma-separated (default: /usr/bin/python3 "
-           "and $PARATRAIN_VENV/bin/python, those present; or PARATRAIN_PYTHON)"},
+          {"python", "LIST", anchor_pythons_help("with torch and torchvision")},
       },
       "print JSON"};
   return spec;

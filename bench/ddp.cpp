@@ -116,10 +116,7 @@ const BenchSpec& ddp_spec() {
           {"steps", "N", "timed steps per workload", "1"},
           {"gradient-as-bucket-view", "", "DDP's gradient_as_bucket_view"},
           {"no-pytorch", "", "skip PyTorch's DDP rows"},
-          {"python", "LIST",
-           "the Pythons with torch for the PyTorch rows, comma-separated (default: "
-           "/usr/bin/python3 and $PARATRAIN_VENV/bin/python, those present; or "
-           "PARATRAIN_PYTHON)"},
+          {"python", "LIST", anchor_pythons_help("with torch for the PyTorch rows")},
           {"trace", "FILE",
            "also write a Chrome trace of paratrain's DDP steps and print how much of the "
            "allreduce time backward hides; with several workloads or backends, one file each "
@@ -319,24 +316,6 @@ struct DdpJobs {
   std::string out;
 };
 
-// --backend: a list of gloo and mpi, each built; by default gloo, then mpi when built.
-std::vector<std::string> ddp_backends(const Bench& bench) {
-  const std::vector<std::string> built = dist::available_backends();
-  auto has = [&](const std::string& b) {
-    return std::find(built.begin(), built.end(), b) != built.end();
-  };
-  if (!bench.has("backend")) {
-    return has("mpi") ? std::vector<std::string>{"gloo", "mpi"} : std::vector<std::string>{"gloo"};
-  }
-  std::vector<std::string> out = split_list(bench.get("backend"));
-  for (const auto& b : out) {
-    if ((b != "gloo" && b != "mpi") || !has(b)) {
-      throw UsageError("--backend '" + b + "': choose of gloo and mpi, those this build has");
-    }
-  }
-  return out;
-}
-
 // The trace file of paratrain's run of workload `name` on `backend`, "" without --trace.
 std::string ddp_trace(const Bench& bench,
                       const DdpJobs& jobs,
@@ -418,7 +397,7 @@ const JsonRow* fastest_pytorch(const DdpRows& rows,
                                const std::string& backend) {
   const JsonRow* best = nullptr;
   for (const auto& [key, row] : rows) {
-    const bool anchor = std::get<1>(key).rfind("pytorch-", 0) == 0;
+    const bool anchor = is_anchor_system(std::get<1>(key));
     if (anchor && std::get<0>(key) == workload &&
         (backend.empty() || std::get<2>(key) == backend) &&
         (!best || number_field(row, "step_seconds") < number_field(*best, "step_seconds"))) {
@@ -438,7 +417,7 @@ void add_ratios(DdpRows& rows, JsonRow& row, double indep, bool best_backend) {
   row["ratio_to_independent"] = ours / indep;
   for (const auto& [key, other] : rows) {
     if (std::get<0>(key) == workload && std::get<2>(key) == backend &&
-        std::get<1>(key).rfind("pytorch-", 0) == 0) {
+        is_anchor_system(std::get<1>(key))) {
       row["ratio_to_" + std::get<1>(key)] = ours / number_field(other, "step_seconds");
     }
   }
@@ -564,7 +543,7 @@ void print_ddp_text(const Bench& bench, DdpRows& rows, const DdpSummary& s) {
   }
   line("independent x2", rows[{s.name, "independent", ""}], "");
   for (const auto& [key, row] : rows) {
-    if (std::get<0>(key) == s.name && std::get<1>(key).rfind("pytorch-", 0) == 0) {
+    if (std::get<0>(key) == s.name && is_anchor_system(std::get<1>(key))) {
       line("PyTorch " + string_field(row, "anchor_version") + " DDP (" + std::get<2>(key) + ")",
            row, "");
     }
@@ -594,7 +573,7 @@ void say_missing_backends(const Bench& bench, const DdpJobs& jobs) {
 int run_ddp(const Bench& bench) {
   DdpJobs jobs;
   jobs.workloads = bench_workloads(bench);
-  jobs.backends = ddp_backends(bench);
+  jobs.backends = cpu_backends(bench, "backend", {"gloo", "mpi"});
   jobs.anchors = anchor_pythons(bench);
   jobs.script = jobs.anchors.empty() ? "" : bench_script("ddp_pytorch.py");
   check_trace_file(bench);

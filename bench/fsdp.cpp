@@ -73,9 +73,8 @@ const BenchSpec& fsdp_spec() {
           {"ranks", "N", "ranks (default 2; 1 with --device cuda on one GPU)"},
           {"no-pytorch", "", "skip PyTorch's rows"},
           {"python", "LIST",
-           "the Pythons with torch for PyTorch's rows (DDP, ZeRO, FSDP2's fully_shard; CPU, "
-           "gloo), comma-separated (default: /usr/bin/python3 and $PARATRAIN_VENV/bin/python, "
-           "those present; or PARATRAIN_PYTHON)"},
+           anchor_pythons_help(
+               "with torch for PyTorch's rows (DDP, ZeRO, FSDP2's fully_shard; CPU, gloo)")},
           {"system", "S", ""},
       },
       "print JSON rows",

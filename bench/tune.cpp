@@ -84,9 +84,7 @@ const BenchSpec& tune_spec() {
           {"systems", "LIST",
            "a comma-separated subset of the systems (optuna-tpe-hyperband and optuna-random "
            "name each Optuna's)"},
-          {"python", "LIST",
-           "the Pythons of Optuna and Ray Tune, comma-separated (default: /usr/bin/python3 and "
-           "$PARATRAIN_VENV/bin/python, those present; or PARATRAIN_PYTHON)"},
+          {"python", "LIST", anchor_pythons_help("of Optuna and Ray Tune")},
           {"train-images", "N", "the training images trials draw from (default 60000: all)",
            "1024"},
           {"test-images", "N", "the test images trials are scored on (default 10000: all)", "256"},

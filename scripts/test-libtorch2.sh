@@ -11,13 +11,29 @@
 # `--build-only` stops after the build; `--smoke-only` runs the smoke run (or the tests) of an
 # existing build (scripts/test.sh builds in the background while leg 1 runs its tests).
 set -euo pipefail
+case "${1:-}" in
+"" | --root-only | --build-only | --smoke-only) ;;
+*)
+  echo "test-libtorch2: unknown option '$1': use --root-only, --build-only or --smoke-only" >&2
+  exit 2
+  ;;
+esac
 cd "$(dirname "$0")/.."
 src=$(pwd)
 # Absolute and without symbolic links, as /proc/mounts names the mounts inside it.
 root=$(realpath -m -- "${PARATRAIN_TRIXIE_ROOT:-/var/cache/paratrain/trixie}")
 build_dir="${BUILD_DIR_LIBTORCH2:-build-libtorch2}"
 SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+if [ "$(id -u)" -ne 0 ]; then
+  SUDO="sudo"
+  # Without a terminal (scripts/test.sh's background build) sudo fails rather than asks.
+  [ -t 0 ] || SUDO="sudo -n"
+fi
+# What is mounted inside the root (a stopped run's mounts: the checkout is bound in there).
+mounts_inside() { awk -v r="$root" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/mounts; }
+unmount_leftovers() {
+  mounts_inside | sort -r | while read -r m; do $SUDO umount -l "$m" || true; done
+}
 
 # What the build and this leg's tests need inside the root: scripts/setup.sh's list in trixie's
 # names, less what only first-leg tests use (tests/labels.cmake: PostgreSQL, Chromium, Slurm, the
@@ -51,10 +67,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         debootstrap >&2
     fi
     echo "test-libtorch2: making a Debian 13 root in $root (once per machine)" >&2
-    # What a stopped run left mounted inside it first (the checkout is bound in there), then the
-    # rest; never a removal across a mount that is still there.
-    mounts_inside() { awk -v r="$root" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/mounts; }
-    mounts_inside | sort -r | while read -r m; do $SUDO umount -l "$m" || true; done
+    # What a stopped run left mounted inside it first, then the rest; never a removal across a
+    # mount that is still there.
+    unmount_leftovers
     if [ -n "$(mounts_inside)" ]; then
       echo "test-libtorch2: $root still has mounts inside it ($(mounts_inside | tr '\n' ' '));" \
         "unmount them, then run again" >&2
@@ -84,7 +99,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 if [ "${1:-}" = "--root-only" ]; then exit 0; fi
 
-# /proc, /sys and /dev for the tests (processes, /dev/shm for Open MPI), and the checkout itself.
+# /proc, /sys and /dev for the tests (processes, /dev/shm for Open MPI), and the checkout itself,
+# after what a run stopped by a signal left there.
+unmount_leftovers
 mounts=()
 cleanup() {
   local i
@@ -115,13 +132,14 @@ mount_in /dev/pts -t devpts devpts
 mount_in /tmp -t tmpfs tmpfs
 mount_in /work/paratrain --bind "$src"
 
-# Inside: the same build and ctest as scripts/test.sh, less what the first leg checked once for
-# both (formatting, each public header on its own: see tests/CMakeLists.txt for what that leaves), and
-# less the tests labelled one-leg (tests/labels.cmake).
+# Inside: the first leg's build (scripts/build.sh), less what the first leg checks once for all
+# (formatting, each public header on its own, the docs' snippets), and without the tests unless
+# PARATRAIN_TESTS names some (then those not labelled one-leg: tests/test_lists.cmake).
 in_root() { # in_root SCRIPT: runs SCRIPT with bash in the root, in the checkout
   # shellcheck disable=SC2086
   $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/root LANG=C.UTF-8 CI="${CI:-}" PARATRAIN_TESTS="${PARATRAIN_TESTS:-.}" \
+    ${CCACHE_DISABLE:+CCACHE_DISABLE="$CCACHE_DISABLE"} \
     PARATRAIN_BUILD_JOBS="${PARATRAIN_BUILD_JOBS:-2}" \
     ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
     cd /work/paratrain

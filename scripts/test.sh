@@ -6,20 +6,21 @@
 #      virtual environment kept between runs (scripts/test-official.sh): the build with every CUDA
 #      path compiled and linked by this machine's nvcc and CUDA 13 libraries, a check that Debian's
 #      gloo headers match the wheel's gloo, and the tests of code whose libtorch calls differ
-#      between versions (every test not labelled one-leg; tests/labels.cmake says which and why),
+#      between versions (every test not labelled one-leg; tests/test_lists.cmake says which and why),
 #      with the Hugging Face tests against real transformers;
 #   2. Debian 13's libtorch 2.6 and GCC 14 (CPU), in a debootstrap root kept between runs on the
 #      same machine (scripts/test-libtorch2.sh): the library, CLI, benchmarks and examples built
 #      with -Werror, and a smoke run (a two-rank DDP job); the official leg runs the tests on a 2.x
 #      libtorch.
 # In leg 1 the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
-# instruction set capped to AVX2. The other legs' builds run in the background while leg 1 builds
-# and tests, after what they need is made (the virtual environment, the root: downloads and
-# unpacking), one at a time and at the scheduler's idle priority (SCHED_IDLE): they take only the
-# CPU time that leg 1's tests leave, which wait on sockets, timeouts and each other much of the
-# time. They stay in this script's session: the kernel's autogroups give each session an equal
-# share of the CPU whatever its nice value or policy, and a build in a session of its own (setsid)
-# at nice 19 took half the CPU and slowed leg 1's tests past their timeouts.
+# instruction set capped to AVX2. The official and Debian 13 legs' builds run in the background
+# from the start, after what each needs is made (the virtual environment, the root: downloads and
+# unpacking), one after the other (each holds gigabytes) and at the scheduler's idle priority
+# (SCHED_IDLE): they take the CPU time that leg 1's tests, and then the official leg's, leave
+# while they wait on sockets, timeouts and each other. They stay in this script's session: the
+# kernel's autogroups give each session an equal share of the CPU whatever its nice value or
+# policy, and a build in a session of its own (setsid) at nice 19 took half the CPU and slowed
+# leg 1's tests past their timeouts.
 # Multi-process tests start real processes on loopback. At the end, a table of the seconds each
 # step took.
 #
@@ -42,12 +43,13 @@ build_dir="${BUILD_DIR:-build}"
 started="${PARATRAIN_STARTED:-$(date +%s)}"
 timings="${PARATRAIN_TIMINGS:-$(mktemp /tmp/paratrain-timings.XXXXXX)}"
 export PARATRAIN_TIMINGS="$timings"
-root_pid=""
-root_log=/tmp/paratrain-trixie-root.log
-venv_pid=""
-venv_log=/tmp/paratrain-venv.log
+official_pid=""
+official_log=/tmp/paratrain-official-build.log
+leg2_pid=""
+leg2_log=/tmp/paratrain-leg2-build.log
+sync_dir=$(mktemp -d /tmp/paratrain-test.XXXXXX)
 
-# The environment of both legs' tests. Two tests run at a time on this machine's two cores, so
+# The environment of the legs' tests. Two tests run at a time on this machine's two cores, so
 # each test's processes get one intra-op thread: libtorch 2.6 otherwise takes both cores in every
 # process, and two such tests oversubscribe the machine (the CNN's fp32 step took 127 ms with 2
 # threads and 88 ms with 1, alone). libtorch 1.13 (Debian 12) runs one thread by default.
@@ -66,9 +68,13 @@ source scripts/timing.sh  # step NAME COMMAND...
 table() {
   local status=$?
   local pid
-  for pid in "$root_pid" "$venv_pid"; do  # what runs in the background, when a leg failed first
-    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then kill -- -"$pid" 2>/dev/null || true; fi
+  for pid in "$official_pid" "$leg2_pid"; do  # what runs in the background, when a step failed
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+      kill -- -"$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true  # its traps (leg 2's unmounts) run before this script ends
+    fi
   done
+  rm -rf "$sync_dir"
   echo
   echo "test: seconds per step (status $status)"
   awk '{ name = $1; for (i = 2; i < NF; ++i) name = name " " $i; printf "  %-46s %6d\n", name, $NF }' \
@@ -79,43 +85,55 @@ table() {
 trap table EXIT
 
 step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, debootstrap too
-# background VAR NAME LOG COMMAND...: COMMAND in a process group of its own (so that a failure of
-# leg 1 can stop it whole) but in this session (see above), its seconds in the table; its pid goes
-# to VAR.
+# background VAR NAME LOG COMMAND...: COMMAND in a process group of its own (so that a failed step
+# can stop it whole) but in this session (see above), its output in LOG, its seconds in the table;
+# its pid goes to VAR.
 background() {
   local var="$1" name="$2" log="$3"
   shift 3
+  rm -f "$log"
   # In the inner script: $0 the log, $1 the name, $2 the table's file, then the command.
   perl -e 'setpgrp(0, 0) or die "setpgrp: $!"; exec @ARGV or die "exec: $!"' -- \
-    bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" > "$0" 2>&1; rc=$?
+    bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" >> "$0" 2>&1; rc=$?
     [ $rc -eq 0 ] || name="$name (failed)"
     echo "$name, in the background $(($(date +%s) - t0))" >> "$table"; exit $rc' \
-    "$log" "$name" "$timings" "$@" </dev/null >/dev/null 2>&1 &
+    "$log" "$name" "$timings" "$@" </dev/null >>"$log" 2>&1 &
   printf -v "$var" '%s' "$!"
 }
-# idle_build SCRIPT ARGS...: a leg's build at the idle priority, one such build at a time.
-idle_build=(flock /tmp/paratrain-idle-build.lock chrt --idle 0)
 # wait_for NAME VAR LOG: waits for the background step whose pid is in VAR, then empties VAR (the
-# pid is reaped: table() must not signal it); shows the log's end when the step failed.
+# pid is reaped: table() must not signal it); shows where the log says it failed.
 wait_for() {
   local t0 pid="${!2}" rc=0
   t0=$(date +%s)
   wait "$pid" || rc=$?
   printf -v "$2" '%s' ""
   if [ "$rc" -ne 0 ]; then
-    echo "test: $1 failed:" >&2
-    tail -n 20 "$3" >&2
+    echo "test: $1 failed; the whole log is $3. Its errors and its end:" >&2
+    grep -n -m 20 -E 'error|FAILED|fatal' "$3" >&2 || true
+    tail -n 40 "$3" >&2
     exit 1
   fi
   echo "waiting for $1 $(($(date +%s) - t0))" >>"$timings"
 }
-if [[ " $legs " == *" 2 "* ]]; then
-  background root_pid "leg 2 root and build" "$root_log" bash -c \
-    "bash scripts/test-libtorch2.sh --root-only && ${idle_build[*]} bash scripts/test-libtorch2.sh --build-only"
-fi
+# The idle priority (SCHED_IDLE), or nice 19 where the system refuses it.
+idle=(chrt --idle 0)
+if ! chrt --idle 0 true 2>/dev/null; then idle=(nice -n 19); fi
 if [[ " $legs " == *" official "* ]]; then
-  background venv_pid "official venv and build" "$venv_log" bash -c \
-    "bash scripts/venv.sh && ${idle_build[*]} bash scripts/test-official.sh --build-only"
+  # The marker tells leg 2's job that this build is over (a zombie still answers kill -0).
+  background official_pid "official venv and build" "$official_log" bash -c \
+    'bash scripts/venv.sh && "${@:2}" bash scripts/test-official.sh --build-only; rc=$?
+    touch "$1"; exit $rc' _ "$sync_dir/official-built" "${idle[@]}"
+else
+  touch "$sync_dir/official-built"
+fi
+if [[ " $legs " == *" 2 "* ]]; then
+  if [ "$(id -u)" -ne 0 ]; then sudo -v; fi  # the background job cannot ask for a password
+  # The root meanwhile (downloads), the build after the official one: one build at a time, as
+  # each holds gigabytes.
+  background leg2_pid "leg 2 root and build" "$leg2_log" bash -c \
+    'bash scripts/test-libtorch2.sh --root-only || exit
+    while [ ! -e "$1" ]; do sleep 2; done
+    "${@:2}" bash scripts/test-libtorch2.sh --build-only' _ "$sync_dir/official-built" "${idle[@]}"
 fi
 if [[ " $legs " == *" 1 "* ]]; then
   # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.
@@ -129,13 +147,14 @@ if [[ " $legs " == *" 1 "* ]]; then
   echo "test: leg 1 (libtorch 1.13) passed after $(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" official "* ]]; then
-  wait_for "the official build" venv_pid "$venv_log"
+  wait_for "the official build" official_pid "$official_log"
+  grep -E '^(-- paratrain: |test-official: )' "$official_log" || true
   bash scripts/test-official.sh --tests-only  # records its tests in $PARATRAIN_TIMINGS
   echo "test: the official leg (libtorch from PyTorch's wheel) passed after" \
     "$(($(date +%s) - started)) s"
 fi
 if [[ " $legs " == *" 2 "* ]]; then
-  wait_for "the leg 2 build" root_pid "$root_log"
+  wait_for "the leg 2 build" leg2_pid "$leg2_log"
   bash scripts/test-libtorch2.sh --smoke-only  # records its smoke run in $PARATRAIN_TIMINGS
   echo "test: leg 2 (libtorch 2.6) passed; every leg took $(($(date +%s) - started)) s"
 fi

@@ -1,5 +1,6 @@
 #include "paratrain/io/checkpoint.h"
 
+#include "../util/files.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
 #include "paratrain/util/trace.h"
@@ -112,16 +113,8 @@ void write_rank_file(
                                          /*drop_cache=*/true});
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot open ", path, ": ", errno_text());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 Json read_json(const std::string& path) {
-  const std::string text = read_all(path);
+  const std::string text = detail::read_whole_file(path, "the file");
   try {
     return Json::parse(text);
   } catch (const Json::exception& e) {
@@ -132,7 +125,7 @@ Json read_json(const std::string& path) {
 // Reads a tensor file named by a manifest entry and checks its size and CRC-32.
 TensorMap read_tensors(const std::string& dir, const Json& entry) {
   const std::string path = dir + "/" + entry.at("file").get<std::string>();
-  const std::string bytes = read_all(path);
+  const std::string bytes = detail::read_whole_file(path, "the file");
   const size_t want = entry.at("bytes").get<size_t>();
   TORCH_CHECK(bytes.size() == want, path, " has ", bytes.size(), " bytes, its manifest says ", want,
               ": the file is truncated or damaged");
@@ -461,7 +454,7 @@ namespace {
 
 // Rank `rank`'s file of step `step`, verified against its header.
 TensorMap load_rank_file(const std::string& file, int rank, int64_t step, int world_size) {
-  const std::string bytes = read_all(file);
+  const std::string bytes = detail::read_whole_file(file, "the file");
   const auto meta = safetensors_metadata_bytes(bytes.data(), bytes.size(), file);
   auto field = [&](const char* name) -> int64_t {
     const auto it = meta.find(name);

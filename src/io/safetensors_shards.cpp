@@ -1,5 +1,6 @@
 #include "paratrain/io/safetensors_shards.h"
 
+#include "../util/files.h"
 #include "paratrain/util/atomic_file.h"
 
 #include <c10/util/Exception.h>
@@ -73,19 +74,11 @@ void make_shards_directory(const std::string& dir) {
               ": ", std::strerror(errno));
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "safetensors: cannot open ", path, ": ", std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The index's weight_map: each tensor's shard file.
 std::map<std::string, std::string> read_weight_map(const std::string& index_path) {
   Json index;
   try {
-    index = Json::parse(read_text(index_path));
+    index = Json::parse(detail::read_whole_file(index_path, "the safetensors index"));
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "safetensors: ", index_path, " is not JSON (", e.what(),
                 "); a sharded checkpoint's index is model.safetensors.index.json");

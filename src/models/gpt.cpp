@@ -1,5 +1,7 @@
 #include "paratrain/models/gpt.h"
 
+#include "hf_names.h"
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -40,7 +42,6 @@ constexpr GptPreset kGptPresets[] = {
 
 constexpr double kGptInitStd = 0.02;  // GPT-2's initializer_range
 constexpr double kGptLayerNormEps = 1e-5;
-constexpr const char* kHfPrefix = "transformer.";
 
 void check_gpt_options(const GptOptions& o) {
   TORCH_CHECK(o.layers() >= 1, "gpt: layers must be >= 1, got ", o.layers());
@@ -302,13 +303,13 @@ std::string hf_gpt2_name(const std::string& name) {
   if (dot != std::string::npos) {
     if (first == "embed" &&
         (name.compare(dot + 1, 4, "wte.") == 0 || name.compare(dot + 1, 4, "wpe.") == 0)) {
-      return kHfPrefix + name.substr(dot + 1);
+      return detail::kHfTransformerPrefix + name.substr(dot + 1);
     }
     if (first == "ln_f") {
-      return kHfPrefix + name;
+      return detail::kHfTransformerPrefix + name;
     }
     if (is_block_name(first)) {
-      return kHfPrefix + std::string("h.") + first.substr(1) + name.substr(dot);
+      return detail::kHfTransformerPrefix + std::string("h.") + first.substr(1) + name.substr(dot);
     }
   }
   TORCH_CHECK(false, "hf_gpt2_name: '", name,

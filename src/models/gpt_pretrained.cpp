@@ -1,5 +1,7 @@
 #include "paratrain/models/gpt_pretrained.h"
 
+#include "../util/strings.h"
+#include "hf_names.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/io/safetensors_shards.h"
 #include "paratrain/io/torch_load.h"
@@ -30,8 +32,7 @@ namespace {
 
 using Json = nlohmann::json;
 
-constexpr const char* kTransformerPrefix =
-    "transformer.";  // GPT2LMHeadModel's; GPT2Model's names lack it
+using detail::kHfTransformerPrefix;
 
 bool is_directory(const std::string& path) {
   struct stat st {};
@@ -43,19 +44,11 @@ bool is_file(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
-bool ends_with(const std::string& text, const std::string& suffix) {
-  return text.size() >= suffix.size() &&
-         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-bool starts_with(const std::string& text, const std::string& prefix) {
-  return text.compare(0, prefix.size(), prefix) == 0;
-}
-
 // "transformer.h.0.ln_1.weight" -> "h.0.ln_1.weight"; a bare name stays as it is.
 std::string bare_name(const std::string& name) {
-  return starts_with(name, kTransformerPrefix) ? name.substr(std::strlen(kTransformerPrefix))
-                                               : name;
+  return detail::starts_with(name, kHfTransformerPrefix)
+             ? name.substr(std::strlen(kHfTransformerPrefix))
+             : name;
 }
 
 // config.json's fields, with GPT2Config's defaults for those it leaves out (or sets to null).
@@ -150,16 +143,17 @@ std::map<std::string, std::vector<int64_t>> gpt2_shapes(const GptOptions& o) {
 // tied head, and older versions' attention masks.
 bool is_hf_extra(const std::string& name) {
   return name == "lm_head.weight" ||
-         (starts_with(name, "h.") &&
-          (ends_with(name, ".attn.bias") || ends_with(name, ".attn.masked_bias")));
+         (detail::starts_with(name, "h.") &&
+          (detail::ends_with(name, ".attn.bias") || detail::ends_with(name, ".attn.masked_bias")));
 }
 
 // What in `dir` is a model's file: its config, weights in any of Hugging Face's formats.
 bool is_model_file(const std::string& name) {
   return name == kHfConfigFile || name == "generation_config.json" ||
-         ends_with(name, ".safetensors") || ends_with(name, ".safetensors.index.json") ||
-         starts_with(name, "pytorch_model") || starts_with(name, "tf_model") ||
-         starts_with(name, "flax_model");
+         detail::ends_with(name, ".safetensors") ||
+         detail::ends_with(name, ".safetensors.index.json") ||
+         detail::starts_with(name, "pytorch_model") || detail::starts_with(name, "tf_model") ||
+         detail::starts_with(name, "flax_model");
 }
 
 void check_no_model_files(const std::string& dir) {
@@ -310,14 +304,14 @@ GptOptions gpt2_options_of_weights(const std::map<std::string, torch::Tensor>& t
   int64_t layers = 0;
   for (const auto& kv : tensors) {
     const std::string name = bare_name(kv.first);
-    if (starts_with(name, "h.")) {
+    if (detail::starts_with(name, "h.")) {
       layers = std::max<int64_t>(layers, std::atoll(name.c_str() + 2) + 1);
     }
     bare[name] = kv.second;
   }
   for (const char* name : {"wte.weight", "wpe.weight"}) {
     TORCH_CHECK(bare.count(name) && bare.at(name).dim() == 2, "gpt: the weights have no 2-D '",
-                kTransformerPrefix, name, "', so they are not GPT-2's");
+                kHfTransformerPrefix, name, "', so they are not GPT-2's");
   }
   const torch::Tensor& wte = bare.at("wte.weight");
   GptOptions o;
@@ -330,9 +324,9 @@ GptOptions gpt2_options_of_weights(const std::map<std::string, torch::Tensor>& t
   const auto shapes = gpt2_shapes(o);
   for (const auto& kv : shapes) {
     auto it = bare.find(kv.first);
-    TORCH_CHECK(it != bare.end(), "gpt: the weights have no '", kTransformerPrefix, kv.first,
+    TORCH_CHECK(it != bare.end(), "gpt: the weights have no '", kHfTransformerPrefix, kv.first,
                 "', which a GPT-2 of ", describe(o), " has");
-    TORCH_CHECK(it->second.sizes() == c10::IntArrayRef(kv.second), "gpt: '", kTransformerPrefix,
+    TORCH_CHECK(it->second.sizes() == c10::IntArrayRef(kv.second), "gpt: '", kHfTransformerPrefix,
                 kv.first, "' has shape ", it->second.sizes(), " but a GPT-2 of ", describe(o),
                 " has it ", c10::IntArrayRef(kv.second));
   }
@@ -377,10 +371,10 @@ void load_gpt2_safetensors(const torch::nn::Sequential& model, const std::string
   std::set<std::string> wanted;  // only these are read: Hugging Face's extras stay on disk
   for (const auto& kv : expected) {
     wanted.insert(kv.first);
-    wanted.insert(kTransformerPrefix + kv.first);
+    wanted.insert(kHfTransformerPrefix + kv.first);
   }
   const auto keep = [&wanted](const std::string& name) { return wanted.count(name) > 0; };
-  const std::map<std::string, torch::Tensor> file = ends_with(weights, ".index.json")
+  const std::map<std::string, torch::Tensor> file = detail::ends_with(weights, ".index.json")
                                                         ? load_safetensors_shards(weights, keep)
                                                         : load_safetensors(weights, keep);
   // Every tensor is found and checked before any is copied: a failed load leaves the model as it
@@ -414,7 +408,7 @@ void load_gpt2_safetensors(const torch::nn::Sequential& model, const std::string
 }
 
 void load_gpt_weights(const torch::nn::Sequential& model, const std::string& path) {
-  bool hugging_face = is_directory(path) || ends_with(path, ".index.json");
+  bool hugging_face = is_directory(path) || detail::ends_with(path, ".index.json");
   try {
     if (!hugging_face) {
       load_safetensors(path, [&hugging_face](const std::string& name) {
@@ -445,13 +439,13 @@ void save_gpt2_pretrained(const std::string& dir,
   for (const auto& kv : tensors) {
     const std::string name = bare_name(kv.first);
     if (!is_hf_extra(name)) {
-      weights[kTransformerPrefix + name] = kv.second;
+      weights[kHfTransformerPrefix + name] = kv.second;
     }
   }
   save_safetensors_shards(dir, weights, max_shard_bytes);
   // config.json last: a directory that has one holds the weights it describes.
   const std::string config = gpt2_config_json(
-      options, weights.at(std::string(kTransformerPrefix) + "wte.weight").scalar_type());
+      options, weights.at(std::string(kHfTransformerPrefix) + "wte.weight").scalar_type());
   write_file_atomic(dir + "/" + kHfConfigFile, config.data(), config.size());
 }
 

@@ -3,6 +3,8 @@
 
 #include "paratrain/parallel/fsdp_checkpoint.h"
 
+#include "../util/files.h"
+#include "../util/strings.h"
 #include "paratrain/io/checkpoint.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
@@ -44,10 +46,6 @@ std::string rank_file(int rank, int world) {
 // A unit as sharded_state() and the tensors' names call it.
 std::string unit_key(const Unit& u) {
   return u.name.empty() ? "root" : u.name;
-}
-
-bool starts_with(const std::string& text, const std::string& prefix) {
-  return text.compare(0, prefix.size(), prefix) == 0;
 }
 
 Json layout_json(const std::vector<Unit>& units) {
@@ -100,15 +98,6 @@ struct Manifest {
   std::vector<Json> files;  // {"file", "bytes", "crc32"} per rank
 };
 
-std::string read_all(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
-  std::ostringstream s;
-  s << in.rdbuf();
-  TORCH_CHECK(!in.bad(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
-  return s.str();
-}
-
 Manifest read_manifest(const std::string& dir) {
   const std::string path = dir + "/" + kFsdpManifest;
   struct stat st;
@@ -119,7 +108,7 @@ Manifest read_manifest(const std::string& dir) {
               "); give the directory of a save that finished");
   Manifest m;
   try {
-    const Json j = Json::parse(read_all(path, "the checkpoint manifest"));
+    const Json j = Json::parse(detail::read_whole_file(path, "the checkpoint manifest"));
     TORCH_CHECK(j.is_object() && j.value("format", "") == kFormat, path,
                 " is not the manifest of a sharded FSDP checkpoint (its format is not ", kFormat,
                 ")");
@@ -173,7 +162,7 @@ TensorMap read_rank_file(const std::string& dir,
                          int r,
                          const SafetensorsFilter& keep) {
   const std::string path = dir + "/" + rank_file(r, m.world);
-  const std::string bytes = read_all(path, "the rank file");
+  const std::string bytes = detail::read_whole_file(path, "the rank file");
   const Json& entry = m.files[static_cast<size_t>(r)];
   const uint32_t crc = crc32_of(bytes);
   TORCH_CHECK(bytes.size() == entry.value("bytes", size_t(0)) && crc == entry.value("crc32", 0u),
@@ -331,7 +320,7 @@ OldFiles read_old_files(const std::string& dir,
     if (old.read[r] || (optimizer && r == old.source)) {
       const bool weights = old.read[r];
       old.files[r] = read_rank_file(dir, m, static_cast<int>(r), [=](const std::string& name) {
-        return starts_with(name, "optim.") ? optimizer : weights;
+        return detail::starts_with(name, "optim.") ? optimizer : weights;
       });
     }
   }
@@ -424,8 +413,8 @@ void remove_other_worlds(const std::string& dir, int world) {
   std::vector<std::string> stale;
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
-    if (starts_with(name, "rank-") && name.find("-of-") != std::string::npos && name.size() > 12 &&
-        name.compare(name.size() - 12, 12, ".safetensors") == 0 &&
+    if (detail::starts_with(name, "rank-") && name.find("-of-") != std::string::npos &&
+        name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0 &&
         (name.size() < ours.size() ||
          name.compare(name.size() - ours.size(), ours.size(), ours) != 0)) {
       stale.push_back(dir + "/" + name);
@@ -555,7 +544,7 @@ std::string newest_trainer_manifest(const std::string& dir) {
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;  // ckpt-0000000020.json; not ckpt-....rank-0.json
     const std::string digits = name.size() > 10 ? name.substr(5, name.size() - 10) : "";
-    if (starts_with(name, "ckpt-") && name.compare(name.size() - 5, 5, ".json") == 0 &&
+    if (detail::starts_with(name, "ckpt-") && name.compare(name.size() - 5, 5, ".json") == 0 &&
         !digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos &&
         std::stoll(digits) > best) {
       best = std::stoll(digits);
@@ -607,7 +596,7 @@ ConsolidatedModel consolidate_trainer_checkpoint(
     }
   }
   for (const auto& kv : shared.shared) {  // the buffers, not sharded
-    if (starts_with(kv.first, "model.")) {
+    if (detail::starts_with(kv.first, "model.")) {
       const std::string name = kv.first.substr(6);
       out[name_map ? name_map(name) : name] = kv.second;
     }
@@ -633,17 +622,17 @@ bool is_checkpoint_file_name(const std::string& name) {
     return name.size() > suffix.size() &&
            name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
-  if (starts_with(name, "rank-") && ends_with(tensors)) {
+  if (detail::starts_with(name, "rank-") && ends_with(tensors)) {
     const std::string middle = name.substr(5, name.size() - 5 - tensors.size());  // R-of-W
     const size_t of = middle.find("-of-");
     return of != std::string::npos && all_digits(middle.substr(0, of)) &&
            all_digits(middle.substr(of + 4));
   }
-  if (!starts_with(name, "ckpt-") || name.size() < 15 || !all_digits(name.substr(5, 10))) {
+  if (!detail::starts_with(name, "ckpt-") || name.size() < 15 || !all_digits(name.substr(5, 10))) {
     return false;
   }
   std::string rest = name.substr(15);  // .json, .safetensors, .rank-R.safetensors, .rank-R.json
-  if (starts_with(rest, ".rank-")) {
+  if (detail::starts_with(rest, ".rank-")) {
     const size_t dot = rest.find('.', 6);
     if (dot == std::string::npos || !all_digits(rest.substr(6, dot - 6))) {
       return false;
@@ -702,7 +691,7 @@ ConsolidatedModel consolidate_sharded_model(
   std::vector<TensorMap> files;
   for (int r = 0; r < m.world; ++r) {
     files.push_back(read_rank_file(dir, m, r, [](const std::string& name) {
-      return starts_with(name, "model.");  // the optimizer's state stays in the files
+      return detail::starts_with(name, "model.");  // the optimizer's state stays in the files
     }));
   }
   const std::vector<bool> all(files.size(), true);

@@ -9,7 +9,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <vector>
+
+#include <c10/util/Exception.h>
 
 namespace paratrain {
 namespace detail {
@@ -118,6 +122,15 @@ std::string remove_tree(const std::string& path) {
     first_failure = path + ": " + std::strerror(errno);
   }
   return first_failure;
+}
+
+std::string read_whole_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  TORCH_CHECK(!in.bad(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
+  return bytes.str();
 }
 
 }  // namespace detail
