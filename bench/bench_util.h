@@ -116,7 +116,8 @@ inline std::string results_file(const std::string& name) {
 }
 
 /// The CPU backends that option `name` lists (comma-separated), else `defaults` less those this
-/// build lacks. Each must be gloo or mpi, and built: a usage error names the option otherwise.
+/// build lacks. Each must be gloo or mpi, and built: a usage error names the option otherwise, and
+/// says so when the build has none of the defaults.
 inline std::vector<std::string> cpu_backends(const Bench& bench,
                                              const std::string& name,
                                              const std::vector<std::string>& defaults) {
@@ -127,6 +128,16 @@ inline std::vector<std::string> cpu_backends(const Bench& bench,
   std::vector<std::string> out;
   if (!bench.has(name)) {
     std::copy_if(defaults.begin(), defaults.end(), std::back_inserter(out), has);
+    if (out.empty()) {
+      std::string names;
+      for (const auto& b : defaults) {
+        names += (names.empty() ? "" : " or ") + b;
+      }
+      throw UsageError("this build has no " + names +
+                       " backend, which this benchmark runs on by "
+                       "default: name one it has with --" +
+                       name + ", or build with " + names);
+    }
     return out;
   }
   out = split_list(bench.get(name));

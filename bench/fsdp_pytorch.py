@@ -154,22 +154,39 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("USE_LIBUV", "0")  # as bench/ddp_pytorch.py: Debian's has no libuv
-    # A short timeout: a rank whose train() failed alone leaves, and the other's next collective
-    # must end the job within minutes, not gloo's default half hour.
+    # A short timeout: should a rank hang, the job ends within minutes, not gloo's default half
+    # hour.
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     shape = GPT2[a.model] if a.model in GPT2 else (a.layers, a.width, a.heads)
     row = {"system": a.system, "framework": a.framework, "ranks": dist.get_world_size()}
     try:
         params, step, losses, before = train(a, shape)
-    except Exception as e:  # said in the row: what this PyTorch does with the system
+    except Exception as e:
+        traceback.print_exc()
+        # What this PyTorch does with the system (1.13 has no fully_shard) fails every rank alike:
+        # each says so in the store and waits a minute for the others. A rank that failed alone
+        # does not hear from them, and fails the job: the launcher stops it at once on a non-zero
+        # exit, where the others may wait in a collective that will not come. (Not a barrier:
+        # gloo's monitored_barrier times out on rank 0 only, and a collective pairs by count.)
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"paratrain-failed/{dist.get_rank()}", "1")
+        try:
+            store.wait([f"paratrain-failed/{r}" for r in range(dist.get_world_size())],
+                       datetime.timedelta(seconds=60))
+        except Exception:
+            os._exit(3)
         if dist.get_rank() == 0:
-            traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}"
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        # Not 0 on a rank that wrote no row: the launcher then stops the job at once, where the
-        # other rank may wait in a collective that will not come.
-        os._exit(0 if dist.get_rank() == 0 else 3)
+            try:  # last out: rank 0 may hold the store the others still talk to
+                store.wait([f"paratrain-done/{r}" for r in range(1, dist.get_world_size())],
+                           datetime.timedelta(seconds=60))
+            except Exception:
+                pass  # the row is written: a rank gone without a word ends no worse
+        else:
+            store.set(f"paratrain-done/{dist.get_rank()}", "1")
+        os._exit(0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t = torch.tensor([step, float(peak), float(before)], dtype=torch.double)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -9,12 +9,14 @@
 # environment (scripts/test.sh's ISA cap). Needs root (or
 # sudo) for debootstrap, chroot and the mounts. `--root-only` makes the root and stops;
 # `--build-only` stops after the build; `--smoke-only` runs the smoke run (or the tests) of an
-# existing build (scripts/test.sh builds in the background while leg 1 runs its tests).
+# existing build (scripts/test.sh builds in the background, after the official leg's build).
+# One run at a time uses a root: another waits (up to 10 minutes).
 set -euo pipefail
-case "${1:-}" in
-"" | --root-only | --build-only | --smoke-only) ;;
+case "$#:${1:-}" in
+0: | 1:--root-only | 1:--build-only | 1:--smoke-only) ;;
 *)
-  echo "test-libtorch2: unknown option '$1': use --root-only, --build-only or --smoke-only" >&2
+  echo "test-libtorch2: unknown arguments '$*': give none, or one of --root-only, --build-only" \
+    "and --smoke-only" >&2
   exit 2
   ;;
 esac
@@ -29,14 +31,24 @@ if [ "$(id -u)" -ne 0 ]; then
   # Without a terminal (scripts/test.sh's background build) sudo fails rather than asks.
   [ -t 0 ] || SUDO="sudo -n"
 fi
-# What is mounted inside the root (a stopped run's mounts: the checkout is bound in there).
+# One run at a time: what is mounted inside the root when this run starts is then a stopped
+# run's (the checkout is bound in there), and is unmounted.
+[ -d "$(dirname "$root")" ] || $SUDO install -d -m 0755 "$(dirname "$root")"
+exec 9<"$(dirname "$root")"
+if ! flock -n 9; then
+  echo "test-libtorch2: another run uses $root; waiting for it" >&2
+  flock -w 600 9 || {
+    echo "test-libtorch2: $root is still in use after 10 minutes (see: sudo fuser -v $(dirname "$root"))" >&2
+    exit 1
+  }
+fi
 mounts_inside() { awk -v r="$root" '$2 == r || index($2, r "/") == 1 { print $2 }' /proc/mounts; }
 unmount_leftovers() {
-  mounts_inside | sort -r | while read -r m; do $SUDO umount -l "$m" || true; done
+  mounts_inside | sort -r | while read -r m; do $SUDO umount -l "$m" </dev/null || true; done
 }
 
 # What the build and this leg's tests need inside the root: scripts/setup.sh's list in trixie's
-# names, less what only first-leg tests use (tests/labels.cmake: PostgreSQL, Chromium, Slurm, the
+# names, less what only first-leg tests use (tests/test_lists.cmake: PostgreSQL, Chromium, Slurm, the
 # Python readers of TensorBoard files), which would add minutes to the root's making.
 packages=(libtorch-dev g++ cmake ninja-build ccache pkg-config libgloo-dev zlib1g-dev nlohmann-json3-dev
   libcli11-dev libprotobuf-dev protobuf-compiler libsqlite3-dev libpq-dev libcpp-httplib-dev iproute2
@@ -137,13 +149,14 @@ mount_in /work/paratrain --bind "$src"
 # PARATRAIN_TESTS names some (then those not labelled one-leg: tests/test_lists.cmake).
 in_root() { # in_root SCRIPT: runs SCRIPT with bash in the root, in the checkout
   # shellcheck disable=SC2086
+  # Not fd 9 (the lock): a process left behind inside would hold it for the next run.
   $SUDO chroot "$root" env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/root LANG=C.UTF-8 CI="${CI:-}" PARATRAIN_TESTS="${PARATRAIN_TESTS:-.}" \
     ${CCACHE_DISABLE:+CCACHE_DISABLE="$CCACHE_DISABLE"} \
     PARATRAIN_BUILD_JOBS="${PARATRAIN_BUILD_JOBS:-2}" \
     ${PARATRAIN_CTEST_ENV:-} bash -c "set -euo pipefail
     cd /work/paratrain
-    $1"
+    $1" 9<&-
 }
 timed() { # timed NAME SCRIPT: in_root, and the seconds go to $PARATRAIN_TIMINGS when it is set
   local t0 rc=0 name="$1"

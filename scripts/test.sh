@@ -15,11 +15,11 @@
 # In leg 1 the tests labelled cpu-kernels run twice, the second time (NAME@avx2) with the
 # instruction set capped to AVX2. The official and Debian 13 legs' builds run in the background
 # from the start, after what each needs is made (the virtual environment, the root: downloads and
-# unpacking), one after the other (each holds gigabytes) and at the scheduler's idle priority
+# unpacking), the official one first, then leg 2's (each holds gigabytes), at the idle priority
 # (SCHED_IDLE): they take the CPU time that leg 1's tests, and then the official leg's, leave
-# while they wait on sockets, timeouts and each other. They stay in this script's session: the
-# kernel's autogroups give each session an equal share of the CPU whatever its nice value or
-# policy, and a build in a session of its own (setsid) at nice 19 took half the CPU and slowed
+# while they wait on sockets, timeouts and each other. They are not detached with setsid: the
+# kernel gives each setsid group of processes (an autogroup) an equal share of the CPU whatever
+# its nice value or policy, and a build detached that way at nice 19 took half the CPU and slowed
 # leg 1's tests past their timeouts.
 # Multi-process tests start real processes on loopback. At the end, a table of the seconds each
 # step took.
@@ -44,10 +44,8 @@ started="${PARATRAIN_STARTED:-$(date +%s)}"
 timings="${PARATRAIN_TIMINGS:-$(mktemp /tmp/paratrain-timings.XXXXXX)}"
 export PARATRAIN_TIMINGS="$timings"
 official_pid=""
-official_log=/tmp/paratrain-official-build.log
 leg2_pid=""
-leg2_log=/tmp/paratrain-leg2-build.log
-sync_dir=$(mktemp -d /tmp/paratrain-test.XXXXXX)
+work_dir=""  # the background builds' logs and marker: removed after a run that passed
 
 # The environment of the legs' tests. Two tests run at a time on this machine's two cores, so
 # each test's processes get one intra-op thread: libtorch 2.6 otherwise takes both cores in every
@@ -67,14 +65,22 @@ source scripts/timing.sh  # step NAME COMMAND...
 
 table() {
   local status=$?
-  local pid
+  local pid i
   for pid in "$official_pid" "$leg2_pid"; do  # what runs in the background, when a step failed
     if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
       kill -- -"$pid" 2>/dev/null || true
-      wait "$pid" 2>/dev/null || true  # its traps (leg 2's unmounts) run before this script ends
+      # The group's members run their traps (leg 2's unmounts) before this script ends.
+      for ((i = 0; i < 60; i++)); do
+        kill -0 -- -"$pid" 2>/dev/null || break
+        sleep 0.5
+      done
     fi
   done
-  rm -rf "$sync_dir"
+  if [ -n "$work_dir" ] && [ "$status" -eq 0 ]; then
+    rm -rf "$work_dir"
+  elif [ -n "$work_dir" ]; then
+    echo "test: the background builds' logs are in $work_dir"
+  fi
   echo
   echo "test: seconds per step (status $status)"
   awk '{ name = $1; for (i = 2; i < NF; ++i) name = name " " $i; printf "  %-46s %6d\n", name, $NF }' \
@@ -84,14 +90,16 @@ table() {
 }
 trap table EXIT
 
-step "set-up (apt)" bash scripts/setup.sh  # both legs' packages on the host, debootstrap too
+step "set-up (apt)" bash scripts/setup.sh  # every leg's packages on the host, debootstrap too
+work_dir=$(mktemp -d /tmp/paratrain-test.XXXXXX)
+official_log="$work_dir/official-build.log"
+leg2_log="$work_dir/leg2-build.log"
 # background VAR NAME LOG COMMAND...: COMMAND in a process group of its own (so that a failed step
-# can stop it whole) but in this session (see above), its output in LOG, its seconds in the table;
+# can stop it whole), not detached with setsid (see above), its output in LOG, its seconds in the table;
 # its pid goes to VAR.
 background() {
   local var="$1" name="$2" log="$3"
   shift 3
-  rm -f "$log"
   # In the inner script: $0 the log, $1 the name, $2 the table's file, then the command.
   perl -e 'setpgrp(0, 0) or die "setpgrp: $!"; exec @ARGV or die "exec: $!"' -- \
     bash -c 't0=$(date +%s); name="$1"; table="$2"; shift 2; "$@" >> "$0" 2>&1; rc=$?
@@ -109,7 +117,7 @@ wait_for() {
   printf -v "$2" '%s' ""
   if [ "$rc" -ne 0 ]; then
     echo "test: $1 failed; the whole log is $3. Its errors and its end:" >&2
-    grep -n -m 20 -E 'error|FAILED|fatal' "$3" >&2 || true
+    grep -n -m 20 -E 'error:|^FAILED:|fatal error|CMake Error|^ERROR|^E: ' "$3" >&2 || true
     tail -n 40 "$3" >&2
     exit 1
   fi
@@ -118,22 +126,27 @@ wait_for() {
 # The idle priority (SCHED_IDLE), or nice 19 where the system refuses it.
 idle=(chrt --idle 0)
 if ! chrt --idle 0 true 2>/dev/null; then idle=(nice -n 19); fi
+# Leg 2's background job cannot ask for a password, and runs after any it typed has expired.
+if [[ " $legs " == *" 2 "* ]] && [ "$(id -u)" -ne 0 ] && ! sudo -n -k true 2>/dev/null; then
+  echo "test: leg 2 needs root for its chroot: run as root or with sudo that asks no password," \
+    "or leave leg 2 out (PARATRAIN_LEGS='1 official')" >&2
+  exit 2
+fi
 if [[ " $legs " == *" official "* ]]; then
   # The marker tells leg 2's job that this build is over (a zombie still answers kill -0).
   background official_pid "official venv and build" "$official_log" bash -c \
     'bash scripts/venv.sh && "${@:2}" bash scripts/test-official.sh --build-only; rc=$?
-    touch "$1"; exit $rc' _ "$sync_dir/official-built" "${idle[@]}"
+    touch "$1"; exit $rc' _ "$work_dir/official-built" "${idle[@]}"
 else
-  touch "$sync_dir/official-built"
+  touch "$work_dir/official-built"
 fi
 if [[ " $legs " == *" 2 "* ]]; then
-  if [ "$(id -u)" -ne 0 ]; then sudo -v; fi  # the background job cannot ask for a password
   # The root meanwhile (downloads), the build after the official one: one build at a time, as
   # each holds gigabytes.
   background leg2_pid "leg 2 root and build" "$leg2_log" bash -c \
     'bash scripts/test-libtorch2.sh --root-only || exit
     while [ ! -e "$1" ]; do sleep 2; done
-    "${@:2}" bash scripts/test-libtorch2.sh --build-only' _ "$sync_dir/official-built" "${idle[@]}"
+    "${@:2}" bash scripts/test-libtorch2.sh --build-only' _ "$work_dir/official-built" "${idle[@]}"
 fi
 if [[ " $legs " == *" 1 "* ]]; then
   # The main job's build (scripts/build.sh): after `bash scripts/run.sh` there is nothing to do.

@@ -114,7 +114,7 @@ void write_rank_file(
 }
 
 Json read_json(const std::string& path) {
-  const std::string text = detail::read_whole_file(path, "the file");
+  const std::string text = detail::read_whole_file(path, "the checkpoint manifest");
   try {
     return Json::parse(text);
   } catch (const Json::exception& e) {
@@ -125,7 +125,7 @@ Json read_json(const std::string& path) {
 // Reads a tensor file named by a manifest entry and checks its size and CRC-32.
 TensorMap read_tensors(const std::string& dir, const Json& entry) {
   const std::string path = dir + "/" + entry.at("file").get<std::string>();
-  const std::string bytes = detail::read_whole_file(path, "the file");
+  const std::string bytes = detail::read_whole_file(path, "the checkpoint's tensor file");
   const size_t want = entry.at("bytes").get<size_t>();
   TORCH_CHECK(bytes.size() == want, path, " has ", bytes.size(), " bytes, its manifest says ", want,
               ": the file is truncated or damaged");
@@ -454,7 +454,7 @@ namespace {
 
 // Rank `rank`'s file of step `step`, verified against its header.
 TensorMap load_rank_file(const std::string& file, int rank, int64_t step, int world_size) {
-  const std::string bytes = detail::read_whole_file(file, "the file");
+  const std::string bytes = detail::read_whole_file(file, "the checkpoint's rank file");
   const auto meta = safetensors_metadata_bytes(bytes.data(), bytes.size(), file);
   auto field = [&](const char* name) -> int64_t {
     const auto it = meta.find(name);

@@ -9,8 +9,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -125,12 +123,39 @@ std::string remove_tree(const std::string& path) {
 }
 
 std::string read_whole_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  TORCH_CHECK(!in.bad(), "cannot read ", what, " ", path, ": ", std::strerror(errno));
-  return bytes.str();
+  // POSIX rather than an ifstream: `stream << rdbuf()` swallows read errors (EISDIR, EIO) and
+  // returns what it got, which callers would then report as a damaged file. stat first: opening
+  // a FIFO would block.
+  struct stat st {};
+  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "cannot read ", what, " ", path, ": ",
+              std::strerror(errno));
+  TORCH_CHECK(S_ISREG(st.st_mode), "cannot read ", what, " ", path, ": ",
+              S_ISDIR(st.st_mode) ? "it is a directory" : "it is not a regular file");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  char more[4096];  // past the size stat gave, should the file have grown (or be /proc's)
+  while (true) {
+    const bool full = got == bytes.size();
+    const ssize_t n =
+        full ? ::read(fd, more, sizeof(more)) : ::read(fd, &bytes[got], bytes.size() - got);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      const int error = n < 0 ? errno : 0;
+      ::close(fd);
+      TORCH_CHECK(error == 0, "cannot read ", what, " ", path, ": ", std::strerror(error));
+      break;
+    }
+    if (full) {
+      bytes.append(more, static_cast<size_t>(n));
+    }
+    got += static_cast<size_t>(n);
+  }
+  bytes.resize(got);
+  return bytes;
 }
 
 }  // namespace detail

@@ -22,8 +22,9 @@ std::string remove_tree(const std::string& path);
 /// nftw walks it, as remove_tree.
 std::string copy_tree(const std::string& from, const std::string& to);
 
-/// The bytes of the file at `path`. Throws c10::Error "cannot read WHAT PATH: REASON" when it
-/// cannot be opened or read (`what` says which file the caller wanted: "the checkpoint manifest").
+/// The bytes of the regular file at `path`. Throws c10::Error "cannot read WHAT PATH: REASON" when
+/// it cannot be opened or read, or is not a regular file (a directory, a FIFO); `what` says which
+/// file the caller wanted: "the checkpoint manifest".
 std::string read_whole_file(const std::string& path, const std::string& what);
 
 }  // namespace detail

@@ -1,4 +1,5 @@
-// remove_tree (src/util/files.h): rm -rf without std::filesystem::remove_all.
+// src/util/files.h: remove_tree (rm -rf without std::filesystem::remove_all) and
+// read_whole_file.
 
 #include "util/files.h"
 #include "test_util.h"
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <string>
 
 namespace paratrain {
 namespace testing {
@@ -46,6 +48,26 @@ TEST(Files, RemoveTreeSaysWhatItCouldNotRemove) {
   EXPECT_NE(error.find(file + "/below: Not a directory"), std::string::npos) << error;
   EXPECT_EQ(detail::remove_tree(file), "");
   EXPECT_FALSE(exists(file));
+}
+
+TEST(Files, ReadWholeFileReadsEveryByteOrSaysWhyNot) {
+  const std::string root = "/tmp/" + unique_token("readfile");
+  ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
+  std::string bytes(200000, 'a');
+  bytes[0] = '\0';  // binary
+  bytes.back() = 'z';
+  std::ofstream(root + "/f", std::ios::binary) << bytes;
+  std::ofstream(root + "/empty");
+  EXPECT_EQ(detail::read_whole_file(root + "/f", "the test file"), bytes);
+  EXPECT_EQ(detail::read_whole_file(root + "/empty", "the test file"), "");
+  // /proc's files report size 0 and hold more.
+  EXPECT_NE(detail::read_whole_file("/proc/self/status", "the test file").find("Pid:"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { detail::read_whole_file(root + "/missing", "the manifest"); }),
+            "cannot read the manifest " + root + "/missing: No such file or directory");
+  EXPECT_EQ(error_of([&] { detail::read_whole_file(root, "the manifest"); }),
+            "cannot read the manifest " + root + ": it is a directory");
+  EXPECT_EQ(detail::remove_tree(root), "");
 }
 
 }  // namespace
