@@ -136,8 +136,12 @@ def fit(a, data, scratch):
                                     # restart trials: a trial's worker process is kept for the
                                     # next, as paratrain's trials are threads of one process.
                                     reuse_actors=True),
+        # The budget as paratrain's max_t: a trial ends at its last quarter. Without a stopper
+        # PBT takes that last report for a perturbation point, and a trial of the bottom quantile
+        # there goes back to the source's checkpoint and trains past the budget.
         run_config=tune.RunConfig(storage_path=os.path.join(scratch, "results"), name="bench",
-                                  verbose=0, callbacks=[counter]))
+                                  verbose=0, callbacks=[counter],
+                                  stop={"training_iteration": a.quarters}))
     start = time.perf_counter()
     results = tuner.fit()
     return results, counter, time.perf_counter() - start, startup
