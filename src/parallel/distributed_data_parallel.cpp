@@ -2,6 +2,7 @@
 
 #include "paratrain/util/trace.h"
 
+#include <ATen/ScalarOps.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -49,8 +50,7 @@ DistributedDataParallel::DistributedDataParallel(
     : module_(std::move(module)),
       forward_(std::move(forward)),
       pg_(std::move(pg)),
-      options_(std::move(options)),
-      hook_(std::make_shared<AllreduceHook>()) {
+      options_(std::move(options)) {
   TORCH_CHECK(pg_ != nullptr, "DistributedDataParallel needs a process group");
   TORCH_CHECK(options_.bucket_cap_mb() > 0 && options_.first_bucket_mb() > 0,
               "DistributedDataParallel: bucket_cap_mb and first_bucket_mb must be positive, got ",
@@ -384,11 +384,21 @@ void DistributedDataParallel::mark_ready_locked(size_t index) {
   if (!grad.defined()) {
     s.zero_();  // an unused parameter contributes nothing
   } else if (!(options_.gradient_as_bucket_view() && grad.data_ptr() == s.data_ptr())) {
-    s.copy_(grad.reshape({-1}));
+    if (hook_ == nullptr) {
+      // The built-in reduction averages while copying into the bucket, as PyTorch's reducer
+      // (one pass over the gradients less than a copy and a division): times the reciprocal of
+      // the world size, as a wrapped scalar, so that the result is PyTorch's to the bit.
+      at::mul_out(s, grad.reshape({-1}),
+                  at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(pg_->size())));
+    } else {
+      s.copy_(grad.reshape({-1}));
+    }
     if (options_.gradient_as_bucket_view()) {
       // The optimizer (or zero_grad(set_to_none)) replaced the view: point .grad at it again.
       params_[index].mutable_grad() = grad_alias(index);
     }
+  } else if (hook_ == nullptr) {
+    s.div_(pg_->size());  // the gradient is the bucket's memory already: as PyTorch, divide it
   }
   buckets_[location_[index].first].pending -= 1;
 }
@@ -399,7 +409,9 @@ void DistributedDataParallel::launch_ready_buckets_locked() {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_];
     b.launched_at = std::chrono::steady_clock::now();
-    b.work = hook_->run(*pg_, b.flat);
+    // Without a hook, the bucket holds the gradients averaged already (mark_ready_locked).
+    b.work =
+        hook_ != nullptr ? hook_->run(*pg_, b.flat) : pg_->allreduce(b.flat, dist::ReduceOp::kSum);
     b.launched = true;
     ++next_bucket_;
   }

@@ -40,6 +40,7 @@ std::vector<DdpCase> ddp_cases() {
       {"unused_parameter", "gloo", 2, {"--unused"}},
       {"no_sync_4_micro_steps", "gloo", 3, {"--micro-steps", "4"}},
       {"unused_in_synced_micro_step", "gloo", 2, {"--unused", "--sometimes", "--micro-steps", "4"}},
+      {"allreduce_hook", "gloo", 3, {"--hook", "allreduce"}},
       {"fp16_compression", "gloo", 2, {"--hook", "fp16"}},
       {"bf16_compression", "gloo", 2, {"--hook", "bf16"}},
       {"batchnorm_broadcast_buffers", "gloo", 2, {"--bn"}},

@@ -121,7 +121,9 @@ class DistributedDataParallel {
   /// backward reduces every gradient accumulated since the last reduction.
   void prepare_for_backward(const torch::Tensor& output) { post_forward(output); }
 
-  /// Replaces the communication hook (default AllreduceHook). Call before the first backward.
+  /// Replaces the communication hook. Without one, each gradient is divided by the world size as
+  /// it is copied into its bucket and the bucket is summed (AllreduceHook's result, in one pass
+  /// less, as PyTorch's DDP without a hook). Call before the first backward.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
@@ -168,7 +170,7 @@ class DistributedDataParallel {
   std::function<torch::Tensor(const torch::Tensor&)> forward_;
   dist::ProcessGroupPtr pg_;
   DDPOptions options_;
-  std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<CommHook> hook_;  // null: the built-in average (see register_comm_hook)
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
