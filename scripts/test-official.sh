@@ -13,6 +13,13 @@
 # `--build-only` stops after the build and the gloo check; `--tests-only` runs the tests of an
 # existing build (scripts/test.sh builds in the background while leg 1 runs its tests).
 set -euo pipefail
+case "$#:${1:-}" in
+0: | 1:--build-only | 1:--tests-only) ;;
+*)
+  echo "test-official: unknown arguments '$*': give none, or one of --build-only and --tests-only" >&2
+  exit 2
+  ;;
+esac
 cd "$(dirname "$0")/.."
 build_dir="${BUILD_DIR_OFFICIAL:-build-official}"
 source scripts/timing.sh # step NAME COMMAND...
@@ -132,5 +139,5 @@ if [ "${1:-}" = "--build-only" ]; then exit 0; fi
 # Not the cases that leg 1 repeats with the instruction set capped (isa-avx2): which CPU kernels
 # run is what they check, and leg 1 checks it.
 step "official tests" env ${PARATRAIN_CTEST_ENV:-OMP_NUM_THREADS=1} bash -c \
-  "cd '$build_dir' && ctest -j 2 --output-on-failure --timeout 300 -LE 'one-leg|isa-avx2' \
+  "cd '$build_dir' && ctest -j 2 --output-on-failure --no-tests=error --timeout 300 -LE 'one-leg|isa-avx2' \
     -R '${PARATRAIN_TESTS:-.}'"

@@ -1,5 +1,6 @@
 #include "paratrain/models/gpt_pretrained.h"
 
+#include "../util/files.h"
 #include "../util/strings.h"
 #include "hf_names.h"
 #include "paratrain/io/safetensors.h"
@@ -19,7 +20,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -96,15 +96,14 @@ class ConfigFields {
 };
 
 Json read_config(const std::string& file, const std::string& path) {
-  std::ifstream in(file, std::ios::binary);
-  TORCH_CHECK(in.good(), "gpt: ", path,
+  struct stat st {};
+  TORCH_CHECK(::stat(file.c_str(), &st) == 0 || errno != ENOENT, "gpt: ", path,
               " has no config.json, so it is not a Hugging Face model directory (save_pretrained "
               "writes one beside the weights); give the directory that holds config.json, or load "
               "the weights file itself into a model of its shape");
-  std::ostringstream text;
-  text << in.rdbuf();
+  const std::string text = detail::read_whole_file(file, "the model's config");
   try {
-    Json config = Json::parse(text.str());
+    Json config = Json::parse(text);
     TORCH_CHECK(config.is_object(), "gpt: ", file, " is not a JSON object");
     return config;
   } catch (const Json::exception& e) {

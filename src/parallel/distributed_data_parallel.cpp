@@ -68,6 +68,7 @@ DistributedDataParallel::DistributedDataParallel(
     verify_same_parameters();
     broadcast_state(/*parameters=*/true, /*buffers=*/true);
   }
+  inverse_world_size_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(pg_->size()));
   build_buckets();
   ready_.assign(params_.size(), false);
   used_.assign(params_.size(), !options_.find_unused_parameters());
@@ -83,6 +84,10 @@ DistributedDataParallel::~DistributedDataParallel() {
 
 void DistributedDataParallel::register_comm_hook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(hook != nullptr, "register_comm_hook: the hook is null");
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A backward's buckets must all be averaged one way (copied divided, or divided by the hook).
+  TORCH_CHECK(!backward_started_,
+              "register_comm_hook: a backward is running; register the hook between steps");
   hook_ = std::move(hook);
 }
 
@@ -388,8 +393,7 @@ void DistributedDataParallel::mark_ready_locked(size_t index) {
       // The built-in reduction averages while copying into the bucket, as PyTorch's reducer
       // (one pass over the gradients less than a copy and a division): times the reciprocal of
       // the world size, as a wrapped scalar, so that the result is PyTorch's to the bit.
-      at::mul_out(s, grad.reshape({-1}),
-                  at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(pg_->size())));
+      at::mul_out(s, grad.reshape({-1}), inverse_world_size_);
     } else {
       s.copy_(grad.reshape({-1}));
     }

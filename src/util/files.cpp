@@ -124,18 +124,21 @@ std::string remove_tree(const std::string& path) {
 
 std::string read_whole_file(const std::string& path, const std::string& what) {
   // POSIX rather than an ifstream: `stream << rdbuf()` swallows read errors (EISDIR, EIO) and
-  // returns what it got, which callers would then report as a damaged file. stat first: opening
-  // a FIFO would block.
+  // returns what it got, which callers would then report as a damaged file. O_NONBLOCK: opening a
+  // FIFO must not block (fstat then refuses it); it does not change reads of a regular file.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  TORCH_CHECK(fd >= 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st {};
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "cannot read ", what, " ", path, ": ",
-              std::strerror(errno));
+  TORCH_CHECK(::fstat(fd, &st) == 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
   TORCH_CHECK(S_ISREG(st.st_mode), "cannot read ", what, " ", path, ": ",
               S_ISDIR(st.st_mode) ? "it is a directory" : "it is not a regular file");
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
-  char more[4096];  // past the size stat gave, should the file have grown (or be /proc's)
+  char more[4096];  // past the size fstat gave, should the file have grown (or be /proc's)
   while (true) {
     const bool full = got == bytes.size();
     const ssize_t n =
@@ -143,10 +146,8 @@ std::string read_whole_file(const std::string& path, const std::string& what) {
     if (n < 0 && errno == EINTR) {
       continue;
     }
-    if (n <= 0) {
-      const int error = n < 0 ? errno : 0;
-      ::close(fd);
-      TORCH_CHECK(error == 0, "cannot read ", what, " ", path, ": ", std::strerror(error));
+    TORCH_CHECK(n >= 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
+    if (n == 0) {
       break;
     }
     if (full) {

@@ -137,7 +137,17 @@ int run(int argc, char** argv) {
 
     for (int s = 0; s < steps; ++s) {
       std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
-      opt_ddp.zero_grad();
+      if (opt.count("--view")) {
+        // In place, so that the gradients stay the buckets' memory (libtorch 2.x's zero_grad()
+        // sets them to none): DDP then divides them where they are instead of while copying.
+        for (auto& p : model->parameters()) {
+          if (p.grad().defined()) {
+            p.mutable_grad().zero_();
+          }
+        }
+      } else {
+        opt_ddp.zero_grad();
+      }
       opt_ref.zero_grad();
       for (int m = 0; m < K; ++m) {
         const int micro = s * K + m;

@@ -67,6 +67,10 @@ TEST(Files, ReadWholeFileReadsEveryByteOrSaysWhyNot) {
             "cannot read the manifest " + root + "/missing: No such file or directory");
   EXPECT_EQ(error_of([&] { detail::read_whole_file(root, "the manifest"); }),
             "cannot read the manifest " + root + ": it is a directory");
+  // A FIFO with no writer: refused at once, not waited on.
+  ASSERT_EQ(::mkfifo((root + "/fifo").c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { detail::read_whole_file(root + "/fifo", "the manifest"); }),
+            "cannot read the manifest " + root + "/fifo: it is not a regular file");
   EXPECT_EQ(detail::remove_tree(root), "");
 }
 

@@ -24,7 +24,8 @@ class CommHook {
 };
 
 /// Divide by the world size, then allreduce (sum) in place, as PyTorch's allreduce_hook. DDP
-/// without a hook reaches the same average in one pass less (it divides while copying).
+/// without a hook averages in one pass less (it multiplies by 1 / world size while copying into
+/// the bucket): the same values where the world size is a power of two, else up to the last bit.
 class AllreduceHook : public CommHook {
  public:
   dist::WorkPtr run(dist::ProcessGroup& pg, at::Tensor& bucket) override;

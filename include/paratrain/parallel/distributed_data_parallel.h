@@ -20,10 +20,13 @@
 // reverse registration order (roughly the order backward produces their gradients): the first
 // bucket holds up to first_bucket_mb, the others up to bucket_cap_mb. A post-hook on each
 // parameter's gradient accumulator copies its gradient into the bucket's flat buffer when
-// backward has accumulated it; when a bucket is complete, and every bucket before it has been
-// launched, its communication hook starts (asynchronously), so the allreduce of the last layers
-// overlaps the backward of the first. An end-of-backward callback waits for every bucket and
-// writes the averaged gradients back (unless they already are views of the buckets).
+// backward has accumulated it (without a communication hook, divided by the world size on the
+// way, as PyTorch's reducer); when a bucket is complete, and every bucket before it has been
+// launched, its allreduce (or its communication hook) starts asynchronously, so the allreduce of
+// the last layers overlaps the backward of the first. An end-of-backward callback waits for
+// every bucket and writes the averaged gradients back (unless they already are views of the
+// buckets). As in PyTorch, a backward that fails part way leaves the gradients it had copied or
+// divided as they were then: zero them before training on.
 //
 // Threads: hooks and the callback run on the thread(s) the autograd engine uses for the
 // parameters' device (the caller's thread on CPU); state is guarded by one mutex. forward() and
@@ -121,9 +124,10 @@ class DistributedDataParallel {
   /// backward reduces every gradient accumulated since the last reduction.
   void prepare_for_backward(const torch::Tensor& output) { post_forward(output); }
 
-  /// Replaces the communication hook. Without one, each gradient is divided by the world size as
-  /// it is copied into its bucket and the bucket is summed (AllreduceHook's result, in one pass
-  /// less, as PyTorch's DDP without a hook). Call before the first backward.
+  /// Replaces the communication hook. Without one, each gradient is multiplied by 1 / world size
+  /// as it is copied into its bucket, and the bucket is summed: one pass less than AllreduceHook,
+  /// as PyTorch's DDP without a hook (the same result where the world size is a power of two,
+  /// else up to the last bit). Not during a backward.
   void register_comm_hook(std::shared_ptr<CommHook> hook);
 
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
@@ -171,6 +175,7 @@ class DistributedDataParallel {
   dist::ProcessGroupPtr pg_;
   DDPOptions options_;
   std::shared_ptr<CommHook> hook_;  // null: the built-in average (see register_comm_hook)
+  at::Tensor inverse_world_size_;   // 1 / world size as a wrapped scalar: the built-in average
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
