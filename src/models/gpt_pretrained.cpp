@@ -97,7 +97,8 @@ class ConfigFields {
 
 Json read_config(const std::string& file, const std::string& path) {
   struct stat st {};
-  TORCH_CHECK(::stat(file.c_str(), &st) == 0 || errno != ENOENT, "gpt: ", path,
+  TORCH_CHECK(::stat(file.c_str(), &st) == 0 || (errno != ENOENT && errno != ENOTDIR),
+              "gpt: ", path,
               " has no config.json, so it is not a Hugging Face model directory (save_pretrained "
               "writes one beside the weights); give the directory that holds config.json, or load "
               "the weights file itself into a model of its shape");

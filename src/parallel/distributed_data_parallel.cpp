@@ -84,10 +84,12 @@ DistributedDataParallel::~DistributedDataParallel() {
 
 void DistributedDataParallel::register_comm_hook(std::shared_ptr<CommHook> hook) {
   TORCH_CHECK(hook != nullptr, "register_comm_hook: the hook is null");
-  std::lock_guard<std::mutex> lock(mutex_);
   // A backward's buckets must all be averaged one way (copied divided, or divided by the hook).
-  TORCH_CHECK(!backward_started_,
-              "register_comm_hook: a backward is running; register the hook between steps");
+  // try_lock: a hook that registered another from inside run() holds the lock on this thread.
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  TORCH_CHECK(lock.owns_lock() && !backward_started_,
+              "register_comm_hook: a backward is running (or the last one failed: run a forward "
+              "first); register the hook between steps");
   hook_ = std::move(hook);
 }
 

@@ -125,8 +125,8 @@ std::string remove_tree(const std::string& path) {
 std::string read_whole_file(const std::string& path, const std::string& what) {
   // POSIX rather than an ifstream: `stream << rdbuf()` swallows read errors (EISDIR, EIO) and
   // returns what it got, which callers would then report as a damaged file. O_NONBLOCK: opening a
-  // FIFO must not block (fstat then refuses it); it does not change reads of a regular file.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  // FIFO must not block (fstat then refuses it); cleared again for the reads.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   TORCH_CHECK(fd >= 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
   struct Closer {
     int fd;
@@ -136,6 +136,9 @@ std::string read_whole_file(const std::string& path, const std::string& what) {
   TORCH_CHECK(::fstat(fd, &st) == 0, "cannot read ", what, " ", path, ": ", std::strerror(errno));
   TORCH_CHECK(S_ISREG(st.st_mode), "cannot read ", what, " ", path, ": ",
               S_ISDIR(st.st_mode) ? "it is a directory" : "it is not a regular file");
+  const int flags = ::fcntl(fd, F_GETFL);
+  TORCH_CHECK(flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == 0, "cannot read ", what,
+              " ", path, ": ", std::strerror(errno));
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   size_t got = 0;
   char more[4096];  // past the size fstat gave, should the file have grown (or be /proc's)

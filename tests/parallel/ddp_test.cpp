@@ -37,7 +37,7 @@ std::vector<DdpCase> ddp_cases() {
       {"plain", "gloo", 3, {}},
       {"many_buckets", "gloo", 3, many_buckets},
       {"bucket_view", "gloo", 2, {"--view"}},
-      {"bucket_view_no_sync", "gloo", 3, {"--view", "--micro-steps", "4"}},
+      {"bucket_view_no_sync", "gloo", 3, {"--view", "--zero-in-place", "--micro-steps", "4"}},
       {"unused_parameter", "gloo", 2, {"--unused"}},
       {"no_sync_4_micro_steps", "gloo", 3, {"--micro-steps", "4"}},
       {"unused_in_synced_micro_step", "gloo", 2, {"--unused", "--sometimes", "--micro-steps", "4"}},

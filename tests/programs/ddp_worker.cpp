@@ -8,7 +8,7 @@
 // gradients to 16 bits, hence their looser one.
 //
 // Options: --steps N --step-sleep-ms MS --batch B --bucket-cap-mb X --first-bucket-mb X --view
-// --unused
+//          --zero-in-place (gradients zeroed in place, not by zero_grad()) --unused
 //          --micro-steps K (K-1 of them under no_sync) --hook fp16|bf16|allreduce --bn
 //          --no-broadcast-buffers
 //          --expect-unused-error --mismatch
@@ -137,9 +137,9 @@ int run(int argc, char** argv) {
 
     for (int s = 0; s < steps; ++s) {
       std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
-      if (opt.count("--view")) {
-        // In place, so that the gradients stay the buckets' memory (libtorch 2.x's zero_grad()
-        // sets them to none): DDP then divides them where they are instead of while copying.
+      if (opt.count("--zero-in-place")) {
+        // In place, so that the gradients stay the buckets' memory under --view (libtorch 2.x's
+        // zero_grad() sets them to none): DDP then divides them where they are, not while copying.
         for (auto& p : model->parameters()) {
           if (p.grad().defined()) {
             p.mutable_grad().zero_();
