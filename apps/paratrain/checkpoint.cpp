@@ -33,9 +33,10 @@ const CommandSpec& consolidate_spec() {
   static const CommandSpec spec{
       "paratrain checkpoint consolidate",
       "paratrain checkpoint consolidate DIR --out FILE|OUTDIR [--names hf]: writes every\n"
-      "parameter of the sharded FSDP checkpoint in the directory DIR (its fsdp.json and one\n"
-      "rank-R-of-W.safetensors per rank, or the newest of `paratrain train --strategy fsdp\n"
-      "--checkpoint-dir DIR`) to one safetensors file, by the model's names, in the dtype they\n"
+      "parameter and buffer of the sharded FSDP checkpoint in the directory DIR (the newest\n"
+      "of save_sharded_checkpoint or of `paratrain train --strategy fsdp --checkpoint-dir\n"
+      "DIR`; ckpt-N.json with one ckpt-N.rank-R.safetensors per rank, or an earlier version's\n"
+      "fsdp.json) to one safetensors file, by the model's names, in the dtype they\n"
       "were saved in, with the checkpoint's metadata. With --names hf and an --out that does not\n"
       "end in .safetensors, it writes a Hugging Face model directory instead, as\n"
       "GPT2LMHeadModel.save_pretrained does: config.json and model.safetensors, or shards of at\n"

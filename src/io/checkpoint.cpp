@@ -334,8 +334,12 @@ void Checkpoint::write(const CheckpointState& s) {
 }
 
 std::vector<int64_t> Checkpoint::steps() const {
+  return steps_in(options_.dir());
+}
+
+std::vector<int64_t> Checkpoint::steps_in(const std::string& dir) {
   std::vector<int64_t> out;
-  DIR* d = ::opendir(options_.dir().c_str());
+  DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) {
     return out;
   }
@@ -348,6 +352,19 @@ std::vector<int64_t> Checkpoint::steps() const {
   ::closedir(d);
   std::sort(out.rbegin(), out.rend());
   return out;
+}
+
+std::string Checkpoint::manifest_path(const std::string& dir, int64_t step) {
+  return dir + "/" + stem(step) + ".json";
+}
+
+std::string Checkpoint::rank_file_name(int64_t step, int rank) {
+  return rank_stem(step, rank) + ".safetensors";
+}
+
+bool Checkpoint::is_checkpoint_file(const std::string& name) {
+  bool manifest = false;
+  return checkpoint_file_step(name, manifest) >= 0;
 }
 
 // Deletes the checkpoints beyond the `keep` newest, counting only the ones rotation may delete:

@@ -10,6 +10,7 @@
 #include "paratrain/io/tensorboard.h"
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/parallel/fsdp_checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/util/trace.h"
 
@@ -85,10 +86,6 @@ struct Trainer::Impl {
   void resume();
   void agree_on_load(const std::string& path, const std::exception_ptr& error);
   void restore(const CheckpointState& s);
-  void capture_fsdp(CheckpointState& s, Json& meta);
-  void check_fsdp_layout(const CheckpointState& s, const Json& meta) const;
-  void restore_fsdp(const CheckpointState& s, const Json& meta);
-  void restore_buffers(const CheckpointState& s);
   CheckpointState capture();
   TensorMap weights() const;
   void write_metrics(const Json& row);

@@ -38,8 +38,11 @@ CheckpointState Trainer::Impl::capture() {
                    {"strategy", to_string(o.strategy())},
                    {"config", Json::parse(o.config())}};
   if (fsdp) {
-    capture_fsdp(s, meta);
     s.meta = meta.dump();
+    capture_sharded_state(*fsdp, opt.get(), s);
+    for (auto& kv : rng_state()) {
+      s.own[kv.first] = std::move(kv.second);
+    }
     return s;
   }
   s.meta = meta.dump();
@@ -64,34 +67,6 @@ CheckpointState Trainer::Impl::capture() {
     }
   }
   return s;
-}
-
-// FSDP's sharded checkpoint: each rank's own file holds its shards ("fsdp.<unit>"), its
-// optimizer's state for them ("optim.<key>") and its RNG states; the manifest holds the units'
-// layout, which consolidation and resharding read. The buffers (not sharded) are rank 0's.
-// No rank gathers the model.
-void Trainer::Impl::capture_fsdp(CheckpointState& s, Json& meta) {
-  Json units = Json::array();
-  for (const auto& u : fsdp->units()) {
-    units.push_back(Json{{"name", u.name.empty() ? "root" : u.name},
-                         {"params", u.params},
-                         {"shapes", u.shapes},
-                         {"offsets", u.offsets},
-                         {"numel", u.numel},
-                         {"padded", u.padded}});
-  }
-  meta["fsdp"] = Json{{"world_size", world}, {"units", units}};
-  for (const auto& b : model->named_buffers()) {
-    s.shared["model." + b.key()] = b.value();
-  }
-  s.own = rng_state();
-  for (const auto& kv : fsdp->sharded_state()) {
-    s.own["fsdp." + kv.first] = kv.second;
-  }
-  for (const auto& kv : with_prefix(optimizer_state(*opt), "optim.")) {
-    s.own[kv.first] = kv.second;
-  }
-  s.own_read_by_all = true;
 }
 
 namespace {
@@ -168,99 +143,6 @@ TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) 
 
 }  // namespace
 
-namespace {
-
-// Which unit (an index into units()) holds the optimizer's parameter `index`: the optimizer
-// steps parameters(), the units that have parameters, in order.
-size_t unit_of_param(const std::vector<FullyShardedDataParallel::Unit>& units, int64_t index) {
-  int64_t seen = -1;
-  for (size_t k = 0; k < units.size(); ++k) {
-    if (units[k].padded > 0 && ++seen == index) {
-      return k;
-    }
-  }
-  TORCH_CHECK(false, "the checkpoint's optimizer state has parameter ", index, " but the model ",
-              seen + 1, ": it is from another model");
-}
-
-// Every saving rank's own tensors, to reshard over another world size.
-std::vector<TensorMap> saved_ranks(const CheckpointState& s) {
-  std::vector<TensorMap> out;
-  for (int r = 0; r < s.world_size; ++r) {
-    out.push_back(Checkpoint::load_own(s.path, r, s.step, s.world_size));
-  }
-  return out;
-}
-
-}  // namespace
-
-void Trainer::Impl::check_fsdp_layout(const CheckpointState& s, const Json& meta) const {
-  TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
-              " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
-              meta.value("strategy", std::string("?")), ")");
-  const Json& saved = meta.at("fsdp").at("units");
-  const auto units = fsdp->units();
-  TORCH_CHECK(saved.size() == units.size(), "checkpoint ", s.path,
-              " is from another model: it has ", saved.size(), " FSDP units and this model ",
-              units.size());
-  for (size_t k = 0; k < units.size(); ++k) {
-    const auto& u = units[k];
-    TORCH_CHECK(saved[k].at("params").get<std::vector<std::string>>() == u.params &&
-                    saved[k].at("numel").get<int64_t>() == u.numel,
-                "checkpoint ", s.path, " is from another model or shape: its unit '",
-                saved[k].at("name").get<std::string>(), "' has ",
-                saved[k].at("numel").get<int64_t>(), " parameters and this model's ", u.numel);
-  }
-}
-
-// The shards and the optimizer's state of a sharded checkpoint, resharded when the world differs.
-void Trainer::Impl::restore_fsdp(const CheckpointState& s, const Json& meta) {
-  check_fsdp_layout(s, meta);
-  if (s.world_size == world) {  // this rank's own shards and state, bit for bit
-    auto mine = with_prefix(s.own, "fsdp.", true);
-    fsdp->load_own_shards({mine.begin(), mine.end()});
-    load_optimizer_state(*opt, with_prefix(s.own, "optim.", true));
-    restore_buffers(s);
-    return;
-  }
-  const std::vector<TensorMap> ranks = saved_ranks(s);
-  std::vector<std::map<std::string, torch::Tensor>> shards;
-  for (const auto& own : ranks) {
-    auto mine = with_prefix(own, "fsdp.", true);
-    shards.emplace_back(mine.begin(), mine.end());
-  }
-  fsdp->load_sharded_state(shards);
-  const auto units = fsdp->units();
-  TensorMap optim;
-  for (const auto& kv : with_prefix(ranks[0], "optim.", true)) {
-    const int64_t index = std::stoll(kv.first.substr(kv.first.find('.') + 1));
-    const size_t k = unit_of_param(units, index);
-    if (kv.second.dim() != 1 ||
-        kv.second.numel() * static_cast<int64_t>(ranks.size()) !=
-            fsdp_padded_size(units[k].numel, static_cast<int>(ranks.size()))) {
-      optim[kv.first] = kv.second;  // a scalar (Adam's step)
-      continue;
-    }
-    std::vector<torch::Tensor> pieces;
-    for (const auto& own : ranks) {
-      pieces.push_back(own.at("optim." + kv.first));
-    }
-    optim[kv.first] = fsdp->reshard(k, pieces);
-  }
-  load_optimizer_state(*opt, optim);
-  restore_buffers(s);
-}
-
-// The buffers (rank 0's, not sharded) of an fsdp checkpoint.
-void Trainer::Impl::restore_buffers(const CheckpointState& s) {
-  torch::NoGradGuard no_grad;
-  for (auto& b : model->named_buffers()) {
-    auto it = s.shared.find("model." + b.key());
-    TORCH_CHECK(it != s.shared.end(), "checkpoint ", s.path, " has no buffer '", b.key(), "'");
-    b.value().copy_(it->second);
-  }
-}
-
 void Trainer::Impl::restore(const CheckpointState& s) {
   Json meta;
   try {
@@ -274,9 +156,13 @@ void Trainer::Impl::restore(const CheckpointState& s) {
                 " was made with another configuration: ", config_diff,
                 "; resume with the same settings, or use another --checkpoint-dir");
     if (fsdp) {
-      restore_fsdp(s, meta);  // after the checks above: nothing is loaded from a refused one
-    }
-    if (!fsdp) {
+      // After the checks above: nothing is loaded from a refused one.
+      TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
+                  " was not saved by the fsdp strategy; resume it with the strategy that saved it "
+                  "(",
+                  meta.value("strategy", std::string("?")), ")");
+      restore_sharded_state(s, *fsdp, opt.get());
+    } else {
       load_module_state(*model, with_prefix(s.shared, "model.", true));
     }
     if (mp->opt_level() == amp::OptLevel::kO2) {
@@ -290,7 +176,7 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     }
     auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
     if (fsdp) {
-      // restored above
+      // restored with the shards
     } else if (zero != nullptr) {
       zero->load_state(saved_optimizer_state(s, world, true));
     } else {

@@ -14,6 +14,7 @@
 #include <paratrain/models/gpt.h>
 #include <paratrain/parallel/fsdp_checkpoint.h>
 #include <paratrain/parallel/fully_sharded_data_parallel.h>
+#include <paratrain/util/atomic_file.h>
 
 #include <torch/torch.h>
 
@@ -68,7 +69,7 @@ int64_t total_numel(const std::map<std::string, torch::Tensor>& tensors,
 }
 
 // 6 steps without a break, and 3 steps, a save, and 3 more in a new job: the same bytes. Each rank
-// file holds only that rank's shards and their optimizer state, with the layout as metadata.
+// file holds only that rank's shards and their optimizer state; the manifest holds the layout.
 TEST(FsdpCheckpoint, ExactResumeIsBitwise) {
   const std::string dir = make_temp_dir("fsdp-exact");
   const std::string ckpt = dir + "/ckpt";
@@ -79,21 +80,22 @@ TEST(FsdpCheckpoint, ExactResumeIsBitwise) {
                        adam({"--steps", "3", "--resume", ckpt, "--final-out", dir + "/resumed"}));
   expect_bitwise(load_safetensors(dir + "/straight"), load_safetensors(dir + "/resumed"));
 
-  const auto rank0 = load_safetensors(ckpt + "/rank-0-of-2.safetensors");
-  const auto rank1 = load_safetensors(ckpt + "/rank-1-of-2.safetensors");
+  const auto rank0 = load_safetensors(ckpt + "/ckpt-0000000000.rank-0.safetensors");
+  const auto rank1 = load_safetensors(ckpt + "/ckpt-0000000000.rank-1.safetensors");
   const int64_t whole = total_numel(load_safetensors(dir + "/straight"), "");
-  EXPECT_EQ(total_numel(rank0, "model."), total_numel(rank1, "model."));
-  EXPECT_GE(2 * total_numel(rank0, "model."), whole);
-  EXPECT_LT(2 * total_numel(rank0, "model."), whole + 2 * 4);  // 4 units, padded to 2
+  EXPECT_EQ(total_numel(rank0, "fsdp."), total_numel(rank1, "fsdp."));
+  EXPECT_GE(2 * total_numel(rank0, "fsdp."), whole);
+  EXPECT_LT(2 * total_numel(rank0, "fsdp."), whole + 2 * 4);  // 4 units, padded to 2
   for (const char* key :
-       {"model.root", "model.h2", "optim.0.0.exp_avg", "optim.0.3.exp_avg_sq", "optim.0.0.step"}) {
+       {"fsdp.root", "fsdp.h2", "optim.0.0.exp_avg", "optim.0.3.exp_avg_sq", "optim.0.0.step"}) {
     EXPECT_TRUE(rank0.count(key)) << key;
   }
-  EXPECT_EQ(rank0.at("optim.0.3.exp_avg").sizes(), rank0.at("model.h2").sizes());
-  const auto metadata = load_safetensors_metadata(ckpt + "/rank-1-of-2.safetensors");
-  EXPECT_EQ(metadata.at("step"), "3");
-  EXPECT_NE(metadata.at("fsdp.layout").find("\"rank\":1"), std::string::npos)
-      << metadata.at("fsdp.layout");
+  EXPECT_EQ(rank0.at("optim.0.3.exp_avg").sizes(), rank0.at("fsdp.h2").sizes());
+  EXPECT_EQ(load_safetensors_metadata(ckpt + "/ckpt-0000000000.rank-1.safetensors").at("rank"),
+            "1");
+  const auto meta = nlohmann::json::parse(Checkpoint::load(ckpt + "/ckpt-0000000000.json").meta);
+  EXPECT_EQ(meta.at("metadata").at("step"), "3");
+  EXPECT_EQ(meta.at("fsdp").at("units").size(), 4u);
   remove_tree(dir);
 }
 
@@ -228,6 +230,102 @@ TEST(FsdpCheckpoint, WorldOfOneRoundTripsBitwise) {
   remove_tree(dir);
 }
 
+// The buffers (BatchNorm's running statistics, not sharded) are saved with the shards and loaded
+// back: a model resumed from the checkpoint normalizes as the saved one did.
+TEST(FsdpCheckpoint, KeepsTheBuffers) {
+  auto pg = checkpoint_world_of_one();
+  const std::string dir = make_temp_dir("fsdp-buffers");
+  auto model = [] {
+    torch::manual_seed(5);
+    return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
+                                 torch::nn::Linear(6, 2));
+  };
+  FullyShardedDataParallel a(model(), pg);
+  torch::manual_seed(6);
+  a.forward(torch::randn({8, 4}) * 3 + 1).sum().backward();  // moves the running statistics
+  save_sharded_checkpoint(dir, a, nullptr);
+  FullyShardedDataParallel b(model(), pg);
+  ASSERT_FALSE(torch::equal(b.module()->named_buffers()["1.running_mean"],
+                            a.module()->named_buffers()["1.running_mean"]));
+  load_sharded_checkpoint(dir, b, nullptr);
+  for (const auto& kv : a.module()->named_buffers()) {
+    SCOPED_TRACE(kv.key());
+    EXPECT_TRUE(torch::equal(b.module()->named_buffers()[kv.key()], kv.value()));
+  }
+  remove_tree(dir);
+}
+
+// A checkpoint in the form save_sharded_checkpoint wrote before (fsdp.json beside
+// rank-R-of-W.safetensors, the shards keyed "model.<unit>"), made here for a world of one.
+void save_older_format(const std::string& dir, Trained& t) {
+  nlohmann::json units = nlohmann::json::array();
+  std::map<std::string, size_t> owners;
+  const auto layout = t.fsdp.units();
+  for (size_t k = 0; k < layout.size(); ++k) {
+    const auto& u = layout[k];
+    units.push_back(nlohmann::json{{"name", u.name},
+                                   {"params", u.params},
+                                   {"shapes", u.shapes},
+                                   {"offsets", u.offsets},
+                                   {"numel", u.numel},
+                                   {"padded", u.padded}});
+    if (u.padded > 0) {
+      owners["0." + std::to_string(owners.size()) + "."] = k;
+    }
+  }
+  TensorMap tensors = with_prefix(t.fsdp.sharded_state(), "model.");
+  for (const auto& kv : with_prefix(optimizer_state(t.adam), "optim.")) {
+    tensors[kv.first] = kv.second;
+  }
+  const std::string name = "rank-0-of-1.safetensors";
+  const SafetensorsParts parts = encode_safetensors(
+      tensors,
+      {{"note", "older"},
+       {"fsdp.layout", nlohmann::json{{"world", 1}, {"rank", 0}, {"units", units}}.dump()}});
+  std::vector<FilePiece> pieces{{parts.header.data(), parts.header.size()}};
+  for (const auto& p : parts.tensors) {
+    pieces.push_back({p.data_ptr(), p.nbytes()});
+  }
+  write_pieces_atomic(dir + "/" + name, pieces);
+  const std::string bytes = file_bytes(dir + "/" + name);
+  const nlohmann::json manifest{{"format", "paratrain-fsdp-checkpoint-1"},
+                                {"world", 1},
+                                {"units", units},
+                                {"optimizer", owners},
+                                {"metadata", {{"note", "older"}}},
+                                {"files",
+                                 {{{"file", name},
+                                   {"bytes", bytes.size()},
+                                   {"crc32", crc32_of({{bytes.data(), bytes.size()}})}}}}};
+  std::ofstream(dir + "/fsdp.json") << manifest.dump();
+}
+
+// Checkpoints of the older format load as they did (weights and optimizer bit for bit, the
+// caller's metadata) and consolidate to the same weights; a save into their directory replaces
+// them with one of the current format.
+TEST(FsdpCheckpoint, TheOlderFormatStillLoads) {
+  auto pg = checkpoint_world_of_one();
+  const std::string dir = make_temp_dir("fsdp-older");
+  Trained a(pg, 1);
+  save_older_format(dir, a);
+  Trained b(pg, 2);
+  EXPECT_EQ(load_sharded_checkpoint(dir, b.fsdp, &b.adam).at("note"), "older");
+  expect_bitwise(a.fsdp.sharded_state(), b.fsdp.sharded_state());
+  expect_bitwise(optimizer_state(a.adam), optimizer_state(b.adam));
+  const auto older = consolidate_sharded_model(dir);
+  EXPECT_EQ(older.metadata.at("note"), "older");
+
+  save_sharded_checkpoint(dir, a.fsdp, &a.adam, {{"note", "current"}});
+  const auto files = files_in(dir);
+  EXPECT_FALSE(files.count("fsdp.json"));
+  EXPECT_FALSE(files.count("rank-0-of-1.safetensors"));
+  EXPECT_TRUE(files.count("ckpt-0000000000.json"));
+  const auto current = consolidate_sharded_model(dir);
+  EXPECT_EQ(current.metadata.at("note"), "current");
+  expect_bitwise(older.tensors, current.tensors);
+  remove_tree(dir);
+}
+
 TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
   auto pg = checkpoint_world_of_one();
   const std::string dir = make_temp_dir("fsdp-bad");
@@ -243,31 +341,25 @@ TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
                           " is of another model: unit 'root' has 'embed.wte.weight' of shape "
                           "[29, 16] in it but [29, 24] here; load it into a model built as the "
                           "one that saved it");
-  EXPECT_NE(error_of([&] {
-              save_sharded_checkpoint(dir, a.fsdp, &a.adam, {{"fsdp.layout", ""}});
-            }).find("'fsdp.layout' is a metadata name the checkpoint uses itself"),
-            std::string::npos);
 
-  const std::string file = dir + "/rank-0-of-1.safetensors";
+  const std::string file = dir + "/ckpt-0000000000.rank-0.safetensors";
   {
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-1, std::ios::end);
     f.put('\x7f');  // a changed byte of the last tensor
   }
   Trained b(pg, 2);
-  expect_error(b, file + " has ");
-  expect_error(b, ": the file is damaged, or left from another save");
+  expect_error(b, file + " fails its CRC-32 check");
   ASSERT_EQ(std::remove(file.c_str()), 0);
-  expect_error(
-      b, "the checkpoint in " + dir + " lacks rank-0-of-1.safetensors (rank 0's shards of 1)");
-  ASSERT_EQ(std::remove((dir + "/fsdp.json").c_str()), 0);
-  expect_error(b, "no complete FSDP checkpoint in " + dir + ": fsdp.json is missing");
+  expect_error(b, "the checkpoint in " + dir + " lacks " + file + " (rank 0's shards of 1)");
+  ASSERT_EQ(std::remove((dir + "/ckpt-0000000000.json").c_str()), 0);
+  expect_error(b, "no complete checkpoint in " + dir + ": it has no manifest");
 
   // The command line: the same line, and its own usage errors.
   auto r = run_cli({cli_path(), "checkpoint", "consolidate", dir, "--out", dir + "/x"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_EQ(r.output.rfind("paratrain checkpoint: error: no complete FSDP checkpoint in " + dir +
-                               ": fsdp.json is missing",
+  EXPECT_EQ(r.output.rfind("paratrain checkpoint: error: no complete checkpoint in " + dir +
+                               ": it has no manifest",
                            0),
             0u)
       << r.output;
@@ -332,7 +424,7 @@ TEST(FsdpCheckpoint, ConsolidateNeverWritesOverACheckpoint) {
           "consolidate: the output file " + manifest + " is in the checkpoint's directory " +
               trainer + ", whose files are the checkpoint: write it elsewhere");
   refused(trainer, trainer + "/whole.safetensors", "is in the checkpoint's directory");
-  refused(sharded, sharded + "/fsdp.json", "is in the checkpoint's directory");
+  refused(sharded, sharded + "/ckpt-0000000000.json", "is in the checkpoint's directory");
   // Another checkpoint's files, by their names.
   refused(trainer, sharded + "/rank-0-of-1.safetensors",
           "consolidate: the output file " + sharded +
@@ -342,7 +434,7 @@ TEST(FsdpCheckpoint, ConsolidateNeverWritesOverACheckpoint) {
   refused(sharded, dir + "/ckpt-0000000012.rank-1.safetensors",
           "has the name of a checkpoint's own file");
   refused(manifest, dir + "/x.safetensors",
-          "consolidate takes a checkpoint's directory, and " + manifest +
+          "a sharded checkpoint is a directory, and " + manifest +
               " is a file: give the directory that holds it, " + trainer);
   EXPECT_EQ(file_bytes(manifest), saved);
   EXPECT_EQ(Checkpoint::load(manifest).step, 8);  // still whole
@@ -357,7 +449,7 @@ TEST(FsdpCheckpoint, ConsolidateNeverWritesOverACheckpoint) {
       << r.output;
   r = run_cli({cli_path(), "checkpoint", "consolidate", manifest, "--out", dir + "/x"});
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("consolidate takes a checkpoint's directory, and " + manifest +
+  EXPECT_NE(r.output.find("a sharded checkpoint is a directory, and " + manifest +
                           " is a file: give the directory that holds it, " + trainer),
             std::string::npos)
       << r.output;

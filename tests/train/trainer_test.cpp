@@ -252,6 +252,42 @@ TEST(Trainer, ResumeAfterAFailureIsBitwiseEqual) {
   remove_tree(b);
 }
 
+// An fsdp checkpoint is taken only by a model of the same layout: the same units, parameters and
+// shapes. Here the LayerNorm's weight is [4, 6] in one model and [6, 4] in the other: the same
+// names and sizes, so only the shapes tell them apart.
+TEST(Trainer, FsdpResumeRefusesAnotherShape) {
+  auto data = toy_data(128);
+  auto model = [](int64_t rows) {
+    torch::manual_seed(0);
+    const int64_t cols = 24 / rows;
+    return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 24),
+                                 torch::nn::Unflatten(torch::nn::UnflattenOptions(1, {rows, cols})),
+                                 torch::nn::LayerNorm(torch::nn::LayerNormOptions({rows, cols})),
+                                 torch::nn::Flatten(), torch::nn::Linear(24, 10));
+  };
+  const std::string path = "/tmp/" + unique_token("fsdp-shape-store");
+  auto pg = dist::init_process_group(
+      dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+  const std::string dir = make_temp_dir("fsdp-shape");
+  auto options = base_options()
+                     .epochs(1)
+                     .strategy(Strategy::kFSDP)
+                     .process_group(pg)
+                     .checkpoint_dir(dir)
+                     .checkpoint_every_epoch(true)
+                     .resume("auto");
+  {
+    Trainer t(model(4), data, nullptr, options);
+    t.fit();
+  }
+  const std::string e = error_of([&] {
+    Trainer t(model(6), data, nullptr, options.epochs(2));
+    t.fit();
+  });
+  EXPECT_NE(e.find("has '3.weight' of shape [4, 6] in it but [6, 4] here"), std::string::npos) << e;
+  remove_tree(dir);
+}
+
 // resume "auto" over checkpoints that are all damaged fails, deletes nothing, and names the
 // option that starts from step 0 beside them; with it, the run trains from step 0 and leaves
 // them as they were (rotation deletes only this run's older checkpoints).

@@ -122,6 +122,16 @@ class Checkpoint {
   void set_resumed_step(int64_t step);
   /// The steps of the manifests in the directory, newest first.
   std::vector<int64_t> steps() const;
+  /// The same for any directory (none when it does not exist), without checking any file.
+  static std::vector<int64_t> steps_in(const std::string& dir);
+  /// The manifest of step `step` in `dir`: dir/ckpt-N.json, N in 10 digits.
+  static std::string manifest_path(const std::string& dir, int64_t step);
+  /// Rank `rank`'s file of step `step`: ckpt-N.rank-R.safetensors.
+  static std::string rank_file_name(int64_t step, int rank);
+  /// Whether `name` (a file name, no directory) is one a checkpoint writes: a manifest
+  /// ckpt-N.json, a shared file ckpt-N.safetensors, or a rank file ckpt-N.rank-R.safetensors
+  /// (earlier versions: ckpt-N.rank-R.json). Temporaries are not.
+  static bool is_checkpoint_file(const std::string& name);
 
   /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files.
   /// Throws c10::Error naming the file and what is wrong.

@@ -12,20 +12,24 @@
 //   ...                                          // one file of the whole model, no ranks:
 //   paratrain::consolidate_sharded_checkpoint("runs/step-1000", "model.safetensors");
 //
-// The directory, for a job of W ranks:
-//   rank-R-of-W.safetensors  rank R's shards: "model.<unit>" (one flat tensor per unit, "root"
-//                            for the root) and "optim.<group>.<index>.<field>" (optimizer_state's
-//                            keys, each the optimizer's state for one unit's shard); its
-//                            safetensors metadata holds the layout as JSON ("fsdp.layout": the
-//                            world size, the rank, each unit's name, parameters, shapes, offsets,
-//                            flat and padded sizes) and the caller's metadata
-//   fsdp.json                the manifest, written by rank 0 after every rank file is on disk:
-//                            the world size, the layout, which unit each optimizer parameter
-//                            steps, the caller's metadata, and each rank file's size and CRC-32
-// Every file is written atomically (write_pieces_atomic). A save first removes the manifest and
-// writes it again last: a directory without fsdp.json is a checkpoint that is not complete (a
-// save that crashed), and a rank file that does not match the manifest's size and CRC-32 is one
-// left over from another save.
+// The directory holds one checkpoint in io::Checkpoint's format (io/checkpoint.h), the one the
+// Trainer's checkpoints use, at step 0 (the Trainer's are at their global step):
+//   ckpt-0000000000.rank-R.safetensors  rank R's shards ("fsdp.<unit>": one flat tensor per
+//                            unit, "root" for the root) and its optimizer's state for them
+//                            ("optim.<group>.<index>.<field>", optimizer_state's keys), with the
+//                            step, the rank, the world size and a CRC-32 in its header
+//   ckpt-0000000000.safetensors  the module's buffers ("model.<name>": BatchNorm's running
+//                            statistics, not sharded), rank 0's
+//   ckpt-0000000000.json     the manifest, written by rank 0 last: the world size, and in its
+//                            metadata the layout ("fsdp": each unit's name, parameters, shapes,
+//                            offsets, flat and padded sizes, and which unit each optimizer
+//                            parameter steps) and the caller's metadata ("metadata")
+// Every file is written atomically. A save first removes the manifest and the files of the save
+// before: a directory without a manifest holds no complete checkpoint (a save that crashed), and
+// a rank file that fails its checks is one left over from another save. load_sharded_checkpoint
+// and consolidation also take the newest checkpoint of a Trainer's checkpoint directory under
+// the fsdp strategy, and the fsdp.json manifest with rank-R-of-W.safetensors files that earlier
+// versions of save_sharded_checkpoint wrote.
 //
 // The shards are saved as they are (the flat parameters, fp32 for fp32 weights, the padding
 // included), so a job of the same size loads every tensor back bit for bit; a job of another
@@ -39,6 +43,7 @@
 // The directory must be one that every rank sees (a shared file system). Loading reads only the
 // old ranks' files that hold a piece of this rank's slices: on the same world size, its own.
 
+#include "paratrain/io/checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 
 #include <torch/optim/optimizer.h>
@@ -50,25 +55,40 @@
 
 namespace paratrain {
 
-/// The manifest's file name in a sharded checkpoint's directory.
-constexpr const char* kFsdpManifest = "fsdp.json";
+/// Adds this rank's part of a sharded checkpoint of `fsdp` (and of `optimizer`, when not null) to
+/// `state`, for Checkpoint::save: its shards and optimizer state to `own` (own_read_by_all: a job
+/// of another size reads every saving rank's), the buffers to `shared`, and the layout to the
+/// JSON object `meta` under "fsdp". The Trainer's checkpoints under the fsdp strategy are these.
+void capture_sharded_state(FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer,
+                           CheckpointState& state);
+/// Takes what capture_sharded_state saved (loaded by Checkpoint: load_latest or load) into
+/// `fsdp` and `optimizer` (when not null), on any number of ranks: this rank's `own` tensors are
+/// used as they are, and the other saving ranks' files whose pieces it needs are read from the
+/// checkpoint's directory. Throws c10::Error as load_sharded_checkpoint does, before changing
+/// anything.
+void restore_sharded_state(const CheckpointState& state,
+                           FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer);
 
 /// Writes this rank's shards of `fsdp`'s weights and of `optimizer`'s state (when not null; SGD,
-/// Adam or AdamW over fsdp.parameters()) to `dir` (made if missing), and `metadata` (text to
-/// text: a step, a config) with them. A collective: call it on every rank; it returns once the
-/// whole checkpoint is on disk. When any rank fails (an unwritable directory, a full disk), every
-/// rank throws c10::Error, that rank with its own reason, the others naming it.
+/// Adam or AdamW over fsdp.parameters()), and rank 0 the buffers, to `dir` (made if missing),
+/// and `metadata` (text to text: a step, a config) with them. A collective: call it on every rank;
+/// it returns once the whole checkpoint is on disk. When any rank fails (an unwritable directory, a
+/// full disk), every rank throws c10::Error, that rank with its own reason, the others naming it.
 void save_sharded_checkpoint(const std::string& dir,
                              FullyShardedDataParallel& fsdp,
                              torch::optim::Optimizer* optimizer,
                              const std::map<std::string, std::string>& metadata = {});
 
-/// Loads a checkpoint that save_sharded_checkpoint wrote, by a job of any number of ranks, into
-/// `fsdp` and `optimizer` (when not null; it must step fsdp.parameters(), as the saved one did),
-/// and returns the metadata saved with it. No communication: every rank reads what it needs.
-/// Throws c10::Error with one line, before changing anything, for a directory without a manifest
-/// (no checkpoint, or one whose save did not finish), a missing or damaged rank file, and a
-/// checkpoint of another model (naming the first unit, parameter or shape that differs).
+/// Loads a checkpoint that save_sharded_checkpoint wrote (or the newest of a Trainer's fsdp
+/// checkpoints in `dir`), by a job of any number of ranks, into `fsdp`, its buffers and
+/// `optimizer` (when not null; it must step fsdp.parameters(), as the saved one did), and returns
+/// the metadata saved with it (a Trainer's checkpoint: its "step"). No communication: every rank
+/// reads what it needs. Throws c10::Error with one line, before changing anything, for a directory
+/// without a manifest (no checkpoint, or one whose save did not finish), a missing or damaged rank
+/// file, and a checkpoint of another model (naming the first unit, parameter or shape that
+/// differs).
 std::map<std::string, std::string> load_sharded_checkpoint(const std::string& dir,
                                                            FullyShardedDataParallel& fsdp,
                                                            torch::optim::Optimizer* optimizer);
@@ -82,12 +102,12 @@ struct ConsolidatedCheckpoint {
 /// Writes the whole model of the sharded checkpoint in `dir` (save_sharded_checkpoint's, or the
 /// newest of a Trainer's checkpoint directory under the fsdp strategy) to `out_file`: one
 /// safetensors file (written atomically: an existing file is replaced whole or not at all) of
-/// every parameter by its module name (or name_map's of it), in the dtype it was saved in, with
-/// the checkpoint's metadata. Needs no process group and no model: the layout is the manifest's.
-/// Holds one copy of the weights (not the optimizer's state) in memory. Throws c10::Error with one
-/// line, before anything is written, for a `dir` that is a file (a manifest, say) or holds no
-/// complete checkpoint, an `out_file` inside `dir` or named as a checkpoint's own file
-/// (ckpt-N.json, fsdp.json, rank-R-of-W.safetensors, ...), a missing or damaged rank file, and two
+/// every parameter and buffer by its module name (or name_map's of it), in the dtype it was saved
+/// in, with the checkpoint's metadata. Needs no process group and no model: the layout is the
+/// manifest's. Holds one copy of the weights (not the optimizer's state) in memory. Throws
+/// c10::Error with one line, before anything is written, for a `dir` that is a file (a manifest,
+/// say) or holds no complete checkpoint, an `out_file` inside `dir` or named as a checkpoint's own
+/// file (ckpt-N.json, ckpt-N.rank-R.safetensors, ...), a missing or damaged rank file, and two
 /// names that name_map makes one.
 ConsolidatedCheckpoint consolidate_sharded_checkpoint(
     const std::string& dir,
