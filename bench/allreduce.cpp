@@ -89,7 +89,7 @@ const BenchSpec& allreduce_spec() {
       "Times allreduce per message size and backend, and prints the bus bandwidth.",
       {
           {"backends", "LIST", "the backends to compare (default: gloo and mpi where built)"},
-          {"ranks", "N", "processes (default 2)"},
+          {"nproc-per-node,ranks", "N", "processes (default 2)"},
           {"min-bytes", "SIZE", "the smallest message (default 1K)", "1K"},
           {"max-bytes", "SIZE", "the largest message (default 64M)", "4K"},
           {"factor", "F", "the step between sizes (default 4)"},
@@ -254,9 +254,9 @@ void print_allreduce_table(const std::vector<AllreduceRow>& rows,
 }
 
 int run_allreduce(const Bench& bench) {
-  const int ranks = bench.get_int("ranks", 2);
+  const int ranks = bench.get_int("nproc-per-node", 2);
   if (ranks < 2) {
-    throw UsageError("--ranks must be at least 2 to measure communication, got " +
+    throw UsageError("--nproc-per-node must be at least 2 to measure communication, got " +
                      std::to_string(ranks));
   }
   if (bench.get_int("factor", 4) < 2) {

@@ -106,7 +106,7 @@ const BenchSpec& data_spec() {
           {"size", "N", "their side (default 64)", "16"},
           {"workers", "LIST", "the loader threads to compare (default 1,2)", "1"},
           {"repeats", "N", "passes per setting (default 3)", "1"},
-          {"batch", "B", "batch size (default 64)", "16"},
+          {"batch-size,batch", "B", "batch size (default 64)", "16"},
           {"crop", "N", "RandomResizedCrop's size (default 224)", "32"},
           {"no-pytorch", "", "skip PyTorch's DataLoader"},
           {"python", "LIST", anchor_pythons_help("with torch and torchvision")},
@@ -126,7 +126,7 @@ struct DataPlan {
 DataPlan data_plan(const Bench& bench) {
   DataPlan p;
   p.repeats = bench.get_int("repeats", 3);
-  p.batch = bench.get_int("batch", 64);
+  p.batch = bench.get_int("batch-size", 64);
   p.crop = bench.get_int("crop", 224);
   p.images = bench.get_int("images", 2000);
   p.size = bench.get_int("size", 64);

@@ -3,7 +3,7 @@
 // Part 1 (--strategy fsdp: the same job under FSDP, with sharded checkpoints; lost_steps has one
 // entry per restart that got as far as resuming; a kill during an attempt's start-up loses no
 // steps, only the start-up time, and is counted apart): a 2-rank DDP job of the mlp on
-// Fashion-MNIST (`paratrain train --nproc 2
+// Fashion-MNIST (`paratrain train --nproc-per-node 2
 // --max-restarts K --resume auto`, checkpoints every --checkpoint-every steps). While it runs, a
 // random worker is SIGKILLed at a random time (uniform in [--min-gap, --max-gap] seconds after
 // the previous restart's workers appeared), --kills times. Reported: the restarts, the steps

@@ -1,6 +1,7 @@
 // paratrain bench fsdp: memory and time per rank of DDP, ZeRO, FSDP and FSDP with activation
-// checkpointing, training one GPT with Adam on 2 ranks (--ranks; one process and one thread
-// each), on the CPU or, with --device cuda, each rank on its own GPU (--ranks 1 on one GPU).
+// checkpointing, training one GPT with Adam on 2 ranks (--nproc-per-node; one process and one
+// thread each), on the CPU or, with --device cuda, each rank on its own GPU (--nproc-per-node 1 on
+// one GPU).
 //
 // Beside them, the same training in PyTorch's DDP, ZeroRedundancyOptimizer and FSDP2
 // (fully_shard on each block, then the root; with torch.utils.checkpoint on each block for
@@ -63,14 +64,14 @@ const BenchSpec& fsdp_spec() {
           {"heads", "N", "with --model gpt", "2"},
           {"vocab", "N", "with --model gpt (default 50257)", "64"},
           {"context", "N", "tokens per sequence (default 128)", "16"},
-          {"batch", "N", "sequences per rank (default 2)", "2"},
+          {"batch-size,batch", "N", "sequences per rank (default 2)", "2"},
           {"steps", "N", "timed steps after one warm-up step (default 5)", "1"},
           {"systems", "LIST", "of ddp, zero, fsdp, fsdp+ckpt (default all)"},
           {"memory-per-rank", "BYTES",
            "refuse a system whose state exceeds this (default: physical memory / ranks)"},
           {"backend", "NAME", "mpi or gloo (default gloo); nccl with --device cuda"},
           {"device", "NAME", "cpu (default) or cuda: rank r on its node's cuda:r"},
-          {"ranks", "N", "ranks (default 2; 1 with --device cuda on one GPU)"},
+          {"nproc-per-node,ranks", "N", "ranks (default 2; 1 with --device cuda on one GPU)"},
           {"no-pytorch", "", "skip PyTorch's rows"},
           {"python", "LIST",
            anchor_pythons_help(
@@ -173,7 +174,7 @@ int run_fsdp_worker(const Bench& bench) {
   model->to(device);
   Wrapped w = wrap(system, model, pg);
   model = nullptr;
-  const int batch = bench.get_int("batch", 2);
+  const int batch = bench.get_int("batch-size", 2);
   const int steps = bench.get_int("steps", 5);
   torch::manual_seed(100 + pg->rank());
   torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1}).to(device);
@@ -348,11 +349,11 @@ FsdpPlan fsdp_plan(const Bench& bench) {
   p.params = models::gpt_parameter_count(shape);
   p.block = 12 * shape.width() * shape.width() + 13 * shape.width();
   p.root = (shape.vocab() + shape.context() + 2) * shape.width();
-  p.ranks = bench.get_int("ranks", 2);
+  p.ranks = bench.get_int("nproc-per-node", 2);
   const std::string device = bench.get("device", "cpu");
   require(device == "cpu" || device == "cuda",
           "unknown --device '" + device + "': choose cpu or cuda");
-  require(p.ranks >= 1, "--ranks must be at least 1");
+  require(p.ranks >= 1, "--nproc-per-node must be at least 1");
   // On a GPU the limit is the device's, which the caching allocator enforces itself.
   p.limit = bench.has("memory-per-rank") ? bench.get_bytes("memory-per-rank", 0)
             : device == "cuda"           ? std::numeric_limits<int64_t>::max()
@@ -403,7 +404,7 @@ JsonRow measure_system(const Bench& bench,
                                                       {"--heads", shape.heads()},
                                                       {"--vocab", shape.vocab()},
                                                       {"--context", shape.context()},
-                                                      {"--batch", bench.get_int("batch", 2)},
+                                                      {"--batch", bench.get_int("batch-size", 2)},
                                                       {"--steps", bench.get_int("steps", 5)}}) {
       command.insert(command.end(), {flag, std::to_string(value)});
     }
@@ -411,7 +412,7 @@ JsonRow measure_system(const Bench& bench,
   } else {
     std::vector<std::string> extra{"--system", system};
     for (const auto& word : bench.forwarded({"model", "layers", "width", "heads", "vocab",
-                                             "context", "batch", "steps", "device"})) {
+                                             "context", "batch-size", "steps", "device"})) {
       extra.push_back(word);
     }
     run_bench_job(bench.worker_command(out, extra), p.ranks, bench.get("backend", "gloo"), out);

@@ -58,7 +58,7 @@ const BenchSpec& pipeline_spec() {
       {
           {"chunks", "LIST", "the micro-batch counts (default 2,4,8)", "2"},
           {"steps", "N", "timed steps (default 3)", "1"},
-          {"batch", "B", "batch size (default 64)", "16"},
+          {"batch-size,batch", "B", "batch size (default 64)", "16"},
           {"balance", "MODE", "time or layer2 (default time)"},
           {"model", "NAME", "the zoo model (default resnet50_cifar)", "resnet18"},
       },
@@ -115,7 +115,7 @@ std::vector<int64_t> stage_balance(const PipelineSetup& p, const std::string& mo
 PipelineSetup pipeline_setup(const Bench& bench) {
   PipelineSetup p;
   p.steps = bench.get_int("steps", 3);
-  p.batch = bench.get_int("batch", 64);
+  p.batch = bench.get_int("batch-size", 64);
   const std::string balance_mode = bench.get("balance", "time");
   p.model_name = bench.get("model", "resnet50_cifar");
   if (p.steps <= 0 || p.batch <= 0) {

@@ -9,4 +9,4 @@ step "main job: set-up and build" bash scripts/build.sh
 bin="${BUILD_DIR:-build}/bin"
 "$bin/paratrain" info
 step "main job: training" "$bin/paratrain" train --model mlp --dataset fashion-mnist \
-  --strategy ddp --nproc 2 --epochs 3 --batch-size 64 --lr 0.05 --momentum 0.9 --seed 0 "$@"
+  --strategy ddp --nproc-per-node 2 --epochs 3 --batch-size 64 --lr 0.05 --momentum 0.9 --seed 0 "$@"

@@ -190,6 +190,6 @@ timed "leg 2 smoke run" "
     ctest -j 2 --output-on-failure --timeout 300 -LE one-leg -R \"\$PARATRAIN_TESTS\"
   else
     bin/paratrain info
-    bin/paratrain train --model mlp --dataset fashion-mnist --strategy ddp --nproc 2 --epochs 1 \\
+    bin/paratrain train --model mlp --dataset fashion-mnist --strategy ddp --nproc-per-node 2 --epochs 1 \\
       --batch-size 64 --lr 0.05 --momentum 0.9 --seed 0 --steps 100
   fi"

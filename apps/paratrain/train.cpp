@@ -120,7 +120,7 @@ void install_fault(Trainer& trainer, int rank) {
 std::vector<std::string> rank_command(const std::vector<std::string>& argv) {
   std::vector<std::string> command{self_path(), "train"};
   for (size_t i = 0; i < argv.size(); ++i) {
-    if (argv[i] == "--nproc") {
+    if (argv[i] == "--nproc-per-node" || argv[i] == "--nproc_per_node" || argv[i] == "--nproc") {
       ++i;
       continue;
     }
@@ -128,17 +128,18 @@ std::vector<std::string> rank_command(const std::vector<std::string>& argv) {
       ++i;  // the launcher restarts; the ranks do not
       continue;
     }
-    if (argv[i].rfind("--nproc=", 0) == 0 || argv[i].rfind("--max-restarts=", 0) == 0) {
+    if (argv[i].rfind("--nproc-per-node=", 0) == 0 || argv[i].rfind("--nproc_per_node=", 0) == 0 ||
+        argv[i].rfind("--nproc=", 0) == 0 || argv[i].rfind("--max-restarts=", 0) == 0) {
       continue;
     }
     command.push_back(argv[i]);
   }
   // The ranks neither launch nor restart, whatever a --config file says.
-  command.insert(command.end(), {"--nproc", "0", "--max-restarts", "0"});
+  command.insert(command.end(), {"--nproc-per-node", "0", "--max-restarts", "0"});
   return command;
 }
 
-// ddp with --nproc outside a job: become the launcher of N copies of this command.
+// ddp with --nproc-per-node outside a job: become the launcher of N copies of this command.
 int launch_ranks(const Args& args,
                  const std::vector<std::string>& argv,
                  int nproc,
@@ -522,7 +523,8 @@ int run_train(const std::vector<std::string>& argv) {
 
   if (args.get_int("max-restarts", 0) != 0) {
     throw UsageError(
-        "--max-restarts goes with --strategy ddp or fsdp and --nproc N (or paratrain launch)");
+        "--max-restarts goes with --strategy ddp or fsdp and --nproc-per-node N (or paratrain "
+        "launch)");
   }
   Placement where;
   if (s.strategy == "ddp" || s.strategy == "fsdp") {

@@ -40,10 +40,13 @@ std::vector<OptionSpec> setup_option_specs() {
       {"context", "N",
        "GPT: tokens per sample, the model's context (default 1024; at most a preset's 1024)"},
       {"strategy", "NAME", "single (default), ddp, fsdp, dp or pipeline"},
-      {"nproc", "N", "with ddp or fsdp: start N ranks through the launcher"},
+      {"nproc-per-node,nproc_per_node,nproc", "N",
+       "with ddp or fsdp: start N ranks through the launcher, as torchrun --nproc-per-node "
+       "(--nproc: the earlier spelling, kept for this release)"},
       {"backend", "NAME", "ddp's backend: auto (default), gloo, mpi or nccl"},
       {"max-restarts", "N",
-       "with --nproc: when a rank fails, stop every rank and start them all again, up to N "
+       "with --nproc-per-node: when a rank fails, stop every rank and start them all again, up to "
+       "N "
        "times (torchrun's); add --resume auto to continue from the last checkpoint"},
       {"device", "KIND",
        "single and ddp: cuda (cuda:LOCAL_RANK, the default where CUDA is available) or cpu"},
@@ -170,7 +173,7 @@ TrainSettings read_basics(const Args& args) {
   s.weight_decay = args.get_double("weight-decay", 0.0);
   s.seed = args.get_int("seed", 0);
   s.workers = args.get_int("workers", 1);
-  s.nproc = args.get_int("nproc", 0);
+  s.nproc = args.get_int("nproc-per-node", 0);
   s.json = args.has("json");
   s.data_dir = args.get("data-dir", data::kFashionMnistDir);
   return s;
@@ -433,7 +436,7 @@ void check_counts(const TrainSettings& s) {
     throw UsageError("--steps, --momentum and --weight-decay must be >= 0, --lr > 0");
   }
   if (s.nproc < 0 || (s.nproc > 0 && s.strategy != "ddp" && s.strategy != "fsdp")) {
-    throw UsageError("--nproc needs --strategy ddp or fsdp and a positive count");
+    throw UsageError("--nproc-per-node needs --strategy ddp or fsdp and a positive count");
   }
 }
 
@@ -622,7 +625,8 @@ const CommandSpec& train_spec() {
       "std. --dataset tokens reads D/train.bin and D/val.bin (nanoGPT's or llm.c's token files)\n"
       "for a GPT: windows of --context tokens, at random offsets to train and side by side to\n"
       "validate, with the language-model loss (per-token cross entropy). With --strategy ddp,\n"
-      "--nproc N starts N ranks; under `paratrain launch` or mpirun it joins the job. Example\n"
+      "--nproc-per-node N starts N ranks; under `paratrain launch` or mpirun it joins the job. "
+      "Example\n"
       "config: --config run.toml holding `model = \"resnet18\"`,\n"
       "`lr = 0.1`, `checkpoint-dir = \"ckpt\"`; later flags override it."};
   return spec;

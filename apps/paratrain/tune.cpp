@@ -80,7 +80,9 @@ const CommandSpec& tune_spec() {
           {"resample-probability", "P",
            "pbt: the chance a mutation is resampled rather than perturbed (default 0.25)"},
           {"max-failures", "N", "times a failed trial is retried (default 3)"},
-          {"ranks", "R", "processes per trial (default: train's --nproc, else 1)"},
+          {"nproc-per-node,nproc_per_node,ranks", "N",
+           "processes per trial (default: train's --nproc-per-node, else 1; --ranks: the earlier "
+           "spelling)"},
           {"threads", "T", "threads per rank, OMP_NUM_THREADS (default 1)"},
           {"gpus", "G", "GPUs per trial, as its own CUDA_VISIBLE_DEVICES (default 0)"},
           {"cpus", "N", "the cores to pack trials onto (default: those this process may use)"},
@@ -281,9 +283,14 @@ tune::TunerOptions options_from(const Args& args) {
   } else {
     o.command(rest);
   }
-  const std::string nproc = o.train() ? flag_value(o.train_args(), "nproc") : "";
+  std::string nproc;
+  for (const char* name :
+       {"nproc", "nproc_per_node", "nproc-per-node"}) {  // train's, in any spelling
+    const std::string v = o.train() ? flag_value(o.train_args(), name) : "";
+    nproc = v.empty() ? nproc : v;
+  }
   const int ranks =
-      args.get_int("ranks", nproc.empty() ? 1 : std::max(1, std::atoi(nproc.c_str())));
+      args.get_int("nproc-per-node", nproc.empty() ? 1 : std::max(1, std::atoi(nproc.c_str())));
   int gpus = args.get_int("gpus", 0);
   o.resources(tune::Resources().ranks(ranks).threads(args.get_int("threads", 1)).gpus(gpus));
   o.gpus(static_cast<int>(torch::cuda::device_count()));

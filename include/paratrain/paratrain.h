@@ -34,7 +34,7 @@
 #include "paratrain/models/gpt.h"                      // models::gpt, GptOptions, presets
 #include "paratrain/models/gpt_pretrained.h"           // Hugging Face GPT-2 directories
 #include "paratrain/models/registry.h"                 // models::make
-#include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, checkpoint_children
+#include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, apply_activation_checkpointing
 #include "paratrain/parallel/comm_hooks.h"             // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/data_parallel.h"          // DataParallel
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions

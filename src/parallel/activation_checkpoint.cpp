@@ -61,8 +61,9 @@ struct CheckpointFunction : public torch::autograd::Function<CheckpointFunction>
   }
 };
 
-// A child of checkpoint_children(): the wrapped module's children, parameters and buffers are
-// registered here under their own names, so the wrapper adds no level to parameter names.
+// A child of apply_activation_checkpointing(): the wrapped module's children, parameters and
+// buffers are registered here under their own names, so the wrapper adds no level to parameter
+// names.
 class CheckpointedImpl : public torch::nn::Module {
  public:
   explicit CheckpointedImpl(torch::nn::AnyModule wrapped) : wrapped_(std::move(wrapped)) {
@@ -105,9 +106,9 @@ Tensor checkpoint(const Fn& function, const Tensor& input) {
   return CheckpointFunction::apply(input, anchor, &function)[0];
 }
 
-torch::nn::Sequential checkpoint_children(const torch::nn::Sequential& model,
-                                          const std::vector<std::string>& names) {
-  TORCH_CHECK(model, "checkpoint_children: the model is null");
+torch::nn::Sequential apply_activation_checkpointing(const torch::nn::Sequential& model,
+                                                     const std::vector<std::string>& names) {
+  TORCH_CHECK(model, "apply_activation_checkpointing: the model is null");
   std::set<std::string> wanted(names.begin(), names.end());
   std::set<std::string> found;
   torch::nn::Sequential out;
@@ -123,7 +124,7 @@ torch::nn::Sequential checkpoint_children(const torch::nn::Sequential& model,
     }
   }
   for (const auto& name : names) {
-    TORCH_CHECK(found.count(name), "checkpoint_children: the model has no child '", name,
+    TORCH_CHECK(found.count(name), "apply_activation_checkpointing: the model has no child '", name,
                 "'; its children are the names model->named_children() lists");
   }
   return out;

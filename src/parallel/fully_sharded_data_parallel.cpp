@@ -281,7 +281,7 @@ bool FullyShardedDataParallel::requires_gradient_sync() const {
   return impl_->sync;
 }
 
-double FullyShardedDataParallel::clip_grad_norm(double max_norm) {
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
   torch::NoGradGuard no_grad;
   Tensor total = torch::zeros({1}, torch::kDouble);
   for (const auto& u : impl_->units) {

@@ -90,7 +90,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tenso
       torch::optim::AdamWOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay()));
 }
 
-double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm) {
   // Squares summed per device first: one small copy per device, not one per parameter (and
   // libtorch's clip_grad_norm_ stacks norms that may sit on different devices).
   std::map<std::string, torch::Tensor> per_device;
@@ -328,8 +328,8 @@ StepInfo Trainer::Impl::optimizer_step(const torch::Tensor& loss, bool log) {
   const bool measure = log || o.clip_grad_norm() > 0;
   if (measure) {
     mp->unscale_(*opt);
-    info.grad_norm = fsdp ? fsdp->clip_grad_norm(o.clip_grad_norm())
-                          : clip_grad_norm(mp->optimizer_parameters(), o.clip_grad_norm());
+    info.grad_norm = fsdp ? fsdp->clip_grad_norm_(o.clip_grad_norm())
+                          : clip_grad_norm_(mp->optimizer_parameters(), o.clip_grad_norm());
   }
   info.loss_scale = mp->loss_scaling() ? mp->scaler().get_scale() : 1.0;
   info.stepped = mp->step(*opt);

@@ -89,7 +89,7 @@ TEST(ActivationCheckpoint, GradientsAreBitwiseEqualWithDropout) {
   std::vector<std::vector<torch::Tensor>> grads;
   for (bool ckpt : {false, true}) {
     auto model = small_gpt(0.2);
-    auto run = ckpt ? checkpoint_children(model, models::gpt_block_names(model)) : model;
+    auto run = ckpt ? apply_activation_checkpointing(model, models::gpt_block_names(model)) : model;
     torch::manual_seed(9);
     torch::Tensor tokens = torch::randint(0, 29, {3, 8});
     run->forward(tokens).pow(2).mean().backward();
@@ -107,7 +107,7 @@ TEST(ActivationCheckpoint, GradientsAreBitwiseEqualWithDropout) {
 
 TEST(ActivationCheckpoint, KeepsNamesAndRefusesUnknownChildren) {
   auto model = small_gpt(0.0);
-  auto wrapped = checkpoint_children(model, {"h1"});
+  auto wrapped = apply_activation_checkpointing(model, {"h1"});
   std::vector<std::string> a, b;
   for (const auto& p : model->named_parameters()) {
     a.push_back(p.key());
@@ -116,7 +116,7 @@ TEST(ActivationCheckpoint, KeepsNamesAndRefusesUnknownChildren) {
     b.push_back(p.key());
   }
   EXPECT_EQ(a, b);
-  const std::string e = error_of([&] { checkpoint_children(model, {"h7"}); });
+  const std::string e = error_of([&] { apply_activation_checkpointing(model, {"h7"}); });
   EXPECT_NE(e.find("no child 'h7'"), std::string::npos) << e;
 }
 

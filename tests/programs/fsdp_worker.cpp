@@ -220,8 +220,8 @@ void train_step(const Options& o,
   }
   reference_gradients(ref, rows, s, accumulate, world);
   if (clip > 0) {
-    const double b = pt::clip_grad_norm(ref->parameters(), clip);
-    const double a = fsdp != nullptr ? fsdp->clip_grad_norm(clip) : b;
+    const double b = pt::clip_grad_norm_(ref->parameters(), clip);
+    const double a = fsdp != nullptr ? fsdp->clip_grad_norm_(clip) : b;
     if (std::abs(a - b) > 1e-5 * std::max(1.0, b)) {
       throw Mismatch("gradient norms " + std::to_string(a) + " and " + std::to_string(b));
     }

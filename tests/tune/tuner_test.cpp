@@ -383,7 +383,8 @@ TEST(Tuner, CliBadInputGetsOneLine) {
       {{"--space", "lr=uniform(0, 1)", "--storage", "mysql://h/x", "--", "true"},
        "unknown storage scheme"},
       {{"--space", "lr=uniform(0, 1)", "--", "no-such-program-y"}, "not found"},
-      {{"--space", "lr=uniform(0, 1)", "--ranks", "64", "--", "true"}, "needs 64 cores"},
+      {{"--space", "lr=uniform(0, 1)", "--nproc-per-node", "64", "--", "true"}, "needs 64 cores"},
+      {{"--space", "lr=uniform(0, 1)", "--ranks", "64", "--", "true"}, "needs 64 cores"},  // alias
       {{"--", "true"}, "no --space given"},
       {{"--space", "lr=uniform(0, 1)", "--mode", "up", "--", "true"}, "--mode must be min or max"},
       {{"--space", "lr=uniform(0, 1)", "--searcher", "cma", "--", "true"}, "unknown searcher"},

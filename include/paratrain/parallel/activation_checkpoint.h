@@ -8,7 +8,8 @@
 // the run without checkpointing.
 //
 //   auto y = paratrain::checkpoint([&](const torch::Tensor& x) { return block->forward(x); }, x);
-//   auto model = paratrain::checkpoint_children(gpt, paratrain::models::gpt_block_names(gpt));
+//   auto model = paratrain::apply_activation_checkpointing(gpt,
+//   paratrain::models::gpt_block_names(gpt));
 //
 // The parameters the function uses receive their gradients when its backward runs (as the
 // reentrant torch.utils.checkpoint gives them), whether or not its input requires grad.
@@ -32,7 +33,15 @@ torch::Tensor checkpoint(const std::function<torch::Tensor(const torch::Tensor&)
 /// A Sequential with the same children (the same modules, not copies) and the same parameter
 /// names, whose children named in `names` run through checkpoint(). Throws c10::Error naming a
 /// name that is not a child.
-torch::nn::Sequential checkpoint_children(const torch::nn::Sequential& model,
-                                          const std::vector<std::string>& names);
+/// (torch.distributed's apply_activation_checkpointing wraps the chosen submodules in place;
+/// libtorch's Sequential cannot swap a child, so this returns the wrapped Sequential.)
+torch::nn::Sequential apply_activation_checkpointing(const torch::nn::Sequential& model,
+                                                     const std::vector<std::string>& names);
+[[deprecated(
+    "checkpoint_children is now apply_activation_checkpointing, as torch.distributed "
+    "names it")]] inline torch::nn::Sequential
+checkpoint_children(const torch::nn::Sequential& model, const std::vector<std::string>& names) {
+  return apply_activation_checkpointing(model, names);
+}
 
 }  // namespace paratrain

@@ -12,7 +12,7 @@
 //   torch::optim::Adam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
 //   auto logits = fsdp.forward(tokens);              // every rank its own batch
 //   loss.backward();                                 // gradients reduce-scattered into shards
-//   fsdp.clip_grad_norm(1.0);                        // optional: the global norm
+//   fsdp.clip_grad_norm_(1.0);                       // optional: the global norm
 //   opt.step();
 //
 // How a step flows:
@@ -123,7 +123,11 @@ class FullyShardedDataParallel {
   /// Clips the gradients to a global L2 norm of max_norm (a collective: the shards' squared
   /// norms are summed over the ranks) and returns the norm before clipping, as
   /// torch.nn.utils.clip_grad_norm_. max_norm <= 0 only measures.
-  double clip_grad_norm(double max_norm);
+  double clip_grad_norm_(double max_norm);
+  [[deprecated("clip_grad_norm is now clip_grad_norm_, as PyTorch's FSDP names it")]] double
+  clip_grad_norm(double max_norm) {
+    return clip_grad_norm_(max_norm);
+  }
 
   /// Each unit as it is sharded: the child names it covers ("" for the root's name), its
   /// parameters' names (as module->named_parameters() gives them), shapes and offsets in the

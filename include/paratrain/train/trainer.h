@@ -68,7 +68,11 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tenso
 /// torch.nn.utils.clip_grad_norm_ computes it; with max_norm > 0 the gradients are scaled by
 /// max_norm / (norm + 1e-6) when that is below 1. Under DDP the gradients are already averaged,
 /// so every rank computes the same norm.
-double clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm);
+double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm);
+[[deprecated("clip_grad_norm is now clip_grad_norm_, as torch.nn.utils names it")]] inline double
+clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+  return clip_grad_norm_(parameters, max_norm);
+}
 
 /// What fit() throws for a non-finite loss, naming the step and the rank
 /// (TrainerOptions::stop_on_non_finite).
