@@ -437,11 +437,7 @@ int Checkpoint::saved_world_size(const std::string& path) {
 CheckpointState Checkpoint::load_shared(const std::string& path, int rank) {
   const Json manifest = read_json(path);
   const int saved_world = manifest.is_object() ? manifest.value("world_size", 1) : 1;
-  CheckpointState s = load(path, rank < saved_world ? rank : 0);
-  if (rank >= saved_world) {
-    s.own.clear();
-  }
-  return s;
+  return load(path, rank < saved_world ? rank : -1);
 }
 
 CheckpointState Checkpoint::load(const std::string& path, int rank) {
@@ -463,14 +459,21 @@ CheckpointState Checkpoint::load(const std::string& path, int rank) {
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, path, " is missing a field (", e.what(), "): the manifest is damaged");
   }
-  s.own = load_own(path, rank, s.step, s.world_size);
+  if (rank >= 0) {  // load_shared's ranks beyond the saved world have none
+    s.own = load_own(path, rank, s.step, s.world_size);
+    s.rank = rank;
+  }
   return s;
 }
 
 namespace {
 
 // Rank `rank`'s file of step `step`, verified against its header.
-TensorMap load_rank_file(const std::string& file, int rank, int64_t step, int world_size) {
+TensorMap load_rank_file(const std::string& file,
+                         int rank,
+                         int64_t step,
+                         int world_size,
+                         const std::function<bool(const std::string&)>& keep) {
   const std::string bytes = detail::read_whole_file(file, "the checkpoint's rank file");
   const auto meta = safetensors_metadata_bytes(bytes.data(), bytes.size(), file);
   auto field = [&](const char* name) -> int64_t {
@@ -499,17 +502,21 @@ TensorMap load_rank_file(const std::string& file, int rank, int64_t step, int wo
   const uint32_t crc = crc32_of({{bytes.data() + 8 + header, data}});
   TORCH_CHECK(crc == field("data_crc32"), file, " fails its CRC-32 check (", crc, " against ",
               field("data_crc32"), "): the file is damaged");
-  return load_safetensors_bytes(bytes.data(), bytes.size(), file);
+  return load_safetensors_bytes(bytes.data(), bytes.size(), file, keep);
 }
 
 }  // namespace
 
-TensorMap Checkpoint::load_own(const std::string& path, int rank, int64_t step, int world_size) {
+TensorMap Checkpoint::load_own(const std::string& path,
+                               int rank,
+                               int64_t step,
+                               int world_size,
+                               const std::function<bool(const std::string&)>& keep) {
   const std::string own_path = parent_directory(path) + "/" + rank_stem(step, rank) + ".json";
   struct stat st;
   if (::stat(own_path.c_str(), &st) != 0) {
     return load_rank_file(parent_directory(path) + "/" + rank_stem(step, rank) + ".safetensors",
-                          rank, step, world_size);
+                          rank, step, world_size, keep);
   }
   // Written by an earlier version: the rank's manifest in a file of its own.
   try {

@@ -16,7 +16,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -168,6 +167,16 @@ void check_compatible(const SavedShards& m,
   }
 }
 
+void load_buffers(const SavedShards& m, FullyShardedDataParallel& fsdp) {
+  torch::NoGradGuard no_grad;
+  for (auto& b : fsdp.module()->named_buffers()) {
+    auto it = m.buffers.find(b.key());
+    if (it != m.buffers.end()) {
+      b.value().copy_(it->second);
+    }
+  }
+}
+
 // Takes a saved sharded state into `fsdp` and `optimizer` (when not null), resharding it over
 // this world.
 void load_shards(const SavedShards& m,
@@ -175,6 +184,16 @@ void load_shards(const SavedShards& m,
                  torch::optim::Optimizer* optimizer) {
   check_compatible(m, fsdp, optimizer);
   const bool optim = optimizer != nullptr && m.has_optimizer;
+  if (m.world == fsdp.world_size()) {
+    // This rank's own shards and optimizer state, as saved: no other file, and no unit made whole.
+    const TensorMap own = m.read(fsdp.rank(), optim);
+    fsdp.load_own_shards(with_prefix(own, m.prefix, /*strip=*/true));
+    if (optimizer != nullptr) {
+      load_optimizer_state(*optimizer, with_prefix(own, "optim.", /*strip=*/true));
+    }
+    load_buffers(m, fsdp);
+    return;
+  }
   OldFiles old = read_old_files(m, fsdp, optim);
   std::vector<TensorMap> shards(old.files.size());
   const auto units = fsdp.units();
@@ -192,13 +211,7 @@ void load_shards(const SavedShards& m,
   if (optimizer != nullptr) {
     load_optimizer_state(*optimizer, state);
   }
-  torch::NoGradGuard no_grad;
-  for (auto& b : fsdp.module()->named_buffers()) {
-    auto it = m.buffers.find(b.key());
-    if (it != m.buffers.end()) {
-      b.value().copy_(it->second);
-    }
-  }
+  load_buffers(m, fsdp);
 }
 
 // Runs `step` on this rank, then lets every rank know whether all succeeded (an allgather of
@@ -355,6 +368,7 @@ ConsolidatedModel consolidate(const SavedShards& m,
   }
   for (const auto& [name, t] : m.buffers) {  // not sharded
     add(name, t);
+    ++model.counts.tensors;
   }
   model.metadata = m.metadata;
   model.config = m.config;
@@ -402,16 +416,34 @@ void save_sharded_checkpoint(const std::string& dir,
   capture_sharded_state(fsdp, optimizer, state);
   on_every_rank(fsdp, "prepare " + dir, 0, [&] {
     make_directory(dir);
+    const std::vector<int64_t> steps = Checkpoint::steps_in(dir);
+    TORCH_CHECK(steps.empty() || steps.front() == state.step, "save_sharded_checkpoint: ", dir,
+                " holds checkpoints of other steps (the newest: ",
+                Checkpoint::manifest_path(dir, steps.empty() ? 0 : steps.front()),
+                "), which it would not replace: save into a directory of its own");
+    return std::vector<int64_t>{};
+  });
+  // Only once every rank is here (done loading from this directory, say) does the save before go.
+  on_every_rank(fsdp, "remove the save before from " + dir, 0, [&] {
     if (fsdp.rank() == 0) {
       remove_previous_save(dir, state.step);
     }
     return std::vector<int64_t>{};
   });
-  on_every_rank(fsdp, "write its shards to " + dir, 0, [&] {
-    Checkpoint files(CheckpointOptions(dir).keep(2).background(false), fsdp.process_group());
-    files.save(std::move(state));
-    return std::vector<int64_t>{};
-  });
+  try {
+    on_every_rank(fsdp, "write its shards to " + dir, 0, [&] {
+      Checkpoint files(CheckpointOptions(dir).keep(2).background(false), fsdp.process_group());
+      files.save(std::move(state));
+      return std::vector<int64_t>{};
+    });
+  } catch (...) {
+    // Rank 0 wrote the manifest after its own files, not after every rank's: a save that failed
+    // on any rank must not be left as a checkpoint.
+    if (fsdp.rank() == 0) {
+      ::unlink(Checkpoint::manifest_path(dir, 0).c_str());
+    }
+    throw;
+  }
 }
 
 std::map<std::string, std::string> load_sharded_checkpoint(const std::string& dir,

@@ -180,6 +180,14 @@ std::string unit_difference(const Unit& a, const Unit& b) {
       return "unit '" + unit_key(a) + "' has '" + a.params[i] + "' of shape " +
              shape_text(a.shapes[i]) + " in it but " + shape_text(b.shapes[i]) + " here";
     }
+    if (a.offsets[i] != b.offsets[i]) {
+      return "unit '" + unit_key(a) + "' has '" + a.params[i] + "' at offset " +
+             std::to_string(a.offsets[i]) + " in it but " + std::to_string(b.offsets[i]) + " here";
+    }
+  }
+  if (a.numel != b.numel) {
+    return "unit '" + unit_key(a) + "' has " + std::to_string(a.numel) + " elements in it but " +
+           std::to_string(b.numel) + " here";
   }
   return "";
 }
@@ -251,6 +259,9 @@ SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
   try {
     const Json meta = Json::parse(state.meta);
     const Json& fsdp = meta.at("fsdp");
+    TORCH_CHECK(fsdp.value("world_size", -1) == s.world, state.path, "'s layout is of ",
+                fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,
+                ": the file is damaged");
     s.units = units_of(fsdp.at("units"), s.world, state.path);
     if (fsdp.contains("optimizer")) {
       read_optimizer(fsdp.at("optimizer"), s);
@@ -274,8 +285,15 @@ SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
   s.file = [path, step](int r) {
     return parent_directory(path) + "/" + Checkpoint::rank_file_name(step, r);
   };
-  s.read = [path, step, world, own_rank, own = state.own](int r, bool) {
-    return r == own_rank && !own.empty() ? own : Checkpoint::load_own(path, r, step, world);
+  // The tensors already read are used only when they are this rank's (Checkpoint::load's rank).
+  const bool have_own = state.rank == own_rank && own_rank >= 0;
+  s.read = [path, step, world, own_rank, have_own, own = state.own](int r, bool optimizer) {
+    if (r == own_rank && have_own) {
+      return own;
+    }
+    return Checkpoint::load_own(path, r, step, world, [optimizer](const std::string& name) {
+      return optimizer || !detail::starts_with(name, "optim.");
+    });
   };
   return s;
 }

@@ -61,8 +61,9 @@ std::map<std::string, size_t> optimizer_units(torch::optim::Optimizer& optimizer
 /// the saving rank `own_rank`'s tensors, already read.
 SavedShards from_checkpoint(const CheckpointState& state, int own_rank);
 /// The checkpoint in `dir`: its newest Checkpoint manifest, else an older fsdp.json; rank
-/// `rank`'s own file is read with it (when it has one). Throws c10::Error, one line, for a file,
-/// a directory that holds neither, a checkpoint of unsharded weights, or a missing rank file.
+/// `rank`'s own file is read with it (when it has one; rank < 0: none). Throws c10::Error, one
+/// line, for a file, a directory that holds neither, a checkpoint of unsharded weights, or a
+/// missing rank file.
 SavedShards from_directory(const std::string& dir, int rank);
 
 }  // namespace fsdp_saved

@@ -164,6 +164,12 @@ void Trainer::Impl::restore(const CheckpointState& s) {
       restore_sharded_state(s, *fsdp, opt.get());
     } else {
       load_module_state(*model, with_prefix(s.shared, "model.", true));
+      auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
+      if (zero != nullptr) {
+        zero->load_state(saved_optimizer_state(s, world, true));
+      } else {
+        load_optimizer_state(*opt, saved_optimizer_state(s, world, false));
+      }
     }
     if (mp->opt_level() == amp::OptLevel::kO2) {
       torch::NoGradGuard no_grad;
@@ -173,14 +179,6 @@ void Trainer::Impl::restore(const CheckpointState& s) {
                     " has no O2 master weights: it was saved at another opt level");
         mp->masters()[i].copy_(it->second);
       }
-    }
-    auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-    if (fsdp) {
-      // restored with the shards
-    } else if (zero != nullptr) {
-      zero->load_state(saved_optimizer_state(s, world, true));
-    } else {
-      load_optimizer_state(*opt, saved_optimizer_state(s, world, false));
     }
     schedule->set_steps(meta.at("schedule_steps").get<int64_t>());
     std::map<std::string, double> scaler;
@@ -271,7 +269,15 @@ void Trainer::Impl::resume() {
       write_metrics(Json{{"resumed_from", nullptr}, {"step", 0}});
       return;
     }
-    restore(*s);
+    // A rank may fail alone here (an fsdp checkpoint of another world size: each rank reads the
+    // saving ranks' files that hold its slices): every rank learns it before training.
+    std::exception_ptr error;
+    try {
+      restore(*s);
+    } catch (const std::exception&) {
+      error = std::current_exception();
+    }
+    agree_on_load(s->path, error);
   } else {
     // An elastic job may resume a checkpoint of another world size: ranks it did not have get
     // no own files.
@@ -286,11 +292,11 @@ void Trainer::Impl::resume() {
     try {
       s = o.elastic() ? Checkpoint::load_shared(o.resume(), rank)
                       : Checkpoint::load(o.resume(), rank);
+      restore(*s);
     } catch (const std::exception&) {
       error = std::current_exception();
     }
     agree_on_load(o.resume(), error);
-    restore(*s);
     if (ckpt) {
       // The checkpoints of checkpoint_dir newer than this one stay (a run the caller went back
       // from): rotation deletes only older ones and this run's own.

@@ -375,6 +375,22 @@ TEST(FsdpCheckpoint, BadDirectoriesAreOneLine) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("  consolidate DIR --out FILE"), std::string::npos) << r.output;
   remove_tree(dir);
+
+  // A directory with checkpoints of other steps (a Trainer's) is refused, and left as it was.
+  const std::string other = make_temp_dir("fsdp-other-steps");
+  {
+    CheckpointState s;
+    s.step = 5;
+    Checkpoint trainer(CheckpointOptions(other).background(false));
+    trainer.save(std::move(s));
+  }
+  const auto before = files_in(other);
+  EXPECT_NE(error_of([&] { save_sharded_checkpoint(other, a.fsdp, &a.adam); })
+                .find(other + " holds checkpoints of other steps (the newest: " + other +
+                      "/ckpt-0000000005.json), which it would not replace"),
+            std::string::npos);
+  EXPECT_EQ(files_in(other), before);
+  remove_tree(other);
 }
 
 // A consolidation writes outside the checkpoint, under a name of its own: never over a file of

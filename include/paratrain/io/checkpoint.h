@@ -84,6 +84,8 @@ struct CheckpointState {
   std::string path;
   /// The number of ranks that wrote it (set by load).
   int world_size = 1;
+  /// The saving rank whose tensors `own` holds (set by load); -1: none.
+  int rank = -1;
   /// Every rank's `own` tensors are needed to resume it on another number of ranks (ZeRO's
   /// shards), not only this rank's: load_latest then verifies them all before taking it.
   bool own_read_by_all = false;
@@ -133,17 +135,22 @@ class Checkpoint {
   /// (earlier versions: ckpt-N.rank-R.json). Temporaries are not.
   static bool is_checkpoint_file(const std::string& name);
 
-  /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files.
-  /// Throws c10::Error naming the file and what is wrong.
+  /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files
+  /// (rank < 0: none, `own` stays empty). Throws c10::Error naming the file and what is wrong.
   static CheckpointState load(const std::string& path, int rank = 0);
   /// The same, where this rank's own files may be absent (a checkpoint of fewer ranks): `own` is
-  /// then empty.
+  /// then empty, and no rank file is read (nor for rank < 0).
   static CheckpointState load_shared(const std::string& path, int rank);
   /// Only rank `rank`'s own tensors of the checkpoint at `path` (its manifest) of step `step`,
   /// saved by `world_size` ranks, verified: another rank's shards, to reshard state saved by
   /// another number of ranks (world_size < 0: not checked). When the state says own_read_by_all,
   /// load_latest with any_world_size verifies every saving rank's files before it takes it.
-  static TensorMap load_own(const std::string& path, int rank, int64_t step, int world_size = -1);
+  /// With `keep`, only the tensors it accepts are made (the file is verified whole).
+  static TensorMap load_own(const std::string& path,
+                            int rank,
+                            int64_t step,
+                            int world_size = -1,
+                            const std::function<bool(const std::string&)>& keep = nullptr);
   /// The number of ranks that saved the checkpoint whose manifest is `path`.
   static int saved_world_size(const std::string& path);
 

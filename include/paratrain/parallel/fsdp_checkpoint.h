@@ -20,16 +20,18 @@
 //                            step, the rank, the world size and a CRC-32 in its header
 //   ckpt-0000000000.safetensors  the module's buffers ("model.<name>": BatchNorm's running
 //                            statistics, not sharded), rank 0's
-//   ckpt-0000000000.json     the manifest, written by rank 0 last: the world size, and in its
+//   ckpt-0000000000.json     the manifest, written by rank 0 after its own files (a save that
+//                            fails on any rank removes it): the world size, and in its
 //                            metadata the layout ("fsdp": each unit's name, parameters, shapes,
 //                            offsets, flat and padded sizes, and which unit each optimizer
 //                            parameter steps) and the caller's metadata ("metadata")
-// Every file is written atomically. A save first removes the manifest and the files of the save
-// before: a directory without a manifest holds no complete checkpoint (a save that crashed), and
-// a rank file that fails its checks is one left over from another save. load_sharded_checkpoint
-// and consolidation also take the newest checkpoint of a Trainer's checkpoint directory under
-// the fsdp strategy, and the fsdp.json manifest with rank-R-of-W.safetensors files that earlier
-// versions of save_sharded_checkpoint wrote.
+// Every file is written atomically. Once every rank has entered it, a save removes the manifest
+// and the files of the save before: a directory without a manifest holds no complete checkpoint
+// (a save that crashed), and a rank file that fails its checks is one left over from another
+// save. A directory with checkpoints of other steps (a Trainer's) is refused, not replaced.
+// load_sharded_checkpoint and consolidation also take the newest checkpoint of a Trainer's
+// checkpoint directory under the fsdp strategy, and the fsdp.json manifest with
+// rank-R-of-W.safetensors files that earlier versions of save_sharded_checkpoint wrote.
 //
 // The shards are saved as they are (the flat parameters, fp32 for fp32 weights, the padding
 // included), so a job of the same size loads every tensor back bit for bit; a job of another
@@ -95,7 +97,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
 
 /// What consolidate_sharded_checkpoint wrote.
 struct ConsolidatedCheckpoint {
-  int64_t tensors = 0;     ///< one per parameter of the model
+  int64_t tensors = 0;     ///< one per parameter and buffer of the model
   int64_t parameters = 0;  ///< their elements, in all
 };
 
