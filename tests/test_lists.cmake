@@ -32,23 +32,31 @@ set(paratrain_unit_tests
     Fsdp.KeptBlocksAreFreedAfterBackward
     FsdpCheckpoint.WorldOfOneRoundTripsBitwise FsdpCheckpoint.BadDirectoriesAreOneLine
     Launch.ProgramWithoutExecuteBitIsNamed Launch.ErrorsNameTheCommandOnce)
-# Over 10 s (multiprocess) or over 2 s (one process), and their seconds in ctest's times here
-# (the same order).
-set(paratrain_slow_tests
-    MixedPrecision.EveryOptLevelTrainsLikeFp32 Slurm.SbatchRunsSrunTasksAndLaunch
-    MultiHost.ElasticJobTakesInALateHost Resume.BadInput Resume.MessagesSayWhatHappened
-    ImageFolder.CliMakesAFolderAndTrainsOnItWithDdp Train.CustomHeadOnTorchvisionWeights
-    MultiHost.ElasticTrainingLosesNoSampleAcrossAMembershipChange Train.MixedPrecisionDdpExample
-    Train.BadInput MultiHost.ElasticJobContinuesWithoutADeadHost
-    Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize Resume.DdpOnMpi
-    Rendezvous.TwoNodesClaimingOneNodeRankAreNamed Zoo.ResNetParameterCountsEqualTorchvision
-    Benchmarks/BenchSmoke.WritesJsonRows/cluster Benchmarks/BenchSmoke.WritesJsonRows/faults
-    Train.GptOnBytesLearns FsdpCheckpoint.ResumesOnAnotherWorldSize FsdpCheckpoint.ExactResumeIsBitwise
-    Resume.FsdpCheckpointsResumeBitwiseReshardAndConsolidate BadInput.ExchangeTimeoutNamesTheLateRank
-    Etcd.ElasticJobSurvivesTheFirstHostsDeath Etcd.ARunWhoseLaunchersWereKilledLeavesTheIdUsable
-    MultiHost.PartitionShorterThanKeepAliveIsRiddenOut
-    MultiHost.PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise)
-set(paratrain_slow_costs 112 35 20 24 25 18 18 15 14 10 14 13 12 11 3 30 15 20 25 12 30 20 15 14 45 50)
+# The slow tests, over 10 s (multiprocess) or over 2 s (one process), with their seconds in
+# ctest's times here (its COST): each says so beside itself in its source, on its TEST line
+# (`TEST(Resume, BadInput) {  // ctest: slow 24`) or, for a case of a parameterized suite, on a
+# line of its own naming the case (`// ctest: slow 30 Benchmarks/BenchSmoke.WritesJsonRows/cluster`).
+# Read afresh each time ctest reads the test list; which slow cases run alone is settled when
+# CMake configures (a new annotation takes a reconfigure to run its test alone).
+set(paratrain_slow_tests "")
+set(paratrain_slow_costs "")
+file(GLOB_RECURSE paratrain_test_sources "${CMAKE_CURRENT_LIST_DIR}/*.cpp")
+foreach(source IN LISTS paratrain_test_sources)
+  file(STRINGS "${source}" annotated REGEX "// ctest: ")
+  foreach(line IN LISTS annotated)
+    if(line MATCHES "^// ctest: slow ([0-9]+) ([A-Za-z0-9_/.]+)$")
+      list(APPEND paratrain_slow_tests "${CMAKE_MATCH_2}")
+      list(APPEND paratrain_slow_costs ${CMAKE_MATCH_1})
+    elseif(line MATCHES "^TEST(_F)?\\(([A-Za-z0-9_]+), ([A-Za-z0-9_]+)\\) {  // ctest: slow ([0-9]+)$")
+      list(APPEND paratrain_slow_tests "${CMAKE_MATCH_2}.${CMAKE_MATCH_3}")
+      list(APPEND paratrain_slow_costs ${CMAKE_MATCH_4})
+    else()
+      message(FATAL_ERROR "${source}: '${line}' is not a test's annotation: write "
+                          "'TEST(Suite, Name) {  // ctest: slow SECONDS' or "
+                          "'// ctest: slow SECONDS Prefix/Suite.Name/case'")
+    endif()
+  endforeach()
+endforeach()
 # The parameterized suites (PREFIX/SUITE): ctest runs their cases of both legs as one test, and
 # each of their first-leg mpi cases alone (tests/CMakeLists.txt).
 set(paratrain_parameterized_suites

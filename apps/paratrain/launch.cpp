@@ -246,9 +246,8 @@ int run_launch(const std::vector<std::string>& argv) {
     // worker picks cuda:LOCAL_RANK from it.
   }
 
-  dist::LaunchResult result = args.has("from-mpirun")
-                                  ? dist::detail::launch_mpirun_rank(o, mpi_rank, mpi_size)
-                                  : dist::launch(o);
+  dist::LaunchResult result =
+      args.has("from-mpirun") ? dist::launch_mpirun_rank(o, mpi_rank, mpi_size) : dist::launch(o);
   // Under mpirun, a shim is stopped by mpirun when another rank failed: that rank's shim already
   // reported the failure, and mpirun reports the job's end.
   if (args.has("from-mpirun") && result.interrupted_by != 0) {

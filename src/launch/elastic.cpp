@@ -170,7 +170,7 @@ bool join_next_round(const LaunchOptions& options,
 
 bool agrees_on_restarts(const LaunchOptions& options) {
   return options.rdzv_endpoint().empty() && options.max_restarts() > 0 && options.nnodes() > 1 &&
-         !detail::runs_on_mpi(options.backend()) && !options.master_addr().empty();
+         !launch_internal::runs_on_mpi(options.backend()) && !options.master_addr().empty();
 }
 
 // torchrun's elastic agent: rendezvous, run this node's workers, and form a new round when a

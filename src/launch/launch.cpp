@@ -111,14 +111,14 @@ void validate(const LaunchOptions& o) {
               " needs --master-addr: the address of node 0, which every node can reach");
   TORCH_CHECK(!(o.standalone() && o.nnodes() > 1), "--standalone is for one node; with --nnodes ",
               o.nnodes(), " give --master-addr and --master-port");
-  TORCH_CHECK(o.rdzv_endpoint().empty() || !detail::runs_on_mpi(o.backend()),
+  TORCH_CHECK(o.rdzv_endpoint().empty() || !launch_internal::runs_on_mpi(o.backend()),
               "--rdzv-endpoint with --backend mpi: mpirun places the ranks; use --hostfile");
   TORCH_CHECK(o.rdzv_backend() == "c10d" || o.rdzv_backend() == "etcd", "--rdzv-backend '",
               o.rdzv_backend(), "': choose c10d, etcd or static");
   TORCH_CHECK(o.rdzv_endpoint().empty() || !o.standalone(),
               "--standalone is one node on loopback; it does not go with --rdzv-endpoint");
   TORCH_CHECK(
-      o.hostfile().empty() || detail::runs_on_mpi(o.backend()),
+      o.hostfile().empty() || launch_internal::runs_on_mpi(o.backend()),
       "--hostfile goes with --backend mpi: Open MPI starts the ranks on the hosts it lists");
   TORCH_CHECK(o.hostfile().empty() || o.nnodes() == 1, "--hostfile and --nnodes ", o.nnodes(),
               " both place ranks on nodes: give one of them");

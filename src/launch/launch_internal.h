@@ -13,6 +13,10 @@ namespace paratrain {
 namespace dist {
 namespace launch_internal {
 
+/// Whether a backend string starts its job through mpirun: "mpi", or routes with an mpi engine
+/// ("cpu:mpi,cuda:nccl").
+bool runs_on_mpi(const std::string& backend);
+
 // hosts.cpp: an executable regular file.
 bool runnable(const std::string& path);
 

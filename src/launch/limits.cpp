@@ -54,7 +54,7 @@ int64_t read_number(const std::string& path) {
 // relays mpirun alone); the signal pipe and /dev/null; the write ends of a starting worker's
 // pipes; and room for what it opens while the job runs (/proc, the rendezvous' connections).
 int64_t descriptors_needed(const LaunchOptions& o, int nproc) {
-  const int64_t relayed = detail::runs_on_mpi(o.backend()) ? 1 : nproc;
+  const int64_t relayed = launch_internal::runs_on_mpi(o.backend()) ? 1 : nproc;
   return open_descriptors() + relayed * (o.log_dir().empty() ? 2 : 3) + 3 + 2 + 16;
 }
 
@@ -214,7 +214,7 @@ void check_system_processes(int nproc, int64_t more) {
 void check_limits(const LaunchOptions& o) {
   const int nproc = resolved_nproc(o);
   // Through mpirun: mpirun, and a shim and a worker per rank.
-  const int64_t more = detail::runs_on_mpi(o.backend()) ? 2 * int64_t{nproc} + 1 : nproc;
+  const int64_t more = launch_internal::runs_on_mpi(o.backend()) ? 2 * int64_t{nproc} + 1 : nproc;
   check_open_files(o, nproc);
   check_user_processes(nproc, more);
   check_cgroup_processes(nproc, more);

@@ -1,6 +1,6 @@
 // Jobs with --backend mpi (or routes with mpi): the outer launch runs mpirun (one node, or the
 // hosts of a --hostfile), which starts the paratrain CLI's `launch --from-mpirun` shim on each
-// rank; the shim (detail::launch_mpirun_rank) runs that rank's one worker.
+// rank; the shim (launch_mpirun_rank) runs that rank's one worker.
 
 #include "paratrain/launch/launch.h"
 
@@ -259,21 +259,19 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
   return r;
 }
 
-}  // namespace launch_internal
-
-namespace detail {
-
 bool runs_on_mpi(const std::string& backend) {
   if (backend.find(':') == std::string::npos) {
     return backend == "mpi";
   }
-  for (const auto& route : parse_routes(backend)) {
+  for (const auto& route : detail::parse_routes(backend)) {
     if (route.second == "mpi") {
       return true;
     }
   }
   return false;
 }
+
+}  // namespace launch_internal
 
 LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int world_size) {
   TORCH_CHECK(rank >= 0 && rank < world_size, "mpirun gave rank ", rank, " of a world of ",
@@ -283,6 +281,5 @@ LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int worl
   return launch_internal::run_job(one, launch_internal::Placement{true, rank, world_size});
 }
 
-}  // namespace detail
 }  // namespace dist
 }  // namespace paratrain

@@ -1,5 +1,7 @@
 #include "paratrain/launch/spawn.h"
 
+#include "launch_internal.h"
+
 #include "paratrain/comm/env.h"
 
 #include <c10/util/Exception.h>
@@ -63,7 +65,7 @@ void spawn(int nprocs, const std::function<void(int)>& fn, const SpawnOptions& o
     // parent's main() after fn (torch.multiprocessing.spawn's children end the same way).
     std::exit(code);
   }
-  TORCH_CHECK(!detail::runs_on_mpi(options.backend()),
+  TORCH_CHECK(!launch_internal::runs_on_mpi(options.backend()),
               "spawn cannot start an MPI job: run the program under mpirun or `paratrain launch "
               "--backend mpi` instead");
   LaunchOptions launch_options;

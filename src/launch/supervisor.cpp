@@ -602,7 +602,7 @@ LaunchResult run_job(const LaunchOptions& o,
   TORCH_CHECK(o.devices().empty() || static_cast<int>(o.devices().size()) >= nproc,
               "--nproc-per-node ", nproc, " needs as many devices, but --devices lists only ",
               o.devices().size());
-  if (detail::runs_on_mpi(o.backend()) && !where.from_mpirun) {
+  if (launch_internal::runs_on_mpi(o.backend()) && !where.from_mpirun) {
     return launch_mpirun(o, nproc);
   }
   TORCH_CHECK(!g_launch_active.exchange(true), "another launch is already running in this process");

@@ -249,7 +249,6 @@ std::string describe() {
   return out;
 }
 
-namespace detail {
 void reset_for_testing(bool pretend) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
@@ -260,7 +259,6 @@ void reset_for_testing(bool pretend) {
   s.bf16_path.clear();
   s.bf16_error.clear();
 }
-}  // namespace detail
 
 }  // namespace cpu
 }  // namespace paratrain

@@ -130,7 +130,7 @@ TEST(MixedPrecision, EveryOptLevelStepsLikeFp32) {
   }
 }
 
-TEST(MixedPrecision, EveryOptLevelTrainsLikeFp32) {
+TEST(MixedPrecision, EveryOptLevelTrainsLikeFp32) {  // ctest: slow 112
   // Accuracy on all 10,000 test images after 900 steps (about an epoch), for seed 0. A run that
   // differs from another only in rounding, from bf16 or from another CPU's kernels, ends about
   // as far from it as a run of another seed: the bound comes from that spread. Measured with

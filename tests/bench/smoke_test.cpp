@@ -85,6 +85,8 @@ TEST(BenchAnchors, RowsCarryTheAnchorsVersionAndTheTarget) {
 }
 
 // The benchmarks of bench/main.cpp's table.
+// ctest: slow 30 Benchmarks/BenchSmoke.WritesJsonRows/cluster
+// ctest: slow 15 Benchmarks/BenchSmoke.WritesJsonRows/faults
 INSTANTIATE_TEST_SUITE_P(Benchmarks,
                          BenchSmoke,
                          ::testing::Values("allreduce",

@@ -256,7 +256,7 @@ TEST(BadInput, CollectiveTimeoutNamesTheLateRank) {
 
 // Gloo's reduce_scatter and allgather are sends and receives between every pair of ranks: a late
 // rank still makes a timeout that names the operation and the rank.
-TEST(BadInput, ExchangeTimeoutNamesTheLateRank) {
+TEST(BadInput, ExchangeTimeoutNamesTheLateRank) {  // ctest: slow 20
   for (const std::string op : {"reduce_scatter", "allgather"}) {
     auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "3", "--",
                           worker_path(), "late", "2", "60", op},

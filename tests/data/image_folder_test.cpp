@@ -181,7 +181,7 @@ TEST(ImageList, ReadsPathsAndLabels) {
   remove_tree(root);
 }
 
-TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {
+TEST(ImageFolder, CliMakesAFolderAndTrainsOnItWithDdp) {  // ctest: slow 18
   const std::string root = "/tmp/" + unique_token("if-cli");
   auto made = run_process({cli_path(), "data", "make-imagefolder", "--from", "fashion-mnist",
                            "--out", root, "--size", "32", "--train", "3000", "--val", "500"},

@@ -300,7 +300,7 @@ std::string unpartitioned_weights(const std::string& dir) {
 // Note [Partitions and dead nodes], shorter: host 1 is cut off for 6 s while a node is taken for
 // gone after 15 s without its heartbeat (5 s x 3, torchrun's default). The job rides it out: no
 // restart, and the weights are bitwise those of the same job on one host.
-TEST(MultiHost, PartitionShorterThanKeepAliveIsRiddenOut) {
+TEST(MultiHost, PartitionShorterThanKeepAliveIsRiddenOut) {  // ctest: slow 45
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(2);
   const std::string dir = make_temp_dir("paratrain-partition");
@@ -319,7 +319,7 @@ TEST(MultiHost, PartitionShorterThanKeepAliveIsRiddenOut) {
 // Note [Partitions and dead nodes], longer: cut off for 12 s while a node is taken for gone after
 // 4 s. Both nodes stop their workers (node 0 sees host 1 unreachable, host 1 its store); once the
 // link is back, host 1 joins round 1 and both resume from the newest checkpoint, bitwise.
-TEST(MultiHost, PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise) {
+TEST(MultiHost, PartitionLongerThanKeepAliveRestartsTogetherAndResumesBitwise) {  // ctest: slow 50
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(2);
   const std::string dir = make_temp_dir("paratrain-partition");
@@ -483,7 +483,7 @@ TEST(MultiHost, DynamicRendezvousKeepsJobsApart) {
 
 // --nnodes 2:3 with three hosts; host 2 dies (SIGKILL of its launcher, whose workers follow): the
 // others see its heartbeat stop, form round 1 without it, and finish with world size 2.
-TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {
+TEST(MultiHost, ElasticJobContinuesWithoutADeadHost) {  // ctest: slow 14
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
   const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "1000",
@@ -618,7 +618,7 @@ void expect_no_sample_lost(const FakeHosts& hosts,
   remove_tree(dir);
 }
 
-TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
+TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {  // ctest: slow 15
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
   expect_no_sample_lost(hosts, "train", kFastElastic, 2);
@@ -626,7 +626,7 @@ TEST(MultiHost, ElasticTrainingLosesNoSampleAcrossAMembershipChange) {
 
 // A host that comes while the job runs (--nnodes 2:3) waits as a standby; the running nodes form a
 // new round that takes it in, and all three finish together.
-TEST(MultiHost, ElasticJobTakesInALateHost) {
+TEST(MultiHost, ElasticJobTakesInALateHost) {  // ctest: slow 20
   SKIP_WITHOUT_NAMESPACES();
   FakeHosts hosts(3);
   const std::vector<std::string> worker{PARATRAIN_TEST_DDP_WORKER, "--steps", "1000",
@@ -717,7 +717,7 @@ TEST(Rendezvous, StaticNodeThatNeverJoinsIsNamed) {
 }
 
 // Two launchers claim node rank 1: the second copy of each rank says so.
-TEST(Rendezvous, TwoNodesClaimingOneNodeRankAreNamed) {
+TEST(Rendezvous, TwoNodesClaimingOneNodeRankAreNamed) {  // ctest: slow 11
   const std::string port = std::to_string(free_port());
   auto node = [&](int k) {
     return std::vector<std::string>{cli_path(),
@@ -873,7 +873,7 @@ class EtcdServer {
 // Three hosts (--nnodes 2:3) keep their rendezvous in an etcd on a fourth. The launcher of the
 // host that joined first is killed: with the c10d backend it served the rendezvous, which would
 // die with it; with etcd the other two form a new round and finish the epoch, losing no sample.
-TEST(Etcd, ElasticJobSurvivesTheFirstHostsDeath) {
+TEST(Etcd, ElasticJobSurvivesTheFirstHostsDeath) {  // ctest: slow 15
   SKIP_WITHOUT_NAMESPACES();
   SKIP_WITHOUT_ETCD();
   FakeHosts hosts(4);
@@ -917,7 +917,7 @@ TEST(Etcd, JobsWithOtherIdsDoNotMix) {
 
 // etcd outlives the launchers: a run whose launchers were all SIGKILLed leaves its round in etcd.
 // A new run with the same id sees its heartbeats stand still and starts clean.
-TEST(Etcd, ARunWhoseLaunchersWereKilledLeavesTheIdUsable) {
+TEST(Etcd, ARunWhoseLaunchersWereKilledLeavesTheIdUsable) {  // ctest: slow 14
   SKIP_WITHOUT_ETCD();
   EtcdServer etcd("127.0.0.1");
   ASSERT_TRUE(etcd.ready()) << etcd.log();

@@ -266,7 +266,7 @@ void two_node_allocation() {
 
 // The README's sbatch examples, as they are there. One test, one Slurm: the tests run two at a
 // time, and two test Slurms would share (and stop) one munged.
-TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {
+TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {  // ctest: slow 35
   SKIP_WITHOUT_SLURM();
   SlurmCluster slurm;
   ASSERT_TRUE(slurm.ready()) << slurm.logs();

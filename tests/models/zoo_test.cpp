@@ -25,7 +25,7 @@ int64_t count(const torch::nn::Sequential& m) {
   return n;
 }
 
-TEST(Zoo, ResNetParameterCountsEqualTorchvision) {
+TEST(Zoo, ResNetParameterCountsEqualTorchvision) {  // ctest: slow 3
   // sum(p.numel() for p in torchvision.models.resnetNN().parameters()), torchvision 0.14.
   const std::map<int64_t, int64_t> torchvision{
       {18, 11689512}, {34, 21797672}, {50, 25557032}, {101, 44549160}, {152, 60192808}};

@@ -70,7 +70,7 @@ int64_t total_numel(const std::map<std::string, torch::Tensor>& tensors,
 
 // 6 steps without a break, and 3 steps, a save, and 3 more in a new job: the same bytes. Each rank
 // file holds only that rank's shards and their optimizer state; the manifest holds the layout.
-TEST(FsdpCheckpoint, ExactResumeIsBitwise) {
+TEST(FsdpCheckpoint, ExactResumeIsBitwise) {  // ctest: slow 12
   const std::string dir = make_temp_dir("fsdp-exact");
   const std::string ckpt = dir + "/ckpt";
   expect_every_rank_ok(kWorker, "gloo", 2,
@@ -103,7 +103,7 @@ TEST(FsdpCheckpoint, ExactResumeIsBitwise) {
 // bit, once loaded, and 3 more steps on the same global batch of 12 sequences train as 3 ranks
 // training 6 steps straight, within the rounding of sums over another split. Under Adam: its
 // moments resharded and its step counts, bit for bit.
-TEST(FsdpCheckpoint, ResumesOnAnotherWorldSize) {
+TEST(FsdpCheckpoint, ResumesOnAnotherWorldSize) {  // ctest: slow 25
   const std::string dir = make_temp_dir("fsdp-reshard");
   auto on_12 = [](std::vector<std::string> args) {
     args.insert(args.end(), {"--global-batch", "12"});

@@ -75,7 +75,7 @@ class CpuKernels : public ::testing::Test {
   void TearDown() override { as_a_new_process(); }
   static void as_a_new_process() {
     at::globalContext().setUserEnabledMkldnn(true);
-    cpu::detail::reset_for_testing(false);
+    cpu::reset_for_testing(false);
   }
 };
 
@@ -92,7 +92,7 @@ TEST_F(CpuKernels, ACpuWithoutCacheDescriptionsRunsConvolutionsWithoutOneDnn3) {
   if (real_cpu_is_safe) {
     with_onednn = conv_step(at::kFloat);
   }
-  cpu::detail::reset_for_testing(/*pretend_no_caches=*/true);
+  cpu::reset_for_testing(/*pretend_no_caches=*/true);
   EXPECT_FALSE(cpu::reports_caches());
   ::testing::internal::CaptureStderr();
   const bool onednn_on = cpu::ensure_usable_kernels();
@@ -136,7 +136,7 @@ TEST_F(CpuKernels, Bf16ConvolutionsRunWhereverOneDnnLacksThem) {
   const bool capped_below_avx512 =
       cap == "SSE41" || cap == "AVX" || cap.rfind("AVX2", 0) == 0;  // AVX2, AVX2_VNNI, ...
   const bool expect_fallback = TORCH_VERSION_MAJOR < 2 && cpu_has_avx512 && capped_below_avx512;
-  cpu::detail::reset_for_testing(false);  // checked afresh, whatever ran before in this process
+  cpu::reset_for_testing(false);  // checked afresh, whatever ran before in this process
 
   ::testing::internal::CaptureStderr();
   EXPECT_NO_THROW(cpu::ensure_bf16_convolutions());
@@ -181,7 +181,7 @@ TEST_F(CpuKernels, TheCheckIgnoresTheCallersThreadState) {
   // The first Autocast of a process may come inside InferenceMode (or a custom autograd
   // function's forward), where the probe's backward cannot run: that must not count as oneDNN
   // refusing bf16 convolutions, nor turn oneDNN off.
-  cpu::detail::reset_for_testing(false);
+  cpu::reset_for_testing(false);
   const bool onednn_before = cpu::ensure_usable_kernels();
   {
     c10::InferenceMode inference;

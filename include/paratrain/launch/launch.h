@@ -156,18 +156,10 @@ LaunchResult launch(const LaunchOptions& options);
 /// "0,1,3" -> {0, 1, 3}; throws on non-numbers, negatives, duplicates and empty entries.
 std::vector<int> parse_device_list(const std::string& text);
 
-namespace detail {
-
-/// Whether a backend string starts its job through mpirun: "mpi", or routes with an mpi engine
-/// ("cpu:mpi,cuda:nccl").
-bool runs_on_mpi(const std::string& backend);
-
 /// The paratrain CLI's `launch --from-mpirun`: mpirun started this process as rank `rank` of
-/// `world_size`, and it runs that rank's one worker with torchrun's environment. Not for programs:
-/// launch() with backend "mpi" starts mpirun and these shims itself.
+/// `world_size`, and it runs that rank's one worker with torchrun's environment. Programs call
+/// launch() instead: with backend "mpi" it starts mpirun and these shims itself.
 LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int world_size);
-
-}  // namespace detail
 
 /// {0, 1, 3} -> "0,1,3".
 std::string format_device_list(const std::vector<int>& devices);

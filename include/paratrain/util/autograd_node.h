@@ -12,7 +12,7 @@
 #include <utility>
 
 namespace paratrain {
-namespace detail {
+namespace autograd {
 
 /// What libtorch's graph holds a node by: the type `grad_fn()` and `grad_accumulator()` return.
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(
@@ -33,5 +33,5 @@ auto make_node(Args&&... args) {
   }
 }
 
-}  // namespace detail
+}  // namespace autograd
 }  // namespace paratrain

@@ -55,11 +55,9 @@ bool bf16_convolutions_run_on_onednn();
 /// and how bf16 convolutions run (when ensure_bf16_convolutions() has run).
 std::string describe();
 
-namespace detail {
 /// For tests: forget what was checked and decided, and whether to pretend that the CPU reports no
 /// caches. Does not turn oneDNN back on.
 void reset_for_testing(bool pretend_no_caches);
-}  // namespace detail
 
 }  // namespace cpu
 }  // namespace paratrain

@@ -133,7 +133,7 @@ TEST(Train, CustomResNetFinetuneExample) {
   EXPECT_GT(std::stod(m[1]), 0.40) << r.output;
 }
 
-TEST(Train, MixedPrecisionDdpExample) {
+TEST(Train, MixedPrecisionDdpExample) {  // ctest: slow 14
   auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
                         PARATRAIN_TEST_AMP_EXAMPLE, "O1", "80"},
                        {{"PARATRAIN_TIMEOUT", "60"}, kCpuOnly}, 240);
@@ -203,7 +203,7 @@ TEST(Train, MixedPrecisionUnderDdp) {
   EXPECT_GT(accuracy, 0.60) << r.output;
 }
 
-TEST(Train, CustomHeadOnTorchvisionWeights) {
+TEST(Train, CustomHeadOnTorchvisionWeights) {  // ctest: slow 18
   if (!python_has("torchvision")) {
     GTEST_SKIP() << test_python() << " has no torchvision to write the reference weights";
   }
@@ -260,7 +260,7 @@ TEST(Train, MixedPrecisionWithDataParallelAndPipeline) {
   }
 }
 
-TEST(Train, BadInput) {
+TEST(Train, BadInput) {  // ctest: slow 10
   std::string bad_file = "/tmp/" + unique_token("not-safetensors");
   { std::ofstream(bad_file) << "hello"; }
   std::string linear_weights = "/tmp/" + unique_token("linear") + ".safetensors";
@@ -327,7 +327,7 @@ double last_number_after(const std::string& text, const std::string& key) {
   return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
 }
 
-TEST(Train, GptOnBytesLearns) {
+TEST(Train, GptOnBytesLearns) {  // ctest: slow 20
   // nanoGPT's shakespeare_char at the byte level, on the GPL's text: a 2-layer GPT of width 64
   // with a context of 64 bytes, 10 epochs of 31 steps of 16 windows. Its validation loss starts
   // at log(256) = 5.55 (uniform over the bytes); English text's bytes alone (their unigram

@@ -118,7 +118,7 @@ TEST(Resume, DdpOnGloo) {
 }
 
 #ifdef PARATRAIN_WITH_MPI
-TEST(Resume, DdpOnMpi) {
+TEST(Resume, DdpOnMpi) {  // ctest: slow 12
   expect_exact_resume({"--strategy", "ddp", "--nproc", "2", "--backend", "mpi"}, 2);
 }
 #endif
@@ -247,7 +247,7 @@ std::vector<std::string> zero_job(const std::string& layout, const std::string& 
 // checkpoint of step 4 (on disk once step 8 ended: each save waits for the one before) on 2
 // ranks: from shards each rank must gather its new part from all three old files, and both
 // layouts must end with the very same weights.
-TEST(Resume, ShardedZeroCheckpointResumesOnAnotherWorldSize) {
+TEST(Resume, ShardedZeroCheckpointResumesOnAnotherWorldSize) {  // ctest: slow 13
   const std::string base = "/tmp/" + unique_token("zeroshard");
   std::map<std::string, std::string> env{
       kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}, {"PARATRAIN_ELASTIC", "1"}};
@@ -314,7 +314,7 @@ TEST(Resume, ShardedZeroCheckpointWithAMissingShardIsSkipped) {
 // job that was not elastic (the ranks are checked from the manifest, not the config's world size,
 // which an elastic job's config leaves open). With an explicit --resume, a rank whose file fails
 // its checks stops every rank before any says "resumed from".
-TEST(Resume, MessagesSayWhatHappened) {
+TEST(Resume, MessagesSayWhatHappened) {  // ctest: slow 25
   const std::string base = "/tmp/" + unique_token("resumemsg");
   const std::string dir = base + "-ckpt";
   const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
@@ -394,7 +394,7 @@ TEST(Train, ZeroEqualsUnshardedAndSyncBatchNormChangesTraining) {
   remove_with_prefix(base);
 }
 
-TEST(Resume, BadInput) {
+TEST(Resume, BadInput) {  // ctest: slow 24
   const std::string base = "/tmp/" + unique_token("badresume");
   const std::string dir = base + "-ckpt";
   // A checkpoint of the mlp, to resume another model from.
@@ -601,7 +601,7 @@ std::vector<std::string> fsdp_job(const std::string& tokens,
 // An fsdp job stopped after 2 epochs and resumed for the third ends with the weights of a job
 // that ran 3 epochs straight, bit for bit; its sharded checkpoint consolidates into those
 // weights; and 3 ranks resume a checkpoint 2 ranks made (resharded).
-TEST(Resume, FsdpCheckpointsResumeBitwiseReshardAndConsolidate) {
+TEST(Resume, FsdpCheckpointsResumeBitwiseReshardAndConsolidate) {  // ctest: slow 30
   const std::string text = "/usr/share/common-licenses/GPL-3";
   if (!std::ifstream(text).good()) {
     GTEST_SKIP() << text << " is missing (Debian's base-files ships it)";
