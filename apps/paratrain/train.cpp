@@ -516,7 +516,7 @@ int run_train(const std::vector<std::string>& argv) {
   }
   const TrainSettings s = train_detail::read_settings(args);
   // Checked once, before any rank starts.
-  TrainerOptions o = train_detail::loop_options(args, s.epochs);
+  TrainerOptions o = train_detail::loop_options(args, s);
   if (train_detail::becomes_launcher(s)) {
     return launch_ranks(args, argv, s.nproc, o);
   }

@@ -4,17 +4,20 @@
 #include "train_options.h"
 
 #include "paratrain/models/gpt_pretrained.h"
+#include "paratrain/util/option_error.h"
 
 #include <torch/torch.h>
 
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace paratrain {
@@ -192,6 +195,50 @@ std::vector<std::string> model_names() {
   return known;
 }
 
+// An OptionError of the Trainer in the command line's words: each TrainerOptions field it names
+// becomes the flag that sets it ("checkpoint_dir" -> "--checkpoint-dir").
+std::string flag_message(const OptionError& e) {
+  static const std::map<std::string, std::string> flags{
+      {"accumulate", "accumulate"},
+      {"batch_size", "batch-size"},
+      {"check_replicas", "check-replicas"},
+      {"checkpoint_dir", "checkpoint-dir"},
+      {"checkpoint_every", "checkpoint-every"},
+      {"checkpoint_every_epoch", "checkpoint-every-epoch"},
+      {"chunks", "chunks"},
+      {"clip_grad_norm", "clip-grad-norm"},
+      {"devices", "devices"},
+      {"epochs", "epochs"},
+      {"keep", "keep"},
+      {"log_every", "log-every"},
+      {"resume", "resume"},
+      {"start_fresh_if_damaged", "start-fresh-if-damaged"},
+      {"steps_per_epoch", "steps"},
+      {"strategy", "strategy"},
+      {"sync_batchnorm", "sync-bn"},
+      {"workers", "workers"},
+      {"zero", "zero"},
+      {"zero_checkpoint", "zero-checkpoint"}};
+  const std::string text = e.what_without_backtrace();
+  std::string out;
+  for (size_t at = 0; at < text.size();) {
+    size_t end = at;
+    while (end < text.size() &&
+           (std::isalnum(static_cast<unsigned char>(text[end])) != 0 || text[end] == '_')) {
+      ++end;
+    }
+    if (end == at) {
+      out += text[at++];
+      continue;
+    }
+    const std::string word = text.substr(at, end - at);
+    const auto flag = flags.find(word);
+    const bool named = at == 0 || (text[at - 1] != '-' && text[at - 1] != ':');
+    out += flag != flags.end() && named ? "--" + flag->second : word;
+    at = end;
+  }
+  return out;
+}
 }  // namespace
 
 bool is_gpt(const std::string& name) {
@@ -335,10 +382,10 @@ void check_data_and_strategy(const Args& args, TrainSettings& s) {
         "`paratrain data tokenize` writes them)");
   }
   const std::string& strategy = s.strategy;
-  if (strategy != "single" && strategy != "ddp" && strategy != "fsdp" && strategy != "dp" &&
-      strategy != "pipeline") {
-    throw UsageError("unknown --strategy '" + strategy +
-                     "': choose single, ddp, fsdp, dp or pipeline");
+  try {
+    parse_strategy(strategy);
+  } catch (const OptionError& e) {
+    throw UsageError(flag_message(e));
   }
   for (const char* flag : {"checkpoint-activations", "fsdp-param-dtype"}) {
     if (args.has(flag) && strategy != "fsdp") {
@@ -351,19 +398,10 @@ void check_data_and_strategy(const Args& args, TrainSettings& s) {
     throw UsageError("unknown --fsdp-param-dtype '" + args.get("fsdp-param-dtype") +
                      "': choose bf16 or fp16");
   }
-  for (const char* flag : {"sync-bn", "zero"}) {
-    if (args.has(flag) && strategy != "ddp") {
-      throw UsageError(std::string("--") + flag + " works across DDP's ranks: add --strategy ddp " +
-                       "(got --strategy " + strategy + ")");
-    }
-  }
-  if (strategy == "dp" && !args.has("devices")) {
-    throw UsageError("--strategy dp needs --devices (e.g. --devices cpu,cpu)");
-  }
   if (args.has("devices") && strategy != "dp" && strategy != "pipeline") {
     throw UsageError("--devices goes with --strategy dp or pipeline");
   }
-  if (strategy == "dp") {
+  if (strategy == "dp" && args.has("devices")) {
     s.dp_devices = parse_devices(args.get("devices"));
   }
 }
@@ -403,10 +441,6 @@ void read_pipeline(const Args& args, TrainSettings& s) {
   if (s.chunks < 1) {
     throw UsageError("--chunks must be >= 1, got " + std::to_string(s.chunks));
   }
-  if (s.chunks > s.batch_size) {
-    throw UsageError("--chunks (" + std::to_string(s.chunks) + ") is larger than --batch-size (" +
-                     std::to_string(s.batch_size) + "): a micro-batch needs a sample");
-  }
   try {
     s.schedule = pipeline::parse_schedule(args.get("schedule", "gpipe"));
   } catch (const c10::Error& e) {
@@ -422,16 +456,6 @@ void read_pipeline(const Args& args, TrainSettings& s) {
 }
 
 void check_counts(const TrainSettings& s) {
-  if (s.epochs <= 0) {
-    throw UsageError("--epochs must be positive, got " + std::to_string(s.epochs));
-  }
-  if (s.batch_size <= 0) {
-    throw UsageError("--batch-size must be positive, got " + std::to_string(s.batch_size));
-  }
-  if (s.workers < 0) {
-    throw UsageError("--workers must be >= 0, got " + std::to_string(s.workers) +
-                     " (0 loads data in the training thread)");
-  }
   if (s.steps < 0 || s.lr <= 0 || s.momentum < 0 || s.weight_decay < 0) {
     throw UsageError("--steps, --momentum and --weight-decay must be >= 0, --lr > 0");
   }
@@ -536,39 +560,16 @@ void read_outputs(const Args& args, TrainerOptions& o) {
       .zero_checkpoint(args.get("zero-checkpoint", "consolidated"));
 }
 
+// The command line's own rules (the Trainer checks its options itself: check_trainer_options).
 void check_outputs(const Args& args, TrainerOptions& o) {
-  if (o.zero_checkpoint() != "consolidated" && o.zero_checkpoint() != "sharded") {
-    throw UsageError("--zero-checkpoint is '" + o.zero_checkpoint() +
-                     "': use consolidated or sharded");
+  if (args.has("keep") && o.checkpoint_dir().empty()) {
+    throw UsageError("--keep and the other checkpoint flags need --checkpoint-dir");
   }
   if (args.has("zero-checkpoint") && !args.has("zero")) {
     throw UsageError("--zero-checkpoint says how --zero's shards are saved: add --zero");
   }
-  if (o.check_replicas() < 0) {
-    throw UsageError("--check-replicas must be >= 0, got " + std::to_string(o.check_replicas()));
-  }
-  if (o.keep() < 1) {
-    throw UsageError("--keep must be >= 1, got " + std::to_string(o.keep()) +
-                     ": keeping no checkpoint could never resume");
-  }
-  if (o.checkpoint_every() < 0 || o.log_every() < 0) {
-    throw UsageError("--checkpoint-every and --log-every must be >= 0");
-  }
-  if ((o.checkpoint_every() > 0 || o.checkpoint_every_epoch() || args.has("keep")) &&
-      o.checkpoint_dir().empty()) {
-    throw UsageError(
-        "--checkpoint-every, --checkpoint-every-epoch and --keep need --checkpoint-dir");
-  }
   if (!o.checkpoint_dir().empty() && o.checkpoint_every() == 0 && !o.checkpoint_every_epoch()) {
     o.checkpoint_every_epoch(true);  // a directory alone: one checkpoint per epoch
-  }
-  if (o.resume() == "auto" && o.checkpoint_dir().empty()) {
-    throw UsageError("--resume auto needs --checkpoint-dir (where to look)");
-  }
-  if (o.start_fresh_if_damaged() && o.resume() != "auto") {
-    throw UsageError(
-        "--start-fresh-if-damaged says what --resume auto does when every checkpoint is "
-        "damaged: add --resume auto");
   }
 }
 
@@ -625,10 +626,9 @@ const CommandSpec& train_spec() {
       "std. --dataset tokens reads D/train.bin and D/val.bin (nanoGPT's or llm.c's token files)\n"
       "for a GPT: windows of --context tokens, at random offsets to train and side by side to\n"
       "validate, with the language-model loss (per-token cross entropy). With --strategy ddp,\n"
-      "--nproc-per-node N starts N ranks; under `paratrain launch` or mpirun it joins the job. "
-      "Example\n"
-      "config: --config run.toml holding `model = \"resnet18\"`,\n"
-      "`lr = 0.1`, `checkpoint-dir = \"ckpt\"`; later flags override it."};
+      "--nproc-per-node N starts N ranks; under `paratrain launch` or mpirun it joins the job.\n"
+      "Example config: --config run.toml holding `model = \"resnet18\"`, `lr = 0.1`,\n"
+      "`checkpoint-dir = \"ckpt\"`; later flags override it."};
   return spec;
 }
 
@@ -660,17 +660,29 @@ TrainSettings read_settings(const Args& args) {
   return s;
 }
 
-TrainerOptions loop_options(const Args& args, int epochs) {
+TrainerOptions loop_options(const Args& args, const TrainSettings& s) {
   TrainerOptions o;
   o.optimizer(optimizer_options(args));
-  o.lr_schedule(lr_schedule_options(args, epochs)).schedule_per_step(args.has("schedule-per-step"));
+  o.lr_schedule(lr_schedule_options(args, s.epochs))
+      .schedule_per_step(args.has("schedule-per-step"));
   o.clip_grad_norm(args.get_double("clip-grad-norm", 0.0));
   o.accumulate(args.get_int("accumulate", 1));
-  if (o.clip_grad_norm() < 0 || o.accumulate() < 1) {
-    throw UsageError("--clip-grad-norm must be >= 0 and --accumulate >= 1");
-  }
   read_outputs(args, o);
   check_outputs(args, o);
+  // The Trainer's own rules, checked once here, before any rank starts, in the flags' words.
+  o.strategy(parse_strategy(s.strategy))
+      .devices(s.piped ? s.stage_devices : s.dp_devices)
+      .chunks(s.chunks)
+      .amp(s.amp_options)
+      .epochs(s.epochs)
+      .steps_per_epoch(s.steps)
+      .batch_size(s.batch_size)
+      .workers(s.workers);
+  try {
+    check_trainer_options(o);
+  } catch (const OptionError& e) {
+    throw UsageError(flag_message(e));
+  }
   probe_outputs(o);
   return o;
 }

@@ -72,7 +72,7 @@ bool becomes_launcher(const TrainSettings& s);
 TrainSettings read_settings(const Args& args);
 
 /// The optimizer, schedule, accumulation, clipping, checkpoint and metrics flags.
-TrainerOptions loop_options(const Args& args, int epochs);
+TrainerOptions loop_options(const Args& args, const TrainSettings& s);
 
 }  // namespace train_detail
 }  // namespace cli

@@ -10,6 +10,7 @@
 #include "paratrain/parallel/sync_batchnorm.h"
 #include "paratrain/parallel/zero_redundancy_optimizer.h"
 #include "paratrain/util/cpu_kernels.h"
+#include "paratrain/util/option_error.h"
 
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
@@ -44,8 +45,8 @@ Strategy parse_strategy(const std::string& name) {
   if (name == "fsdp") {
     return Strategy::kFSDP;
   }
-  TORCH_CHECK(name == "pipeline", "unknown strategy '", name,
-              "': choose single, ddp, fsdp, dp or pipeline");
+  PARATRAIN_CHECK_OPTION(name == "pipeline", "strategy", "unknown strategy '", name,
+                         "': choose single, ddp, fsdp, dp or pipeline");
   return Strategy::kPipeline;
 }
 
@@ -121,62 +122,91 @@ double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_
   return norm;
 }
 
-void Trainer::Impl::check_options() const {
-  TORCH_CHECK(o.epochs() >= 1, "epochs must be >= 1, got ", o.epochs());
-  TORCH_CHECK(o.batch_size() >= 1, "batch_size must be >= 1, got ", o.batch_size());
-  TORCH_CHECK(o.accumulate() >= 1, "accumulate must be >= 1, got ", o.accumulate());
-  TORCH_CHECK(o.steps_per_epoch() >= 0, "steps_per_epoch must be >= 0, got ", o.steps_per_epoch());
-  TORCH_CHECK(o.workers() >= 0, "workers must be >= 0, got ", o.workers());
-  TORCH_CHECK(o.clip_grad_norm() >= 0, "clip_grad_norm must be >= 0, got ", o.clip_grad_norm());
-  TORCH_CHECK(o.checkpoint_every() >= 0, "checkpoint_every must be >= 0, got ",
-              o.checkpoint_every());
-  TORCH_CHECK(o.keep() >= 1, "keep must be >= 1, got ", o.keep(),
-              " (keeping no checkpoint could not resume)");
-  TORCH_CHECK(o.log_every() >= 0, "log_every must be >= 0, got ", o.log_every());
-  TORCH_CHECK(o.check_replicas() >= 0, "check_replicas must be >= 0, got ", o.check_replicas());
-  const bool saves = o.checkpoint_every() > 0 || o.checkpoint_every_epoch();
-  TORCH_CHECK(!saves || !o.checkpoint_dir().empty(),
-              "checkpoints need a directory: set checkpoint_dir (--checkpoint-dir)");
-  TORCH_CHECK(o.resume().empty() || o.resume() != "auto" || !o.checkpoint_dir().empty(),
-              "resume auto needs checkpoint_dir (--checkpoint-dir): where to look");
-  TORCH_CHECK(!o.start_fresh_if_damaged() || o.resume() == "auto",
-              "start_fresh_if_damaged says what resume \"auto\" does when every checkpoint is "
-              "damaged; set resume \"auto\" with it (resume is '",
-              o.resume(), "')");
-  const bool ranks = o.strategy() == Strategy::kDDP || o.strategy() == Strategy::kFSDP;
-  TORCH_CHECK(ranks == (o.process_group() != nullptr), "the ", to_string(o.strategy()),
-              ranks ? " strategy needs a process_group"
-                    : " strategy takes no process_group (it goes with ddp or fsdp)");
-  TORCH_CHECK(o.strategy() != Strategy::kFSDP || o.amp().opt_level() == amp::OptLevel::kO0 ||
-                  o.amp().opt_level() == amp::OptLevel::kO1,
-              "the fsdp strategy keeps fp32 shards as the master weights: use opt level O0 or "
-              "O1 (autocast), or FsdpOptions::mixed_precision for bf16 weights, not ",
-              amp::to_string(o.amp().opt_level()));
-  TORCH_CHECK(o.strategy() == Strategy::kDDP || (!o.sync_batchnorm() && !o.zero()),
-              "sync_batchnorm (--sync-bn) and zero (--zero) shard or synchronize over DDP's "
-              "ranks: use them with the ddp strategy");
-  TORCH_CHECK(o.strategy() != Strategy::kFSDP || o.check_replicas() == 0,
-              "check_replicas (--check-replicas) compares DDP's replicas; fsdp keeps one shard "
-              "per rank, not replicas");
-  TORCH_CHECK(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
-              "zero_checkpoint (--zero-checkpoint) is '", o.zero_checkpoint(),
-              "': use consolidated or sharded");
-  TORCH_CHECK(o.zero_checkpoint() == "consolidated" || o.zero(),
-              "zero_checkpoint sharded (--zero-checkpoint sharded) saves ZeRO's shards: it needs "
-              "zero (--zero)");
-  TORCH_CHECK(o.strategy() != Strategy::kDataParallel || !o.devices().empty(),
-              "the dp strategy needs devices (e.g. cpu,cpu)");
-  TORCH_CHECK(o.strategy() != Strategy::kPipeline || !o.devices().empty(),
-              "the pipeline strategy needs one device per stage");
-  TORCH_CHECK(o.strategy() != Strategy::kPipeline || o.chunks() <= o.batch_size(), "chunks (",
-              o.chunks(), ") is larger than batch_size (", o.batch_size(),
-              "): a micro-batch needs a sample");
+namespace {
+
+void check_checkpoint_options(const TrainerOptions& o) {
+  PARATRAIN_CHECK_OPTION(o.checkpoint_every() == 0 || !o.checkpoint_dir().empty(), "checkpoint_dir",
+                         "checkpoint_every needs checkpoint_dir");
+  PARATRAIN_CHECK_OPTION(!o.checkpoint_every_epoch() || !o.checkpoint_dir().empty(),
+                         "checkpoint_dir", "checkpoint_every_epoch needs checkpoint_dir");
+  PARATRAIN_CHECK_OPTION(o.resume() != "auto" || !o.checkpoint_dir().empty(), "checkpoint_dir",
+                         "resume auto needs checkpoint_dir (where to look)");
+  PARATRAIN_CHECK_OPTION(!o.start_fresh_if_damaged() || o.resume() == "auto",
+                         "start_fresh_if_damaged",
+                         "start_fresh_if_damaged says what resume auto does when every checkpoint "
+                         "is damaged: add resume auto");
+}
+
+// The options that only some strategies take, and what each strategy needs.
+void check_strategy_options(const TrainerOptions& o) {
+  const std::string strategy = to_string(o.strategy());
+  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kFSDP ||
+                             o.amp().opt_level() == amp::OptLevel::kO0 ||
+                             o.amp().opt_level() == amp::OptLevel::kO1,
+                         "amp",
+                         "strategy fsdp keeps fp32 shards as the master weights: use opt level O0 "
+                         "or O1 (autocast), or FsdpOptions::mixed_precision for bf16 weights, not ",
+                         amp::to_string(o.amp().opt_level()));
+  PARATRAIN_CHECK_OPTION(o.strategy() == Strategy::kDDP || !o.zero(), "zero",
+                         "zero works across DDP's ranks: add strategy ddp (got strategy ", strategy,
+                         ")");
+  PARATRAIN_CHECK_OPTION(o.strategy() == Strategy::kDDP || !o.sync_batchnorm(), "sync_batchnorm",
+                         "sync_batchnorm works across DDP's ranks: add strategy ddp (got strategy ",
+                         strategy, ")");
+  PARATRAIN_CHECK_OPTION(
+      o.strategy() != Strategy::kFSDP || o.check_replicas() == 0, "check_replicas",
+      "check_replicas compares DDP's replicas; strategy fsdp keeps one shard per "
+      "rank, not replicas");
+  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
+                         "zero_checkpoint", "zero_checkpoint is '", o.zero_checkpoint(),
+                         "': use consolidated or sharded");
+  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero(), "zero_checkpoint",
+                         "zero_checkpoint says how zero's shards are saved: add zero");
+  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kDataParallel || !o.devices().empty(), "devices",
+                         "strategy dp needs devices (e.g. devices cpu,cpu)");
+  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kPipeline || !o.devices().empty(), "devices",
+                         "strategy pipeline needs devices, one per stage");
+  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kPipeline || o.chunks() <= o.batch_size(),
+                         "chunks", "chunks (", o.chunks(), ") is larger than batch_size (",
+                         o.batch_size(), "): a micro-batch needs a sample");
+}
+
+}  // namespace
+
+void check_trainer_options(const TrainerOptions& o) {
+  auto at_least = [](const char* field, int64_t value, int64_t least, const char* why = "") {
+    PARATRAIN_CHECK_OPTION(value >= least, field, field, " must be >= ", least, ", got ", value,
+                           why);
+  };
+  at_least("epochs", o.epochs(), 1);
+  at_least("batch_size", o.batch_size(), 1);
+  at_least("accumulate", o.accumulate(), 1);
+  at_least("steps_per_epoch", o.steps_per_epoch(), 0);
+  at_least("workers", o.workers(), 0, " (0 loads data in the training thread)");
+  PARATRAIN_CHECK_OPTION(o.clip_grad_norm() >= 0, "clip_grad_norm",
+                         "clip_grad_norm must be >= 0, got ", o.clip_grad_norm());
+  at_least("checkpoint_every", o.checkpoint_every(), 0);
+  at_least("keep", o.keep(), 1, ": with no checkpoint kept, a run could never be resumed");
+  at_least("log_every", o.log_every(), 0);
+  at_least("check_replicas", o.check_replicas(), 0);
+  check_checkpoint_options(o);
+  check_strategy_options(o);
   check_lr_schedule(o.lr_schedule());
   try {
-    TORCH_CHECK(Json::parse(o.config()).is_object(), "config must be a JSON object");
+    PARATRAIN_CHECK_OPTION(Json::parse(o.config()).is_object(), "config",
+                           "config must be a JSON object");
   } catch (const Json::exception& e) {
-    TORCH_CHECK(false, "config is not JSON: ", e.what());
+    PARATRAIN_CHECK_OPTION(false, "config", "config is not JSON: ", e.what());
   }
+}
+
+void Trainer::Impl::check_options() const {
+  check_trainer_options(o);
+  const bool ranks = o.strategy() == Strategy::kDDP || o.strategy() == Strategy::kFSDP;
+  PARATRAIN_CHECK_OPTION(ranks == (o.process_group() != nullptr), "process_group", "strategy ",
+                         to_string(o.strategy()),
+                         ranks ? " needs a process_group"
+                               : " takes no process_group (it goes with strategy ddp or fsdp)");
 }
 
 namespace {

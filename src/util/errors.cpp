@@ -1,6 +1,11 @@
 #include "errors.h"
 
+#include "paratrain/util/option_error.h"
+
 #include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <utility>
 
 namespace paratrain {
 namespace detail {
@@ -34,4 +39,12 @@ std::string error_message(const std::exception_ptr& error) {
 }
 
 }  // namespace detail
+}  // namespace paratrain
+
+namespace paratrain {
+
+OptionError::OptionError(std::string field, const std::string& message)
+    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message),
+      field_(std::move(field)) {}
+
 }  // namespace paratrain

@@ -297,11 +297,11 @@ TEST(Train, BadInput) {  // ctest: slow 10
       {{"--strategy", "dp", "--devices", ","}, "--devices is empty"},
       {{"--strategy", "dp", "--devices", "cpu,gpu"}, "bad device 'gpu' in --devices"},
       {{"--strategy", "dp", "--devices", "cpu:3"}, "device cpu:3 does not exist"},
-      {{"--batch-size", "0"}, "--batch-size must be positive, got 0"},
+      {{"--batch-size", "0"}, "--batch-size must be >= 1, got 0"},
       {{"--nproc-per-node", "-1"},
        "--nproc-per-node needs --strategy ddp or fsdp and a positive count"},
       {{"--nproc", "2"}, "--nproc-per-node needs --strategy ddp or fsdp"},  // the earlier spelling
-      {{"--epochs", "0"}, "--epochs must be positive, got 0"},
+      {{"--epochs", "0"}, "--epochs must be >= 1, got 0"},
       {{"--data-dir", "/nonexistent"},
        "Fashion-MNIST: /nonexistent/train-images-idx3-ubyte.gz does not exist"},
       {{"--model", "mlp", "--load-weights", linear_weights},

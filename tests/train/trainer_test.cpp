@@ -451,27 +451,40 @@ TEST(Trainer, SequenceOutputsTrainOnTheLanguageModelLoss) {
   remove_tree(dir);
 }
 
+// Each bad option is an OptionError that names its field, in the options' own words (the
+// command line maps the field to its flag: tests/cli).
 TEST(Trainer, BadOptions) {
   auto data = toy_data(64);
-  auto error = [&](TrainerOptions o) {
-    return error_of([&] { Trainer t(fresh("linear"), data, nullptr, o); });
+  auto expect = [&](const TrainerOptions& o, const std::string& field, const std::string& message) {
+    try {
+      Trainer t(fresh("linear"), data, nullptr, o);
+      ADD_FAILURE() << "no error for " << field;
+    } catch (const OptionError& e) {
+      EXPECT_EQ(e.field(), field);
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(message), std::string::npos)
+          << e.what_without_backtrace();
+    }
   };
-  EXPECT_NE(error(base_options().accumulate(0)).find("accumulate must be >= 1, got 0"),
-            std::string::npos);
-  EXPECT_NE(error(base_options().checkpoint_every(5)).find("checkpoints need a directory"),
-            std::string::npos);
-  EXPECT_NE(error(base_options().resume("auto")).find("resume auto needs checkpoint_dir"),
-            std::string::npos);
-  EXPECT_NE(error(base_options().strategy(Strategy::kDDP))
-                .find("the ddp strategy needs a "
-                      "process_group"),
-            std::string::npos);
-  EXPECT_NE(error(base_options().checkpoint_dir("/tmp").keep(0)).find("keep must be >= 1, got 0"),
-            std::string::npos);
-  EXPECT_NE(error(base_options().start_fresh_if_damaged(true))
-                .find("start_fresh_if_damaged says what resume \"auto\" does when every "
-                      "checkpoint is damaged; set resume \"auto\" with it (resume is '')"),
-            std::string::npos);
+  expect(base_options().accumulate(0), "accumulate", "accumulate must be >= 1, got 0");
+  expect(base_options().checkpoint_every(5), "checkpoint_dir",
+         "checkpoint_every needs checkpoint_dir");
+  expect(base_options().resume("auto"), "checkpoint_dir",
+         "resume auto needs checkpoint_dir (where to look)");
+  expect(base_options().strategy(Strategy::kDDP), "process_group",
+         "strategy ddp needs a process_group");
+  expect(base_options().checkpoint_dir("/tmp").keep(0), "keep", "keep must be >= 1, got 0");
+  expect(base_options().start_fresh_if_damaged(true), "start_fresh_if_damaged",
+         "start_fresh_if_damaged says what resume auto does when every checkpoint is damaged: "
+         "add resume auto");
+  expect(base_options().zero_checkpoint("both"), "zero_checkpoint",
+         "zero_checkpoint is 'both': use consolidated or sharded");
+  expect(base_options().strategy(Strategy::kDataParallel), "devices", "strategy dp needs devices");
+  try {
+    check_trainer_options(base_options().epochs(0));  // without building anything
+    ADD_FAILURE() << "epochs 0 passed";
+  } catch (const OptionError& e) {
+    EXPECT_EQ(e.field(), "epochs");
+  }
 }
 
 }  // namespace

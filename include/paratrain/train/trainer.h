@@ -30,6 +30,7 @@
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/parallel/pipeline.h"
 #include "paratrain/train/lr_schedule.h"
+#include "paratrain/util/option_error.h"  // what check_trainer_options throws
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -207,6 +208,11 @@ struct EpochResult {
   double lr = 0;
   int64_t global_step = 0;
 };
+
+/// Checks every option that does not need the process group, as the Trainer's constructor does:
+/// throws OptionError naming the first bad field (checkpoint_every without checkpoint_dir, a
+/// negative count, an option of another strategy), in these options' own terms.
+void check_trainer_options(const TrainerOptions& options);
 
 class Trainer {
  public:
