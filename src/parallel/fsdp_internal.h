@@ -46,6 +46,12 @@ class BlockPool {
   std::multimap<std::pair<c10::Allocator*, size_t>, c10::DataPtr> kept_;
 };
 
+// Where a unit's weights are, as FSDP2's sharded and unsharded states: only in the shard (`full`
+// has no storage); being gathered into `full` (the all-gather is in flight, or done and not yet
+// waited on); or unsharded, the module's parameters viewing `full`. Units without parameters stay
+// sharded.
+enum class UnitPhase { kSharded, kGathering, kUnsharded };
+
 // One flat parameter and its shard. Units are numbered in the order they run; unit 0 is the
 // root (possibly without parameters).
 struct UnitState {
@@ -54,9 +60,8 @@ struct UnitState {
   std::vector<torch::Tensor> params;  // the module's own variables, pointed at `full` when gathered
   torch::ScalarType dtype = torch::kFloat;  // the parameters' (and the shard's)
   torch::Tensor shard;                      // [padded / world], a leaf the optimizer steps
-  torch::Tensor full;     // [padded] in the compute dtype; its storage is freed between uses
-  bool gathered = false;  // full's storage holds the weights, or a gather into it is in flight
-  bool views = false;     // params point at full
+  torch::Tensor full;  // [padded] in the compute dtype; its storage is freed between uses
+  UnitPhase phase = UnitPhase::kSharded;
   dist::WorkPtr gather;
   torch::Tensor gather_input;  // the cast shard, alive while the gather runs
   dist::WorkPtr reduce;

@@ -13,6 +13,7 @@
 
 namespace paratrain {
 
+using fsdp_detail::UnitPhase;
 using fsdp_detail::UnitState;
 using torch::Tensor;
 using torch::autograd::AutogradContext;
@@ -127,31 +128,29 @@ void BlockPool::recycle(Tensor& t) {
 }  // namespace fsdp_detail
 
 void FullyShardedDataParallel::Impl::issue_gather(UnitState& u) {
-  if (u.gathered || !u.has_params()) {
+  if (u.phase != UnitPhase::kSharded || !u.has_params()) {
     return;
   }
   allocate_storage(u.full, pool);
   u.gather_input = u.shard.detach().to(u.full.scalar_type()).contiguous();
   std::vector<Tensor> outputs = u.full.chunk(group->size());
   u.gather = group->allgather(outputs, u.gather_input);
-  u.gathered = true;
+  u.phase = UnitPhase::kGathering;
 }
 
 void FullyShardedDataParallel::Impl::use_gathered(UnitState& u) {
   issue_gather(u);
-  if (u.gather) {
-    u.gather->wait();
-    u.gather.reset();
-    u.gather_input = Tensor();
+  if (u.phase != UnitPhase::kGathering) {
+    return;  // unsharded already, or nothing to gather
   }
-  if (u.views) {
-    return;
-  }
+  u.gather->wait();
+  u.gather.reset();
+  u.gather_input = Tensor();
   for (size_t i = 0; i < u.params.size(); ++i) {
     const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
     u.params[i].set_data(u.full.narrow(0, u.layout.offsets[i], n).view(u.layout.shapes[i]));
   }
-  u.views = u.has_params();
+  u.phase = UnitPhase::kUnsharded;
 }
 
 // Between uses the module's parameters are empty tensors of their dtype: reading one then fails
@@ -165,10 +164,9 @@ void FullyShardedDataParallel::Impl::release(UnitState& u) {
   for (auto& p : u.params) {
     p.set_data(torch::empty({0}, u.shard.options().requires_grad(false)));
   }
-  u.views = false;
-  if (u.gathered) {
+  if (u.phase != UnitPhase::kSharded) {
     free_storage(u.full, pool);
-    u.gathered = false;
+    u.phase = UnitPhase::kSharded;
   }
 }
 

@@ -1,6 +1,7 @@
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 
 #include "fsdp_internal.h"
+#include "fsdp_saved.h"
 
 #include "paratrain/util/allocator.h"
 
@@ -366,7 +367,7 @@ std::map<std::string, Tensor> FullyShardedDataParallel::sharded_state() const {
   std::map<std::string, Tensor> out;
   for (const auto& u : impl_->units) {
     if (u.has_params()) {
-      out[u.layout.name.empty() ? "root" : u.layout.name] = u.shard.detach();
+      out[fsdp_saved::unit_key(u.layout)] = u.shard.detach();
     }
   }
   return out;
@@ -376,7 +377,7 @@ Tensor FullyShardedDataParallel::reshard(size_t unit, const std::vector<Tensor>&
   TORCH_CHECK(unit < impl_->units.size(), "FullyShardedDataParallel::reshard: unit ", unit, " of ",
               impl_->units.size());
   const UnitState& u = impl_->units[unit];
-  const std::string name = u.layout.name.empty() ? "root" : u.layout.name;
+  const std::string name = fsdp_saved::unit_key(u.layout);
   TORCH_CHECK(!pieces.empty(), "FullyShardedDataParallel: no pieces of unit '", name, "'");
   Tensor flat = torch::cat(pieces).to(u.shard.device());
   TORCH_CHECK(flat.numel() >= u.layout.numel &&
@@ -401,7 +402,7 @@ void FullyShardedDataParallel::load_sharded_state(
     if (!u.has_params()) {
       continue;
     }
-    const std::string name = u.layout.name.empty() ? "root" : u.layout.name;
+    const std::string name = fsdp_saved::unit_key(u.layout);
     std::vector<Tensor> pieces;
     for (const auto& rank_state : shards) {
       auto it = rank_state.find(name);
@@ -422,7 +423,7 @@ void FullyShardedDataParallel::load_own_shards(const std::map<std::string, Tenso
     if (!u.has_params()) {
       continue;
     }
-    const std::string name = u.layout.name.empty() ? "root" : u.layout.name;
+    const std::string name = fsdp_saved::unit_key(u.layout);
     auto it = shards.find(name);
     TORCH_CHECK(it != shards.end(), "FullyShardedDataParallel: the saved shards have no unit '",
                 name, "'; they were saved from another model");
