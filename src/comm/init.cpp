@@ -3,6 +3,7 @@
 #include "backend_routes.h"
 #include "backends.h"
 #include "c10d_socket_store.h"
+#include "paratrain/comm/host_address.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -111,7 +112,7 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const Endpoint& e,
   const std::string where = e.host + ":" + std::to_string(e.port);
   // Served there, ranks on other hosts could not connect and would wait out their timeout. Only
   // a warning: several launchers on one host may rightly meet at a loopback name.
-  if (server && several_nodes && detail::is_loopback_name(e.host)) {
+  if (server && several_nodes && is_loopback_name(e.host)) {
     std::cerr << "paratrain: warning: MASTER_ADDR=" << e.host
               << " resolves only to loopback addresses on rank 0's host, where the store is "
                  "served; ranks on other hosts cannot reach it: give an address they reach"
@@ -363,7 +364,7 @@ JobStore open_tcp_job_store(const std::string& method,
                             false);
     };
   }
-  js.hostname = is_loopback(e.host) ? "127.0.0.1" : detail::route_source_address(e.host, e.port);
+  js.hostname = is_loopback(e.host) ? "127.0.0.1" : route_source_address(e.host, e.port);
   return js;
 }
 

@@ -1,6 +1,6 @@
 #include "rendezvous.h"
 
-#include "../comm/socket_store.h"  // route_source_address, is_loopback_name
+#include "paratrain/comm/host_address.h"
 
 #include "../util/errors.h"
 #include "paratrain/launch/launch.h"  // pick_free_port

@@ -4,6 +4,7 @@
 
 #include "comm/socket_store.h"
 #include "comm/c10d_socket_store.h"
+#include "paratrain/comm/host_address.h"
 #include "test_util.h"  // error_of
 
 #include <gtest/gtest.h>
@@ -165,9 +166,9 @@ TEST(SocketStore, ServesOnlyTheAddressesItsHostNames) {
   // The same probe sees a server on every address: the check above could fail.
   auto everywhere = serve("0.0.0.0");
   EXPECT_TRUE(accepts("127.0.0.2", everywhere->port()));
-  EXPECT_TRUE(dist::detail::resolves_to_loopback_only("127.0.1.1"));
-  EXPECT_TRUE(dist::detail::resolves_to_loopback_only("localhost"));
-  EXPECT_FALSE(dist::detail::resolves_to_loopback_only("10.77.0.1"));
+  EXPECT_TRUE(dist::resolves_to_loopback_only("127.0.1.1"));
+  EXPECT_TRUE(dist::resolves_to_loopback_only("localhost"));
+  EXPECT_FALSE(dist::resolves_to_loopback_only("10.77.0.1"));
 }
 
 TEST(SocketStore, PortInUseAndUnreachableServerAreOneLine) {
