@@ -132,7 +132,7 @@ DataPlan data_plan(const Bench& bench) {
   p.size = bench.get_int("size", 64);
   if (p.repeats < 1 || p.batch < 1 || p.crop < 1 || p.images < 100 || p.size < 8) {
     throw UsageError(
-        "--repeats, --batch and --crop must be >= 1, --images >= 100 (every class "
+        "--repeats, --batch-size and --crop must be >= 1, --images >= 100 (every class "
         "then has images), --size >= 8");
   }
   p.workers = worker_counts(bench);

@@ -24,7 +24,7 @@
 //
 // The headline run, a byte-level GPT of 1.2 billion parameters that no rank could hold whole:
 //   paratrain bench fsdp --model gpt --layers 24 --width 2048 --heads 16 --vocab 256
-//       --context 64 --batch 1 --steps 9 --systems ddp,zero,fsdp
+//       --context 64 --batch-size 1 --steps 9 --systems ddp,zero,fsdp
 
 #include "anchors.h"
 #include "bench_util.h"

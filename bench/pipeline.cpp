@@ -119,7 +119,7 @@ PipelineSetup pipeline_setup(const Bench& bench) {
   const std::string balance_mode = bench.get("balance", "time");
   p.model_name = bench.get("model", "resnet50_cifar");
   if (p.steps <= 0 || p.batch <= 0) {
-    throw UsageError("--steps and --batch must be positive");
+    throw UsageError("--steps and --batch-size must be positive");
   }
   if (balance_mode != "time" && balance_mode != "layer2") {
     throw UsageError("unknown --balance '" + balance_mode + "': choose time or layer2");

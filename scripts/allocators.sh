@@ -52,7 +52,7 @@ for ((r = 1; r <= repeats; r++)); do
       fi
     done
     if [[ ",$benches," == *,pipeline,* ]]; then
-      run pipeline "$alloc" pipeline --chunks 4 --steps 2 --batch 32
+      run pipeline "$alloc" pipeline --chunks 4 --steps 2 --batch-size 32
     fi
     if [[ ",$benches," == *,strategies,* ]]; then
       run strategies "$alloc" strategies --workloads mlp,resnet18,cnn --steps 5

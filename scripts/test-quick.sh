@@ -57,8 +57,10 @@ for f in $changed; do
       ;;
     src/*/* | include/paratrain/*/*)
       area=$(echo "$f" | sed -E 's#^(src|include/paratrain)/([^/]+)/.*#\2#')
+      # The CLI's end-to-end tests (tests/cli) run the Trainer whatever headers they include.
       while IFS= read -r t; do test_files+=("$t"); done < <( (grep -rl "paratrain/$area/" tests \
-        --include='*_test.cpp'; ls tests/"$area"/*_test.cpp 2>/dev/null) | sort -u)
+        --include='*_test.cpp'; ls tests/"$area"/*_test.cpp 2>/dev/null
+        [ "$area" = train ] && ls tests/cli/*_test.cpp) | sort -u)
       ;;
     src/* | include/paratrain/*)  # beside the areas (paratrain.h, version.h): the build checks it
       echo "test --quick: $f belongs to no area; the build above checked it" >&2

@@ -283,11 +283,17 @@ tune::TunerOptions options_from(const Args& args) {
   } else {
     o.command(rest);
   }
+  // train's own count, in any of its spellings: the last one given wins, as in train.
   std::string nproc;
-  for (const char* name :
-       {"nproc", "nproc_per_node", "nproc-per-node"}) {  // train's, in any spelling
-    const std::string v = o.train() ? flag_value(o.train_args(), name) : "";
-    nproc = v.empty() ? nproc : v;
+  for (size_t i = 0; o.train() && i < o.train_args().size(); ++i) {
+    const std::string& w = o.train_args()[i];
+    for (const std::string name : {"--nproc", "--nproc_per_node", "--nproc-per-node"}) {
+      if (w == name && i + 1 < o.train_args().size()) {
+        nproc = o.train_args()[i + 1];
+      } else if (w.rfind(name + "=", 0) == 0) {
+        nproc = w.substr(name.size() + 1);
+      }
+    }
   }
   const int ranks =
       args.get_int("nproc-per-node", nproc.empty() ? 1 : std::max(1, std::atoi(nproc.c_str())));

@@ -1,6 +1,7 @@
 #pragma once
 
-// Internal to libparatrain_launch: what its files share besides the local job (supervisor.h).
+// Internal to launch/: what its files share besides the local job (supervisor.h). spawn.cpp, built
+// into libparatrain, uses runs_on_mpi too (the symbol is visible across the two libraries).
 // launch.cpp checks the options and picks the kind of job; hosts.cpp, mpirun.cpp and elastic.cpp
 // hold the rest.
 

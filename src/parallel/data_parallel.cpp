@@ -315,7 +315,7 @@ void attach_gather_backward(const std::shared_ptr<DataParallel::State>& state,
                             const std::vector<at::Tensor>& outputs,
                             at::Tensor& gathered) {
   DataParallel::State& st = *state;
-  auto node = autograd::make_node<GatherBackward>();
+  auto node = autograd_graph::make_node<GatherBackward>();
   node->state = state;
   node->outputs = outputs;
   node->dim = st.dim;

@@ -68,7 +68,7 @@ TunerResources check_tuner_options(const TunerOptions& o, const TrialFunction& f
   const int need = res.ranks() * res.threads();
   TORCH_CHECK(need <= static_cast<int>(out.cores.size()), "tune: a trial needs ", need, " cores (",
               res.ranks(), " ranks x ", res.threads(), " threads) but this machine has ",
-              out.cores.size(), "; lower --ranks or --threads");
+              out.cores.size(), "; lower --nproc-per-node or --threads");
   TORCH_CHECK(res.gpus() <= machine_gpus, "tune: a trial needs ", res.gpus(),
               " GPUs but this machine has ", machine_gpus, "; lower --gpus");
   if (o.train()) {

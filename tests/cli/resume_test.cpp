@@ -114,7 +114,7 @@ TEST(Resume, SingleProcess) {
 }
 
 TEST(Resume, DdpOnGloo) {
-  expect_exact_resume({"--strategy", "ddp", "--nproc", "2", "--backend", "gloo"}, 2);
+  expect_exact_resume({"--strategy", "ddp", "--nproc-per-node", "2", "--backend", "gloo"}, 2);
 }
 
 #ifdef PARATRAIN_WITH_MPI
@@ -461,7 +461,8 @@ TEST(Resume, BadInput) {  // ctest: slow 24
     // A case with --nproc starts a launcher and ranks: in a process of its own. The others fail
     // before anything starts: in this one.
     const auto argv = job(plus({"--epochs", "1", "--steps", "1"}, c.args));
-    const bool ranks = std::find(c.args.begin(), c.args.end(), "--nproc") != c.args.end();
+    const bool ranks = std::find(c.args.begin(), c.args.end(), "--nproc") != c.args.end() ||
+                       std::find(c.args.begin(), c.args.end(), "--nproc-per-node") != c.args.end();
     auto r = ranks ? run_process(argv, {kCpuOnly}, 120) : run_cli(argv, {kCpuOnly});
     EXPECT_NE(r.exit_code, 0) << c.message;
     EXPECT_NE(r.output.find(c.message), std::string::npos)

@@ -179,8 +179,8 @@ class DistributedDataParallel {
 
   std::vector<torch::Tensor> params_;
   std::vector<std::string> names_;
-  std::vector<autograd::NodePtr> accumulators_;  // kept alive for the hooks
-  std::vector<uintptr_t> hook_keys_;             // to remove the hooks when this object goes away
+  std::vector<autograd_graph::NodePtr> accumulators_;  // kept alive for the hooks
+  std::vector<uintptr_t> hook_keys_;  // to remove the hooks when this object goes away
   std::vector<Bucket> buckets_;
   std::vector<std::pair<size_t, size_t>> location_;  // parameter -> (bucket, position)
 

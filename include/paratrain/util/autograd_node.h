@@ -12,7 +12,7 @@
 #include <utility>
 
 namespace paratrain {
-namespace autograd {
+namespace autograd_graph {
 
 /// What libtorch's graph holds a node by: the type `grad_fn()` and `grad_accumulator()` return.
 using NodePtr = decltype(torch::autograd::impl::grad_accumulator(
@@ -33,5 +33,5 @@ auto make_node(Args&&... args) {
   }
 }
 
-}  // namespace autograd
+}  // namespace autograd_graph
 }  // namespace paratrain
