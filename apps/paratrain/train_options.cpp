@@ -200,6 +200,7 @@ std::vector<std::string> model_names() {
 std::string flag_message(const OptionError& e) {
   static const std::map<std::string, std::string> flags{
       {"accumulate", "accumulate"},
+      {"amp", "amp"},
       {"batch_size", "batch-size"},
       {"check_replicas", "check-replicas"},
       {"checkpoint_dir", "checkpoint-dir"},
@@ -211,6 +212,7 @@ std::string flag_message(const OptionError& e) {
       {"epochs", "epochs"},
       {"keep", "keep"},
       {"log_every", "log-every"},
+      {"mixed_precision", "fsdp-param-dtype"},
       {"resume", "resume"},
       {"start_fresh_if_damaged", "start-fresh-if-damaged"},
       {"steps_per_epoch", "steps"},
@@ -222,6 +224,14 @@ std::string flag_message(const OptionError& e) {
   const std::string text = e.what_without_backtrace();
   std::string out;
   for (size_t at = 0; at < text.size();) {
+    // A value the user gave, quoted, stays as given (an apostrophe, as in "DDP's", opens none).
+    if (text[at] == '\'' && (at == 0 || text[at - 1] == ' ' || text[at - 1] == '(')) {
+      const size_t close = text.find('\'', at + 1);
+      const size_t end = close == std::string::npos ? text.size() : close + 1;
+      out += text.substr(at, end - at);
+      at = end;
+      continue;
+    }
     size_t end = at;
     while (end < text.size() &&
            (std::isalnum(static_cast<unsigned char>(text[end])) != 0 || text[end] == '_')) {
@@ -563,7 +573,7 @@ void read_outputs(const Args& args, TrainerOptions& o) {
 // The command line's own rules (the Trainer checks its options itself: check_trainer_options).
 void check_outputs(const Args& args, TrainerOptions& o) {
   if (args.has("keep") && o.checkpoint_dir().empty()) {
-    throw UsageError("--keep and the other checkpoint flags need --checkpoint-dir");
+    throw UsageError("--keep needs --checkpoint-dir");
   }
   if (args.has("zero-checkpoint") && !args.has("zero")) {
     throw UsageError("--zero-checkpoint says how --zero's shards are saved: add --zero");

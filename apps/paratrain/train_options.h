@@ -65,7 +65,8 @@ models::GptOptions read_gpt(const Args& args, const std::string& name);
 /// Started by a launcher that already made the ranks.
 bool inside_a_job();
 
-/// --strategy ddp --nproc N outside a job: this process launches the ranks instead of training.
+/// --strategy ddp --nproc-per-node N outside a job: this process launches the ranks instead of
+/// training.
 bool becomes_launcher(const TrainSettings& s);
 
 /// Throws UsageError for the first bad flag, in the order the checks were always made.

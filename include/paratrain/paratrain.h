@@ -20,6 +20,7 @@
 
 #include "paratrain/comm/devices.h"        // local_device, check_device_exists
 #include "paratrain/comm/env.h"            // RankInfo, discover_rank_info
+#include "paratrain/comm/host_address.h"   // route_source_address, is_loopback_name
 #include "paratrain/comm/init.h"           // init_process_group, InitOptions
 #include "paratrain/comm/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
 #include "paratrain/launch/launch.h"       // launch, LaunchOptions (paratrain launch)

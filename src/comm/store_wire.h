@@ -40,12 +40,12 @@ enum Op : uint8_t {
 enum Status : uint8_t { kOk = 0, kTimedOut = 1, kFailed = 2 };
 
 // Frames beyond this are a foreign or broken peer, not a store value.
-constexpr uint32_t kMaxFrame = 1u << 30;
+inline constexpr uint32_t kMaxFrame = 1u << 30;
 // How long past a held get/wait's own limit a client waits for the server's answer, before it
 // takes the server for gone.
-constexpr milliseconds kReplyGrace{5000};
+inline constexpr milliseconds kReplyGrace{5000};
 // Limits beyond this are taken as none: adding them to a clock's now() would overflow.
-constexpr milliseconds kForever = std::chrono::hours(24 * 365 * 100);
+inline constexpr milliseconds kForever = std::chrono::hours(24 * 365 * 100);
 
 // kNoStoreTimeout (0) and limits past kForever wait without end; a negative one has already passed.
 inline bool limited(milliseconds timeout) {

@@ -143,9 +143,11 @@ void FullyShardedDataParallel::Impl::use_gathered(UnitState& u) {
   if (u.phase != UnitPhase::kGathering) {
     return;  // unsharded already, or nothing to gather
   }
-  u.gather->wait();
-  u.gather.reset();
-  u.gather_input = Tensor();
+  if (u.gather) {  // not if an earlier call waited, then failed making the views
+    u.gather->wait();
+    u.gather.reset();
+    u.gather_input = Tensor();
+  }
   for (size_t i = 0; i < u.params.size(); ++i) {
     const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
     u.params[i].set_data(u.full.narrow(0, u.layout.offsets[i], n).view(u.layout.shapes[i]));

@@ -144,8 +144,8 @@ void check_strategy_options(const TrainerOptions& o) {
                              o.amp().opt_level() == amp::OptLevel::kO0 ||
                              o.amp().opt_level() == amp::OptLevel::kO1,
                          "amp",
-                         "strategy fsdp keeps fp32 shards as the master weights: use opt level O0 "
-                         "or O1 (autocast), or FsdpOptions::mixed_precision for bf16 weights, not ",
+                         "strategy fsdp keeps fp32 shards as the master weights: use amp O0 or O1 "
+                         "(autocast), or bf16 shards through mixed_precision, not ",
                          amp::to_string(o.amp().opt_level()));
   PARATRAIN_CHECK_OPTION(o.strategy() == Strategy::kDDP || !o.zero(), "zero",
                          "zero works across DDP's ranks: add strategy ddp (got strategy ", strategy,

@@ -43,8 +43,7 @@ std::string error_message(const std::exception_ptr& error) {
 
 namespace paratrain {
 
-OptionError::OptionError(std::string field, const std::string& message)
-    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message),
-      field_(std::move(field)) {}
+OptionError::OptionError(std::string field, const std::string& message, c10::SourceLocation where)
+    : c10::Error(where, message), field_(std::move(field)) {}
 
 }  // namespace paratrain

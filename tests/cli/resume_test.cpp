@@ -419,7 +419,7 @@ TEST(Resume, BadInput) {  // ctest: slow 24
       {{"--strategy", "ddp", "--nproc", "2", "--max-restarts", "-1"},
        "--max-restarts must be >= 0, got -1"},
       {{"--checkpoint-dir", dir, "--keep", "0"}, "--keep must be >= 1, got 0"},
-      {{"--keep", "2"}, "need --checkpoint-dir"},
+      {{"--keep", "2"}, "--keep needs --checkpoint-dir"},
       {{"--check-replicas", "-1"}, "--check-replicas must be >= 0, got -1"},
       {{"--zero"}, "--zero works across DDP's ranks: add --strategy ddp (got --strategy single)"},
       {{"--strategy", "ddp", "--zero", "--zero-checkpoint", "both"},

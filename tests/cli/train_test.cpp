@@ -282,6 +282,11 @@ TEST(Train, BadInput) {  // ctest: slow 10
        "fp16 autocast is not available on the CPU"},
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
       {{"--strategy", "mp"}, "unknown --strategy 'mp': choose single, ddp, fsdp, dp or pipeline"},
+      // The value given stays as given, though "zero" is also the name of an option.
+      {{"--strategy", "zero"}, "unknown --strategy 'zero': choose single, ddp, fsdp"},
+      {{"--strategy", "fsdp", "--amp", "O2"},
+       "--strategy fsdp keeps fp32 shards as the master weights: use --amp O0 or O1 (autocast), "
+       "or bf16 shards through --fsdp-param-dtype, not O2"},
       {{"--strategy", "dp"}, "--strategy dp needs --devices"},
       {{"--devices", "cpu"}, "--devices goes with --strategy dp or pipeline"},
       {{"--chunks", "2"}, "--stages, --chunks and --schedule go with --strategy pipeline"},

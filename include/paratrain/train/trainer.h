@@ -46,7 +46,8 @@
 namespace paratrain {
 
 enum class Strategy { kSingle, kDDP, kDataParallel, kPipeline, kFSDP };
-/// "single", "ddp", "dp", "pipeline", "fsdp"; c10::Error naming the choices otherwise.
+/// "single", "ddp", "dp", "pipeline", "fsdp"; OptionError (field "strategy") naming the choices
+/// otherwise.
 Strategy parse_strategy(const std::string& name);
 std::string to_string(Strategy strategy);
 

@@ -17,7 +17,10 @@ namespace paratrain {
 
 class OptionError : public c10::Error {
  public:
-  OptionError(std::string field, const std::string& message);
+  /// `where`: the check that failed (PARATRAIN_CHECK_OPTION gives it).
+  OptionError(std::string field,
+              const std::string& message,
+              c10::SourceLocation where = {"", "", 0});
   /// The option's name in the API: "checkpoint_dir", "keep".
   const std::string& field() const { return field_; }
 
@@ -28,9 +31,11 @@ class OptionError : public c10::Error {
 }  // namespace paratrain
 
 /// Throws paratrain::OptionError(field, c10::str(message...)) when `cond` is false.
-#define PARATRAIN_CHECK_OPTION(cond, field, ...)                        \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      throw ::paratrain::OptionError((field), ::c10::str(__VA_ARGS__)); \
-    }                                                                   \
+#define PARATRAIN_CHECK_OPTION(cond, field, ...)                                       \
+  do {                                                                                 \
+    if (!(cond)) {                                                                     \
+      throw ::paratrain::OptionError(                                                  \
+          (field), ::c10::str(__VA_ARGS__),                                            \
+          ::c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}); \
+    }                                                                                  \
   } while (false)
