@@ -118,7 +118,7 @@ void Rendezvous::open_store() {
 Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
   TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
   open_store();
-  generation_ = store_->add(id_key("generation"), 0);
+  generation_ = store_->add(keys().generation_counter(), 0);
   if (o_.backend == "etcd") {
     skip_dead_generation();
   }
@@ -126,25 +126,13 @@ Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
   if (my_address_.empty()) {
     my_address_ = o_.host;
   }
-  const std::string theirs = store_->compare_set(key("signature"), "", o_.signature);
+  const std::string theirs = store_->compare_set(keys().signature(), "", o_.signature);
   TORCH_CHECK(theirs == o_.signature, "rendezvous ", describe(),
               ": the id is in use by another job (", theirs, "; this node: ", o_.signature,
               "); give this job its own --rdzv-id");
 }
 
 Rendezvous::~Rendezvous() = default;
-
-std::string Rendezvous::id_key(const std::string& name) const {
-  return "paratrain/rdzv/" + o_.id + "/" + name;
-}
-
-std::string Rendezvous::key(const std::string& name) const {
-  return id_key("g" + std::to_string(generation_) + "/" + name);
-}
-
-std::string Rendezvous::key(int64_t round, const std::string& name) const {
-  return key("round" + std::to_string(round) + "/" + name);
-}
 
 int64_t Rendezvous::read_int(const std::string& k) {
   return store_->add(k, 0);
@@ -159,21 +147,21 @@ std::string Rendezvous::get_or(const std::string& k, const std::string& fallback
 }
 
 void Rendezvous::check_shutdown(bool may_move) {
-  if (!store_->check(key("shutdown"))) {
+  if (!store_->check(keys().shutdown())) {
     return;
   }
   if (!admitted_ && may_move) {
     // The job of this generation ended before this node took part: a run that starts now with
     // the same id is a new job, in the generation the ending one moved to. Only between rounds
     // (next()'s loop): inside one, the round's keys belong to the old generation.
-    const int64_t now = store_->add(id_key("generation"), 0);
+    const int64_t now = store_->add(keys().generation_counter(), 0);
     if (now != generation_) {
       generation_ = now;
       return;
     }
   }
   // The reason first: once every node has counted itself, the serving node exits with its store.
-  const std::string why = get_or(key("shutdown"), "");
+  const std::string why = get_or(keys().shutdown(), "");
   note_shutdown_seen();
   TORCH_CHECK(false, "rendezvous ", describe(), ": the job ended: ", why);
 }
@@ -182,18 +170,18 @@ void Rendezvous::check_shutdown(bool may_move) {
 void Rendezvous::note_shutdown_seen() {
   if (!shutdown_seen_) {
     shutdown_seen_ = true;
-    store_->add(key("shutdown_seen"), 1);
+    store_->add(keys().shutdown_seen(), 1);
   }
 }
 
 void Rendezvous::shut_down(const std::string& why, int others) {
   try {
     // The first reason stands: later ones are usually its consequences.
-    store_->compare_set(key("shutdown"), "", why);
+    store_->compare_set(keys().shutdown(), "", why);
     if (serving_) {
       // The store dies with this process: wait (boundedly) until the others have read why.
       const auto deadline = Clock::now() + o_.keep_alive + std::chrono::seconds(3);
-      while (read_int(key("shutdown_seen")) < others && Clock::now() < deadline) {
+      while (read_int(keys().shutdown_seen()) < others && Clock::now() < deadline) {
         std::this_thread::sleep_for(kPoll);
       }
     }
@@ -246,7 +234,7 @@ void Rendezvous::open_pending_round() {
     return;
   }
   const PendingRound p = *pending_;
-  if (read_int(key("round")) == p.left.round) {
+  if (read_int(keys().round()) == p.left.round) {
     if (p.reason == "unreachable" && !restart_left(p.left)) {
       pending_.reset();
       const std::string why = "node " + std::to_string(p.left.node_rank) +
@@ -278,30 +266,30 @@ bool Rendezvous::restart_left(const Assignment& a) const {
 // would close the round with a place nobody holds (or none with ticket 1 to close it), so the
 // round is abandoned for the next one, which every node joins.
 int64_t Rendezvous::draw_ticket(int64_t round) {
-  if (joined_ == key(round, "count")) {
+  if (joined_ == keys().count(round)) {
     return joined_ticket_;
   }
   if (abandoned_ == round) {
-    store_->compare_set(key("round"), std::to_string(round), std::to_string(round + 1));
+    store_->compare_set(keys().round(), std::to_string(round), std::to_string(round + 1));
     abandoned_.reset();
     return 0;
   }
   abandoned_ = round;  // until the reply comes
-  joined_ticket_ = store_->add(key(round, "count"), 1);
-  joined_ = key(round, "count");
+  joined_ticket_ = store_->add(keys().count(round), 1);
+  joined_ = keys().count(round);
   abandoned_.reset();
   return joined_ticket_;
 }
 
 // Whether a node abandoned `round` (draw_ticket) while this one waited for it to close.
 bool Rendezvous::round_moved(int64_t round) {
-  return read_int(key("round")) > round;
+  return read_int(keys().round()) > round;
 }
 
 Assignment Rendezvous::join() {
   for (;;) {
     check_shutdown(/*may_move=*/true);
-    const int64_t round = read_int(key("round"));
+    const int64_t round = read_int(keys().round());
     // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
     // of joining.
     const int64_t fixed = o_.fixed_node_rank >= 0 ? take_place(round) : 0;
@@ -310,20 +298,20 @@ Assignment Rendezvous::join() {
     }
     const int64_t ticket = joined_ticket_;
     const int64_t place = fixed > 0 ? fixed : ticket;
-    const bool closed = store_->check(key(round, "closed"));
-    if (place > o_.max_nodes || (closed && place > std::stoll(get_or(key(round, "closed"), "0")))) {
+    const bool closed = store_->check(keys().closed(round));
+    if (place > o_.max_nodes || (closed && place > std::stoll(get_or(keys().closed(round), "0")))) {
       wait_standby(round);
       continue;
     }
-    store_->set(key(round, "addr" + std::to_string(place - 1)), my_address_);
+    store_->set(keys().addr(round, place - 1), my_address_);
     if (store_->ephemeral_kept()) {  // from now on: Note [Partitions and dead nodes]
-      store_->set_ephemeral(key(round, "alive" + std::to_string(place - 1)), "1");
+      store_->set_ephemeral(keys().alive(round, place - 1), "1");
     }
     // Ticket 1 closes: node rank 0, whose host serves the workers' store (the round's master).
     if ((!closed && ticket == 1 && !close_round(round)) || !wait_closed(round)) {
       continue;  // the round was abandoned: the next one is open
     }
-    const int64_t nnodes = std::stoll(get_or(key(round, "closed"), "0"));
+    const int64_t nnodes = std::stoll(get_or(keys().closed(round), "0"));
     if (place > nnodes) {
       wait_standby(round);
       continue;
@@ -332,7 +320,7 @@ Assignment Rendezvous::join() {
     a.round = round;
     a.node_rank = static_cast<int>(place - 1);
     a.nnodes = static_cast<int>(nnodes);
-    const std::string master = get_or(key(round, "master"), "");
+    const std::string master = get_or(keys().master(round), "");
     a.master_addr = master.substr(0, master.rfind(':'));
     a.master_port = std::stoi(master.substr(master.rfind(':') + 1));
     node0_done_ = false;
@@ -346,7 +334,7 @@ Assignment Rendezvous::join() {
 
 // Moves the id to the next generation, once however many nodes ask (each ends the same run).
 void Rendezvous::next_generation() {
-  store_->compare_set(id_key("generation"), std::to_string(generation_),
+  store_->compare_set(keys().generation_counter(), std::to_string(generation_),
                       std::to_string(generation_ + 1));
 }
 
@@ -364,22 +352,22 @@ std::string Rendezvous::how_to_join() const {
 // would keep later runs with its id waiting for its closed round forever. A closed round whose
 // heartbeats stand still for the keep-alive time is such a run: the id moves past it.
 void Rendezvous::skip_dead_generation() {
-  const int64_t round = read_int(key("round"));
-  if (store_->check(key("shutdown")) || store_->check(key("finished"))) {
+  const int64_t round = read_int(keys().round());
+  if (store_->check(keys().shutdown()) || store_->check(keys().finished())) {
     next_generation();  // the run ended; its ender may have died before moving the id on
-    generation_ = read_int(id_key("generation"));
+    generation_ = read_int(keys().generation_counter());
     return;
   }
-  const std::optional<std::string> closed = store_->get(key(round, "closed"));
-  if (!closed && read_int(key(round, "count")) == 0) {
+  const std::optional<std::string> closed = store_->get(keys().closed(round));
+  if (!closed && read_int(keys().count(round)) == 0) {
     return;  // a fresh id, or a round nobody joined yet
   }
   // A closed round's nodes beat while their workers run; an open round's first node beats while
   // it waits to close it.
   auto beats = [&] {
-    std::vector<int64_t> b{read_int(key(round, "closer_beat"))};
+    std::vector<int64_t> b{read_int(keys().closer_beat(round))};
     for (int64_t n = 0; closed && n < std::stoll(*closed); ++n) {
-      b.push_back(read_int(key(round, "beat" + std::to_string(n))));
+      b.push_back(read_int(keys().beat(round, n)));
     }
     return b;
   };
@@ -387,7 +375,7 @@ void Rendezvous::skip_dead_generation() {
   const auto deadline = Clock::now() + o_.keep_alive + std::chrono::seconds(1);
   while (Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    if (beats() != first || read_int(key("round")) != round) {
+    if (beats() != first || read_int(keys().round()) != round) {
       return;  // alive
     }
   }
@@ -396,14 +384,13 @@ void Rendezvous::skip_dead_generation() {
             << (o_.keep_alive.count() + 1000) / 1000.0 << " s: its launchers are gone); "
             << "starting a new run" << std::endl;
   next_generation();
-  generation_ = read_int(id_key("generation"));
+  generation_ = read_int(keys().generation_counter());
 }
 
 // Static rendezvous: this node claims its fixed node rank in the round; a second node claiming it
 // is refused (two launchers given one --node-rank).
 int64_t Rendezvous::take_place(int64_t round) {
-  const std::string holder =
-      store_->compare_set(key(round, "claim" + std::to_string(o_.fixed_node_rank)), "", me());
+  const std::string holder = store_->compare_set(keys().claim(round, o_.fixed_node_rank), "", me());
   TORCH_CHECK(holder == me(), "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
               " and this one, ", me(),
               "): give each node its own --node-rank (a launcher started again while its job runs "
@@ -414,16 +401,16 @@ int64_t Rendezvous::take_place(int64_t round) {
 // False when the round was moved past before it closed.
 bool Rendezvous::wait_closed(int64_t round) {
   const auto deadline = Clock::now() + o_.join_timeout + o_.last_call;
-  while (!store_->check(key(round, "closed"))) {
-    if (store_->check(key(round, "failed"))) {
-      TORCH_CHECK(false, get_or(key(round, "failed"), ""));
+  while (!store_->check(keys().closed(round))) {
+    if (store_->check(keys().failed(round))) {
+      TORCH_CHECK(false, get_or(keys().failed(round), ""));
     }
     check_shutdown();
     if (round_moved(round)) {
       return false;
     }
     TORCH_CHECK(Clock::now() < deadline, "rendezvous ", describe(), ": round ", round,
-                " was never closed: its first node (", get_or(key(round, "addr0"), "unknown"),
+                " was never closed: its first node (", get_or(keys().addr(round, 0), "unknown"),
                 ") stopped before enough nodes joined");
     std::this_thread::sleep_for(kPoll);
   }
@@ -437,7 +424,7 @@ bool Rendezvous::close_round(int64_t round) {
   Clock::time_point next_closer_beat{};
   int64_t count = 0;
   for (;;) {
-    count = read_int(key(round, "count"));
+    count = read_int(keys().count(round));
     if (count >= o_.max_nodes) {
       break;
     }
@@ -453,7 +440,7 @@ bool Rendezvous::close_round(int64_t round) {
                                   std::to_string(o_.max_nodes) + ") joined within " +
                                   std::to_string(o_.join_timeout.count() / 1000.0) +
                                   " s; the others never joined: " + how_to_join();
-      store_->set(key(round, "failed"), message);
+      store_->set(keys().failed(round), message);
       shut_down(message, static_cast<int>(count) - 1);
       TORCH_CHECK(false, message);
     }
@@ -462,18 +449,18 @@ bool Rendezvous::close_round(int64_t round) {
       return false;
     }
     if (o_.backend == "etcd" && Clock::now() >= next_closer_beat) {
-      store_->add(key(round, "closer_beat"), 1);  // alive, for skip_dead_generation
+      store_->add(keys().closer_beat(round), 1);  // alive, for skip_dead_generation
       next_closer_beat = Clock::now() + std::chrono::milliseconds(500);
     }
     std::this_thread::sleep_for(kPoll);
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
   // The first value stands: a retry (the store did not answer) must not change what others read.
-  store_->compare_set(key(round, "master"), "",
+  store_->compare_set(keys().master(round), "",
                       !o_.fixed_master.empty()
                           ? o_.fixed_master
                           : my_address_ + ":" + std::to_string(pick_free_port()));
-  store_->compare_set(key(round, "closed"), "", std::to_string(nnodes));
+  store_->compare_set(keys().closed(round), "", std::to_string(nnodes));
   return true;
 }
 
@@ -490,9 +477,9 @@ void Rendezvous::wait_standby(int64_t round) {
                   " and the rendezvous went away (", what, "): the job ended without taking it in");
     }
   };
-  ask([&] { return store_->add(key(round, "waiting"), 1) > 0; });
-  while (ask([&] { return read_int(key("round")) <= round; })) {
-    TORCH_CHECK(!ask([&] { return store_->check(key("finished")); }), "rendezvous ", describe(),
+  ask([&] { return store_->add(keys().waiting(round), 1) > 0; });
+  while (ask([&] { return read_int(keys().round()) <= round; })) {
+    TORCH_CHECK(!ask([&] { return store_->check(keys().finished()); }), "rendezvous ", describe(),
                 ": the job finished before it could take this node in");
     ask([&] {
       check_shutdown();
@@ -509,8 +496,8 @@ void Rendezvous::wait_standby(int64_t round) {
 void Rendezvous::open_next_round(const Assignment& a, const std::string& reason) {
   try {
     // The first opener's reason stands (compareSet on an absent key).
-    store_->compare_set(key(a.round, "next_reason"), "", reason);
-    store_->compare_set(key("round"), std::to_string(a.round), std::to_string(a.round + 1));
+    store_->compare_set(keys().next_reason(a.round), "", reason);
+    store_->compare_set(keys().round(), std::to_string(a.round), std::to_string(a.round + 1));
   } catch (const std::exception&) {
     if (store_->last_call_unreachable()) {
       // next() opens it once the store answers; meanwhile this node leaves the round too.
@@ -537,20 +524,20 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     return false;  // etcd failed a moment ago: the supervisor's loop must not wait on it each time
   }
   try {
-    store_->add(key(a.round, "beat" + std::to_string(a.node_rank)), 1);
+    store_->add(keys().beat(a.round, a.node_rank), 1);
     last_contact_ = Clock::now();
     if (store_->ephemeral_kept()) {
       // Kept as long as this launcher's connection: the others tell its end from a partition.
-      store_->set_ephemeral(key(a.round, "alive" + std::to_string(a.node_rank)), "1");
+      store_->set_ephemeral(keys().alive(a.round, a.node_rank), "1");
     }
-    if (store_->check(key("shutdown"))) {
+    if (store_->check(keys().shutdown())) {
       // The reason before the count: the serving node exits once every node has counted itself.
-      *why = "a node gave up: " + get_or(key("shutdown"), "");
+      *why = "a node gave up: " + get_or(keys().shutdown(), "");
       note_shutdown_seen();
       return true;
     }
-    if (read_int(key("round")) > a.round) {
-      const std::string reason = get_or(key(a.round, "next_reason"), "");
+    if (read_int(keys().round()) > a.round) {
+      const std::string reason = get_or(keys().next_reason(a.round), "");
       dead_peer = reason == "dead" || reason == "unreachable";
       *why = "another node opened rendezvous round " + std::to_string(a.round + 1) +
              (reason == "dead"          ? " without a node that stopped"
@@ -562,9 +549,9 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     if (o_.fixed_node_rank > 0 && !node0_done_) {
       // Node 0 serves the store until every node is done, or for a while: once its workers are
       // done, its store going away is no failure.
-      node0_done_ = store_->check(key(a.round, "done0"));
+      node0_done_ = store_->check(keys().done(a.round, 0));
     }
-    const int64_t waiting = read_int(key(a.round, "waiting"));
+    const int64_t waiting = read_int(keys().waiting(a.round));
     if (waiting > 0 && a.nnodes < o_.max_nodes) {
       *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
              " waiting to join; the job can grow to " + std::to_string(o_.max_nodes);
@@ -585,19 +572,18 @@ bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_
       continue;
     }
     const auto i = static_cast<size_t>(n);
-    const int64_t beat = read_int(key(a.round, "beat" + std::to_string(n)));
+    const int64_t beat = read_int(keys().beat(a.round, n));
     if (beat != last_beats_[i]) {
       last_beats_[i] = beat;
       last_moved_[i] = Clock::now();
       ended_since_[i] = Clock::time_point{};
       continue;
     }
-    if (Clock::now() - last_moved_[i] <= o_.keep_alive ||
-        store_->check(key(a.round, "done" + std::to_string(n)))) {
+    if (Clock::now() - last_moved_[i] <= o_.keep_alive || store_->check(keys().done(a.round, n))) {
       continue;
     }
-    const std::string who = "node " + std::to_string(n) + " (" +
-                            get_or(key(a.round, "addr" + std::to_string(n)), "?") + ")";
+    const std::string who =
+        "node " + std::to_string(n) + " (" + get_or(keys().addr(a.round, n), "?") + ")";
     if (!peer_ended(a, n)) {
       if (ended_since_[i] != Clock::time_point{}) {
         continue;  // its connection closed a moment ago: ended, unless it comes back at once
@@ -629,7 +615,7 @@ bool Rendezvous::peer_ended(const Assignment& a, int n) {
   if (!store_->ephemeral_kept()) {
     return true;
   }
-  if (store_->check(key(a.round, "alive" + std::to_string(n)))) {
+  if (store_->check(keys().alive(a.round, n))) {
     ended_since_[i] = Clock::time_point{};
     return false;
   }
@@ -708,17 +694,17 @@ bool Rendezvous::membership_changed(const Assignment& a,
 
 void Rendezvous::finish(const Assignment& a, std::chrono::milliseconds linger) {
   try {
-    store_->set(key(a.round, "done" + std::to_string(a.node_rank)), "1");
-    const int64_t done = store_->add(key(a.round, "done"), 1);
+    store_->set(keys().done(a.round, a.node_rank), "1");
+    const int64_t done = store_->add(keys().done(a.round), 1);
     if (done == a.nnodes) {
-      store_->set(key("finished"), "1");  // standbys of this generation learn it
-      next_generation();                  // a later run with this id starts clean
+      store_->set(keys().finished(), "1");  // standbys of this generation learn it
+      next_generation();                    // a later run with this id starts clean
     }
     if (!serving_ || done >= a.nnodes) {
       return;
     }
     const auto deadline = Clock::now() + linger;
-    while (read_int(key(a.round, "done")) < a.nnodes && Clock::now() < deadline) {
+    while (read_int(keys().done(a.round)) < a.nnodes && Clock::now() < deadline) {
       std::this_thread::sleep_for(kPoll);
     }
   } catch (const std::exception&) {

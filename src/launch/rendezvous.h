@@ -38,6 +38,7 @@
 // never fail. A store call that finds no server at all (refused, closed) is the serving node's end:
 // the connection is not used again, and next() reports it.
 
+#include "rendezvous_keys.h"
 #include "rendezvous_store.h"
 
 #include <chrono>
@@ -124,11 +125,9 @@ class Rendezvous {
   bool job_ended() const { return shutdown_seen_; }
 
  private:
-  std::string key(const std::string& name) const;     // under this run's generation
-  std::string id_key(const std::string& name) const;  // under the id alone
+  RendezvousKeys keys() const { return {o_.id, generation_}; }  // under this run's generation
   void check_shutdown(bool may_move = false);
   void note_shutdown_seen();
-  std::string key(int64_t round, const std::string& name) const;
   int64_t read_int(const std::string& k);
   std::string describe() const;
   bool close_round(int64_t round);
