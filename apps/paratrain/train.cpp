@@ -490,9 +490,8 @@ int fit_and_save(Trainer& trainer, const Args& args, const Placement& where, std
     }
     throw std::runtime_error(what.replace(at, option.size(), "add --start-fresh-if-damaged"));
   }
-  if (args.has("save-weights") &&
-      (where.rank == 0 || trainer.options().strategy() == Strategy::kFSDP)) {
-    const TensorMap weights = trainer.weights();  // under fsdp a collective: every rank gathers
+  if (args.has("save-weights")) {
+    const TensorMap weights = trainer.weights();  // on every rank: under fsdp a collective
     if (where.rank == 0) {
       save_safetensors(weights, args.get("save-weights"));
     }

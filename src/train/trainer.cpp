@@ -1,18 +1,15 @@
-// The Trainer: its options, strategy, optimizer and loaders, the training loop, the evaluation,
-// the replica check and the metrics. Capture, restore and resume of the training state are in
-// trainer_state.cpp; Trainer::Impl is in trainer_impl.h.
+// The Trainer: its options, optimizer and loaders, the training loop, the evaluation and the
+// metrics. Its strategy (strategy.h, one file each) says how a step runs across devices and ranks;
+// capture, restore and resume of the training state are in trainer_state.cpp; Trainer::Impl is in
+// trainer_impl.h.
 
 #include "trainer_impl.h"
 
 #include "paratrain/data/device_prefetcher.h"
 #include "paratrain/data/sampler.h"
-#include "paratrain/io/safetensors.h"
-#include "paratrain/parallel/sync_batchnorm.h"
-#include "paratrain/parallel/zero_redundancy_optimizer.h"
 #include "paratrain/util/cpu_kernels.h"
 #include "paratrain/util/option_error.h"
 
-#include <torch/nn/functional/loss.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -31,40 +28,6 @@
 namespace paratrain {
 
 using Clock = std::chrono::steady_clock;
-
-Strategy parse_strategy(const std::string& name) {
-  if (name == "single") {
-    return Strategy::kSingle;
-  }
-  if (name == "ddp") {
-    return Strategy::kDDP;
-  }
-  if (name == "dp") {
-    return Strategy::kDataParallel;
-  }
-  if (name == "fsdp") {
-    return Strategy::kFSDP;
-  }
-  PARATRAIN_CHECK_OPTION(name == "pipeline", "strategy", "unknown strategy '", name,
-                         "': choose single, ddp, fsdp, dp or pipeline");
-  return Strategy::kPipeline;
-}
-
-std::string to_string(Strategy s) {
-  switch (s) {
-    case Strategy::kSingle:
-      return "single";
-    case Strategy::kDDP:
-      return "ddp";
-    case Strategy::kDataParallel:
-      return "dp";
-    case Strategy::kPipeline:
-      return "pipeline";
-    case Strategy::kFSDP:
-      return "fsdp";
-  }
-  return "?";
-}
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> params,
                                                         const OptimizerOptions& o) {
@@ -135,40 +98,11 @@ void check_checkpoint_options(const TrainerOptions& o) {
                          "start_fresh_if_damaged",
                          "start_fresh_if_damaged says what resume auto does when every checkpoint "
                          "is damaged: add resume auto");
-}
-
-// The options that only some strategies take, and what each strategy needs.
-void check_strategy_options(const TrainerOptions& o) {
-  const std::string strategy = to_string(o.strategy());
-  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kFSDP ||
-                             o.amp().opt_level() == amp::OptLevel::kO0 ||
-                             o.amp().opt_level() == amp::OptLevel::kO1,
-                         "amp",
-                         "strategy fsdp keeps fp32 shards as the master weights: use amp O0 or O1 "
-                         "(autocast), or bf16 shards through mixed_precision, not ",
-                         amp::to_string(o.amp().opt_level()));
-  PARATRAIN_CHECK_OPTION(o.strategy() == Strategy::kDDP || !o.zero(), "zero",
-                         "zero works across DDP's ranks: add strategy ddp (got strategy ", strategy,
-                         ")");
-  PARATRAIN_CHECK_OPTION(o.strategy() == Strategy::kDDP || !o.sync_batchnorm(), "sync_batchnorm",
-                         "sync_batchnorm works across DDP's ranks: add strategy ddp (got strategy ",
-                         strategy, ")");
-  PARATRAIN_CHECK_OPTION(
-      o.strategy() != Strategy::kFSDP || o.check_replicas() == 0, "check_replicas",
-      "check_replicas compares DDP's replicas; strategy fsdp keeps one shard per "
-      "rank, not replicas");
   PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
                          "zero_checkpoint", "zero_checkpoint is '", o.zero_checkpoint(),
                          "': use consolidated or sharded");
   PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero(), "zero_checkpoint",
                          "zero_checkpoint says how zero's shards are saved: add zero");
-  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kDataParallel || !o.devices().empty(), "devices",
-                         "strategy dp needs devices (e.g. devices cpu,cpu)");
-  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kPipeline || !o.devices().empty(), "devices",
-                         "strategy pipeline needs devices, one per stage");
-  PARATRAIN_CHECK_OPTION(o.strategy() != Strategy::kPipeline || o.chunks() <= o.batch_size(),
-                         "chunks", "chunks (", o.chunks(), ") is larger than batch_size (",
-                         o.batch_size(), "): a micro-batch needs a sample");
 }
 
 }  // namespace
@@ -202,30 +136,17 @@ void check_trainer_options(const TrainerOptions& o) {
 
 void Trainer::Impl::check_options() const {
   check_trainer_options(o);
-  const bool ranks = o.strategy() == Strategy::kDDP || o.strategy() == Strategy::kFSDP;
+  const bool ranks = strategy_kind(o.strategy()).takes_process_group;
+  std::string with;  // the strategies that take one
+  for (const auto& kind : strategy_kinds()) {
+    if (kind.takes_process_group) {
+      with += (with.empty() ? "" : " or ") + std::string(kind.name);
+    }
+  }
   PARATRAIN_CHECK_OPTION(ranks == (o.process_group() != nullptr), "process_group", "strategy ",
                          to_string(o.strategy()),
                          ranks ? " needs a process_group"
-                               : " takes no process_group (it goes with strategy ddp or fsdp)");
-}
-
-namespace {
-
-// A sequence model's output [B, T, V] against targets [B, T]: B * T classifications (class
-// dimension last), where a classifier's class dimension is 1.
-bool is_sequence(const torch::Tensor& out, const torch::Tensor& target) {
-  return out.dim() == 3 && target.dim() == 2;
-}
-
-}  // namespace
-
-// PyTorch's language-model loss for sequences: cross_entropy(out.flatten(0, 1), target.flatten()).
-torch::Tensor Trainer::Impl::loss_of(const torch::Tensor& out, const torch::Tensor& target) const {
-  if (is_sequence(out, target)) {
-    return torch::nn::functional::cross_entropy(mp->cast_output(out).flatten(0, 1),
-                                                target.flatten());
-  }
-  return torch::nn::functional::cross_entropy(mp->cast_output(out), target);
+                               : " takes no process_group (it goes with strategy " + with + ")");
 }
 
 void Trainer::Impl::build_strategy() {
@@ -233,48 +154,10 @@ void Trainer::Impl::build_strategy() {
     rank = o.process_group()->rank();
     world = o.process_group()->size();
   }
-  const bool listed =
-      o.strategy() == Strategy::kDataParallel || o.strategy() == Strategy::kPipeline;
-  device = listed ? o.devices().front() : o.device();
-  model->to(device);
-  if (o.sync_batchnorm()) {
-    convert_sync_batchnorm(model.ptr(), o.process_group());
-  }
-  // Mixed precision before any wrapper: DDP then buckets the model's (possibly half) gradients.
-  amp::AmpOptions amp_options = o.amp();
-  if (o.strategy() == Strategy::kFSDP) {
-    // Sharded gradients: every rank must agree to skip a step (ShardedGradScaler).
-    amp_options.scaler(
-        amp::GradScalerOptions(amp_options.scaler()).process_group(o.process_group()));
-  }
-  mp = std::make_unique<amp::MixedPrecision>(model, device, amp_options);
-  if (o.strategy() == Strategy::kDDP) {
-    ddp = std::make_unique<DistributedDataParallel>(model, o.process_group());
-    mp->sync_masters();  // DDP broadcast rank 0's weights into the model
-  } else if (o.strategy() == Strategy::kFSDP) {
-    fsdp = std::make_unique<FullyShardedDataParallel>(model, o.process_group(), o.fsdp());
-  } else if (o.strategy() == Strategy::kDataParallel) {
-    dp = std::make_unique<DataParallel>(model, o.devices());
-  } else if (o.strategy() == Strategy::kPipeline) {
-    const auto stages = static_cast<int64_t>(o.devices().size());
-    pipe = std::make_unique<pipeline::Pipeline>(
-        model, pipeline::balance_by_parameters(model, stages), o.devices(),
-        [this](const torch::Tensor& out, const torch::Tensor& target) {
-          return mp->scaler().scale(loss_of(out, target)) / static_cast<double>(o.accumulate());
-        },
-        pipeline::PipelineOptions().chunks(o.chunks()).schedule(o.pipeline_schedule()));
-  }
-  if (o.zero()) {
-    const OptimizerOptions options = o.optimizer();
-    opt = std::make_unique<ZeroRedundancyOptimizer>(
-        mp->optimizer_parameters(),
-        [options](std::vector<torch::optim::OptimizerParamGroup> groups) {
-          return make_optimizer(groups.at(0).params(), options);
-        },
-        o.process_group());
-  } else {
-    opt = make_optimizer(fsdp ? fsdp->parameters() : mp->optimizer_parameters(), o.optimizer());
-  }
+  strategy = strategy_kind(o.strategy()).make(o, model);
+  device = strategy->device();
+  mp = &strategy->mixed_precision();
+  opt = strategy->make_optimizer();
   schedule = std::make_unique<LRSchedule>(*opt, o.lr_schedule());
 }
 
@@ -358,8 +241,7 @@ StepInfo Trainer::Impl::optimizer_step(const torch::Tensor& loss, bool log) {
   const bool measure = log || o.clip_grad_norm() > 0;
   if (measure) {
     mp->unscale_(*opt);
-    info.grad_norm = fsdp ? fsdp->clip_grad_norm_(o.clip_grad_norm())
-                          : clip_grad_norm_(mp->optimizer_parameters(), o.clip_grad_norm());
+    info.grad_norm = strategy->clip_grad_norm_(o.clip_grad_norm());
   }
   info.loss_scale = mp->loss_scaling() ? mp->scaler().get_scale() : 1.0;
   info.stepped = mp->step(*opt);
@@ -401,7 +283,8 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
     if (first) {
       opt->zero_grad();
     }
-    const torch::Tensor loss = forward_backward(*b, last);  // the batch's mean loss, unscaled
+    // The batch's mean loss, unscaled.
+    const torch::Tensor loss = strategy->forward_backward(b->data, b->target, last);
     if (guard_loss) {
       check_finite(loss);
     }
@@ -419,40 +302,6 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
   if (loss_sum.defined()) {
     loss_sum_out += loss_sum.to(torch::kCPU).item<double>();
   }
-}
-
-// One batch forward and backward; under ddp its gradients are synchronized only on the last batch
-// of an accumulation (`last`). Returns the batch's mean loss, unscaled.
-torch::Tensor Trainer::Impl::forward_backward(const data::Batch& b, bool last) {
-  const double accumulate = static_cast<double>(o.accumulate());
-  torch::Tensor loss;  // the batch's mean loss, unscaled
-  std::unique_ptr<DistributedDataParallel::NoSyncGuard> no_sync;
-  if (ddp && !last) {
-    no_sync = std::make_unique<DistributedDataParallel::NoSyncGuard>(*ddp);
-  }
-  if (fsdp) {
-    fsdp->set_requires_gradient_sync(last);
-  }
-  torch::Tensor x = b.data;
-  {
-    trace::Span span(pipe ? "forward and backward (pipeline)" : "forward", "compute");
-    auto autocast = mp->autocast();  // O1 only; its threads (dp, pipeline) inherit it
-    x = mp->cast_input(x);
-    if (pipe) {
-      loss = pipe->step(x, b.target) * (accumulate / mp->scaler().get_scale());
-    } else {
-      auto out = ddp    ? ddp->forward(x)
-                 : fsdp ? fsdp->forward(x)
-                 : dp   ? dp->forward(x)
-                        : model->forward(x);
-      loss = loss_of(out, b.target);
-    }
-  }
-  if (!pipe) {
-    trace::Span span("backward", "compute");
-    mp->backward(o.accumulate() > 1 ? loss / accumulate : loss);
-  }
-  return loss;
 }
 
 // stop_on_non_finite without loss scaling: NonFiniteLoss naming the step, the batch and the rank.
@@ -476,9 +325,7 @@ void Trainer::Impl::end_step(const torch::Tensor& loss) {
   if (log) {
     write_step_row(info);
   }
-  if (ddp && o.check_replicas() > 0 && global_step % o.check_replicas() == 0) {
-    check_replicas();
-  }
+  strategy->after_step(global_step);
   if (o.checkpoint_every() > 0 && global_step % o.checkpoint_every() == 0) {
     trace::Span span("checkpoint (copy to host)", "checkpoint");
     ckpt->save(capture());
@@ -492,7 +339,7 @@ void Trainer::Impl::write_step_row(const StepInfo& info) {
   const auto now = std::chrono::steady_clock::now();
   // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
   const double images_per_sec =
-      static_cast<double>(log_samples * (ddp || fsdp ? world : 1)) /
+      static_cast<double>(log_samples * world) /
       std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
   log_clock = now;
   log_samples = 0;
@@ -507,74 +354,9 @@ void Trainer::Impl::write_step_row(const StepInfo& info) {
                      {"stepped", info.stepped}});
 }
 
-// DDP keeps every replica's parameters bitwise equal; a rank whose weights drifted (a bug, bad
-// memory, a skipped step) is found by comparing per-tensor checksums of every rank.
-void Trainer::Impl::check_replicas() {
-  std::vector<std::string> names;
-  std::vector<torch::Tensor> sums;
-  {
-    torch::NoGradGuard no_grad;
-    // Parameters only: BatchNorm's running statistics are each rank's own until DDP broadcasts
-    // rank 0's at the next forward.
-    for (const auto& kv : model->named_parameters()) {
-      names.push_back(kv.key());
-      torch::Tensor t = kv.value().detach().to(torch::kDouble);
-      // The sum and a position-weighted sum: a swap of two values changes the second.
-      torch::Tensor w = torch::arange(t.numel(), t.options()).remainder(7).add_(1);
-      sums.push_back(torch::stack({t.sum(), (t.reshape(-1) * w).sum()}));
-    }
-  }
-  torch::Tensor mine = torch::stack(sums).to(device);
-  std::vector<torch::Tensor> all;
-  for (int r = 0; r < world; ++r) {
-    all.push_back(torch::empty_like(mine));
-  }
-  o.process_group()->allgather(all, mine)->wait();
-  // A rank differs when its checksums differ from those of most ranks (of rank 0 with two).
-  std::vector<torch::Tensor> host;
-  for (auto& t : all) {
-    host.push_back(t.cpu());
-  }
-  // Bit for bit: NaN weights that are the same everywhere are not a divergence.
-  auto same = [](const torch::Tensor& a, const torch::Tensor& b) {
-    return torch::equal(a.view(torch::kLong), b.view(torch::kLong));
-  };
-  std::vector<int> agree(static_cast<size_t>(world), 0);
-  for (int a = 0; a < world; ++a) {
-    for (int b = 0; b < world; ++b) {
-      agree[static_cast<size_t>(a)] +=
-          torch::equal(host[static_cast<size_t>(a)], host[static_cast<size_t>(b)]);
-    }
-  }
-  const int reference =
-      static_cast<int>(std::max_element(agree.begin(), agree.end()) - agree.begin());
-  std::string diverged;
-  std::string tensor;
-  for (int r = 0; r < world; ++r) {
-    const torch::Tensor& h = host[static_cast<size_t>(r)];
-    if (same(h, host[static_cast<size_t>(reference)])) {
-      continue;
-    }
-    diverged += (diverged.empty() ? "" : ", ") + std::to_string(r);
-    if (tensor.empty()) {
-      const auto differs = h.view(torch::kLong)
-                               .ne(host[static_cast<size_t>(reference)].view(torch::kLong))
-                               .any(1)
-                               .nonzero();
-      tensor = names[static_cast<size_t>(differs[0].item<int64_t>())];
-    }
-  }
-  if (!diverged.empty()) {
-    throw ReplicaDivergence("the replicas diverged at step " + std::to_string(global_step) +
-                            ": rank(s) " + diverged + " hold weights that differ from rank " +
-                            std::to_string(reference) + "'s, first in '" + tensor +
-                            "' (--check-replicas)");
-  }
-}
-
 // Each rank writes its part; rank 0 merges them into options.trace once all are written.
 void Trainer::Impl::write_trace(const trace::Tracer& tracer) {
-  if (!ddp && !fsdp) {
+  if (!o.process_group()) {
     tracer.write(o.trace());
     return;
   }
@@ -593,33 +375,6 @@ void Trainer::Impl::write_trace(const trace::Tracer& tracer) {
   }
 }
 
-// The next validation batch. Under fsdp a forward is a collective, and the ranks' shares of the
-// validation set may differ by a batch: while any rank has a batch left, the ranks without one
-// run their last batch again with an empty target (not counted).
-std::optional<data::Batch> Trainer::Impl::next_val_batch(std::optional<data::Batch>& last) {
-  std::optional<data::Batch> b = val_loader->next();
-  if (!fsdp) {
-    return b;
-  }
-  // [any rank has a batch, any rank has had none at all]: every rank decides alike, so a rank
-  // without data fails together with the others instead of leaving them in a collective.
-  torch::Tensor flags =
-      torch::tensor({b ? 1.0 : 0.0, b || last ? 0.0 : 1.0}, torch::kDouble).to(device);
-  o.process_group()->allreduce(flags, dist::ReduceOp::kMax)->wait();
-  flags = flags.cpu();
-  if (flags[0].item<double>() == 0) {
-    return std::nullopt;
-  }
-  TORCH_CHECK(flags[1].item<double>() == 0,
-              "fsdp evaluation: a rank has no validation batch "
-              "while others have one; use a validation set of at least one batch per rank");
-  if (b) {
-    last = b;
-    return b;
-  }
-  return data::Batch{last->data, torch::empty({0}, last->target.options())};
-}
-
 // Accuracy and mean loss over the validation set: per sample for classifiers, per token for
 // sequences. Under ddp one allreduce adds up every rank's share, for every model alike.
 Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
@@ -635,14 +390,14 @@ Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
     torch::NoGradGuard no_grad;
     val_loader->set_epoch(0);
     std::optional<data::Batch> last;
-    while (auto b = next_val_batch(last)) {
+    while (auto b = strategy->next_val_batch(*val_loader, last)) {
       torch::Tensor x = b->data.to(device);
       if (o.input_transform()) {
         x = o.input_transform()(x);
       }
       x = mp->cast_input(x);
       auto autocast = mp->autocast();
-      auto out = pipe ? pipe->forward(x) : fsdp ? fsdp->forward(x) : model->forward(x);
+      auto out = strategy->forward(x);
       if (b->target.numel() == 0) {
         continue;  // a forward that only kept the ranks in step (next_val_batch)
       }
@@ -650,7 +405,7 @@ Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
       const bool sequence = is_sequence(out, target);
       const int64_t count = sequence ? target.numel() : target.size(0);
       correct += out.argmax(sequence ? -1 : 1).eq(target).sum().item<int64_t>();
-      loss_sum += loss_of(out, target).to(torch::kCPU, torch::kDouble).item<double>() *
+      loss_sum += strategy->loss_of(out, target).to(torch::kCPU, torch::kDouble).item<double>() *
                   static_cast<double>(count);
       seen += count;
     }
@@ -658,43 +413,13 @@ Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
   model->train();
   at::Tensor totals = torch::tensor(
       {static_cast<double>(correct), static_cast<double>(seen), loss_sum}, torch::kDouble);
-  if (ddp || fsdp) {
+  if (o.process_group()) {
     totals = totals.to(device);
     o.process_group()->allreduce(totals)->wait();
     totals = totals.cpu();
   }
   const double counted = std::max(1.0, totals[1].item<double>());
   return {totals[0].item<double>() / counted, totals[2].item<double>() / counted};
-}
-
-TensorMap Trainer::Impl::weights() const {
-  if (fsdp) {
-    TensorMap state;
-    for (auto& kv : fsdp->full_state()) {
-      state[kv.first] = kv.second;
-    }
-    for (const auto& b : model->named_buffers()) {
-      state[b.key()] = b.value();
-    }
-    return state;
-  }
-  TensorMap state = module_state(*model);
-  if (mp->opt_level() != amp::OptLevel::kO2) {
-    return state;
-  }
-  // The fp32 masters under the model's names: masters() follows parameters(), tied weights once.
-  std::vector<torch::Tensor> unique;
-  for (const auto& p : model->named_parameters()) {
-    size_t i = 0;
-    while (i < unique.size() && !unique[i].is_same(p.value())) {
-      ++i;
-    }
-    if (i == unique.size()) {
-      unique.push_back(p.value());
-    }
-    state[p.key()] = mp->masters()[i].detach();
-  }
-  return state;
 }
 
 // One epoch: training, evaluation, the epoch's totals over the ranks, the schedule, the metrics
@@ -712,7 +437,7 @@ EpochResult Trainer::Impl::run_epoch() {
   r.val_accuracy = evaluation.accuracy;
   r.val_loss = evaluation.loss;
   at::Tensor totals = torch::tensor({loss_sum, static_cast<double>(samples)}, torch::kDouble);
-  if (ddp || fsdp) {
+  if (o.process_group()) {
     totals = totals.to(device);
     o.process_group()->allreduce(totals)->wait();
     totals = totals.cpu();
@@ -788,7 +513,7 @@ Trainer::Trainer(torch::nn::Sequential model,
     m.ckpt = std::make_unique<Checkpoint>(
         CheckpointOptions(m.o.checkpoint_dir())
             .keep(m.o.keep())
-            .collective_device(m.ddp || m.fsdp ? m.device : torch::kCPU)
+            .collective_device(m.o.process_group() ? m.device : torch::kCPU)
             .any_world_size(m.o.elastic())
             .start_fresh_if_damaged(m.o.start_fresh_if_damaged()),
         m.o.process_group());
@@ -882,7 +607,7 @@ amp::MixedPrecision& Trainer::mixed_precision() {
   return *impl_->mp;
 }
 TensorMap Trainer::weights() const {
-  return impl_->weights();
+  return impl_->strategy->weights();
 }
 int64_t Trainer::global_step() const {
   return impl_->global_step;

@@ -1,17 +1,15 @@
-// Internal: the Trainer's state, shared by its files: trainer.cpp (the strategy, the loop, the
-// evaluation, the metrics) and trainer_state.cpp (capture, restore and resume of the training
-// state through checkpoints).
+// Internal: the Trainer's state, shared by its files: trainer.cpp (the loop, the evaluation, the
+// metrics) and trainer_state.cpp (capture, restore and resume of the training state through
+// checkpoints). How the model trains across devices and ranks is its TrainStrategy's (strategy.h).
 #pragma once
 
 #include "paratrain/train/trainer.h"
 
+#include "strategy.h"
+
 #include "paratrain/data/distributed_sampler.h"
 #include "paratrain/data/loader.h"
 #include "paratrain/io/tensorboard.h"
-#include "paratrain/parallel/data_parallel.h"
-#include "paratrain/parallel/distributed_data_parallel.h"
-#include "paratrain/parallel/fsdp_checkpoint.h"
-#include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/util/trace.h"
 
 #include <nlohmann/json.hpp>
@@ -37,11 +35,8 @@ struct Trainer::Impl {
   int rank = 0;
   int world = 1;
   torch::Device device = torch::kCPU;  // where batches go
-  std::unique_ptr<amp::MixedPrecision> mp;
-  std::unique_ptr<DistributedDataParallel> ddp;
-  std::unique_ptr<FullyShardedDataParallel> fsdp;
-  std::unique_ptr<DataParallel> dp;
-  std::unique_ptr<pipeline::Pipeline> pipe;
+  std::unique_ptr<TrainStrategy> strategy;
+  amp::MixedPrecision* mp = nullptr;  // the strategy's
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<LRSchedule> schedule;
   std::shared_ptr<data::DistributedSampler> sampler;
@@ -68,9 +63,7 @@ struct Trainer::Impl {
   void check_options() const;
   void build_strategy();
   void build_loaders();
-  torch::Tensor loss_of(const torch::Tensor& out, const torch::Tensor& target) const;
   void train_epoch(double& loss_sum, int64_t& samples);
-  torch::Tensor forward_backward(const data::Batch& b, bool last);
   void check_finite(const torch::Tensor& loss) const;
   void end_step(const torch::Tensor& loss);
   void write_step_row(const StepInfo& info);
@@ -82,15 +75,14 @@ struct Trainer::Impl {
     double loss;  // mean cross entropy
   };
   Evaluation evaluate();
-  std::optional<data::Batch> next_val_batch(std::optional<data::Batch>& last);
   void resume();
   void agree_on_load(const std::string& path, const std::exception_ptr& error);
+  void check_saved_config(const CheckpointState& s, const Json& meta) const;
+  void restore_progress(const CheckpointState& s, const Json& meta);
   void restore(const CheckpointState& s);
   CheckpointState capture();
-  TensorMap weights() const;
   void write_metrics(const Json& row);
   void write_tensorboard(const Json& row);
-  void check_replicas();
   void write_trace(const trace::Tracer& tracer);
   bool is_log_step() const { return o.log_every() > 0 && (global_step + 1) % o.log_every() == 0; }
 };

@@ -37,29 +37,10 @@ CheckpointState Trainer::Impl::capture() {
                    {"scaler", scaler},
                    {"strategy", to_string(o.strategy())},
                    {"config", Json::parse(o.config())}};
-  if (fsdp) {
-    s.meta = meta.dump();
-    capture_sharded_state(*fsdp, opt.get(), s);
-    for (auto& kv : rng_state()) {
-      s.own[kv.first] = std::move(kv.second);
-    }
-    return s;
-  }
   s.meta = meta.dump();
-  s.shared = with_prefix(module_state(*model), "model.");
-  s.own = rng_state();
-  // ZeRO, consolidated: every rank sends its shard to rank 0, which saves the state as the
-  // unsharded optimizer's. Sharded: each rank's shard goes to its own file, keyed the same way,
-  // so the union of the rank files is that state. Either way any world size (or no ZeRO) resumes.
-  auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-  const bool sharded = zero != nullptr && o.zero_checkpoint() == "sharded";
-  TensorMap& optim_home = sharded ? s.own : s.shared;
-  s.own_read_by_all = sharded;
-  for (const auto& kv : with_prefix(sharded ? zero->sharded_state()
-                                    : zero  ? zero->consolidate_state(0)
-                                            : optimizer_state(*opt),
-                                    "optim.")) {
-    optim_home[kv.first] = kv.second;
+  strategy->capture(s, *opt);
+  for (auto& kv : rng_state()) {
+    s.own[kv.first] = std::move(kv.second);
   }
   if (mp->opt_level() == amp::OptLevel::kO2) {
     for (size_t i = 0; i < mp->masters().size(); ++i) {
@@ -97,80 +78,24 @@ std::string first_difference(const Json& saved,
   return "";
 }
 
-// The first parameter or buffer whose name or shape differs; empty when the same.
-std::string model_difference(const TensorMap& saved, const TensorMap& now) {
-  for (const auto& kv : now) {
-    auto it = saved.find(kv.first);
-    if (it == saved.end()) {
-      return "it has no '" + kv.first + "'";
-    }
-    if (it->second.sizes() != kv.second.sizes()) {
-      std::ostringstream line;
-      line << "'" << kv.first << "' has shape " << it->second.sizes() << " there and "
-           << kv.second.sizes() << " in this model";
-      return line.str();
-    }
-  }
-  for (const auto& kv : saved) {
-    if (!now.count(kv.first)) {
-      return "it has '" + kv.first + "', which this model lacks";
-    }
-  }
-  return "";
-}
-
-// The optimizer's state in a checkpoint: in the shared file, or (ZeRO's sharded checkpoints) in
-// the rank files. Under ZeRO with as many ranks as saved it, this rank's own shard is its part
-// (ZeRO splits the parameters the same way again). Otherwise its part need not be any one saving
-// rank's, so it reads them all (verified by load_latest) and ZeroRedundancyOptimizer::load_state,
-// or the unsharded optimizer, takes what it needs.
-TensorMap saved_optimizer_state(const CheckpointState& s, int world, bool zero) {
-  TensorMap optim = with_prefix(s.shared, "optim.", true);
-  if (!s.own_read_by_all) {  // what the Trainer sets for sharded ZeRO state
-    return optim;
-  }
-  if (zero && s.world_size == world) {
-    return with_prefix(s.own, "optim.", true);
-  }
-  for (int r = 0; r < s.world_size; ++r) {
-    for (auto& kv :
-         with_prefix(Checkpoint::load_own(s.path, r, s.step, s.world_size), "optim.", true)) {
-      optim[kv.first] = std::move(kv.second);
-    }
-  }
-  return optim;
-}
-
 }  // namespace
 
+// The saved run's configuration against this one's (the keys that may change aside).
+void Trainer::Impl::check_saved_config(const CheckpointState& s, const Json& meta) const {
+  const std::string model_diff = strategy->saved_model_difference(s);
+  TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
+  const std::string config_diff =
+      first_difference(meta.at("config"), Json::parse(o.config()), o.resume_may_change());
+  TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
+              " was made with another configuration: ", config_diff,
+              "; resume with the same settings, or use another --checkpoint-dir");
+}
+
 void Trainer::Impl::restore(const CheckpointState& s) {
-  Json meta;
   try {
-    meta = Json::parse(s.meta);
-    const std::string model_diff =
-        fsdp ? "" : model_difference(with_prefix(s.shared, "model.", true), module_state(*model));
-    TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
-    const std::string config_diff =
-        first_difference(meta.at("config"), Json::parse(o.config()), o.resume_may_change());
-    TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
-                " was made with another configuration: ", config_diff,
-                "; resume with the same settings, or use another --checkpoint-dir");
-    if (fsdp) {
-      // After the checks above: nothing is loaded from a refused one.
-      TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
-                  " was not saved by the fsdp strategy; resume it with the strategy that saved it "
-                  "(",
-                  meta.value("strategy", std::string("?")), ")");
-      restore_sharded_state(s, *fsdp, opt.get());
-    } else {
-      load_module_state(*model, with_prefix(s.shared, "model.", true));
-      auto* zero = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get());
-      if (zero != nullptr) {
-        zero->load_state(saved_optimizer_state(s, world, true));
-      } else {
-        load_optimizer_state(*opt, saved_optimizer_state(s, world, false));
-      }
-    }
+    const Json meta = Json::parse(s.meta);
+    check_saved_config(s, meta);
+    strategy->restore(s, meta, *opt);  // after the checks: nothing is loaded from a refused one
     if (mp->opt_level() == amp::OptLevel::kO2) {
       torch::NoGradGuard no_grad;
       for (size_t i = 0; i < mp->masters().size(); ++i) {
@@ -188,39 +113,45 @@ void Trainer::Impl::restore(const CheckpointState& s) {
     if (!scaler.empty()) {
       mp->scaler().load_state_dict(scaler);
     }
-    epoch = meta.at("epoch").get<int64_t>();
-    batch = meta.at("batch").get<int64_t>();
-    global_step = meta.at("global_step").get<int64_t>();
-    epoch_start = meta.value("epoch_start", int64_t{0});
-    epoch_cap = meta.value("epoch_cap", int64_t{0});
-    if (s.world_size == world) {
-      set_rng_state(s.own);
-    } else {
-      // Another world (elastic): the saved ranks took, between them, the first
-      // world * batch_size * batch samples of the epoch's order after its start (the sampler
-      // interleaves them); the rest is shared out over this world from its first batch. The RNG
-      // streams belonged to ranks that no longer exist.
-      const int64_t saved_batch = meta.value("batch_size", o.batch_size());
-      const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
-      epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
-                                      epoch_start + s.world_size * saved_batch * batch);
-      if (saved_batches > 0 && batch >= saved_batches) {
-        epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
-      } else if (o.steps_per_epoch() > 0) {
-        // What is left of the epoch's step budget (the data may end first: refresh_batches
-        // takes the smaller).
-        const int64_t budget = epoch_cap > 0 ? epoch_cap : o.steps_per_epoch() * o.accumulate();
-        epoch_cap = std::max<int64_t>(1, budget - batch);
-      }
-      batch = 0;
-    }
-    sampler->set_start_index(static_cast<size_t>(epoch_start));
-    refresh_batches();
+    restore_progress(s, meta);
   } catch (const Json::exception& e) {
     TORCH_CHECK(false, "checkpoint ", s.path, " lacks a field (", e.what(),
                 "): it is damaged or from another program");
   }
   resumed_from = s.path;
+}
+
+// Where the saved run was: the epoch, the batch, and the RNG streams, or (another world) the
+// rest of the epoch shared out over this one.
+void Trainer::Impl::restore_progress(const CheckpointState& s, const Json& meta) {
+  epoch = meta.at("epoch").get<int64_t>();
+  batch = meta.at("batch").get<int64_t>();
+  global_step = meta.at("global_step").get<int64_t>();
+  epoch_start = meta.value("epoch_start", int64_t{0});
+  epoch_cap = meta.value("epoch_cap", int64_t{0});
+  if (s.world_size == world) {
+    set_rng_state(s.own);
+  } else {
+    // Another world (elastic): the saved ranks took, between them, the first
+    // world * batch_size * batch samples of the epoch's order after its start (the sampler
+    // interleaves them); the rest is shared out over this world from its first batch. The RNG
+    // streams belonged to ranks that no longer exist.
+    const int64_t saved_batch = meta.value("batch_size", o.batch_size());
+    const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
+    epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
+                                    epoch_start + s.world_size * saved_batch * batch);
+    if (saved_batches > 0 && batch >= saved_batches) {
+      epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
+    } else if (o.steps_per_epoch() > 0) {
+      // What is left of the epoch's step budget (the data may end first: refresh_batches takes
+      // the smaller).
+      const int64_t budget = epoch_cap > 0 ? epoch_cap : o.steps_per_epoch() * o.accumulate();
+      epoch_cap = std::max<int64_t>(1, budget - batch);
+    }
+    batch = 0;
+  }
+  sampler->set_start_index(static_cast<size_t>(epoch_start));
+  refresh_batches();
 }
 
 // Under ddp and fsdp, whether every rank loaded its part of the checkpoint it was given: each
@@ -234,10 +165,9 @@ void Trainer::Impl::agree_on_load(const std::string& path, const std::exception_
     }
     return;
   }
-  const torch::Device where = ddp || fsdp ? device : torch::Device(torch::kCPU);
   at::Tensor failed = torch::zeros({world}, torch::kInt);
   failed[rank].fill_(error ? 1 : 0);
-  failed = failed.to(where);
+  failed = failed.to(device);                    // the group's device
   o.process_group()->allreduce(failed)->wait();  // every rank's flag
   failed = failed.cpu();
   if (error) {

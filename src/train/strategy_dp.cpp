@@ -1,0 +1,46 @@
+// --strategy dp: one process scatters each batch over `devices` (DataParallel, as
+// torch.nn.DataParallel), the model living on the first.
+
+#include "strategy.h"
+
+#include "paratrain/parallel/data_parallel.h"
+#include "paratrain/util/option_error.h"
+
+namespace paratrain {
+
+namespace {
+
+torch::Device first_device(const TrainerOptions& o) {
+  PARATRAIN_CHECK_OPTION(!o.devices().empty(), "devices",
+                         "strategy dp needs devices (e.g. devices cpu,cpu)");
+  return o.devices().front();
+}
+
+class DataParallelStrategy : public TrainStrategy {
+ public:
+  DataParallelStrategy(const TrainerOptions& o, torch::nn::Sequential model)
+      : TrainStrategy(o, std::move(model), first_device(o), o.amp()), dp_(model_, o.devices()) {}
+
+ protected:
+  torch::Tensor train_forward(const torch::Tensor& input) override { return dp_.forward(input); }
+
+ private:
+  DataParallel dp_;
+};
+
+}  // namespace
+
+StrategyKind data_parallel_strategy() {
+  return {
+      Strategy::kDataParallel,
+      "dp",
+      /*takes_process_group=*/false,
+      [](const TrainerOptions&) { return std::vector<std::string>{}; },
+      "",
+      [](const TrainerOptions& o) { first_device(o); },
+      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
+        return std::make_unique<DataParallelStrategy>(o, std::move(model));
+      }};
+}
+
+}  // namespace paratrain
