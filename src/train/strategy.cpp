@@ -12,7 +12,7 @@
 #include <sstream>
 #include <utility>
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 TrainStrategy::TrainStrategy(const TrainerOptions& options,
                              torch::nn::Sequential model,
@@ -79,7 +79,9 @@ double TrainStrategy::clip_grad_norm_(double max_norm) {
 }
 
 void TrainStrategy::capture(CheckpointState& s, torch::optim::Optimizer& optimizer) {
-  s.shared = with_prefix(module_state(*model_), "model.");
+  for (const auto& kv : with_prefix(module_state(*model_), "model.")) {
+    s.shared[kv.first] = kv.second;
+  }
   for (const auto& kv : with_prefix(optimizer_state(optimizer), "optim.")) {
     s.shared[kv.first] = kv.second;
   }
@@ -116,7 +118,7 @@ std::string TrainStrategy::saved_model_difference(const CheckpointState& state) 
 // or the unsharded optimizer, takes what it needs.
 TensorMap TrainStrategy::saved_optimizer_state(const CheckpointState& s, bool zero) const {
   TensorMap optim = with_prefix(s.shared, "optim.", true);
-  if (!s.own_read_by_all) {  // what the Trainer sets for sharded ZeRO state
+  if (!s.own_read_by_all) {  // what ddp's capture sets for sharded ZeRO state
     return optim;
   }
   if (zero && s.world_size == world()) {
@@ -176,9 +178,28 @@ const StrategyKind& strategy_kind(Strategy strategy) {
   return strategy_kinds().front();  // not reached
 }
 
+// The chosen strategy's rules first, then no option of another strategy set.
+void check_strategy_options(const TrainerOptions& o) {
+  const StrategyKind& chosen = strategy_kind(o.strategy());
+  chosen.check(o);
+  for (const auto& kind : strategy_kinds()) {
+    if (kind.strategy == chosen.strategy) {
+      continue;
+    }
+    for (const std::string& field : kind.options_set(o)) {
+      PARATRAIN_CHECK_OPTION(false, field, field, " ", kind.options_why, ": add strategy ",
+                             kind.name, " (got strategy ", chosen.name, ")");
+    }
+  }
+}
+
+}  // namespace paratrain::train_internal
+
+namespace paratrain {
+
 Strategy parse_strategy(const std::string& name) {
   std::string choices;
-  const auto& kinds = strategy_kinds();
+  const auto& kinds = train_internal::strategy_kinds();
   for (size_t i = 0; i < kinds.size(); ++i) {
     if (name == kinds[i].name) {
       return kinds[i].strategy;
@@ -190,21 +211,12 @@ Strategy parse_strategy(const std::string& name) {
 }
 
 std::string to_string(Strategy s) {
-  return strategy_kind(s).name;
-}
-
-void check_strategy_options(const TrainerOptions& o) {
-  const StrategyKind& chosen = strategy_kind(o.strategy());
-  for (const auto& kind : strategy_kinds()) {
-    if (kind.strategy == chosen.strategy) {
-      continue;
-    }
-    for (const std::string& field : kind.options_set(o)) {
-      PARATRAIN_CHECK_OPTION(false, field, field, " ", kind.options_why, ": add strategy ",
-                             kind.name, " (got strategy ", chosen.name, ")");
+  for (const auto& kind : train_internal::strategy_kinds()) {
+    if (kind.strategy == s) {
+      return kind.name;
     }
   }
-  chosen.check(o);
+  return "?";
 }
 
 }  // namespace paratrain

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 class TrainStrategy {
  public:
@@ -115,7 +115,7 @@ StrategyKind pipeline_strategy();
 /// Every strategy, in the order the choices are listed.
 const std::vector<StrategyKind>& strategy_kinds();
 const StrategyKind& strategy_kind(Strategy strategy);
-/// The chosen strategy's checks, and no option of another strategy set.
+/// The chosen strategy's checks, then no option of another strategy set.
 void check_strategy_options(const TrainerOptions& options);
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

@@ -12,7 +12,7 @@
 
 #include <algorithm>
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 namespace {
 
@@ -72,7 +72,9 @@ class DdpStrategy : public TrainStrategy {
       TrainStrategy::capture(s, optimizer);
       return;
     }
-    s.shared = with_prefix(module_state(*model_), "model.");
+    for (const auto& kv : with_prefix(module_state(*model_), "model.")) {
+      s.shared[kv.first] = kv.second;
+    }
     const bool sharded = options_.zero_checkpoint() == "sharded";
     TensorMap& home = sharded ? s.own : s.shared;
     s.own_read_by_all = sharded;
@@ -187,4 +189,4 @@ StrategyKind ddp_strategy() {
       }};
 }
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

@@ -6,7 +6,7 @@
 #include "paratrain/parallel/data_parallel.h"
 #include "paratrain/util/option_error.h"
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 namespace {
 
@@ -43,4 +43,4 @@ StrategyKind data_parallel_strategy() {
       }};
 }
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

@@ -7,7 +7,7 @@
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/util/option_error.h"
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 namespace {
 
@@ -127,4 +127,4 @@ StrategyKind fsdp_strategy() {
       }};
 }
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

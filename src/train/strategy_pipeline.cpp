@@ -7,7 +7,7 @@
 #include "paratrain/util/option_error.h"
 #include "paratrain/util/trace.h"
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 namespace {
 
@@ -71,4 +71,4 @@ StrategyKind pipeline_strategy() {
       }};
 }
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

@@ -2,7 +2,7 @@
 
 #include "strategy.h"
 
-namespace paratrain {
+namespace paratrain::train_internal {
 
 namespace {
 
@@ -27,4 +27,4 @@ StrategyKind single_strategy() {
       }};
 }
 
-}  // namespace paratrain
+}  // namespace paratrain::train_internal

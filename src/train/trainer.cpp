@@ -98,11 +98,6 @@ void check_checkpoint_options(const TrainerOptions& o) {
                          "start_fresh_if_damaged",
                          "start_fresh_if_damaged says what resume auto does when every checkpoint "
                          "is damaged: add resume auto");
-  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
-                         "zero_checkpoint", "zero_checkpoint is '", o.zero_checkpoint(),
-                         "': use consolidated or sharded");
-  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero(), "zero_checkpoint",
-                         "zero_checkpoint says how zero's shards are saved: add zero");
 }
 
 }  // namespace
@@ -124,7 +119,12 @@ void check_trainer_options(const TrainerOptions& o) {
   at_least("log_every", o.log_every(), 0);
   at_least("check_replicas", o.check_replicas(), 0);
   check_checkpoint_options(o);
-  check_strategy_options(o);
+  train_internal::check_strategy_options(o);
+  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
+                         "zero_checkpoint", "zero_checkpoint is '", o.zero_checkpoint(),
+                         "': use consolidated or sharded");
+  PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero(), "zero_checkpoint",
+                         "zero_checkpoint says how zero's shards are saved: add zero");
   check_lr_schedule(o.lr_schedule());
   try {
     PARATRAIN_CHECK_OPTION(Json::parse(o.config()).is_object(), "config",
@@ -136,9 +136,9 @@ void check_trainer_options(const TrainerOptions& o) {
 
 void Trainer::Impl::check_options() const {
   check_trainer_options(o);
-  const bool ranks = strategy_kind(o.strategy()).takes_process_group;
+  const bool ranks = train_internal::strategy_kind(o.strategy()).takes_process_group;
   std::string with;  // the strategies that take one
-  for (const auto& kind : strategy_kinds()) {
+  for (const auto& kind : train_internal::strategy_kinds()) {
     if (kind.takes_process_group) {
       with += (with.empty() ? "" : " or ") + std::string(kind.name);
     }
@@ -154,7 +154,7 @@ void Trainer::Impl::build_strategy() {
     rank = o.process_group()->rank();
     world = o.process_group()->size();
   }
-  strategy = strategy_kind(o.strategy()).make(o, model);
+  strategy = train_internal::strategy_kind(o.strategy()).make(o, model);
   device = strategy->device();
   mp = &strategy->mixed_precision();
   opt = strategy->make_optimizer();
@@ -402,7 +402,7 @@ Trainer::Impl::Evaluation Trainer::Impl::evaluate() {
         continue;  // a forward that only kept the ranks in step (next_val_batch)
       }
       const torch::Tensor target = b->target.to(out.device());
-      const bool sequence = is_sequence(out, target);
+      const bool sequence = train_internal::is_sequence(out, target);
       const int64_t count = sequence ? target.numel() : target.size(0);
       correct += out.argmax(sequence ? -1 : 1).eq(target).sum().item<int64_t>();
       loss_sum += strategy->loss_of(out, target).to(torch::kCPU, torch::kDouble).item<double>() *

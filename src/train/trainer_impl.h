@@ -35,7 +35,7 @@ struct Trainer::Impl {
   int rank = 0;
   int world = 1;
   torch::Device device = torch::kCPU;  // where batches go
-  std::unique_ptr<TrainStrategy> strategy;
+  std::unique_ptr<train_internal::TrainStrategy> strategy;
   amp::MixedPrecision* mp = nullptr;  // the strategy's
   std::unique_ptr<torch::optim::Optimizer> opt;
   std::unique_ptr<LRSchedule> schedule;

@@ -6,7 +6,6 @@
 #include "trainer_impl.h"
 
 #include "paratrain/io/safetensors.h"
-#include "paratrain/parallel/zero_redundancy_optimizer.h"
 
 #include <algorithm>
 #include <exception>
