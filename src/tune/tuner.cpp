@@ -9,8 +9,8 @@
 #include "paratrain/tune/tuner.h"
 #include "limits.h"
 
-#include "../util/files.h"
 #include "pbt.h"
+#include "util/files.h"
 
 #include "trial_command.h"
 #include "trial_runner.h"
@@ -33,6 +33,7 @@
 #include <deque>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -54,6 +55,9 @@ struct Running {
   int64_t rows = 0;                    // rows this run reported (numbers rows without an iteration)
   Decision why = Decision::kContinue;  // the scheduler's, once run.stopping()
   bool lost = false;                   // another tuner took it over: its end is not recorded here
+  // What the scheduler decided while it was stopping for a pause (promoted: PENDING; dropped:
+  // STOPPED), applied once it has paused.
+  std::optional<TrialState> verdict;
   std::vector<int> cores, gpus;
 };
 
@@ -86,8 +90,8 @@ class Tuner {
   void on_exit(Running& r, int status, const std::string& error);
   std::string trial_path(int64_t number) const;
   void exploit(TrialRecord& t, const Exploit& e);
-  void finish(TrialRecord& t, TrialState state, TrialState from);
-  bool write(TrialRecord& t, TrialState from);
+  bool transition(TrialRecord& t, TrialState to, TrialState from);
+  void announce_end(const TrialRecord& t);
   void notify_end(const TrialRecord& t);
   void handle_promotions();
   double loss_of(double value) const { return detail::loss_of(value, o_.mode()); }
@@ -126,8 +130,7 @@ class Tuner {
   detail::WakePipe wake_;  // ends poll() for function trials' reports and for signals
   bool detached_ = false;
   std::string host_, worker_id_;
-  std::set<int64_t> notified_;              // trials whose end the searcher and scheduler were told
-  std::map<int64_t, TrialState> verdicts_;  // promotions (kPending) and drops of stopping trials
+  std::set<int64_t> notified_;  // trials whose end the searcher and scheduler were told
   // Trials that continue another trial's checkpoint (pbt): the iteration their next row follows.
   std::map<int64_t, int64_t> restarted_at_;
   // Exploits decided for stopping trials, their checkpoints copied already (stage_exploit).
@@ -261,7 +264,7 @@ void Tuner::sync(bool first) {
     if (s.state == TrialState::kPaused && (fresh || t.state != TrialState::kPaused)) {
       scheduler_->on_paused(n);  // paused by a tuner before this one
     }
-    t.state = s.state;
+    t.state = s.state;  // storage's view, whichever tuner moved it
     t.attempts = s.attempts;
     t.exit_status = s.exit_status;
     t.error = s.error;
@@ -279,6 +282,8 @@ void Tuner::sync(bool first) {
       out_.say("trial " + std::to_string(n) + ": its tuner " + t.worker +
                    " is gone; it is retried from its checkpoint",
                {{"event", "released"}, {"trial", n}, {"worker", t.worker}});
+      // release_trial moved it in storage, only while the dead tuner's last beat is the one
+      // seen (a compare-and-set another transition cannot express): this is its mirror.
       t.state = TrialState::kPending;
       t.worker.clear();
       ++t.attempts;
@@ -348,7 +353,7 @@ void Tuner::start_possible() {
       if (t.attempts > o_.max_failures()) {
         t.error = "its tuner died while running it " + std::to_string(t.attempts) +
                   " times (max_failures " + std::to_string(o_.max_failures()) + ")";
-        finish(t, TrialState::kFailed, TrialState::kRunning);
+        transition(t, TrialState::kFailed, TrialState::kRunning);
         continue;
       }
       if (t.config.empty()) {  // reserved by a tuner that died before choosing its config
@@ -369,7 +374,7 @@ void Tuner::start_possible() {
     }
     TrialRecord t;
     t.number = n;
-    t.state = TrialState::kRunning;
+    t.state = TrialState::kRunning;  // as reserve_trial stored it
     t.worker = worker_id_;
     trials_[n] = t;
     scheduler_->on_trial_add(n);
@@ -399,13 +404,6 @@ Config Tuner::suggest(int64_t number) {
 
 bool Tuner::start(int64_t number, bool resume) {
   TrialRecord& t = trials_.at(number);
-  auto r = std::make_unique<Running>();
-  r->number = number;
-  const int need_cores = o_.resources().ranks() * o_.resources().threads();
-  r->cores.assign(free_cores_.begin(), free_cores_.begin() + need_cores);
-  free_cores_.erase(free_cores_.begin(), free_cores_.begin() + need_cores);
-  r->gpus.assign(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
-  free_gpus_.erase(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
   const std::string dir = trial_path(number);
   restore_aside(dir + "/checkpoints");  // a swap a killed tuner left half done (pbt)
   std::error_code ec;
@@ -415,9 +413,17 @@ bool Tuner::start(int64_t number, bool resume) {
   if (t.started == 0) {
     t.started = unix_now();
   }
-  t.state = TrialState::kRunning;
   t.worker = worker_id_;
-  write(t, TrialState::kRunning);  // claimed or reserved by this tuner just now
+  if (!transition(t, TrialState::kRunning, TrialState::kRunning)) {
+    return false;  // claimed or reserved by this tuner just now, and already taken over
+  }
+  auto r = std::make_unique<Running>();
+  r->number = number;
+  const int need_cores = o_.resources().ranks() * o_.resources().threads();
+  r->cores.assign(free_cores_.begin(), free_cores_.begin() + need_cores);
+  free_cores_.erase(free_cores_.begin(), free_cores_.begin() + need_cores);
+  r->gpus.assign(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
+  free_gpus_.erase(free_gpus_.begin(), free_gpus_.begin() + o_.resources().gpus());
   Running& ref = *r;
   running_[number] = std::move(r);
   ++started_;
@@ -593,31 +599,22 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
         exploit(t, staged->second);
         exploits_.erase(staged);
       }
-      t.state = TrialState::kPaused;
-      write(t, TrialState::kRunning);
+      if (!transition(t, TrialState::kPaused, TrialState::kRunning)) {
+        return;
+      }
       out_.say(id + " paused at iteration " + std::to_string(t.results.back().first),
                {{"event", "paused"}, {"trial", t.number}});
-      const auto verdict = verdicts_.find(t.number);
-      if (verdict != verdicts_.end()) {  // decided while it was stopping
-        const TrialState next = verdict->second;
-        verdicts_.erase(verdict);
-        if (next == TrialState::kStopped) {
-          finish(t, TrialState::kStopped, TrialState::kPaused);
-        } else {
-          t.state = TrialState::kPending;
-          if (write(t, TrialState::kPaused)) {
-            enqueue(t.number);
-          }
-        }
+      if (r.verdict) {  // decided while it was stopping
+        transition(t, *r.verdict, TrialState::kPaused);
       }
     } else {
-      finish(t, r.why == Decision::kStop ? TrialState::kStopped : TrialState::kComplete,
-             TrialState::kRunning);
+      transition(t, r.why == Decision::kStop ? TrialState::kStopped : TrialState::kComplete,
+                 TrialState::kRunning);
     }
     return;
   }
   if (t.exit_status == 0 && !t.results.empty()) {
-    finish(t, TrialState::kComplete, TrialState::kRunning);  // it ended by itself
+    transition(t, TrialState::kComplete, TrialState::kRunning);  // it ended by itself
     return;
   }
   t.error = !error.empty()         ? error
@@ -627,16 +624,16 @@ void Tuner::on_exit(Running& r, int status, const std::string& error) {
                                    : "exit status " + std::to_string(t.exit_status);
   if (t.exit_status != 0 && t.attempts < o_.max_failures()) {
     ++t.attempts;
-    t.state = TrialState::kPending;
-    write(t, TrialState::kRunning);
-    enqueue(t.number);
+    if (!transition(t, TrialState::kPending, TrialState::kRunning)) {
+      return;
+    }
     out_.say(id + " failed (" + t.error + "; log " + t.log_path +
                  "); retrying from its checkpoint (" + std::to_string(t.attempts) + " of " +
                  std::to_string(o_.max_failures()) + ")",
              {{"event", "retry"}, {"trial", t.number}, {"error", t.error}, {"log", t.log_path}});
     return;
   }
-  finish(t, TrialState::kFailed, TrialState::kRunning);
+  transition(t, TrialState::kFailed, TrialState::kRunning);
 }
 
 std::string Tuner::trial_path(int64_t number) const {
@@ -721,34 +718,42 @@ void Tuner::notify_end(const TrialRecord& t) {
   scheduler_->on_trial_end(t.number, last);
 }
 
-// Stores the trial if storage still has it in state `from` (and, when RUNNING, held by this
-// tuner); otherwise another tuner moved it first, and this one's view is dropped.
-bool Tuner::write(TrialRecord& t, TrialState from) {
-  if (storage_->update_trial(t, from, from == TrialState::kRunning ? worker_id_ : "")) {
-    return true;
+// Every change of a trial's state goes through here. Storage first, and only if it still has the
+// trial in state `from` (and, when RUNNING, held by this tuner); otherwise another tuner moved it
+// first, and this one's view is dropped (sync() brings the truth). Then what the new state
+// starts: PENDING is queued to run (again), an end is told to the searcher and the scheduler and
+// announced. Returns whether the trial moved.
+bool Tuner::transition(TrialRecord& t, TrialState to, TrialState from) {
+  t.state = to;
+  if (finished(to)) {
+    t.ended = unix_now();
   }
-  out_.say("trial " + std::to_string(t.number) + " was taken over by another tuner",
-           {{"event", "lost"}, {"trial", t.number}});
-  t.state = TrialState::kRunning;  // as far as this tuner knows; sync() brings the truth
-  t.worker = "?";
-  return false;
+  if (!storage_->update_trial(t, from, from == TrialState::kRunning ? worker_id_ : "")) {
+    out_.say("trial " + std::to_string(t.number) + " was taken over by another tuner",
+             {{"event", "lost"}, {"trial", t.number}});
+    t.state = TrialState::kRunning;  // as far as this tuner knows
+    t.worker = "?";
+    return false;
+  }
+  if (to == TrialState::kPending) {
+    enqueue(t.number);
+  }
+  if (finished(to)) {
+    notify_end(t);
+    announce_end(t);
+  }
+  return true;
 }
 
-void Tuner::finish(TrialRecord& t, TrialState state, TrialState from) {
-  t.state = state;
-  t.ended = unix_now();
-  if (!write(t, from)) {
-    return;
-  }
-  notify_end(t);
+void Tuner::announce_end(const TrialRecord& t) {
   const double v = scoped_value(t);
-  std::string plain = "trial " + std::to_string(t.number) + " " + to_string(state);
-  nlohmann::ordered_json j{{"event", "ended"}, {"trial", t.number}, {"state", to_string(state)}};
+  std::string plain = "trial " + std::to_string(t.number) + " " + to_string(t.state);
+  nlohmann::ordered_json j{{"event", "ended"}, {"trial", t.number}, {"state", to_string(t.state)}};
   if (!std::isnan(v)) {
     plain += ": " + o_.metric() + " " + detail::format_value(v) + " (" + o_.scope() + ")";
     j[o_.metric()] = v;
   }
-  if (state == TrialState::kFailed) {
+  if (t.state == TrialState::kFailed) {
     plain += " (" + t.error + "; log " + t.log_path + ")";
     j["error"] = t.error;
     j["exit_status"] = t.exit_status;
@@ -763,26 +768,23 @@ void Tuner::handle_promotions() {
   for (int64_t n : scheduler_->take_dropped()) {
     TrialRecord& t = trials_.at(n);
     if (t.state == TrialState::kPaused) {
-      finish(t, TrialState::kStopped, TrialState::kPaused);
+      transition(t, TrialState::kStopped, TrialState::kPaused);
     } else if (running_.count(n)) {
-      verdicts_[n] = TrialState::kStopped;
+      running_.at(n)->verdict = TrialState::kStopped;
     }
   }
   for (int64_t n : scheduler_->take_promoted()) {
     TrialRecord& t = trials_.at(n);
     if (t.state == TrialState::kPaused) {
-      t.state = TrialState::kPending;
-      if (write(t, TrialState::kPaused)) {
-        enqueue(n);
-      }
+      transition(t, TrialState::kPending, TrialState::kPaused);
     } else if (running_.count(n)) {
-      verdicts_[n] = TrialState::kPending;
+      running_.at(n)->verdict = TrialState::kPending;
     }
   }
   if (no_more_ && running_.empty() && queue_.empty() && !others_active()) {
     for (auto& [n, t] : trials_) {  // nothing can promote them any more
       if (t.state == TrialState::kPaused) {
-        finish(t, TrialState::kStopped, TrialState::kPaused);
+        transition(t, TrialState::kStopped, TrialState::kPaused);
       }
     }
   }
@@ -826,17 +828,15 @@ void Tuner::stop_all() {
     // Interrupted, not failed: PENDING again without an attempt, for the next tuner to resume;
     // a trial the scheduler had already decided keeps that decision.
     TrialRecord& t = trials_.at(n);
-    t.state = TrialState::kPending;
+    TrialState to = TrialState::kPending;
     if (r->run.stopping()) {
-      const auto verdict = verdicts_.find(n);
-      t.state = r->why == Decision::kStop       ? TrialState::kStopped
-                : r->why == Decision::kComplete ? TrialState::kComplete
-                : verdict != verdicts_.end()    ? verdict->second
-                                                : TrialState::kPaused;
+      to = r->why == Decision::kStop       ? TrialState::kStopped
+           : r->why == Decision::kComplete ? TrialState::kComplete
+                                           : r->verdict.value_or(TrialState::kPaused);
     }
     t.worker.clear();
     try {
-      storage_->update_trial(t, TrialState::kRunning, worker_id_);
+      transition(t, to, TrialState::kRunning);
     } catch (const std::exception& e) {
       std::cerr << "tune: could not store trial " << n << " on the way out: " << e.what()
                 << std::endl;
