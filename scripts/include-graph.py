@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""The include graph between paratrain's folders, and a check that it points one way.
+"""The include graph between paratrain's folders, and checks that it points one way and that no
+folder reaches into another's private headers.
 
 Usage: scripts/include-graph.py [--dot]
 
 Reads every #include "..." of the library (include/paratrain/AREA, src/AREA), the CLI
 (apps/paratrain), the benchmarks (bench) and the tests (tests/support, the rest of tests), maps
 each to the folder it names, and prints one line per folder with the folders it includes. Exits 1
-naming every include that points up the order below (and so every cycle), 0 otherwise.
+naming every include that points up the order below (and so every cycle), and every reach:
+- a relative path out of the file's folder ("../util/errors.h");
+- a private header of another folder (src/AREA/x.h) that is not one of the internal interfaces
+  that folder offers (INTERNAL_INTERFACES below);
+- a header whose code is built into a library (CMakeLists.txt's add_library and target_sources)
+  that the including file's library does not link.
+Exits 0 otherwise.
 """
 import os
 import re
@@ -21,6 +28,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ["util", "comm", "launch", "io", "data", "amp", "parallel", "models", "train", "tune",
          "umbrella", "cli", "support", "bench", "tests"]
 LIBRARY_AREAS = ORDER[:10]
+
+# The private headers a folder offers the others (named from src/), and why they are not public.
+INTERNAL_INTERFACES = {
+    "util/errors.h": "one line for an error that wraps another (a replica's, a stage's)",
+    "util/files.h": "file-system helpers for the library, the CLI, the benchmarks and the tests",
+    "util/strings.h": "starts_with and ends_with (C++17 has neither)",
+    "util/copies.h": "a device copy from a thread that reads the tensor next",
+    "util/batchnorm.h": "which modules are batch normalisation, for amp and SyncBatchNorm",
+    "amp/autocast_state.h": "autocast's per-thread flags over libtorch's two APIs",
+    "comm/backend_routes.h": "a routed backend's syntax, which the launcher checks without libtorch",
+    "comm/socket_store.h": "the TCP store the launcher's rendezvous and c10d's backends share",
+}
 
 # Headers of the CLI that its own folder's files name without a path.
 CLI_HEADERS = {"args.h", "commands.h", "json_line.h", "train_options.h"}
@@ -74,6 +93,75 @@ def target_of(source_folder, source_path, included):
     return None
 
 
+def library_targets():
+    """{src/.../x.cpp: library} and {library: the libraries it links, itself included}, read
+    from CMakeLists.txt's add_library, target_sources and target_link_libraries."""
+    with open(os.path.join(ROOT, "CMakeLists.txt"), encoding="utf-8") as fh:
+        text = re.sub(r"#[^\n]*", "", fh.read())
+    sources, links = {}, {}
+    for m in re.finditer(r"(add_library|target_sources|target_link_libraries)\(\s*([a-z_]+)([^)]*)\)",
+                         text):
+        kind, name, body = m.groups()
+        if kind == "target_link_libraries":
+            links.setdefault(name, set()).update(body.split())
+            continue
+        for word in body.split():
+            if word.startswith("src/") and word.endswith(".cpp"):
+                sources[word] = name
+    libraries = set(sources.values())
+    closure = {}
+    for lib in libraries:
+        seen, todo = {lib}, [lib]
+        while todo:
+            for dep in links.get(todo.pop(), ()):
+                if dep in libraries and dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        closure[lib] = seen
+    return sources, closure
+
+
+def library_of(path, sources):
+    """The library a src/ file is built into (a header: that of its .cpp); None if none."""
+    return sources.get(os.path.splitext(path)[0] + ".cpp")
+
+
+def reaches(sources, closure):
+    """Every include of a src/ file that reaches into another folder's private header."""
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "src")):
+        for f in sorted(files):
+            if not f.endswith((".h", ".cpp")):
+                continue
+            path = os.path.relpath(os.path.join(dirpath, f), ROOT)
+            mine = library_of(path, sources)
+            with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+                for line in fh:
+                    m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+                    if not m:
+                        continue
+                    included = m.group(1)
+                    if included.startswith("../") or "/../" in included:
+                        found.append("%s: \"%s\" reaches out of its folder by a relative path; "
+                                     "name it from src/" % (path, included))
+                        continue
+                    header = os.path.join("src", included)
+                    if "/" not in included or not os.path.exists(os.path.join(ROOT, header)):
+                        continue  # its own folder's, or a public header
+                    if header.split("/")[1] == path.split("/")[1]:
+                        continue
+                    if included not in INTERNAL_INTERFACES:
+                        found.append("%s: \"%s\" is a private header of %s/, not one it offers "
+                                     "(INTERNAL_INTERFACES)" % (path, included,
+                                                                header.split("/")[1]))
+                        continue
+                    theirs = library_of(header, sources)
+                    if mine and theirs and theirs not in closure.get(mine, {mine}):
+                        found.append("%s: \"%s\" is built into %s, which %s does not link"
+                                     % (path, included, theirs, mine))
+    return found
+
+
 def edges():
     found = {}
     for top in ("include", "src", "apps", "bench", "tests"):
@@ -112,9 +200,14 @@ def main():
     for a, b in sorted(upward):
         print("include-graph: %s includes %s, which comes after it in the order (%s): %s"
               % (a, b, " < ".join(ORDER), "; ".join(found[(a, b)][:3])), file=sys.stderr)
-    if upward:
+    sources, closure = library_targets()
+    reached = reaches(sources, closure)
+    for line in reached:
+        print("include-graph: " + line, file=sys.stderr)
+    if upward or reached:
         return 1
-    print("no include points up the order, so the graph has no cycle")
+    print("no include points up the order, so the graph has no cycle; no folder reaches into "
+          "another's private headers")
     return 0
 
 

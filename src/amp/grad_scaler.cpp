@@ -4,7 +4,7 @@
 #include <ATen/ops/_amp_update_scale.h>
 #include <torch/torch.h>
 
-#include "../util/copies.h"
+#include "util/copies.h"
 
 namespace paratrain {
 namespace amp {

@@ -1,6 +1,6 @@
 #include "paratrain/amp/mixed_precision.h"
 
-#include "../util/batchnorm.h"
+#include "util/batchnorm.h"
 
 #include <torch/torch.h>
 #include "paratrain/util/cpu_kernels.h"

@@ -1,9 +1,9 @@
 #include "paratrain/io/checkpoint.h"
 
-#include "../util/files.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
 #include "paratrain/util/trace.h"
+#include "util/files.h"
 
 #include <ATen/Context.h>
 #include <torch/cuda.h>

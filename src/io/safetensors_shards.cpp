@@ -1,7 +1,7 @@
 #include "paratrain/io/safetensors_shards.h"
 
-#include "../util/files.h"
 #include "paratrain/util/atomic_file.h"
+#include "util/files.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

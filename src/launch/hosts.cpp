@@ -24,17 +24,20 @@ namespace paratrain {
 namespace dist {
 
 std::vector<int> parse_device_list(const std::string& text) {
-  TORCH_CHECK(!text.empty(), "--devices is empty: give GPU indices such as 0,1,3");
+  TORCH_CHECK(!text.empty(), "--devices is empty: give GPUs such as 0,1,3 or cuda:0,cuda:1");
   std::vector<int> devices;
   std::set<int> seen;
   std::stringstream in(text);
   std::string item;
   while (std::getline(in, item, ',')) {
-    TORCH_CHECK(!item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
-                    item.size() < 6,
+    // "cuda:1" as train's --devices and torch::Device name it, or its bare index.
+    const std::string index = item.rfind("cuda:", 0) == 0 ? item.substr(5) : item;
+    TORCH_CHECK(!index.empty() && index.find_first_not_of("0123456789") == std::string::npos &&
+                    index.size() < 6,
                 "--devices '", text, "': '", item,
-                "' is not a GPU index; give non-negative integers such as 0,1,3");
-    int d = std::stoi(item);
+                "' is not a GPU index; give non-negative integers such as 0,1,3, or "
+                "cuda:0,cuda:1");
+    int d = std::stoi(index);
     TORCH_CHECK(seen.insert(d).second, "--devices '", text, "' lists GPU ", d,
                 " twice; each device can serve one worker");
     devices.push_back(d);

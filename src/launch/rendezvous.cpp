@@ -2,8 +2,8 @@
 
 #include "paratrain/comm/host_address.h"
 
-#include "../util/errors.h"
 #include "paratrain/launch/launch.h"  // pick_free_port
+#include "util/errors.h"
 
 #include <c10/util/Exception.h>
 

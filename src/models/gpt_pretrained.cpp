@@ -1,12 +1,12 @@
 #include "paratrain/models/gpt_pretrained.h"
 
-#include "../util/files.h"
-#include "../util/strings.h"
 #include "hf_names.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/io/safetensors_shards.h"
 #include "paratrain/io/torch_load.h"
 #include "paratrain/util/atomic_file.h"
+#include "util/files.h"
+#include "util/strings.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>

@@ -5,10 +5,10 @@
 
 #include "paratrain/parallel/fsdp_checkpoint.h"
 
-#include "../util/strings.h"
 #include "fsdp_saved.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
+#include "util/strings.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>

@@ -3,10 +3,10 @@
 
 #include "fsdp_saved.h"
 
-#include "../util/files.h"
-#include "../util/strings.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
+#include "util/files.h"
+#include "util/strings.h"
 
 #include <c10/util/Exception.h>
 

@@ -8,7 +8,7 @@
 #include <torch/autograd.h>
 #include <torch/torch.h>
 
-#include "../util/copies.h"
+#include "util/copies.h"
 
 #include <algorithm>
 #include <chrono>

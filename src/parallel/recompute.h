@@ -5,7 +5,7 @@
 // states (CPU and every CUDA device: dropout draws the same masks) and autocast's flags and
 // dtypes (the Trainer's O1 scope covers forward only), as torch.utils.checkpoint does.
 
-#include "../amp/autocast_state.h"
+#include "amp/autocast_state.h"
 
 #include "paratrain/io/checkpoint.h"
 

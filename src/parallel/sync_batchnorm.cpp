@@ -1,6 +1,6 @@
 #include "paratrain/parallel/sync_batchnorm.h"
 
-#include "../util/batchnorm.h"
+#include "util/batchnorm.h"
 
 #include <torch/autograd.h>
 #include <torch/custom_class.h>

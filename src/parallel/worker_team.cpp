@@ -1,6 +1,6 @@
 #include "worker_team.h"
 
-#include "../amp/autocast_state.h"
+#include "amp/autocast_state.h"
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>

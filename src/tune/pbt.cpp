@@ -5,8 +5,8 @@
 
 #include "pbt.h"
 
-#include "../util/files.h"
 #include "limits.h"
+#include "util/files.h"
 
 #include <c10/util/Exception.h>
 
