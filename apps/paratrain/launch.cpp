@@ -34,7 +34,9 @@ const CommandSpec& launch_spec() {
            "address of node 0 (required with --nnodes > 1; default 127.0.0.1)"},
           {"master-port,master_port", "P", "port of rank 0's store (default 29500)"},
           {"standalone", "", "one node, a free port picked for you"},
-          {"devices", "0,1,3", "GPUs to use: sets CUDA_VISIBLE_DEVICES; local rank i uses cuda:i"},
+          {"devices", "0,1,3",
+           "GPUs to use (or cuda:0,cuda:1, as train names them): sets CUDA_VISIBLE_DEVICES; "
+           "local rank i uses cuda:i"},
           {"log-dir,log_dir", "D", "also write each rank's output to D/rank_R.log"},
           {"backend", "B",
            "gloo, mpi, nccl, or routes by tensor device such as cpu:gloo,cuda:nccl; mpi runs the "

@@ -125,6 +125,8 @@ TEST(RankDiscovery, BadValuesNameTheVariable) {
 TEST(DeviceList, Parses) {
   EXPECT_EQ(parse_device_list("0,1,3"), (std::vector<int>{0, 1, 3}));
   EXPECT_EQ(parse_device_list("2"), (std::vector<int>{2}));
+  // The names train's --devices uses for the same GPUs.
+  EXPECT_EQ(parse_device_list("cuda:0,cuda:1,3"), (std::vector<int>{0, 1, 3}));
 }
 
 TEST(DeviceList, RejectsBadLists) {
@@ -140,6 +142,9 @@ TEST(DeviceList, RejectsBadLists) {
   EXPECT_NE(message("0,x").find("'x' is not a GPU index"), std::string::npos);
   EXPECT_NE(message("0,-1").find("'-1' is not a GPU index"), std::string::npos);
   EXPECT_NE(message("0,,1").find("'' is not a GPU index"), std::string::npos);
+  EXPECT_NE(message("cpu,1").find("'cpu' is not a GPU index"), std::string::npos);
+  EXPECT_NE(message("cuda:").find("'cuda:' is not a GPU index"), std::string::npos);
+  EXPECT_NE(message("cuda:0,0").find("lists GPU 0 twice"), std::string::npos);
   EXPECT_NE(message("").find("empty"), std::string::npos);
   EXPECT_NE(message("0,1,").find("ends with a comma"), std::string::npos);
 }
