@@ -405,10 +405,6 @@ Config Tuner::suggest(int64_t number) {
 bool Tuner::start(int64_t number, bool resume) {
   TrialRecord& t = trials_.at(number);
   const std::string dir = trial_path(number);
-  restore_aside(dir + "/checkpoints");  // a swap a killed tuner left half done (pbt)
-  std::error_code ec;
-  std::filesystem::create_directories(dir + "/checkpoints", ec);
-  TORCH_CHECK(!ec, "tune: cannot create ", dir, ": ", ec.message());
   t.log_path = dir + "/trial.log";
   if (t.started == 0) {
     t.started = unix_now();
@@ -417,6 +413,11 @@ bool Tuner::start(int64_t number, bool resume) {
   if (!transition(t, TrialState::kRunning, TrialState::kRunning)) {
     return false;  // claimed or reserved by this tuner just now, and already taken over
   }
+  // Only the tuner that holds the trial touches its directory.
+  restore_aside(dir + "/checkpoints");  // a swap a killed tuner left half done (pbt)
+  std::error_code ec;
+  std::filesystem::create_directories(dir + "/checkpoints", ec);
+  TORCH_CHECK(!ec, "tune: cannot create ", dir, ": ", ec.message());
   auto r = std::make_unique<Running>();
   r->number = number;
   const int need_cores = o_.resources().ranks() * o_.resources().threads();
@@ -565,18 +566,18 @@ void Tuner::apply(Running& r, Decision d) {
 }
 
 void Tuner::reap() {
-  std::vector<int64_t> ended;
-  for (auto& [n, r] : running_) {
+  // Each ended trial leaves running_ as soon as its exit is recorded: should a later one throw,
+  // stop_all must not record this one's end again.
+  for (auto it = running_.begin(); it != running_.end();) {
     int status = 0;
     std::string error;
-    Running& ref = *r;
-    if (r->run.reap([&](const std::string& line) { handle_row(ref, line); }, &status, &error)) {
-      on_exit(*r, status, error);
-      ended.push_back(n);
+    Running& ref = *it->second;
+    if (ref.run.reap([&](const std::string& line) { handle_row(ref, line); }, &status, &error)) {
+      on_exit(ref, status, error);
+      it = running_.erase(it);
+    } else {
+      ++it;
     }
-  }
-  for (int64_t n : ended) {
-    running_.erase(n);
   }
 }
 
@@ -838,7 +839,7 @@ void Tuner::stop_all() {
     try {
       transition(t, to, TrialState::kRunning);
     } catch (const std::exception& e) {
-      std::cerr << "tune: could not store trial " << n << " on the way out: " << e.what()
+      std::cerr << "tune: could not record trial " << n << " on the way out: " << e.what()
                 << std::endl;
     }
   }
