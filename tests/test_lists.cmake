@@ -4,7 +4,8 @@
 set(paratrain_unit_suites
     AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
     DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
-    Pipeline PipelineBalance PipelineSchedule RankDiscovery Routes Safetensors SocketStore TokenDataset
+    Pipeline PipelineBalance PipelineSchedule RankDiscovery RendezvousPolicy RendezvousRounds Routes
+    Safetensors SocketStore TokenDataset
     GptPretrained Trace
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests

@@ -2,13 +2,10 @@
 
 #include "paratrain/comm/host_address.h"
 
-#include "paratrain/launch/launch.h"  // pick_free_port
 #include "util/errors.h"
 
 #include <c10/util/Exception.h>
 
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,19 +24,6 @@ using paratrain::detail::error_message;
 
 using Clock = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kPoll{100};
-// The deadline of each etcd call once connected: long enough for a loaded server, short enough
-// that a launcher whose endpoint vanished without a reset notices within seconds.
-constexpr std::chrono::milliseconds kStoreCallTimeout{5000};
-
-// The socket store's calls: a quarter of the keep-alive time (within 0.25 s to 5 s), so that a
-// node rides out several failed calls before it takes the store for lost, and the supervisor that
-// asks must_restart while the workers run waits no longer than that on each. The store answers
-// in microseconds; a call that takes a quarter second is a network that does not deliver.
-std::chrono::milliseconds socket_call_timeout(std::chrono::milliseconds keep_alive) {
-  return std::clamp<std::chrono::milliseconds>(keep_alive / 4, std::chrono::milliseconds(250),
-                                               kStoreCallTimeout);
-}
-
 // "15 s", "2.5 s": seconds as a person writes them.
 std::string seconds_text(std::chrono::steady_clock::duration d) {
   std::ostringstream out;
@@ -47,79 +31,25 @@ std::string seconds_text(std::chrono::steady_clock::duration d) {
       << std::chrono::duration_cast<std::chrono::milliseconds>(d).count() / 1000.0 << " s";
   return out.str();
 }
-// How long a launcher tries to reach etcd: a server that runs already, unlike the c10d endpoint,
-// which waits for the launcher that serves it.
-constexpr std::chrono::milliseconds kEtcdConnect{30000};
-
-// Whether `host` names an address of this machine: binding to it succeeds only then.
-bool is_local_address(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), "0", &hints, &found) != 0) {
-    return false;
-  }
-  bool local = false;
-  for (addrinfo* a = found; a != nullptr && !local; a = a->ai_next) {
-    int fd = socket(a->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0) {
-      local = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
-      close(fd);
-    }
-  }
-  freeaddrinfo(found);
-  return local;
-}
-
 }  // namespace
 
-void Rendezvous::open_store() {
-  if (o_.backend == "etcd") {
-    store_ = open_etcd_store(o_.host, o_.port,
-                             std::min<std::chrono::milliseconds>(o_.join_timeout, kEtcdConnect),
-                             kStoreCallTimeout);
-    return;
-  }
-  const bool fixed = o_.fixed_node_rank >= 0;
-  const auto call_timeout = socket_call_timeout(o_.keep_alive);
-  if (fixed ? o_.fixed_node_rank == 0 : is_local_address(o_.host)) {
-    try {
-      store_ = open_socket_store(o_.host, o_.port, /*serve=*/true, o_.join_timeout, call_timeout);
-      serving_ = true;
-      if (o_.max_nodes > 1 && is_loopback_name(o_.host)) {
-        std::cerr << "paratrain launch: warning: " << (fixed ? "--master-addr" : "--rdzv-endpoint")
-                  << " host " << o_.host << " resolves only to loopback addresses here, where the "
-                  << (fixed ? "launchers' store" : "rendezvous")
-                  << " is served; nodes on other hosts cannot reach it: give an address they "
-                     "reach"
-                  << std::endl;
-      }
-    } catch (const std::exception& e) {
-      // Static: node 0 alone serves the launchers' store. Dynamic: another launcher on this
-      // host serves it already: join as a client below.
-      TORCH_CHECK(!fixed, "node 0 cannot serve the launchers' store at ", o_.host, ":", o_.port,
-                  " (--master-port + 1, where the nodes agree on restarts): ", error_message(e),
-                  "; pick another --master-port");
-    }
-  }
-  if (!store_) {
-    try {
-      store_ = open_socket_store(o_.host, o_.port, /*serve=*/false, o_.join_timeout, call_timeout);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "rendezvous ", describe(), ": cannot reach the endpoint within ",
-                  o_.join_timeout.count() / 1000.0, " s (", error_message(e),
-                  "); start the node on ", o_.host,
-                  fixed ? " (node 0 serves it)" : " (it serves the rendezvous)", " or fix ",
-                  fixed ? "--master-addr" : "--rdzv-endpoint");
-    }
-  }
+Rendezvous::Rendezvous(RendezvousOptions options)
+    : o_(std::move(options)), policy_(make_rendezvous_policy(o_)) {
+  TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
+  store_ = policy_->open_store(&serving_);
+  start();
 }
 
-Rendezvous::Rendezvous(RendezvousOptions options) : o_(std::move(options)) {
+Rendezvous::Rendezvous(RendezvousOptions options, std::unique_ptr<RendezvousStore> store)
+    : o_(std::move(options)), policy_(make_rendezvous_policy(o_)), store_(std::move(store)) {
   TORCH_CHECK(!o_.id.empty(), "--rdzv-id is empty: give the job a name every node shares");
-  open_store();
+  start();
+}
+
+// This run's generation of the id, this node's address, and the job's signature.
+void Rendezvous::start() {
   generation_ = store_->add(keys().generation_counter(), 0);
-  if (o_.backend == "etcd") {
+  if (policy_->store_outlives_nodes()) {
     skip_dead_generation();
   }
   my_address_ = route_source_address(o_.host, o_.port);
@@ -207,9 +137,10 @@ Assignment Rendezvous::next() {
       last_contact_ = Clock::now();
       return a;
     } catch (const std::exception& e) {
-      if (o_.backend == "etcd" || !store_->last_call_unreachable()) {
-        TORCH_CHECK(o_.backend == "etcd" || !store_->last_call_found_none(), "rendezvous ",
-                    describe(), ": the node serving it has ended (", error_message(e), ")");
+      // A store whose calls never fail for silence (etcd) says no to both.
+      if (!store_->last_call_unreachable()) {
+        TORCH_CHECK(!store_->last_call_found_none(), "rendezvous ", describe(),
+                    ": the node serving it has ended (", error_message(e), ")");
         throw;
       }
       if (!unreachable_since) {
@@ -235,7 +166,7 @@ void Rendezvous::open_pending_round() {
   }
   const PendingRound p = *pending_;
   if (read_int(keys().round()) == p.left.round) {
-    if (p.reason == "unreachable" && !restart_left(p.left)) {
+    if (p.reason == "unreachable" && !policy_->restart_left(p.left)) {
       pending_.reset();
       const std::string why = "node " + std::to_string(p.left.node_rank) +
                               " lost contact with the others; no restart left (--max-restarts " +
@@ -252,10 +183,6 @@ void Rendezvous::open_pending_round() {
 // This launcher, as the store's claims name it.
 std::string Rendezvous::me() const {
   return my_address_ + " (pid " + std::to_string(::getpid()) + ")";
-}
-
-bool Rendezvous::restart_left(const Assignment& a) const {
-  return o_.fixed_node_rank < 0 || a.round < o_.max_restarts;
 }
 
 // One attempt at joining the open round (next()). A retry after the store stopped answering keeps
@@ -292,7 +219,7 @@ Assignment Rendezvous::join() {
     const int64_t round = read_int(keys().round());
     // This node's place, from 1: its fixed node rank + 1 (claimed before it counts), or the order
     // of joining.
-    const int64_t fixed = o_.fixed_node_rank >= 0 ? take_place(round) : 0;
+    const int64_t fixed = policy_->claim_place(*store_, keys(), round, me());
     if (draw_ticket(round) == 0) {
       continue;  // the round was abandoned: the next one is open
     }
@@ -338,16 +265,6 @@ void Rendezvous::next_generation() {
                       std::to_string(generation_ + 1));
 }
 
-// The command line that joins the job the nodes that came are waiting in.
-std::string Rendezvous::how_to_join() const {
-  if (o_.fixed_node_rank >= 0) {
-    return "start each with its --node-rank, --master-addr " + o_.host + " and --master-port " +
-           std::to_string(o_.port - 1);
-  }
-  return "start them with " + std::string(o_.backend == "etcd" ? "--rdzv-backend etcd " : "") +
-         "--rdzv-endpoint " + o_.host + ":" + std::to_string(o_.port) + " --rdzv-id " + o_.id;
-}
-
 // etcd outlives the launchers: a run whose launchers were all killed (no finish, no shutdown)
 // would keep later runs with its id waiting for its closed round forever. A closed round whose
 // heartbeats stand still for the keep-alive time is such a run: the id moves past it.
@@ -385,17 +302,6 @@ void Rendezvous::skip_dead_generation() {
             << "starting a new run" << std::endl;
   next_generation();
   generation_ = read_int(keys().generation_counter());
-}
-
-// Static rendezvous: this node claims its fixed node rank in the round; a second node claiming it
-// is refused (two launchers given one --node-rank).
-int64_t Rendezvous::take_place(int64_t round) {
-  const std::string holder = store_->compare_set(keys().claim(round, o_.fixed_node_rank), "", me());
-  TORCH_CHECK(holder == me(), "two nodes claim node rank ", o_.fixed_node_rank, " (", holder,
-              " and this one, ", me(),
-              "): give each node its own --node-rank (a launcher started again while its job runs "
-              "cannot rejoin a static job: restart the whole job)");
-  return o_.fixed_node_rank + 1;
 }
 
 // False when the round was moved past before it closed.
@@ -439,7 +345,7 @@ bool Rendezvous::close_round(int64_t round) {
                                   " nodes needed (--nnodes " + std::to_string(o_.min_nodes) + ":" +
                                   std::to_string(o_.max_nodes) + ") joined within " +
                                   std::to_string(o_.join_timeout.count() / 1000.0) +
-                                  " s; the others never joined: " + how_to_join();
+                                  " s; the others never joined: " + policy_->how_to_join();
       store_->set(keys().failed(round), message);
       shut_down(message, static_cast<int>(count) - 1);
       TORCH_CHECK(false, message);
@@ -448,7 +354,7 @@ bool Rendezvous::close_round(int64_t round) {
     if (round_moved(round)) {
       return false;
     }
-    if (o_.backend == "etcd" && Clock::now() >= next_closer_beat) {
+    if (policy_->store_outlives_nodes() && Clock::now() >= next_closer_beat) {
       store_->add(keys().closer_beat(round), 1);  // alive, for skip_dead_generation
       next_closer_beat = Clock::now() + std::chrono::milliseconds(500);
     }
@@ -456,10 +362,7 @@ bool Rendezvous::close_round(int64_t round) {
   }
   const int64_t nnodes = std::min<int64_t>(count, o_.max_nodes);
   // The first value stands: a retry (the store did not answer) must not change what others read.
-  store_->compare_set(keys().master(round), "",
-                      !o_.fixed_master.empty()
-                          ? o_.fixed_master
-                          : my_address_ + ":" + std::to_string(pick_free_port()));
+  store_->compare_set(keys().master(round), "", policy_->round_master(my_address_));
   store_->compare_set(keys().closed(round), "", std::to_string(nnodes));
   return true;
 }
@@ -546,7 +449,7 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
                                         : " after a failure");
       return true;
     }
-    if (o_.fixed_node_rank > 0 && !node0_done_) {
+    if (policy_->needs_serving_node(a) && !node0_done_) {
       // Node 0 serves the store until every node is done, or for a while: once its workers are
       // done, its store going away is no failure.
       node0_done_ = store_->check(keys().done(a.round, 0));
@@ -592,7 +495,7 @@ bool Rendezvous::peer_stopped(const Assignment& a, std::string* why, bool& dead_
       return peer_unreachable(a, who, why);
     }
     *why = who + " stopped its heartbeat " + seconds_text(Clock::now() - last_moved_[i]) + " ago";
-    if (o_.fixed_node_rank >= 0) {
+    if (policy_->on_peer_ended() == RendezvousPolicy::PeerEnded::kEndJob) {
       // A static job cannot go on without a node: it ends now rather than wait for it.
       *why += "; a static job cannot go on without it";
       shut_down(*why, a.nnodes - 2);
@@ -630,7 +533,7 @@ bool Rendezvous::peer_ended(const Assignment& a, int n) {
 bool Rendezvous::peer_unreachable(const Assignment& a, const std::string& who, std::string* why) {
   *why = who + " has not been heard from for " + seconds_text(o_.keep_alive) +
          ", and its connection is still open (a network partition, or its host stopped)";
-  if (!restart_left(a)) {
+  if (!policy_->restart_left(a)) {
     *why += "; no restart left (--max-restarts " + std::to_string(o_.max_restarts) + ")";
     shut_down(*why, a.nnodes - 2);
     shutdown_seen_ = true;
@@ -645,7 +548,7 @@ bool Rendezvous::peer_unreachable(const Assignment& a, const std::string& who, s
 // ended) is not called again, and next() reports it; one that does not answer is ridden out for
 // the keep-alive time, then this node stops its workers to rejoin once it answers.
 bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std::string* why) {
-  if (o_.backend == "etcd") {
+  if (policy_->on_store_failure() == RendezvousPolicy::StoreFailure::kRetryLater) {
     // Nobody's heartbeat was seen while etcd failed: the waits start again from now, so that an
     // outage does not pass for dead nodes.
     retry_after_ = Clock::now() + o_.keep_alive / 4;
@@ -667,7 +570,7 @@ bool Rendezvous::store_failed(const Assignment& a, const std::exception& e, std:
     return true;
   }
   broken_ = error_message(e);
-  if (o_.fixed_node_rank > 0 && !node0_done_) {
+  if (policy_->needs_serving_node(a) && !node0_done_) {
     // Node 0's launcher serves the store: without it a static job cannot go on.
     *why = "node 0's launcher (" + o_.host + ":" + std::to_string(o_.port) + ") is gone (" +
            broken_ + "); a static job cannot go on without it";

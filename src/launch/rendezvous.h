@@ -39,6 +39,7 @@
 // the connection is not used again, and next() reports it.
 
 #include "rendezvous_keys.h"
+#include "rendezvous_policy.h"
 #include "rendezvous_store.h"
 
 #include <chrono>
@@ -95,6 +96,8 @@ class Rendezvous {
   /// Opens the store (serving it when the endpoint is this host's address and nobody here serves
   /// it yet) and checks the job's signature. Throws c10::Error with one line.
   explicit Rendezvous(RendezvousOptions options);
+  /// Over a store opened elsewhere (an in-memory one in the tests); the mode's policy as above.
+  Rendezvous(RendezvousOptions options, std::unique_ptr<RendezvousStore> store);
   ~Rendezvous();
 
   /// Joins the open round and returns this node's place once the round closes; waits as a
@@ -136,10 +139,9 @@ class Rendezvous {
   void wait_standby(int64_t round);
 
   RendezvousOptions o_;
-  void open_store();
-  int64_t take_place(int64_t round);
+  std::unique_ptr<RendezvousPolicy> policy_;  // what differs between c10d, etcd and static
+  void start();
   void next_generation();
-  std::string how_to_join() const;
   void skip_dead_generation();
   bool peer_stopped(const Assignment& a, std::string* why, bool& dead_peer);
   bool peer_ended(const Assignment& a, int n);
@@ -150,7 +152,6 @@ class Rendezvous {
   bool round_moved(int64_t round);
   void open_pending_round();
   std::string me() const;
-  bool restart_left(const Assignment& a) const;
 
   std::unique_ptr<RendezvousStore> store_;
   bool serving_ = false;
