@@ -7,7 +7,8 @@ Usage: scripts/include-graph.py [--dot]
 Reads every #include "..." of the library (include/paratrain/AREA, src/AREA), the CLI
 (apps/paratrain), the benchmarks (bench) and the tests (tests/support, the rest of tests), maps
 each to the folder it names, and prints one line per folder with the folders it includes. Exits 1
-naming every include that points up the order below (and so every cycle), and every reach:
+naming every include that points up the order below (and so every cycle), and every reach of a
+library file (src/):
 - a relative path out of the file's folder ("../util/errors.h");
 - a private header of another folder (src/AREA/x.h) that is not one of the internal interfaces
   that folder offers (INTERNAL_INTERFACES below);
@@ -32,7 +33,7 @@ LIBRARY_AREAS = ORDER[:10]
 # The private headers a folder offers the others (named from src/), and why they are not public.
 INTERNAL_INTERFACES = {
     "util/errors.h": "one line for an error that wraps another (a replica's, a stage's)",
-    "util/files.h": "file-system helpers for the library, the CLI, the benchmarks and the tests",
+    "util/files.h": "file-system helpers for the library, the benchmarks and the tests",
     "util/strings.h": "starts_with and ends_with (C++17 has neither)",
     "util/copies.h": "a device copy from a thread that reads the tensor next",
     "util/batchnorm.h": "which modules are batch normalisation, for amp and SyncBatchNorm",
@@ -109,6 +110,11 @@ def library_targets():
             if word.startswith("src/") and word.endswith(".cpp"):
                 sources[word] = name
     libraries = set(sources.values())
+    # A CMakeLists.txt this reading no longer understands must fail, not turn the check off.
+    for needed in ("paratrain", "paratrain_launch"):
+        if needed not in libraries:
+            sys.exit("include-graph: found no sources of library %s in CMakeLists.txt; update "
+                     "library_targets()" % needed)
     closure = {}
     for lib in libraries:
         seen, todo = {lib}, [lib]

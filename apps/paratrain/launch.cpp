@@ -35,7 +35,7 @@ const CommandSpec& launch_spec() {
           {"master-port,master_port", "P", "port of rank 0's store (default 29500)"},
           {"standalone", "", "one node, a free port picked for you"},
           {"devices", "0,1,3",
-           "GPUs to use (or cuda:0,cuda:1, as train names them): sets CUDA_VISIBLE_DEVICES; "
+           "GPUs to use, by physical index (cuda:N means N too): sets CUDA_VISIBLE_DEVICES; "
            "local rank i uses cuda:i"},
           {"log-dir,log_dir", "D", "also write each rank's output to D/rank_R.log"},
           {"backend", "B",

@@ -30,7 +30,7 @@ std::vector<int> parse_device_list(const std::string& text) {
   std::stringstream in(text);
   std::string item;
   while (std::getline(in, item, ',')) {
-    // "cuda:1" as train's --devices and torch::Device name it, or its bare index.
+    // "cuda:1", spelled as train's --devices spells a device, is physical GPU 1 here too.
     const std::string index = item.rfind("cuda:", 0) == 0 ? item.substr(5) : item;
     TORCH_CHECK(!index.empty() && index.find_first_not_of("0123456789") == std::string::npos &&
                     index.size() < 6,

@@ -153,8 +153,8 @@ struct LaunchResult {
 /// (the workers keep the one from before).
 LaunchResult launch(const LaunchOptions& options);
 
-/// "0,1,3" or "cuda:0,cuda:1,cuda:3" (torch::Device's names, as train's --devices) -> {0, 1, 3};
-/// throws on non-numbers, negatives, duplicates and empty entries.
+/// "0,1,3" or "cuda:0,cuda:1,cuda:3" -> {0, 1, 3}, physical GPU indices either way (they become
+/// CUDA_VISIBLE_DEVICES); throws on non-numbers, negatives, duplicates and empty entries.
 std::vector<int> parse_device_list(const std::string& text);
 
 /// The paratrain CLI's `launch --from-mpirun`: mpirun started this process as rank `rank` of
