@@ -478,17 +478,8 @@ int fit_and_save(Trainer& trainer, const Args& args, const Placement& where, std
     std::cerr << "paratrain train: " << e.what() << std::endl;
     return 1;
   } catch (const ReplicaDivergence& e) {
-    std::cerr << "paratrain train: " << e.what() << std::endl;
+    std::cerr << "paratrain train: " << train_detail::in_flags(e.what()) << std::endl;
     return 1;
-  } catch (const c10::Error& e) {
-    // Every checkpoint damaged: the library names its option, the command line has a flag.
-    std::string what = e.what_without_backtrace();
-    const std::string option = "set start_fresh_if_damaged";
-    const size_t at = what.find(option);
-    if (at == std::string::npos) {
-      throw;
-    }
-    throw std::runtime_error(what.replace(at, option.size(), "add --start-fresh-if-damaged"));
   }
   if (args.has("save-weights")) {
     const TensorMap weights = trainer.weights();  // on every rank: under fsdp a collective
@@ -546,17 +537,23 @@ int run_train(const std::vector<std::string>& argv) {
       s.piped ? pipeline::balance_by_parameters(model, s.stages) : std::vector<int64_t>{};
 
   configure_run(o, args, s, where);
-  Trainer trainer(model, sets.train, sets.test, o);
-  install_fault(trainer, where.rank);
-  if (speak) {
-    print_setup(info, s, sets, n_params, balance, where, trainer, o);
+  try {
+    Trainer trainer(model, sets.train, sets.test, o);
+    install_fault(trainer, where.rank);
+    if (speak) {
+      print_setup(info, s, sets, n_params, balance, where, trainer, o);
+    }
+    const bool progress = speak && !s.json && ::isatty(1);
+    if (progress) {
+      show_progress(trainer, s.epochs);
+    }
+    report_epochs(trainer, s, o.checkpoint_every_epoch(), where.pg, speak, progress);
+    return fit_and_save(trainer, args, where, info);
+  } catch (const OptionError& e) {
+    // The library names its options (a checkpoint directory of another run, every checkpoint
+    // damaged); the command line has flags.
+    throw std::runtime_error(train_detail::flag_message(e));
   }
-  const bool progress = speak && !s.json && ::isatty(1);
-  if (progress) {
-    show_progress(trainer, s.epochs);
-  }
-  report_epochs(trainer, s, o.checkpoint_every_epoch(), where.pg, speak, progress);
-  return fit_and_save(trainer, args, where, info);
 }
 
 }  // namespace cli

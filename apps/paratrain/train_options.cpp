@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace paratrain {
@@ -195,60 +196,6 @@ std::vector<std::string> model_names() {
   return known;
 }
 
-// An OptionError of the Trainer in the command line's words: each TrainerOptions field it names
-// becomes the flag that sets it ("checkpoint_dir" -> "--checkpoint-dir").
-std::string flag_message(const OptionError& e) {
-  static const std::map<std::string, std::string> flags{
-      {"accumulate", "accumulate"},
-      {"amp", "amp"},
-      {"batch_size", "batch-size"},
-      {"check_replicas", "check-replicas"},
-      {"checkpoint_dir", "checkpoint-dir"},
-      {"checkpoint_every", "checkpoint-every"},
-      {"checkpoint_every_epoch", "checkpoint-every-epoch"},
-      {"chunks", "chunks"},
-      {"clip_grad_norm", "clip-grad-norm"},
-      {"devices", "devices"},
-      {"epochs", "epochs"},
-      {"keep", "keep"},
-      {"log_every", "log-every"},
-      {"mixed_precision", "fsdp-param-dtype"},
-      {"resume", "resume"},
-      {"start_fresh_if_damaged", "start-fresh-if-damaged"},
-      {"steps_per_epoch", "steps"},
-      {"strategy", "strategy"},
-      {"sync_batchnorm", "sync-bn"},
-      {"workers", "workers"},
-      {"zero", "zero"},
-      {"zero_checkpoint", "zero-checkpoint"}};
-  const std::string text = e.what_without_backtrace();
-  std::string out;
-  for (size_t at = 0; at < text.size();) {
-    // A value the user gave, quoted, stays as given (an apostrophe, as in "DDP's", opens none).
-    if (text[at] == '\'' && (at == 0 || text[at - 1] == ' ' || text[at - 1] == '(')) {
-      const size_t close = text.find('\'', at + 1);
-      const size_t end = close == std::string::npos ? text.size() : close + 1;
-      out += text.substr(at, end - at);
-      at = end;
-      continue;
-    }
-    size_t end = at;
-    while (end < text.size() &&
-           (std::isalnum(static_cast<unsigned char>(text[end])) != 0 || text[end] == '_')) {
-      ++end;
-    }
-    if (end == at) {
-      out += text[at++];
-      continue;
-    }
-    const std::string word = text.substr(at, end - at);
-    const auto flag = flags.find(word);
-    const bool named = at == 0 || (text[at - 1] != '-' && text[at - 1] != ':');
-    out += flag != flags.end() && named ? "--" + flag->second : word;
-    at = end;
-  }
-  return out;
-}
 }  // namespace
 
 bool is_gpt(const std::string& name) {
@@ -695,6 +642,79 @@ TrainerOptions loop_options(const Args& args, const TrainSettings& s) {
   }
   probe_outputs(o);
   return o;
+}
+
+// The Trainer's words in the command line's: each TrainerOptions (or CheckpointOptions) field the
+// text names becomes the flag that sets it ("checkpoint_dir" -> "--checkpoint-dir"), and "set X"
+// of a switch becomes "add --x". Quoted values and paths stay as given.
+std::string in_flags(const std::string& text) {
+  static const std::map<std::string, std::string> flags{
+      {"accumulate", "accumulate"},
+      {"amp", "amp"},
+      {"any_world_size", "nnodes MIN:MAX"},
+      {"batch_size", "batch-size"},
+      {"check_replicas", "check-replicas"},
+      {"checkpoint_dir", "checkpoint-dir"},
+      {"checkpoint_every", "checkpoint-every"},
+      {"checkpoint_every_epoch", "checkpoint-every-epoch"},
+      {"chunks", "chunks"},
+      {"clip_grad_norm", "clip-grad-norm"},
+      {"devices", "devices"},
+      {"elastic", "nnodes MIN:MAX"},
+      {"epochs", "epochs"},
+      {"keep", "keep"},
+      {"log_every", "log-every"},
+      {"mixed_precision", "fsdp-param-dtype"},
+      {"resume", "resume"},
+      {"start_fresh_if_damaged", "start-fresh-if-damaged"},
+      {"steps_per_epoch", "steps"},
+      {"strategy", "strategy"},
+      {"sync_batchnorm", "sync-bn"},
+      {"workers", "workers"},
+      {"zero", "zero"},
+      {"zero_checkpoint", "zero-checkpoint"}};
+  // Flags that take no value: the library "set"s them, a command line adds them.
+  static const std::set<std::string> switches{"checkpoint_every_epoch", "start_fresh_if_damaged",
+                                              "sync_batchnorm", "zero"};
+  std::string out;
+  for (size_t at = 0; at < text.size();) {
+    // A value the user gave, quoted, stays as given (an apostrophe, as in "DDP's", opens none).
+    if (text[at] == '\'' && (at == 0 || text[at - 1] == ' ' || text[at - 1] == '(')) {
+      const size_t close = text.find('\'', at + 1);
+      const size_t end = close == std::string::npos ? text.size() : close + 1;
+      out += text.substr(at, end - at);
+      at = end;
+      continue;
+    }
+    size_t end = at;
+    while (end < text.size() &&
+           (std::isalnum(static_cast<unsigned char>(text[end])) != 0 || text[end] == '_')) {
+      ++end;
+    }
+    if (end == at) {
+      out += text[at++];
+      continue;
+    }
+    const std::string word = text.substr(at, end - at);
+    const auto flag = flags.find(word);
+    // Not part of a flag, a value ("O2:bf16") or a path ("/data/epochs/", "ckpt.keep").
+    const bool named = (at == 0 || std::string("-:/.").find(text[at - 1]) == std::string::npos) &&
+                       (end == text.size() || text[end] != '/');
+    if (flag != flags.end() && named) {
+      if (out.size() >= 4 && out.compare(out.size() - 4, 4, "set ") == 0) {
+        out.replace(out.size() - 4, 4, switches.count(word) ? "add " : "give ");
+      }
+      out += "--" + flag->second;
+    } else {
+      out += word;
+    }
+    at = end;
+  }
+  return out;
+}
+
+std::string flag_message(const OptionError& e) {
+  return in_flags(e.what_without_backtrace());
 }
 
 }  // namespace train_detail

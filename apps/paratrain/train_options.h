@@ -9,6 +9,7 @@
 
 #include "paratrain/models/gpt.h"
 #include "paratrain/paratrain.h"
+#include "paratrain/util/option_error.h"
 
 #include <torch/torch.h>
 
@@ -74,6 +75,11 @@ TrainSettings read_settings(const Args& args);
 
 /// The optimizer, schedule, accumulation, clipping, checkpoint and metrics flags.
 TrainerOptions loop_options(const Args& args, const TrainSettings& s);
+
+/// Text of the library (an OptionError's, ReplicaDivergence's) in the command line's words: each
+/// option field it names becomes its flag ("checkpoint_dir" -> "--checkpoint-dir").
+std::string in_flags(const std::string& text);
+std::string flag_message(const OptionError& e);
 
 }  // namespace train_detail
 }  // namespace cli

@@ -2,6 +2,7 @@
 
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
+#include "paratrain/util/option_error.h"
 #include "paratrain/util/trace.h"
 #include "util/files.h"
 
@@ -201,7 +202,7 @@ void make_dirs(const std::string& dir) {
     at += (at.empty() || at.back() == '/' ? "" : "/") + part;
     if (::mkdir(at.c_str(), 0755) != 0 && errno != EEXIST) {
       TORCH_CHECK(false, "cannot create the checkpoint directory ", dir, " (at ", at,
-                  "): ", errno_text(), "; give a writable --checkpoint-dir");
+                  "): ", errno_text(), "; give a writable directory");
     }
   }
 }
@@ -221,8 +222,7 @@ Checkpoint::Checkpoint(CheckpointOptions options, dist::ProcessGroupPtr pg)
   TORCH_CHECK(::stat(options_.dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode),
               "the checkpoint directory ", options_.dir(), " is not a directory");
   TORCH_CHECK(::access(options_.dir().c_str(), W_OK | X_OK) == 0, "the checkpoint directory ",
-              options_.dir(), " is not writable: ", errno_text(),
-              "; give a writable --checkpoint-dir");
+              options_.dir(), " is not writable: ", errno_text(), "; give a writable directory");
   remove_stale_temporaries();
 }
 
@@ -426,7 +426,7 @@ void Checkpoint::set_resumed_step(int64_t step) {
 int Checkpoint::saved_world_size(const std::string& path) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
-              " does not exist: give a ckpt-N.json manifest, or --resume auto");
+              " does not exist: give the path of a ckpt-N.json manifest");
   const Json manifest = read_json(path);
   TORCH_CHECK(manifest.is_object() && manifest.contains("world_size") &&
                   manifest.at("world_size").is_number_integer(),
@@ -443,7 +443,7 @@ CheckpointState Checkpoint::load_shared(const std::string& path, int rank) {
 CheckpointState Checkpoint::load(const std::string& path, int rank) {
   struct stat st;
   TORCH_CHECK(::stat(path.c_str(), &st) == 0, "checkpoint ", path,
-              " does not exist: give a ckpt-N.json manifest, or --resume auto");
+              " does not exist: give the path of a ckpt-N.json manifest");
   const std::string dir = parent_directory(path);
   const Json manifest = read_json(path);
   TORCH_CHECK(manifest.is_object() && manifest.value("format", "") == "paratrain-checkpoint-1",
@@ -583,9 +583,10 @@ std::optional<CheckpointState> Checkpoint::load_latest(
       // saved world would otherwise fail alone on its missing file and vote while the others
       // throw.
       const int saved_world = saved_world_size(path);
-      TORCH_CHECK(saved_world == world || options_.any_world_size(), "checkpoint ", path,
-                  " was made by ", saved_world, " ranks and this job has ", world,
-                  ": resume with as many ranks, or use another --checkpoint-dir");
+      PARATRAIN_CHECK_OPTION(saved_world == world || options_.any_world_size(), "any_world_size",
+                             "checkpoint ", path, " was made by ", saved_world,
+                             " ranks and this job has ", world,
+                             ": start as many ranks, or set any_world_size to reshard it");
       s = options_.any_world_size() ? load_shared(path, rank_) : load(path, rank_);
       // A smaller world, where every rank's own tensors are needed (ZeRO's shards): the saving
       // ranks this world lacks are checked too, by rank r for ranks r + world, r + 2 world, ...,
@@ -593,13 +594,11 @@ std::optional<CheckpointState> Checkpoint::load_latest(
       for (int r = rank_ + world; s->own_read_by_all && r < saved_world; r += world) {
         load_own(path, r, s->step, saved_world);
       }
+    } catch (const OptionError&) {
+      throw;  // another world size: the same on every rank, not a damaged file to skip
     } catch (const c10::Error& e) {
-      const std::string what = e.what_without_backtrace();
-      if (what.find(" ranks and this job has ") != std::string::npos) {
-        throw;  // the same on every rank: not a damaged file to skip
-      }
       s.reset();
-      skip(step, what);
+      skip(step, e.what_without_backtrace());
     } catch (const std::exception& e) {
       s.reset();
       skip(step, e.what());
@@ -622,12 +621,13 @@ std::optional<CheckpointState> Checkpoint::load_latest(
   }
   // Checkpoints, and none verifies: a start from step 0 would go on beside them, and rotation
   // would delete them (intact rank files included), so it takes the caller's explicit choice.
-  TORCH_CHECK(options_.start_fresh_if_damaged(), "every checkpoint in ", options_.dir(),
-              " is damaged (", candidates.size(), " of them; the newest, ",
-              stem(candidates.front()), ": ",
-              newest_fault.empty() ? "its files failed their checks on another rank" : newest_fault,
-              "): none was loaded and none deleted; move them out of the directory, or set "
-              "start_fresh_if_damaged to start from step 0 and keep them");
+  PARATRAIN_CHECK_OPTION(
+      options_.start_fresh_if_damaged(), "start_fresh_if_damaged", "every checkpoint in ",
+      options_.dir(), " is damaged (", candidates.size(), " of them; the newest, ",
+      stem(candidates.front()), ": ",
+      newest_fault.empty() ? "its files failed their checks on another rank" : newest_fault,
+      "): none was loaded and none deleted; move them out of the directory, or set "
+      "start_fresh_if_damaged to start from step 0 with them left in place");
   resumed_step_ = -1;  // every damaged one stays
   return std::nullopt;
 }

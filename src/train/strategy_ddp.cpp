@@ -161,7 +161,7 @@ void DdpStrategy::check_replicas(int64_t global_step) {
     throw ReplicaDivergence("the replicas diverged at step " + std::to_string(global_step) +
                             ": rank(s) " + diverged + " hold weights that differ from rank " +
                             std::to_string(reference) + "'s, first in '" + tensor +
-                            "' (--check-replicas)");
+                            "' (check_replicas)");
   }
 }
 

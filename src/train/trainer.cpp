@@ -518,10 +518,10 @@ Trainer::Trainer(torch::nn::Sequential model,
             .start_fresh_if_damaged(m.o.start_fresh_if_damaged()),
         m.o.process_group());
     // A fresh run would mix its checkpoints with another run's (and prune its own first).
-    TORCH_CHECK(!m.o.resume().empty() || m.ckpt->steps().empty(), "the checkpoint directory ",
-                m.o.checkpoint_dir(),
-                " holds checkpoints of another run: continue it with --resume auto, or give an "
-                "empty --checkpoint-dir");
+    PARATRAIN_CHECK_OPTION(!m.o.resume().empty() || m.ckpt->steps().empty(), "checkpoint_dir",
+                           "checkpoint_dir '", m.o.checkpoint_dir(),
+                           "' holds checkpoints of another run: continue it with resume auto, or "
+                           "give an empty checkpoint_dir");
   }
   if (!m.o.tensorboard().empty() && m.rank == 0) {
     m.tb = std::make_unique<tensorboard::SummaryWriter>(m.o.tensorboard());

@@ -6,9 +6,11 @@
 #include "trainer_impl.h"
 
 #include "paratrain/io/safetensors.h"
+#include "paratrain/util/option_error.h"
 
 #include <algorithm>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -85,9 +87,9 @@ void Trainer::Impl::check_saved_config(const CheckpointState& s, const Json& met
   TORCH_CHECK(model_diff.empty(), "checkpoint ", s.path, " is from another model: ", model_diff);
   const std::string config_diff =
       first_difference(meta.at("config"), Json::parse(o.config()), o.resume_may_change());
-  TORCH_CHECK(config_diff.empty(), "checkpoint ", s.path,
-              " was made with another configuration: ", config_diff,
-              "; resume with the same settings, or use another --checkpoint-dir");
+  PARATRAIN_CHECK_OPTION(config_diff.empty(), "config", "checkpoint '", s.path,
+                         "' was made with another configuration: ", config_diff,
+                         "; use the same settings, or another checkpoint_dir");
 }
 
 void Trainer::Impl::restore(const CheckpointState& s) {
@@ -212,10 +214,14 @@ void Trainer::Impl::resume() {
     // no own files.
     // Checked from the manifest, alike on every rank, before a rank beyond the saved world
     // fails alone on its missing file while the others go on into training.
+    std::error_code missing;
+    PARATRAIN_CHECK_OPTION(std::filesystem::exists(o.resume(), missing), "resume", "resume '",
+                           o.resume(),
+                           "' does not exist: give a ckpt-N.json manifest, or resume auto");
     const int saved_world = Checkpoint::saved_world_size(o.resume());
-    TORCH_CHECK(o.elastic() || saved_world == world, "checkpoint ", o.resume(), " was made by ",
-                saved_world, " ranks and this job has ", world,
-                ": resume with as many ranks, or in an elastic job (--nnodes MIN:MAX)");
+    PARATRAIN_CHECK_OPTION(o.elastic() || saved_world == world, "elastic", "checkpoint '",
+                           o.resume(), "' was made by ", saved_world, " ranks and this job has ",
+                           world, ": start as many ranks, or set elastic to reshard it");
     std::optional<CheckpointState> s;
     std::exception_ptr error;
     try {

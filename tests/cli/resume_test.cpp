@@ -430,7 +430,7 @@ TEST(Resume, BadInput) {  // ctest: slow 24
        "--sync-bn works across DDP's ranks: add --strategy ddp (got --strategy dp)"},
       {{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--checkpoint-dir", dir,
         "--resume", "auto"},
-       "was made by 1 ranks and this job has 2: resume with as many ranks"},
+       "was made by 1 ranks and this job has 2: start as many ranks, or give --nnodes MIN:MAX"},
       {{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--checkpoint-dir",
         base + "-keep1", "--keep", "1"},
        "keep at least 2 checkpoints with several ranks, got 1"},
@@ -498,7 +498,7 @@ TEST(Resume, BadInput) {  // ctest: slow 24
       << refused.output;
   EXPECT_NE(refused.output.find("none was loaded and none deleted; move them out of the "
                                 "directory, or add --start-fresh-if-damaged to start from step "
-                                "0 and keep them\n"),
+                                "0 with them left in place\n"),
             std::string::npos)
       << refused.output;
   EXPECT_EQ(refused.output.find("starting from step 0"), std::string::npos) << refused.output;

@@ -233,7 +233,7 @@ TEST(Checkpoint, EveryCheckpointDamagedFailsAndDeletesNothing) {
             std::string::npos)
       << e;
   EXPECT_NE(e.find("): none was loaded and none deleted; move them out of the directory, or set "
-                   "start_fresh_if_damaged to start from step 0 and keep them"),
+                   "start_fresh_if_damaged to start from step 0 with them left in place"),
             std::string::npos)
       << e;
   EXPECT_EQ(e.find('\n'), std::string::npos) << e;

@@ -316,6 +316,20 @@ TEST(Trainer, EveryCheckpointDamagedFailsUnlessAFreshStartIsChosen) {
       << e;
   EXPECT_NE(e.find("set start_fresh_if_damaged to start from step 0"), std::string::npos) << e;
   EXPECT_EQ(files_in(dir), damaged);
+  // In the library's terms, naming the option: a command line maps the field to its flag.
+  auto field_of = [&](const TrainerOptions& o) {
+    try {
+      Trainer t(fresh("linear"), data, nullptr, o);
+      t.fit();
+    } catch (const OptionError& error) {
+      EXPECT_EQ(std::string(error.what_without_backtrace()).find("--"), std::string::npos)
+          << error.what_without_backtrace();
+      return error.field();
+    }
+    return std::string("(no OptionError)");
+  };
+  EXPECT_EQ(field_of(options()), "start_fresh_if_damaged");
+  EXPECT_EQ(field_of(options().resume("")), "checkpoint_dir");  // another run's checkpoints
 
   Trainer t(fresh("linear"), data, nullptr,
             options().checkpoint_every(3).start_fresh_if_damaged(true));
