@@ -105,6 +105,18 @@ struct StrategyKind {
 /// dimension last), where a classifier's class dimension is 1.
 bool is_sequence(const torch::Tensor& output, const torch::Tensor& target);
 
+/// A StrategyKind's make: builds strategy S.
+template <typename S>
+std::unique_ptr<TrainStrategy> make_strategy(const TrainerOptions& options,
+                                             torch::nn::Sequential model) {
+  return std::make_unique<S>(options, std::move(model));
+}
+/// A StrategyKind's options_set and check for a strategy with no options or rules of its own.
+inline std::vector<std::string> no_own_options(const TrainerOptions&) {
+  return {};
+}
+inline void no_own_checks(const TrainerOptions&) {}
+
 /// Each in its own file.
 StrategyKind single_strategy();
 StrategyKind ddp_strategy();

@@ -168,25 +168,22 @@ void DdpStrategy::check_replicas(int64_t global_step) {
 }  // namespace
 
 StrategyKind ddp_strategy() {
-  return {
-      Strategy::kDDP,
-      "ddp",
-      /*takes_process_group=*/true,
-      [](const TrainerOptions& o) {
-        std::vector<std::string> set;
-        if (o.zero()) {
-          set.push_back("zero");
-        }
-        if (o.sync_batchnorm()) {
-          set.push_back("sync_batchnorm");
-        }
-        return set;
-      },
-      "works across DDP's ranks",
-      [](const TrainerOptions&) {},
-      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
-        return std::make_unique<DdpStrategy>(o, std::move(model));
-      }};
+  return {Strategy::kDDP,
+          "ddp",
+          /*takes_process_group=*/true,
+          [](const TrainerOptions& o) {
+            std::vector<std::string> set;
+            if (o.zero()) {
+              set.push_back("zero");
+            }
+            if (o.sync_batchnorm()) {
+              set.push_back("sync_batchnorm");
+            }
+            return set;
+          },
+          "works across DDP's ranks",
+          no_own_checks,
+          make_strategy<DdpStrategy>};
 }
 
 }  // namespace paratrain::train_internal

@@ -31,16 +31,13 @@ class DataParallelStrategy : public TrainStrategy {
 }  // namespace
 
 StrategyKind data_parallel_strategy() {
-  return {
-      Strategy::kDataParallel,
-      "dp",
-      /*takes_process_group=*/false,
-      [](const TrainerOptions&) { return std::vector<std::string>{}; },
-      "",
-      [](const TrainerOptions& o) { first_device(o); },
-      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
-        return std::make_unique<DataParallelStrategy>(o, std::move(model));
-      }};
+  return {Strategy::kDataParallel,
+          "dp",
+          /*takes_process_group=*/false,
+          no_own_options,
+          "",
+          [](const TrainerOptions& o) { first_device(o); },
+          make_strategy<DataParallelStrategy>};
 }
 
 }  // namespace paratrain::train_internal

@@ -115,16 +115,13 @@ void check_fsdp_options(const TrainerOptions& o) {
 }  // namespace
 
 StrategyKind fsdp_strategy() {
-  return {
-      Strategy::kFSDP,
-      "fsdp",
-      /*takes_process_group=*/true,
-      [](const TrainerOptions&) { return std::vector<std::string>{}; },
-      "",
-      check_fsdp_options,
-      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
-        return std::make_unique<FsdpStrategy>(o, std::move(model));
-      }};
+  return {Strategy::kFSDP,
+          "fsdp",
+          /*takes_process_group=*/true,
+          no_own_options,
+          "",
+          check_fsdp_options,
+          make_strategy<FsdpStrategy>};
 }
 
 }  // namespace paratrain::train_internal

@@ -59,16 +59,13 @@ class PipelineStrategy : public TrainStrategy {
 }  // namespace
 
 StrategyKind pipeline_strategy() {
-  return {
-      Strategy::kPipeline,
-      "pipeline",
-      /*takes_process_group=*/false,
-      [](const TrainerOptions&) { return std::vector<std::string>{}; },
-      "",
-      check_pipeline_options,
-      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
-        return std::make_unique<PipelineStrategy>(o, std::move(model));
-      }};
+  return {Strategy::kPipeline,
+          "pipeline",
+          /*takes_process_group=*/false,
+          no_own_options,
+          "",
+          check_pipeline_options,
+          make_strategy<PipelineStrategy>};
 }
 
 }  // namespace paratrain::train_internal

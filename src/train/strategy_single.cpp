@@ -15,16 +15,13 @@ class SingleStrategy : public TrainStrategy {
 }  // namespace
 
 StrategyKind single_strategy() {
-  return {
-      Strategy::kSingle,
-      "single",
-      /*takes_process_group=*/false,
-      [](const TrainerOptions&) { return std::vector<std::string>{}; },
-      "",
-      [](const TrainerOptions&) {},
-      [](const TrainerOptions& o, torch::nn::Sequential model) -> std::unique_ptr<TrainStrategy> {
-        return std::make_unique<SingleStrategy>(o, std::move(model));
-      }};
+  return {Strategy::kSingle,
+          "single",
+          /*takes_process_group=*/false,
+          no_own_options,
+          "",
+          no_own_checks,
+          make_strategy<SingleStrategy>};
 }
 
 }  // namespace paratrain::train_internal

@@ -4,6 +4,7 @@
 
 #include "launch/rendezvous.h"
 #include "launch/rendezvous_policy.h"
+#include "test_util.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -25,6 +26,7 @@ namespace detail {
 namespace {
 
 using namespace std::chrono_literals;
+using paratrain::testing::error_of;
 
 // What every client of one in-memory store shares.
 struct MemoryState {
@@ -152,15 +154,6 @@ bool restarts_within(Rendezvous& r,
     std::this_thread::sleep_for(50ms);
   }
   return false;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
 }
 
 TEST(RendezvousPolicy, EachModeDecidesItsOwn) {
