@@ -3,7 +3,7 @@
 
 set(paratrain_unit_suites
     AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
-    DistributedSampler Files FindProgram GradScaler Image ImageList Join Loader MixedPrecision
+    DistributedSampler Files FindProgram FlagWords GradScaler Image ImageList Join Loader MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery RendezvousPolicy RendezvousRounds Routes
     Safetensors SocketStore TokenDataset
     GptPretrained Trace

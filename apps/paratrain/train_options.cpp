@@ -644,6 +644,21 @@ TrainerOptions loop_options(const Args& args, const TrainSettings& s) {
   return o;
 }
 
+// Whether text[at, end) is part of a path ("/data/epochs/run", "keep.d"): its word, spaces and
+// brackets aside, holds a '/' or a '.' before its end.
+bool in_a_path(const std::string& text, size_t at, size_t end) {
+  const std::string stops = " \t\n()[],;";
+  size_t first = text.find_last_of(stops, at == 0 ? 0 : at - 1);
+  first = first == std::string::npos || (at == 0) ? 0 : first + 1;
+  size_t last = text.find_first_of(stops, end);
+  last = last == std::string::npos ? text.size() : last;
+  while (last > first && std::string(".:").find(text[last - 1]) != std::string::npos) {
+    --last;  // the end of a sentence or a clause
+  }
+  const std::string token = text.substr(first, last - first);
+  return token.find_first_of("/.") != std::string::npos;
+}
+
 // The Trainer's words in the command line's: each TrainerOptions (or CheckpointOptions) field the
 // text names becomes the flag that sets it ("checkpoint_dir" -> "--checkpoint-dir"), and "set X"
 // of a switch becomes "add --x". Quoted values and paths stay as given.
@@ -697,11 +712,13 @@ std::string in_flags(const std::string& text) {
     }
     const std::string word = text.substr(at, end - at);
     const auto flag = flags.find(word);
-    // Not part of a flag, a value ("O2:bf16") or a path ("/data/epochs/", "ckpt.keep").
-    const bool named = (at == 0 || std::string("-:/.").find(text[at - 1]) == std::string::npos) &&
-                       (end == text.size() || text[end] != '/');
+    const bool named = (at == 0 || std::string("-:").find(text[at - 1]) == std::string::npos) &&
+                       !in_a_path(text, at, end);
     if (flag != flags.end() && named) {
-      if (out.size() >= 4 && out.compare(out.size() - 4, 4, "set ") == 0) {
+      const bool set =
+          out.size() >= 4 && out.compare(out.size() - 4, 4, "set ") == 0 &&
+          (out.size() == 4 || std::isalnum(static_cast<unsigned char>(out[out.size() - 5])) == 0);
+      if (set) {
         out.replace(out.size() - 4, 4, switches.count(word) ? "add " : "give ");
       }
       out += "--" + flag->second;

@@ -622,8 +622,8 @@ std::optional<CheckpointState> Checkpoint::load_latest(
   // Checkpoints, and none verifies: a start from step 0 would go on beside them, and rotation
   // would delete them (intact rank files included), so it takes the caller's explicit choice.
   PARATRAIN_CHECK_OPTION(
-      options_.start_fresh_if_damaged(), "start_fresh_if_damaged", "every checkpoint in ",
-      options_.dir(), " is damaged (", candidates.size(), " of them; the newest, ",
+      options_.start_fresh_if_damaged(), "start_fresh_if_damaged", "every checkpoint in '",
+      options_.dir(), "' is damaged (", candidates.size(), " of them; the newest, ",
       stem(candidates.front()), ": ",
       newest_fault.empty() ? "its files failed their checks on another rank" : newest_fault,
       "): none was loaded and none deleted; move them out of the directory, or set "

@@ -85,8 +85,8 @@ class SocketStorePolicy : public RendezvousPolicy {
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rendezvous '", o_.id, "' at ", o_.host, ":", o_.port,
                   ": cannot reach the endpoint within ", o_.join_timeout.count() / 1000.0, " s (",
-                  error_message(e), "); start the node on ", o_.host, " (", server(),
-                  " serves it) or fix ", flag());
+                  error_message(e), "); start the node on ", o_.host, " (", server(), ") or fix ",
+                  flag());
     }
     return nullptr;  // not reached
   }

@@ -76,6 +76,7 @@ struct Trainer::Impl {
   };
   Evaluation evaluate();
   void resume();
+  std::optional<CheckpointState> load_latest();
   void agree_on_load(const std::string& path, const std::exception_ptr& error);
   void check_saved_config(const CheckpointState& s, const Json& meta) const;
   void restore_progress(const CheckpointState& s, const Json& meta);

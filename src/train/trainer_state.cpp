@@ -8,9 +8,11 @@
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/option_error.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <exception>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -180,11 +182,30 @@ void Trainer::Impl::agree_on_load(const std::string& path, const std::exception_
   }
 }
 
+// The newest checkpoint that verifies everywhere. The Checkpoint's options are the Trainer's under
+// other names: a refusal naming one names the Trainer's.
+std::optional<CheckpointState> Trainer::Impl::load_latest() {
+  try {
+    return ckpt->load_latest();
+  } catch (const OptionError& e) {
+    static const std::map<std::string, std::string> ours{{"any_world_size", "elastic"}};
+    const auto it = ours.find(e.field());
+    if (it == ours.end()) {
+      throw;
+    }
+    std::string text = e.what_without_backtrace();
+    for (size_t at = text.find(it->first); at != std::string::npos; at = text.find(it->first)) {
+      text.replace(at, it->first.size(), it->second);
+    }
+    throw OptionError(it->second, text);
+  }
+}
+
 void Trainer::Impl::resume() {
   if (o.resume() == "auto") {
     // Every rank agrees on the newest checkpoint that verified everywhere; when there are
     // checkpoints and none verifies, this fails (deleting nothing) unless start_fresh_if_damaged.
-    std::optional<CheckpointState> s = ckpt->load_latest();
+    std::optional<CheckpointState> s = load_latest();
     if (!s) {
       if (rank == 0) {
         if (ckpt->steps().empty()) {
@@ -214,9 +235,9 @@ void Trainer::Impl::resume() {
     // no own files.
     // Checked from the manifest, alike on every rank, before a rank beyond the saved world
     // fails alone on its missing file while the others go on into training.
-    std::error_code missing;
-    PARATRAIN_CHECK_OPTION(std::filesystem::exists(o.resume(), missing), "resume", "resume '",
-                           o.resume(),
+    struct stat st;
+    PARATRAIN_CHECK_OPTION(::stat(o.resume().c_str(), &st) == 0 || errno != ENOENT, "resume",
+                           "resume '", o.resume(),
                            "' does not exist: give a ckpt-N.json manifest, or resume auto");
     const int saved_world = Checkpoint::saved_world_size(o.resume());
     PARATRAIN_CHECK_OPTION(o.elastic() || saved_world == world, "elastic", "checkpoint '",

@@ -491,8 +491,8 @@ TEST(Resume, BadInput) {  // ctest: slow 24
                                 "--checkpoint-every", "1", "--resume", "auto"});
   auto refused = run_cli(auto_resume, {kCpuOnly});
   EXPECT_EQ(refused.exit_code, 1) << refused.output;
-  EXPECT_NE(refused.output.find("paratrain train: error: every checkpoint in " + damaged +
-                                " is damaged (1 of them; the newest, ckpt-0000000002: " + damaged +
+  EXPECT_NE(refused.output.find("paratrain train: error: every checkpoint in '" + damaged +
+                                "' is damaged (1 of them; the newest, ckpt-0000000002: " + damaged +
                                 "/ckpt-0000000002.safetensors has 20 bytes"),
             std::string::npos)
       << refused.output;

@@ -227,8 +227,8 @@ TEST(Checkpoint, EveryCheckpointDamagedFailsAndDeletesNothing) {
   std::vector<std::string> warnings;
   const std::string e =
       error_of([&] { ckpt.load_latest([&](const std::string& w) { warnings.push_back(w); }); });
-  EXPECT_NE(e.find("every checkpoint in " + dir +
-                   " is damaged (2 of them; the newest, ckpt-0000000020: " + dir +
+  EXPECT_NE(e.find("every checkpoint in '" + dir +
+                   "' is damaged (2 of them; the newest, ckpt-0000000020: " + dir +
                    "/ckpt-0000000020.safetensors has 20 bytes, its manifest says "),
             std::string::npos)
       << e;

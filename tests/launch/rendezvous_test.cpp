@@ -249,10 +249,14 @@ TEST(RendezvousRounds, StaticNodesTakeTheirOwnRanksAndTheGivenMaster) {
 
 TEST(RendezvousRounds, AWaitingNodeMakesTheJobGrow) {
   auto state = std::make_shared<MemoryState>();
-  auto first = node(options(1, 2), state);
+  // The grown round closes last_call after its first node joins: long enough for the waiting
+  // node, which polls every 100 ms, to join it too on a loaded machine.
+  RendezvousOptions o = options(1, 2);
+  o.last_call = 1s;
+  auto first = node(o, state);
   const Assignment alone = first->next();  // closes after last_call with one node
   EXPECT_EQ(alone.nnodes, 1);
-  auto late = node(options(1, 2), state);
+  auto late = node(o, state);
   auto joined = std::async(std::launch::async, [&] { return late->next(); });
   std::string why;
   ASSERT_TRUE(restarts_within(*first, alone, 5s, &why)) << "the job never grew";
@@ -290,6 +294,37 @@ TEST(RendezvousRounds, ADeadPeerIsLeftOutOrEndsAStaticJob) {
       EXPECT_FALSE(nodes[survivor]->job_ended());
     }
   }
+}
+
+// With keys that live as long as a node's connection: a stalled peer whose key is still there is
+// unreachable, not dead (a partition: the new round waits for it); once its key has been gone for
+// a moment (kEndedGrace), it ended.
+TEST(RendezvousRounds, AStalledPeerIsUnreachableUntilItsConnectionCloses) {  // ctest: slow 4
+  auto state = std::make_shared<MemoryState>();
+  std::vector<std::unique_ptr<Rendezvous>> nodes;
+  for (int i = 0; i < 2; ++i) {
+    nodes.push_back(node(options(2, 2), state, /*ephemeral=*/true));
+  }
+  const std::vector<Assignment> a = meet(nodes);
+  const size_t survivor = a[0].node_rank == 0 ? 0 : 1;
+  std::string why;
+  // The peer stays connected and silent: after the keep-alive time it is unreachable.
+  ASSERT_TRUE(restarts_within(*nodes[survivor], a[survivor], 3s, &why));
+  EXPECT_NE(why.find("its connection is still open (a network partition"), std::string::npos)
+      << why;
+
+  auto state2 = std::make_shared<MemoryState>();
+  nodes.clear();
+  for (int i = 0; i < 2; ++i) {
+    nodes.push_back(node(options(2, 2), state2, /*ephemeral=*/true));
+  }
+  const std::vector<Assignment> b = meet(nodes);
+  const size_t alive = b[0].node_rank == 0 ? 0 : 1;
+  nodes[1 - alive].reset();  // its connection closes: its keys go
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(restarts_within(*nodes[alive], b[alive], 6s, &why));
+  EXPECT_NE(why.find("stopped its heartbeat"), std::string::npos) << why;
+  EXPECT_GE(std::chrono::steady_clock::now() - start, kEndedGrace);  // not before the grace
 }
 
 TEST(RendezvousRounds, ANodeThatGivesUpStopsTheOthers) {

@@ -309,8 +309,8 @@ TEST(Trainer, EveryCheckpointDamagedFailsUnlessAFreshStartIsChosen) {
     Trainer t(fresh("linear"), data, nullptr, options());
     t.fit();
   });
-  EXPECT_NE(e.find("every checkpoint in " + dir +
-                   " is damaged (2 of them; the newest, ckpt-0000000004: " + dir +
+  EXPECT_NE(e.find("every checkpoint in '" + dir +
+                   "' is damaged (2 of them; the newest, ckpt-0000000004: " + dir +
                    "/ckpt-0000000004.safetensors has 10 bytes"),
             std::string::npos)
       << e;
