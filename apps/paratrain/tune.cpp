@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <initializer_list>
 #include <iostream>
 #include <stdexcept>
 #include <thread>
@@ -157,14 +158,18 @@ std::vector<std::string> json_config_words(const std::vector<std::string>& argv)
   return out;
 }
 
-// The value of `--name V` or `--name=V` among train's flags.
-std::string flag_value(const std::vector<std::string>& words, const std::string& name) {
+// The value of `--name V` or `--name=V` among train's flags, for any of `names` (a flag's
+// spellings): the last one given wins, as in train.
+std::string flag_value(const std::vector<std::string>& words,
+                       std::initializer_list<const char*> names) {
   std::string value;
   for (size_t i = 0; i < words.size(); ++i) {
-    if (words[i] == "--" + name && i + 1 < words.size()) {
-      value = words[i + 1];
-    } else if (words[i].rfind("--" + name + "=", 0) == 0) {
-      value = words[i].substr(name.size() + 3);
+    for (const std::string name : names) {
+      if (words[i] == "--" + name && i + 1 < words.size()) {
+        value = words[i + 1];
+      } else if (words[i].rfind("--" + name + "=", 0) == 0) {
+        value = words[i].substr(name.size() + 3);
+      }
     }
   }
   return value;
@@ -191,7 +196,7 @@ std::string reproduce(const tune::TunerOptions& o, const tune::TrialSummary& bes
       out += " " + shell_word(w);
     }
     const int64_t max_t = tune::effective_max_t(o.scheduler());
-    if (max_t > 0 && flag_value(o.train_args(), "epochs").empty()) {
+    if (max_t > 0 && flag_value(o.train_args(), {"epochs"}).empty()) {
       out += " --epochs " + std::to_string(max_t);
     }
     for (const auto& [name, v] : best.config) {
@@ -283,18 +288,9 @@ tune::TunerOptions options_from(const Args& args) {
   } else {
     o.command(rest);
   }
-  // train's own count, in any of its spellings: the last one given wins, as in train.
-  std::string nproc;
-  for (size_t i = 0; o.train() && i < o.train_args().size(); ++i) {
-    const std::string& w = o.train_args()[i];
-    for (const std::string name : {"--nproc", "--nproc_per_node", "--nproc-per-node"}) {
-      if (w == name && i + 1 < o.train_args().size()) {
-        nproc = o.train_args()[i + 1];
-      } else if (w.rfind(name + "=", 0) == 0) {
-        nproc = w.substr(name.size() + 1);
-      }
-    }
-  }
+  // train's own count, in any of its spellings.
+  const std::string nproc =
+      o.train() ? flag_value(o.train_args(), {"nproc", "nproc_per_node", "nproc-per-node"}) : "";
   const int ranks =
       args.get_int("nproc-per-node", nproc.empty() ? 1 : std::max(1, std::atoi(nproc.c_str())));
   int gpus = args.get_int("gpus", 0);

@@ -279,7 +279,7 @@ bool is_old_rank_file(const std::string& name) {
   };
   const std::string tensors = ".safetensors";
   if (!detail::starts_with(name, "rank-") || name.size() <= 5 + tensors.size() ||
-      name.compare(name.size() - tensors.size(), tensors.size(), tensors) != 0) {
+      !detail::ends_with(name, tensors)) {
     return false;
   }
   const std::string middle = name.substr(5, name.size() - 5 - tensors.size());  // R-of-W
