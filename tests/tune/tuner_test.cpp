@@ -385,6 +385,10 @@ TEST(Tuner, CliBadInputGetsOneLine) {
       {{"--space", "lr=uniform(0, 1)", "--", "no-such-program-y"}, "not found"},
       {{"--space", "lr=uniform(0, 1)", "--nproc-per-node", "64", "--", "true"}, "needs 64 cores"},
       {{"--space", "lr=uniform(0, 1)", "--ranks", "64", "--", "true"}, "needs 64 cores"},  // alias
+      // train's own count, in any spelling, the last one winning
+      {{"--space", "lr=uniform(0, 1)", "--", "train", "--nproc", "8", "--nproc_per_node", "64"},
+       "needs 64 cores"},
+      {{"--space", "lr=uniform(0, 1)", "--", "train", "--nproc-per-node=64"}, "needs 64 cores"},
       {{"--", "true"}, "no --space given"},
       {{"--space", "lr=uniform(0, 1)", "--mode", "up", "--", "true"}, "--mode must be min or max"},
       {{"--space", "lr=uniform(0, 1)", "--searcher", "cma", "--", "true"}, "unknown searcher"},
