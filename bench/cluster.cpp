@@ -24,8 +24,8 @@
 #include "fake_hosts.h"
 #include "harness.h"
 
+#include "paratrain/base/child_process.h"
 #include "paratrain/paratrain.h"
-#include "paratrain/util/child_process.h"
 
 #include <torch/torch.h>
 

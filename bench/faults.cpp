@@ -24,8 +24,8 @@
 #include "harness.h"
 #include "util/files.h"
 
+#include "paratrain/base/child_process.h"
 #include "paratrain/paratrain.h"
-#include "paratrain/util/child_process.h"
 
 #include <torch/torch.h>
 

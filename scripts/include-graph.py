@@ -13,7 +13,8 @@ library file (src/):
 - a private header of another folder (src/AREA/x.h) that is not one of the internal interfaces
   that folder offers (INTERNAL_INTERFACES below);
 - a header whose code is built into a library (CMakeLists.txt's add_library and target_sources)
-  that the including file's library does not link.
+  that the including file's library does not link;
+- a library folder whose sources are built into more than one library, or some into none.
 Exits 0 otherwise.
 """
 import os
@@ -22,24 +23,25 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Lowest first; a folder may include only folders before it (and itself). Communication comes
-# before io because a checkpoint is collective (ranks agree on the step they save); launching
-# sits right above communication, since it needs only the store, and below everything that
-# trains, so that the launcher library needs no libtorch.
-ORDER = ["util", "comm", "launch", "io", "data", "amp", "parallel", "models", "train", "tune",
-         "umbrella", "cli", "support", "bench", "tests"]
-LIBRARY_AREAS = ORDER[:10]
+# Lowest first; a folder may include only folders before it (and itself). The launcher's library
+# (base, store, launch) comes first, since it needs no libtorch and so nothing that does;
+# communication comes before io because a checkpoint is collective (ranks agree on the step they
+# save).
+ORDER = ["base", "store", "launch", "util", "comm", "io", "data", "amp", "parallel", "models",
+         "train", "tune", "umbrella", "cli", "support", "bench", "tests"]
+LIBRARY_AREAS = ORDER[:12]
 
 # The private headers a folder offers the others (named from src/), and why they are not public.
 INTERNAL_INTERFACES = {
-    "util/errors.h": "one line for an error that wraps another (a replica's, a stage's)",
+    "base/errors.h": "one line for an error that wraps another (a replica's, a stage's)",
     "util/files.h": "file-system helpers for the library, the benchmarks and the tests",
     "util/strings.h": "starts_with and ends_with (C++17 has neither)",
     "util/copies.h": "a device copy from a thread that reads the tensor next",
     "util/batchnorm.h": "which modules are batch normalisation, for amp and SyncBatchNorm",
     "amp/autocast_state.h": "autocast's per-thread flags over libtorch's two APIs",
-    "comm/backend_routes.h": "a routed backend's syntax, which the launcher checks without libtorch",
-    "comm/socket_store.h": "the TCP store the launcher's rendezvous and c10d's backends share",
+    "launch/backend_routes.h": "a routed backend's syntax, which the launcher checks and comm "
+                               "routes by",
+    "store/socket_store.h": "the TCP store the launcher's rendezvous and c10d's backends share",
 }
 
 # Headers of the CLI that its own folder's files name without a path.
@@ -99,7 +101,7 @@ def library_targets():
     from CMakeLists.txt's add_library, target_sources and target_link_libraries."""
     with open(os.path.join(ROOT, "CMakeLists.txt"), encoding="utf-8") as fh:
         text = re.sub(r"#[^\n]*", "", fh.read())
-    sources, links = {}, {}
+    sources, links, merged = {}, {}, {}
     for m in re.finditer(r"(add_library|target_sources|target_link_libraries)\(\s*([a-z_]+)([^)]*)\)",
                          text):
         kind, name, body = m.groups()
@@ -109,6 +111,10 @@ def library_targets():
         for word in body.split():
             if word.startswith("src/") and word.endswith(".cpp"):
                 sources[word] = name
+            objects = re.match(r"\$<TARGET_OBJECTS:([a-z_]+)>", word)
+            if objects:  # an OBJECT library's code is built into the library that takes it
+                merged[objects.group(1)] = name
+    sources = {path: merged.get(lib, lib) for path, lib in sources.items()}
     libraries = set(sources.values())
     # A CMakeLists.txt this reading no longer understands must fail, not turn the check off.
     for needed in ("paratrain", "paratrain_launch"):
@@ -125,6 +131,25 @@ def library_targets():
                     todo.append(dep)
         closure[lib] = seen
     return sources, closure
+
+
+def split_folders(sources):
+    """Every library folder whose .cpp files are not all built into one library."""
+    found = []
+    for area in LIBRARY_AREAS:
+        folder = os.path.join(ROOT, "src", area)
+        if not os.path.isdir(folder):
+            found.append("src/%s/ is in the order but does not exist" % area)
+            continue
+        libraries = {}
+        for f in sorted(os.listdir(folder)):
+            if f.endswith(".cpp"):
+                path = "src/%s/%s" % (area, f)
+                libraries.setdefault(sources.get(path, "no library"), []).append(path)
+        if len(libraries) > 1:
+            found.append("src/%s/ is built into more than one library: %s" % (area, "; ".join(
+                "%s (%s)" % (lib, ", ".join(paths)) for lib, paths in sorted(libraries.items()))))
+    return found
 
 
 def library_of(path, sources):
@@ -207,13 +232,13 @@ def main():
         print("include-graph: %s includes %s, which comes after it in the order (%s): %s"
               % (a, b, " < ".join(ORDER), "; ".join(found[(a, b)][:3])), file=sys.stderr)
     sources, closure = library_targets()
-    reached = reaches(sources, closure)
+    reached = reaches(sources, closure) + split_folders(sources)
     for line in reached:
         print("include-graph: " + line, file=sys.stderr)
     if upward or reached:
         return 1
     print("no include points up the order, so the graph has no cycle; no folder reaches into "
-          "another's private headers")
+          "another's private headers; each library folder is built into one library")
     return 0
 
 

@@ -10,7 +10,7 @@ set(paratrain_unit_suites
     Trainer TuneScheduler TuneSearcher TuneSpace TuneStorage)
 set(paratrain_unit_tests
     BadInput.NewGroupRanks BadInput.BrokenPipeIsAnErrorNotASignal BadInput.ReservedPointToPointTag
-    Checkpoint.OptimizerStateRoundTripsBitwise
+    Checkpoint.OptimizerStateRoundTripsBitwise Checkpoint.FileNamesGiveTheirStep
     Checkpoint.EveryCheckpointDamagedFailsAndDeletesNothing
     Checkpoint.RotationPrunesEveryRanksFilesAndKeepsNewerCheckpoints
     FsdpCheckpoint.ConsolidateNeverWritesOverACheckpoint

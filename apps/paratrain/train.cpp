@@ -66,10 +66,15 @@ TrainData load_data(const TrainSettings& s) {
     return load_tokens(s);
   }
   if (dataset == "fashion-mnist") {
-    data::FashionMNIST train(dir, data::FashionMNIST::Split::kTrain);
-    data::FashionMNIST test(dir, data::FashionMNIST::Split::kTest);
-    return {std::make_shared<data::TensorDataset>(train.images(), train.targets()),
-            std::make_shared<data::TensorDataset>(test.images(), test.targets()), 10};
+    try {
+      data::FashionMNIST train(dir, data::FashionMNIST::Split::kTrain);
+      data::FashionMNIST test(dir, data::FashionMNIST::Split::kTest);
+      return {std::make_shared<data::TensorDataset>(train.images(), train.targets()),
+              std::make_shared<data::TensorDataset>(test.images(), test.targets()), 10};
+    } catch (const OptionError& e) {  // the dataset's root is --data-dir
+      throw std::runtime_error(
+          train_detail::in_flags(e.what_without_backtrace(), {{"root", "data-dir"}}));
+    }
   }
   namespace T = data::transforms;
   const T::Normalize normalize({0.485, 0.456, 0.406}, {0.229, 0.224, 0.225});

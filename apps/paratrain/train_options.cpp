@@ -3,8 +3,8 @@
 
 #include "train_options.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/models/gpt_pretrained.h"
-#include "paratrain/util/option_error.h"
 
 #include <torch/torch.h>
 
@@ -662,7 +662,7 @@ bool in_a_path(const std::string& text, size_t at, size_t end) {
 // The Trainer's words in the command line's: each TrainerOptions (or CheckpointOptions) field the
 // text names becomes the flag that sets it ("checkpoint_dir" -> "--checkpoint-dir"), and "set X"
 // of a switch becomes "add --x". Quoted values and paths stay as given.
-std::string in_flags(const std::string& text) {
+std::string in_flags(const std::string& text, const std::map<std::string, std::string>& more) {
   static const std::map<std::string, std::string> flags{
       {"accumulate", "accumulate"},
       {"amp", "amp"},
@@ -711,17 +711,21 @@ std::string in_flags(const std::string& text) {
       continue;
     }
     const std::string word = text.substr(at, end - at);
-    const auto flag = flags.find(word);
+    const auto extra = more.find(word);
+    const auto known = flags.find(word);
+    const std::string* flag = extra != more.end()    ? &extra->second
+                              : known != flags.end() ? &known->second
+                                                     : nullptr;
     const bool named = (at == 0 || std::string("-:").find(text[at - 1]) == std::string::npos) &&
                        !in_a_path(text, at, end);
-    if (flag != flags.end() && named) {
+    if (flag != nullptr && named) {
       const bool set =
           out.size() >= 4 && out.compare(out.size() - 4, 4, "set ") == 0 &&
           (out.size() == 4 || std::isalnum(static_cast<unsigned char>(out[out.size() - 5])) == 0);
       if (set) {
         out.replace(out.size() - 4, 4, switches.count(word) ? "add " : "give ");
       }
-      out += "--" + flag->second;
+      out += "--" + *flag;
     } else {
       out += word;
     }

@@ -7,12 +7,13 @@
 
 #include "args.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/models/gpt.h"
 #include "paratrain/paratrain.h"
-#include "paratrain/util/option_error.h"
 
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -78,7 +79,8 @@ TrainerOptions loop_options(const Args& args, const TrainSettings& s);
 
 /// Text of the library (an OptionError's, ReplicaDivergence's) in the command line's words: each
 /// option field it names becomes its flag ("checkpoint_dir" -> "--checkpoint-dir").
-std::string in_flags(const std::string& text);
+/// `more`: fields of another option struct the text may name (a dataset's "root").
+std::string in_flags(const std::string& text, const std::map<std::string, std::string>& more = {});
 std::string flag_message(const OptionError& e);
 
 }  // namespace train_detail

@@ -19,12 +19,12 @@
 #include "paratrain/data/transforms.h"           // transforms::Resize, RandomResizedCrop, ...
 
 #include "paratrain/comm/devices.h"        // local_device, check_device_exists
-#include "paratrain/comm/env.h"            // RankInfo, discover_rank_info
-#include "paratrain/comm/host_address.h"   // route_source_address, is_loopback_name
 #include "paratrain/comm/init.h"           // init_process_group, InitOptions
 #include "paratrain/comm/process_group.h"  // ProcessGroup, Work, ReduceOp, CollectiveError
+#include "paratrain/launch/env.h"          // RankInfo, discover_rank_info
 #include "paratrain/launch/launch.h"       // launch, LaunchOptions (paratrain launch)
 #include "paratrain/launch/spawn.h"        // spawn
+#include "paratrain/store/host_address.h"  // route_source_address, is_loopback_name
 
 #include "paratrain/io/checkpoint.h"                   // Checkpoint, optimizer_state, rng_state
 #include "paratrain/io/safetensors.h"                  // save/load_safetensors, module_state

@@ -24,8 +24,8 @@ void check_autocast_supported(c10::DeviceType device_type, at::ScalarType dtype)
   // libtorch 1.13 disables CPU autocast for any dtype but bf16 (with a warning only).
   TORCH_CHECK(device_type != c10::DeviceType::CPU || dtype == at::kBFloat16,
               "fp16 autocast is not available on the CPU: paratrain casts CPU operations to bf16 "
-              "only, as libtorch 1.13 does (CPUs have no fast fp16 arithmetic); use bf16 "
-              "(--amp-dtype bf16), which has fp32's range and needs no loss scaling");
+              "only, as libtorch 1.13 does (CPUs have no fast fp16 arithmetic); use bf16, "
+              "which has fp32's range and needs no loss scaling");
 }
 
 at::ScalarType parse_dtype(const std::string& name) {

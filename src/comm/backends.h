@@ -3,8 +3,8 @@
 // Internal: factories of the backends behind ProcessGroup. init.cpp picks one; nothing else
 // needs to know which engines a build has.
 
+#include "base/errors.h"
 #include "paratrain/comm/process_group.h"
-#include "util/errors.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

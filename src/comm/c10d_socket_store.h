@@ -3,7 +3,7 @@
 // Internal: paratrain's store (socket_store.h) as a c10d::Store, the interface Gloo and NCCL
 // take, as they would take c10d's TCPStore.
 
-#include "socket_store.h"
+#include "store/socket_store.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

@@ -1,6 +1,6 @@
 #include "paratrain/comm/devices.h"
 
-#include "paratrain/comm/env.h"
+#include "paratrain/launch/env.h"
 
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>

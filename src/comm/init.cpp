@@ -1,9 +1,9 @@
 #include "paratrain/comm/init.h"
 
-#include "backend_routes.h"
 #include "backends.h"
 #include "c10d_socket_store.h"
-#include "paratrain/comm/host_address.h"
+#include "launch/backend_routes.h"
+#include "paratrain/store/host_address.h"
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

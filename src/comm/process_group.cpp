@@ -1,6 +1,6 @@
 #include "paratrain/comm/process_group.h"
 
-#include "backend_routes.h"
+#include "launch/backend_routes.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,5 +1,7 @@
 #include "paratrain/data/fashion_mnist.h"
 
+#include "paratrain/base/option_error.h"
+
 #include <torch/torch.h>
 #include <zlib.h>
 
@@ -148,8 +150,10 @@ torch::Tensor read_idx_bytes(const void* bytes, size_t size, bool images, const 
 
 torch::Tensor read_idx_file(const std::string& path, bool images) {
   struct stat st;
-  TORCH_CHECK(::stat(path.c_str(), &st) == 0, "Fashion-MNIST: ", path,
-              " does not exist; install Debian's dataset-fashion-mnist or pass --data-dir");
+  // The dataset's root is the option that is wrong (a command line maps it to its flag).
+  PARATRAIN_CHECK_OPTION(::stat(path.c_str(), &st) == 0, "root", "Fashion-MNIST: ", path,
+                         " does not exist; install Debian's dataset-fashion-mnist or give root "
+                         "the folder that holds its files");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   const std::streamoff size = in.tellg();
   TORCH_CHECK(in.good() && size >= 0, "Fashion-MNIST: cannot open ", path);

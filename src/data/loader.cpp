@@ -1,6 +1,6 @@
 #include "paratrain/data/loader.h"
 
-#include "util/errors.h"
+#include "base/errors.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/cuda.h>

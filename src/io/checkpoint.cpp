@@ -1,8 +1,8 @@
 #include "paratrain/io/checkpoint.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
-#include "paratrain/util/option_error.h"
 #include "paratrain/util/trace.h"
 #include "util/files.h"
 
@@ -363,8 +363,12 @@ std::string Checkpoint::rank_file_name(int64_t step, int rank) {
 }
 
 bool Checkpoint::is_checkpoint_file(const std::string& name) {
+  return file_step(name) >= 0;
+}
+
+int64_t Checkpoint::file_step(const std::string& name) {
   bool manifest = false;
-  return checkpoint_file_step(name, manifest) >= 0;
+  return checkpoint_file_step(name, manifest);
 }
 
 // Deletes the checkpoints beyond the `keep` newest, counting only the ones rotation may delete:

@@ -4,7 +4,7 @@
 
 #include "paratrain/launch/launch.h"
 
-#include "comm/backend_routes.h"
+#include "backend_routes.h"
 #include "launch_internal.h"
 #include "supervisor.h"
 

@@ -1,8 +1,8 @@
 #include "rendezvous.h"
 
-#include "paratrain/comm/host_address.h"
+#include "paratrain/store/host_address.h"
 
-#include "util/errors.h"
+#include "base/errors.h"
 
 #include <c10/util/Exception.h>
 

@@ -2,9 +2,9 @@
 
 #include "rendezvous.h"
 
-#include "paratrain/comm/host_address.h"
+#include "base/errors.h"
 #include "paratrain/launch/launch.h"  // pick_free_port
-#include "util/errors.h"
+#include "paratrain/store/host_address.h"
 
 #include <c10/util/Exception.h>
 

@@ -3,8 +3,8 @@
 
 #include "rendezvous_store.h"
 
-#include "comm/socket_store.h"
-#include "util/errors.h"
+#include "base/errors.h"
+#include "store/socket_store.h"
 
 #include <c10/util/Exception.h>
 

@@ -2,7 +2,7 @@
 
 #include "launch_internal.h"
 
-#include "paratrain/comm/env.h"
+#include "paratrain/launch/env.h"
 
 #include <c10/util/Exception.h>
 

@@ -6,7 +6,7 @@
 
 #include "launch_internal.h"
 
-#include "paratrain/util/child_process.h"
+#include "paratrain/base/child_process.h"
 
 #include <c10/util/Exception.h>
 

@@ -8,11 +8,11 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "base/errors.h"
 #include "paratrain/comm/devices.h"
 #include "paratrain/parallel/threads.h"
 #include "paratrain/util/autograd_node.h"
 #include "util/copies.h"
-#include "util/errors.h"
 #include "worker_team.h"
 
 #include <algorithm>

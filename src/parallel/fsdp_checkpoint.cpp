@@ -296,12 +296,10 @@ void remove_previous_save(const std::string& dir, int64_t step) {
     TORCH_CHECK(::unlink(manifest.c_str()) == 0 || errno == ENOENT, "cannot remove the old ",
                 manifest, ": ", std::strerror(errno));
   }
-  const std::string same_step = Checkpoint::manifest_path("", step).substr(1, 15);  // ckpt-N
   std::vector<std::string> stale;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     const std::string name = entry.path().filename().string();
-    if ((Checkpoint::is_checkpoint_file(name) && detail::starts_with(name, same_step + ".")) ||
-        is_old_rank_file(name)) {
+    if (Checkpoint::file_step(name) == step || is_old_rank_file(name)) {
       stale.push_back(entry.path().string());
     }
   }

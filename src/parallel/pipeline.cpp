@@ -8,9 +8,9 @@
 
 #include <torch/torch.h>
 
+#include "base/errors.h"
 #include "paratrain/comm/devices.h"
 #include "paratrain/parallel/threads.h"
-#include "util/errors.h"
 #include "worker_team.h"
 
 #include <algorithm>

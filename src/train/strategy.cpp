@@ -3,8 +3,8 @@
 
 #include "strategy.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
-#include "paratrain/util/option_error.h"
 #include "paratrain/util/trace.h"
 
 #include <torch/nn/functional/loss.h>

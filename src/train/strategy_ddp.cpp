@@ -4,11 +4,11 @@
 
 #include "strategy.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
 #include "paratrain/parallel/sync_batchnorm.h"
 #include "paratrain/parallel/zero_redundancy_optimizer.h"
-#include "paratrain/util/option_error.h"
 
 #include <algorithm>
 

@@ -3,8 +3,8 @@
 
 #include "strategy.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/parallel/data_parallel.h"
-#include "paratrain/util/option_error.h"
 
 namespace paratrain::train_internal {
 

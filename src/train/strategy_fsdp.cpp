@@ -3,9 +3,9 @@
 
 #include "strategy.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/parallel/fsdp_checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
-#include "paratrain/util/option_error.h"
 
 namespace paratrain::train_internal {
 

@@ -5,10 +5,10 @@
 
 #include "trainer_impl.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/data/device_prefetcher.h"
 #include "paratrain/data/sampler.h"
 #include "paratrain/util/cpu_kernels.h"
-#include "paratrain/util/option_error.h"
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>

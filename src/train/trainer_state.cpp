@@ -5,8 +5,8 @@
 
 #include "trainer_impl.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
-#include "paratrain/util/option_error.h"
 
 #include <sys/stat.h>
 

@@ -1,6 +1,6 @@
 #include "trial_process.h"
 
-#include "paratrain/util/child_process.h"
+#include "paratrain/base/child_process.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,6 +1,6 @@
 #include "paratrain/util/cpu_kernels.h"
 
-#include "errors.h"
+#include "base/errors.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>  // at::init_num_threads

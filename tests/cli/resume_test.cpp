@@ -446,6 +446,9 @@ TEST(Resume, BadInput) {  // ctest: slow 24
       {{"--config", "/dev/zero"}, "cannot read --config /dev/zero: not a regular file"},
       // A config list is one comma-separated value, not its last element.
       {{"--config", base + "-list.toml"}, "bad --lr-milestones entry 'x'"},
+      {{"--data-dir", "/nonexistent-fmnist"},
+       "/nonexistent-fmnist/train-images-idx3-ubyte.gz does not exist; install Debian's "
+       "dataset-fashion-mnist or give --data-dir the folder that holds its files"},
       {{"--start-fresh-if-damaged"},
        "--start-fresh-if-damaged says what --resume auto does when every checkpoint is damaged: "
        "add --resume auto"},

@@ -2,6 +2,7 @@
 
 #include "test_util.h"
 
+#include "paratrain/base/option_error.h"
 #include "paratrain/data/fashion_mnist.h"
 
 #include <c10/util/Exception.h>
@@ -54,9 +55,17 @@ TEST(FashionMNIST, ReadsDebiansFiles) {
 TEST(FashionMNIST, MissingFilesSayWhatToInstall) {
   std::string message = error_of([] { FashionMNIST("/nonexistent-dir"); });
   EXPECT_NE(message.find("/nonexistent-dir/train-images-idx3-ubyte.gz does not exist; install "
-                         "Debian's dataset-fashion-mnist or pass --data-dir"),
+                         "Debian's dataset-fashion-mnist or give root the folder that holds its "
+                         "files"),
             std::string::npos)
       << message;
+  // An option error naming the dataset's root, which a command line maps to its flag.
+  try {
+    FashionMNIST("/nonexistent-dir");
+    ADD_FAILURE() << "no error";
+  } catch (const paratrain::OptionError& e) {
+    EXPECT_EQ(e.field(), "root");
+  }
 }
 
 TEST(FashionMNIST, BadMagicAndTruncatedFiles) {

@@ -324,6 +324,19 @@ TEST(Checkpoint, RotationPrunesEveryRanksFilesAndKeepsNewerCheckpoints) {
   remove_tree(dir);
 }
 
+TEST(Checkpoint, FileNamesGiveTheirStep) {
+  EXPECT_EQ(Checkpoint::file_step("ckpt-0000000012.json"), 12);
+  EXPECT_EQ(Checkpoint::file_step("ckpt-0000000012.safetensors"), 12);
+  EXPECT_EQ(Checkpoint::file_step("ckpt-0000000012.rank-3.safetensors"), 12);
+  EXPECT_EQ(Checkpoint::file_step("ckpt-0000000012.rank-3.json"), 12);  // earlier versions'
+  EXPECT_EQ(Checkpoint::file_step(Checkpoint::rank_file_name(7, 1)), 7);
+  for (const char* other : {"ckpt-0000000012.json.tmp-41", "ckpt-12.json", "fsdp.json",
+                            "rank-0-of-2.safetensors", "ckpt-0000000012.rank-.safetensors"}) {
+    EXPECT_EQ(Checkpoint::file_step(other), -1) << other;
+    EXPECT_FALSE(Checkpoint::is_checkpoint_file(other)) << other;
+  }
+}
+
 TEST(Checkpoint, RngStateRestoresTheSameDraws) {
   torch::manual_seed(7);
   torch::randn({3});

@@ -1,8 +1,8 @@
 #include "test_util.h"
 
 #include "commands.h"  // apps/paratrain: run_cli
+#include "paratrain/base/child_process.h"
 #include "paratrain/util/allocator.h"
-#include "paratrain/util/child_process.h"
 #include "util/files.h"
 
 #include <ATen/ATen.h>

@@ -19,8 +19,8 @@
 #include <torch/types.h>
 
 #include "paratrain/comm/devices.h"  // local_device
-#include "paratrain/comm/env.h"
 #include "paratrain/comm/process_group.h"
+#include "paratrain/launch/env.h"
 
 #include <chrono>
 #include <string>

@@ -134,6 +134,8 @@ class Checkpoint {
   /// ckpt-N.json, a shared file ckpt-N.safetensors, or a rank file ckpt-N.rank-R.safetensors
   /// (earlier versions: ckpt-N.rank-R.json). Temporaries are not.
   static bool is_checkpoint_file(const std::string& name);
+  /// The step such a file belongs to; -1 for any other name.
+  static int64_t file_step(const std::string& name);
 
   /// Loads one checkpoint: `path` is its manifest (ckpt-N.json), and `rank` picks the rank files
   /// (rank < 0: none, `own` stays empty). Throws c10::Error naming the file and what is wrong.

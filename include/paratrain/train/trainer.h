@@ -24,13 +24,13 @@
 #pragma once
 
 #include "paratrain/amp/mixed_precision.h"
+#include "paratrain/base/option_error.h"  // what check_trainer_options throws
 #include "paratrain/comm/process_group.h"
 #include "paratrain/data/dataset.h"
 #include "paratrain/io/checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/parallel/pipeline.h"
 #include "paratrain/train/lr_schedule.h"
-#include "paratrain/util/option_error.h"  // what check_trainer_options throws
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>

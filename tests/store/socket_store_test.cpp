@@ -2,9 +2,9 @@
 // semantics, the addresses its server binds, and a deadline on every call. Real sockets on
 // loopback.
 
-#include "comm/socket_store.h"
+#include "store/socket_store.h"
 #include "comm/c10d_socket_store.h"
-#include "paratrain/comm/host_address.h"
+#include "paratrain/store/host_address.h"
 #include "test_util.h"  // error_of
 
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 
 #include "test_util.h"
 
-#include "paratrain/util/child_process.h"
+#include "paratrain/base/child_process.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

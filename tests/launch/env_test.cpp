@@ -1,6 +1,6 @@
 // Rank discovery and the launcher's argument checks, in process.
 
-#include "paratrain/comm/env.h"
+#include "paratrain/launch/env.h"
 #include "paratrain/launch/launch.h"
 
 #include <c10/util/Exception.h>

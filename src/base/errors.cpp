@@ -1,6 +1,6 @@
 #include "errors.h"
 
-#include "paratrain/util/option_error.h"
+#include "paratrain/base/option_error.h"
 
 #include <c10/util/Exception.h>
 

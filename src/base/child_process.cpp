@@ -1,4 +1,4 @@
-#include "paratrain/util/child_process.h"
+#include "paratrain/base/child_process.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,4 +1,4 @@
-#include "paratrain/comm/env.h"
+#include "paratrain/launch/env.h"
 
 #include <c10/util/Exception.h>
 

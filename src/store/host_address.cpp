@@ -1,6 +1,6 @@
 // Which addresses a host name stands for, and which local address reaches a host.
 
-#include "paratrain/comm/host_address.h"
+#include "paratrain/store/host_address.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
