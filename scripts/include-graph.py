@@ -134,8 +134,11 @@ def library_targets():
 
 
 def split_folders(sources):
-    """Every library folder whose .cpp files are not all built into one library."""
-    found = []
+    """Every library folder whose .cpp files are not all built into one library, and every folder
+    of src/ that is not a library folder."""
+    found = ["src/%s/ is not in the order of folders (ORDER); add it where its includes put it"
+             % d for d in sorted(os.listdir(os.path.join(ROOT, "src")))
+             if os.path.isdir(os.path.join(ROOT, "src", d)) and d not in LIBRARY_AREAS]
     for area in LIBRARY_AREAS:
         folder = os.path.join(ROOT, "src", area)
         if not os.path.isdir(folder):
@@ -146,6 +149,11 @@ def split_folders(sources):
             if f.endswith(".cpp"):
                 path = "src/%s/%s" % (area, f)
                 libraries.setdefault(sources.get(path, "no library"), []).append(path)
+        if "no library" in libraries:
+            found.append("src/%s/ has sources built into no library: %s"
+                         % (area, ", ".join(libraries["no library"])))
+        elif not libraries:
+            found.append("src/%s/ has no sources to build into a library" % area)
         if len(libraries) > 1:
             found.append("src/%s/ is built into more than one library: %s" % (area, "; ".join(
                 "%s (%s)" % (lib, ", ".join(paths)) for lib, paths in sorted(libraries.items()))))

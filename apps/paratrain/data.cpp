@@ -5,6 +5,7 @@
 
 #include "args.h"
 #include "commands.h"
+#include "train_options.h"
 
 #include "paratrain/data/fashion_mnist.h"
 #include "paratrain/data/make_image_folder.h"
@@ -91,8 +92,14 @@ int make_imagefolder(const std::vector<std::string>& argv) {
        {std::make_tuple(std::string("train"), std::string("train"), train_n),
         std::make_tuple(std::string("t10k"), std::string("val"), val_n)}) {
     const std::string prefix = dir + "/" + split;
-    torch::Tensor images = data::read_idx_file(prefix + "-images-idx3-ubyte.gz", true);
-    torch::Tensor labels = data::read_idx_file(prefix + "-labels-idx1-ubyte.gz", false);
+    torch::Tensor images, labels;
+    try {
+      images = data::read_idx_file(prefix + "-images-idx3-ubyte.gz", true);
+      labels = data::read_idx_file(prefix + "-labels-idx1-ubyte.gz", false);
+    } catch (const OptionError& e) {  // the dataset's root is --data-dir
+      throw std::runtime_error(
+          train_detail::in_flags(e.what_without_backtrace(), {{"root", "data-dir"}}));
+    }
     const int64_t n = count < 0 ? images.size(0) : std::min<int64_t>(count, images.size(0));
     written +=
         data::write_image_folder(images.slice(0, 0, n), labels.slice(0, 0, n),

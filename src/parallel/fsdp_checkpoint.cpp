@@ -291,6 +291,7 @@ bool is_old_rank_file(const std::string& name) {
 // first (it is no checkpoint any more), then the files it listed, and an older format's. A rank
 // file of that save left in place could pass for one of this save.
 void remove_previous_save(const std::string& dir, int64_t step) {
+  TORCH_CHECK(step >= 0, "remove_previous_save: step ", step, " is no checkpoint's");
   for (const std::string& manifest :
        {Checkpoint::manifest_path(dir, step), dir + "/" + fsdp_saved::kOldManifest}) {
     TORCH_CHECK(::unlink(manifest.c_str()) == 0 || errno == ENOENT, "cannot remove the old ",

@@ -1,6 +1,6 @@
 #pragma once
 
-// Internal to comm/: the socket store's server (socket_store.h), which a SocketStore made with
+// Internal to store/: the socket store's server (socket_store.h), which a SocketStore made with
 // `serve` owns.
 
 #include "store_wire.h"

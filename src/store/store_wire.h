@@ -1,6 +1,6 @@
 #pragma once
 
-// Internal to comm/: the socket store's wire format and the socket helpers its server and its
+// Internal to store/: the socket store's wire format and the socket helpers its server and its
 // client share. Ours at both ends: no other program speaks it.
 
 #include <fcntl.h>

@@ -475,6 +475,15 @@ TEST(Data, TokenizeWritesByteTokens) {
                                 "tokenize"),
             std::string::npos)
       << unknown.output;
+  // The dataset's folder is named by the command's flag.
+  auto missing = run_cli({cli_path(), "data", "make-imagefolder", "--from", "fashion-mnist",
+                          "--data-dir", "/nonexistent-fmnist", "--out", dir + "/never"});
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("/nonexistent-fmnist/train-images-idx3-ubyte.gz does not exist; "
+                                "install Debian's dataset-fashion-mnist or give --data-dir the "
+                                "folder that holds its files"),
+            std::string::npos)
+      << missing.output;
   remove_tree(dir);
 }
 

@@ -1,4 +1,4 @@
-// paratrain's store (src/comm/socket_store.h), through its c10d::Store face: c10d::Store's
+// paratrain's store (src/store/socket_store.h), through its c10d::Store face: c10d::Store's
 // semantics, the addresses its server binds, and a deadline on every call. Real sockets on
 // loopback.
 

@@ -40,7 +40,8 @@ class FashionMNIST : public torch::data::datasets::Dataset<FashionMNIST> {
 };
 
 /// Reads one gzip'd (or plain) idx file and checks its magic number: 2051 for images, 2049 for
-/// labels. Returns uint8 data shaped [N, 28, 28] or [N].
+/// labels. Returns uint8 data shaped [N, 28, 28] or [N]. A file that does not exist is an
+/// OptionError on "root", the folder FashionMNIST reads (a command line's --data-dir).
 torch::Tensor read_idx_file(const std::string& path, bool images);
 
 /// The same for the `size` bytes of an idx file already in memory, gzip'd or plain. `name` stands
