@@ -17,11 +17,13 @@
 //     static constexpr bool kCudaOnly = ...;       // the engine moves CUDA tensors only
 //     static constexpr bool kNativeReduceScatter = ...;  // the engine has reduce_scatter
 //     static constexpr bool kExchangeAllgather = ...;  // CPU allgathers as sends and receives
+//     static constexpr bool kBitwiseOps = ...;  // the engine has band, bor and bxor
 //     static void shutdown(Engine&, bool broken);                // called once, before the engine
 //     is released
 //   };
 
 #include "backends.h"
+#include "composite_work.h"
 #include "store_monitor.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -49,6 +51,14 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
       return c10d::ReduceOp(c10d::ReduceOp::MAX);
     case ReduceOp::kMin:
       return c10d::ReduceOp(c10d::ReduceOp::MIN);
+    case ReduceOp::kProduct:
+      return c10d::ReduceOp(c10d::ReduceOp::PRODUCT);
+    case ReduceOp::kBand:
+      return c10d::ReduceOp(c10d::ReduceOp::BAND);
+    case ReduceOp::kBor:
+      return c10d::ReduceOp(c10d::ReduceOp::BOR);
+    case ReduceOp::kBxor:
+      return c10d::ReduceOp(c10d::ReduceOp::BXOR);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
 }
@@ -61,75 +71,6 @@ constexpr int kInternalTagBase = ProcessGroup::kMaxUserTag;
 inline int internal_tag(int64_t seq) {
   return kInternalTagBase + static_cast<int>(seq % kInternalTagBase);
 }
-
-// Several operations that complete as one (the sends and receives of an exchange), then a
-// finishing step that runs once, after all of them succeeded. c10d's Gloo sends and receives
-// report completion only from their own wait(), so a thread of the work's own waits for them:
-// is_completed() then turns true by itself, as for the engine's collectives, without blocking.
-class CompositeWork : public Work {
- public:
-  CompositeWork(std::vector<WorkPtr> parts, std::function<void()> finish)
-      : state_(std::make_shared<State>()) {
-    state_->parts = std::move(parts);
-    state_->finish = std::move(finish);
-    waiter_ = std::thread([state = state_] { state->run(); });
-  }
-  ~CompositeWork() override {
-    if (waiter_.joinable()) {
-      waiter_.join();  // at most the parts' timeouts away
-    }
-  }
-  CompositeWork(const CompositeWork&) = delete;
-  CompositeWork& operator=(const CompositeWork&) = delete;
-
-  void wait() override {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    state_->changed.wait(lock, [this] { return state_->done; });
-    if (state_->error) {
-      std::rethrow_exception(state_->error);  // the part's CollectiveError names the peer
-    }
-  }
-
-  bool is_completed() override {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    return state_->done;
-  }
-
- private:
-  struct State {
-    std::mutex mutex;
-    std::condition_variable changed;
-    bool done = false;             // guarded by mutex
-    std::exception_ptr error;      // guarded by mutex
-    std::vector<WorkPtr> parts;    // the waiter's alone until done
-    std::function<void()> finish;  // the waiter's alone until done
-
-    void run() {
-      std::exception_ptr failure;
-      try {
-        at::NoGradGuard no_grad;  // a new thread records autograd by default
-        for (auto& part : parts) {
-          part->wait();
-        }
-        if (finish) {
-          finish();
-        }
-      } catch (...) {
-        failure = std::current_exception();
-      }
-      parts.clear();  // the tensors they hold
-      finish = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mutex);
-        error = failure;
-        done = true;
-      }
-      changed.notify_all();
-    }
-  };
-  std::shared_ptr<State> state_;
-  std::thread waiter_;
-};
 
 // output = the pieces combined by `op`, in rank order (avg: their sum over their count).
 inline void combine_pieces(at::Tensor& output, const std::vector<at::Tensor>& pieces, ReduceOp op) {
@@ -149,12 +90,29 @@ inline void combine_pieces(at::Tensor& output, const std::vector<at::Tensor>& pi
   }
   for (size_t r = 1; r < pieces.size(); ++r) {
     const at::Tensor& piece = pieces[r];
-    if (op == ReduceOp::kSum || op == ReduceOp::kAvg) {
-      acc.add_(piece);
-    } else if (op == ReduceOp::kMax) {
-      acc = at::maximum(acc, piece.to(acc.scalar_type()));
-    } else {
-      acc = at::minimum(acc, piece.to(acc.scalar_type()));
+    switch (op) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        acc.add_(piece);
+        break;
+      case ReduceOp::kProduct:
+        acc.mul_(piece);
+        break;
+      case ReduceOp::kMax:
+        acc = at::maximum(acc, piece.to(acc.scalar_type()));
+        break;
+      case ReduceOp::kMin:
+        acc = at::minimum(acc, piece.to(acc.scalar_type()));
+        break;
+      case ReduceOp::kBand:
+        acc.bitwise_and_(piece);
+        break;
+      case ReduceOp::kBor:
+        acc.bitwise_or_(piece);
+        break;
+      case ReduceOp::kBxor:
+        acc.bitwise_xor_(piece);
+        break;
     }
   }
   if (op == ReduceOp::kAvg) {
@@ -270,7 +228,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     check_device(tensor, "allreduce");
     issued(seq);
     c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
+    opts.reduceOp = engine_op(op);
     opts.timeout = timeout();
     at::Tensor wire = widened(tensor);
     std::vector<at::Tensor> tensors{wire};
@@ -333,7 +291,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
     issued(seq);
     if constexpr (Traits::kNativeReduceScatter) {
       c10d::ReduceScatterOptions opts;
-      opts.reduceOp = to_c10d(op);
+      opts.reduceOp = engine_op(op);
       opts.timeout = timeout();
       std::vector<at::Tensor> outputs{output};
       std::vector<std::vector<at::Tensor>> lists{inputs};
@@ -350,6 +308,149 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
       return allreduce_reduce_scatter(output, inputs, op, seq);
     }
   }
+  WorkPtr do_reduce(at::Tensor& tensor, int dst, ReduceOp op, int64_t seq) override {
+    check_device(tensor, "reduce");
+    issued(seq);
+    c10d::ReduceOptions opts;
+    opts.reduceOp = engine_op(op);
+    opts.rootRank = dst;
+    opts.timeout = timeout();
+    // The others' tensors stay as they were: Gloo and NCCL write partial results into them.
+    at::Tensor wire = rank() == dst ? widened(tensor) : widened(tensor).clone();
+    std::vector<at::Tensor> tensors{wire};
+    auto work = engine_->reduce(tensors, opts);
+    std::function<void()> finish;
+    if (rank() == dst && (op == ReduceOp::kAvg || !wire.is_same(tensor))) {
+      finish = [tensor, wire, op, n = size()]() mutable {
+        if (op == ReduceOp::kAvg) {
+          wire.div_(n);
+        }
+        if (!wire.is_same(tensor)) {
+          tensor.copy_(wire);
+        }
+      };
+    }
+    return wrap(std::move(work), "reduce", seq, true, std::move(finish),
+                std::string(to_string(op)) + ", dst " + std::to_string(dst));
+  }
+
+  WorkPtr do_gather(std::vector<at::Tensor>& outputs,
+                    const at::Tensor& input,
+                    int dst,
+                    int64_t seq) override {
+    check_device(input, "gather");
+    issued(seq);
+    c10d::GatherOptions opts;
+    opts.rootRank = dst;
+    opts.timeout = timeout();
+    std::vector<std::vector<at::Tensor>> out;
+    if (rank() == dst) {
+      out.emplace_back();
+      for (const auto& o : outputs) {
+        out[0].push_back(as_bits(o));
+      }
+    }
+    std::vector<at::Tensor> in{as_bits(input)};
+    return wrap(engine_->gather(out, in, opts), "gather", seq, true, nullptr,
+                "dst " + std::to_string(dst));
+  }
+
+  WorkPtr do_scatter(at::Tensor& output,
+                     const std::vector<at::Tensor>& inputs,
+                     int src,
+                     int64_t seq) override {
+    check_device(output, "scatter");
+    issued(seq);
+    c10d::ScatterOptions opts;
+    opts.rootRank = src;
+    opts.timeout = timeout();
+    std::vector<std::vector<at::Tensor>> in;
+    if (rank() == src) {
+      in.emplace_back();
+      for (const auto& i : inputs) {
+        in[0].push_back(as_bits(i));
+      }
+    }
+    std::vector<at::Tensor> out{as_bits(output)};
+    return wrap(engine_->scatter(out, in, opts), "scatter", seq, true, nullptr,
+                "src " + std::to_string(src));
+  }
+
+  WorkPtr do_all_to_all_single(at::Tensor& output,
+                               const at::Tensor& input,
+                               const std::vector<int64_t>& output_split_sizes,
+                               const std::vector<int64_t>& input_split_sizes,
+                               int64_t seq) override {
+    check_device(input, "all_to_all_single");
+    issued(seq);
+    c10d::AllToAllOptions opts;
+    opts.timeout = timeout();
+    at::Tensor out = as_bits(output);
+    at::Tensor in = as_bits(input);
+    std::vector<int64_t> out_splits = output_split_sizes;
+    std::vector<int64_t> in_splits = input_split_sizes;
+    return wrap(engine_->alltoall_base(out, in, out_splits, in_splits, opts), "all_to_all_single",
+                seq, true, nullptr, std::to_string(input.nbytes()) + " bytes out");
+  }
+
+  // Over the job's store, as torch.distributed's monitored_barrier over Gloo's messages: each
+  // rank writes that it arrived, rank 0 waits for the keys and then writes its verdict, which the
+  // others wait for. Nothing is left in flight when a rank is missing.
+  void do_monitored_barrier(std::chrono::milliseconds timeout,
+                            bool wait_all_ranks,
+                            int64_t seq) override {
+    issued(seq);
+    const std::string prefix = "paratrain/monitored_barrier/" + std::to_string(seq) + "/";
+    const std::string what = describe("monitored_barrier", seq);
+    auto fail = [&](const std::string& why) {
+      const std::string message = what + " failed: " + why;
+      mark_broken(message);
+      throw CollectiveError(message);
+    };
+    try {
+      if (rank() != 0) {
+        store_->set(prefix + std::to_string(rank()), std::vector<uint8_t>{1});
+        store_->wait({prefix + "verdict"}, answer_time(timeout));
+        const auto verdict = store_->get(prefix + "verdict");
+        if (!verdict.empty() && verdict[0] != 'o') {
+          fail(std::string(verdict.begin(), verdict.end()));
+        }
+        return;
+      }
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      std::vector<int> missing;
+      for (int r = 1; r < size(); ++r) {
+        while (!store_->check({prefix + std::to_string(r)}) &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        if (!store_->check({prefix + std::to_string(r)})) {
+          missing.push_back(r);
+          if (!wait_all_ranks) {
+            break;
+          }
+        }
+      }
+      if (missing.empty()) {
+        store_->set(prefix + "verdict", std::vector<uint8_t>{'o', 'k'});
+        return;
+      }
+      std::string ranks;
+      for (int r : missing) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+      }
+      const std::string why = (missing.size() == 1 ? "rank " : "ranks ") + ranks +
+                              " did not reach it within " + std::to_string(timeout.count()) + " ms";
+      store_->set(prefix + "verdict", std::vector<uint8_t>(why.begin(), why.end()));
+      fail(why);
+    } catch (const CollectiveError&) {
+      throw;
+    } catch (const std::exception& e) {  // the store's timeout: rank 0 never gave its verdict
+      fail("rank 0 did not let it pass within " + std::to_string(answer_time(timeout).count()) +
+           " ms (" + error_message(e) + ")");
+    }
+  }
+
   WorkPtr do_barrier(int64_t seq) override {
     issued(seq);
     c10d::BarrierOptions opts;
@@ -404,6 +505,13 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                 t.device(), ", but ", Traits::kName,
                 " moves CUDA tensors only; use backend 'cpu:gloo,cuda:", Traits::kName,
                 "' (what 'auto' gives on a machine with GPUs) to send CPU tensors over gloo");
+  }
+
+  c10d::ReduceOp engine_op(ReduceOp op) const {
+    const bool bitwise = op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+    TORCH_CHECK(!bitwise || Traits::kBitwiseOps, Traits::kName, " has no ", to_string(op),
+                " reduction (PyTorch's neither); reduce integer tensors over gloo or mpi");
+    return to_c10d(op);
   }
 
   // libtorch 1.13's Gloo reduces no bfloat16 ("Invalid scalar type"): such tensors travel as a
@@ -501,7 +609,7 @@ class C10dGroup : public ProcessGroup, public std::enable_shared_from_this<C10dG
                                    int64_t seq) {
     at::Tensor flat = widened(at::cat(inputs).contiguous());
     c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
+    opts.reduceOp = engine_op(op);
     opts.timeout = timeout();
     std::vector<at::Tensor> tensors{flat};
     auto work = engine_->allreduce(tensors, opts);

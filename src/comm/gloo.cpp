@@ -19,6 +19,7 @@ struct GlooTraits {
   static constexpr bool kCudaOnly = false;
   static constexpr bool kNativeReduceScatter = false;
   static constexpr bool kExchangeAllgather = true;
+  static constexpr bool kBitwiseOps = true;
   static void shutdown(Engine&, bool) {}  // Gloo's pairs close when the engine is released
 };
 

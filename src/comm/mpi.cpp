@@ -28,6 +28,7 @@
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -72,10 +73,14 @@ template <typename T>
 void min_fn(void* in, void* inout, int* len, MPI_Datatype*) {
   reduce_in_float<T>(in, inout, len, [](float x, float y) { return x < y ? x : y; });
 }
+template <typename T>
+void prod_fn(void* in, void* inout, int* len, MPI_Datatype*) {
+  reduce_in_float<T>(in, inout, len, [](float x, float y) { return x * y; });
+}
 
 struct MpiGlobals {
   MPI_Datatype half16 = MPI_DATATYPE_NULL;  // two bytes, reduced by the ops below
-  MPI_Op half_sum, half_max, half_min, bf16_sum, bf16_max, bf16_min;
+  MPI_Op half_sum, half_max, half_min, half_prod, bf16_sum, bf16_max, bf16_min, bf16_prod;
 };
 
 struct MpiWorker;
@@ -114,9 +119,11 @@ void ensure_mpi_initialized() {
     MPI_Op_create(&sum_fn<c10::Half>, 1, &g_mpi.half_sum);
     MPI_Op_create(&max_fn<c10::Half>, 1, &g_mpi.half_max);
     MPI_Op_create(&min_fn<c10::Half>, 1, &g_mpi.half_min);
+    MPI_Op_create(&prod_fn<c10::Half>, 1, &g_mpi.half_prod);
     MPI_Op_create(&sum_fn<c10::BFloat16>, 1, &g_mpi.bf16_sum);
     MPI_Op_create(&max_fn<c10::BFloat16>, 1, &g_mpi.bf16_max);
     MPI_Op_create(&min_fn<c10::BFloat16>, 1, &g_mpi.bf16_min);
+    MPI_Op_create(&prod_fn<c10::BFloat16>, 1, &g_mpi.bf16_prod);
   });
 }
 
@@ -157,6 +164,12 @@ MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
         return half ? g_mpi.half_max : g_mpi.bf16_max;
       case ReduceOp::kMin:
         return half ? g_mpi.half_min : g_mpi.bf16_min;
+      case ReduceOp::kProduct:
+        return half ? g_mpi.half_prod : g_mpi.bf16_prod;
+      case ReduceOp::kBand:
+      case ReduceOp::kBor:
+      case ReduceOp::kBxor:
+        break;  // integer tensors only, checked before
     }
   }
   switch (op) {
@@ -167,6 +180,14 @@ MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
       return t == at::kBool ? MPI_BOR : MPI_MAX;
     case ReduceOp::kMin:
       return t == at::kBool ? MPI_BAND : MPI_MIN;
+    case ReduceOp::kProduct:
+      return t == at::kBool ? MPI_BAND : MPI_PROD;
+    case ReduceOp::kBand:
+      return MPI_BAND;
+    case ReduceOp::kBor:
+      return MPI_BOR;
+    case ReduceOp::kBxor:
+      return MPI_BXOR;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
 }
@@ -434,6 +455,191 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
                   });
   }
 
+  WorkPtr do_reduce(at::Tensor& tensor, int dst, ReduceOp op, int64_t seq) override {
+    check_cpu(tensor, "reduce");
+    MPI_Datatype type = mpi_type(tensor.scalar_type());
+    MPI_Op mop = mpi_op(op, tensor.scalar_type());
+    const int count = mpi_count(tensor.numel(), "reduce");
+    return submit(
+        "reduce", std::string(to_string(op)) + ", dst " + std::to_string(dst), seq, true,
+        [comm = comm_, me = rank(), n = size(), tensor, dst, type, mop, op, count]() mutable {
+          // The others' tensors stay as they were: MPI reads them only.
+          if (me == dst) {
+            check(MPI_Reduce(MPI_IN_PLACE, tensor.data_ptr(), count, type, mop, dst, comm));
+            if (op == ReduceOp::kAvg) {
+              tensor.div_(n);
+            }
+          } else {
+            check(MPI_Reduce(tensor.data_ptr(), nullptr, count, type, mop, dst, comm));
+          }
+          return MPI_REQUEST_NULL;
+        });
+  }
+
+  WorkPtr do_gather(std::vector<at::Tensor>& outputs,
+                    const at::Tensor& input,
+                    int dst,
+                    int64_t seq) override {
+    check_cpu(input, "gather");
+    for (auto& o : outputs) {
+      check_cpu(o, "gather");
+    }
+    const int count = mpi_count(input.nbytes(), "gather");
+    mpi_count(input.nbytes() * size(), "gather");
+    return submit(
+        "gather", "dst " + std::to_string(dst), seq, true,
+        [comm = comm_, me = rank(), n = size(), outputs, input, dst, count]() mutable {
+          at::Tensor flat =
+              me == dst ? at::empty({n * input.numel()}, input.options()) : at::Tensor();
+          check(MPI_Gather(input.data_ptr(), count, MPI_BYTE, me == dst ? flat.data_ptr() : nullptr,
+                           count, MPI_BYTE, dst, comm));
+          if (me == dst) {
+            auto parts = flat.chunk(n);
+            for (int r = 0; r < n; ++r) {
+              outputs[r].copy_(parts[r].view(input.sizes()));
+            }
+          }
+          return MPI_REQUEST_NULL;
+        });
+  }
+
+  WorkPtr do_scatter(at::Tensor& output,
+                     const std::vector<at::Tensor>& inputs,
+                     int src,
+                     int64_t seq) override {
+    check_cpu(output, "scatter");
+    for (auto& i : inputs) {
+      check_cpu(i, "scatter");
+    }
+    const int count = mpi_count(output.nbytes(), "scatter");
+    mpi_count(output.nbytes() * size(), "scatter");
+    return submit("scatter", "src " + std::to_string(src), seq, true,
+                  [comm = comm_, me = rank(), output, inputs, src, count]() mutable {
+                    at::Tensor flat = me == src ? at::cat(inputs).contiguous() : at::Tensor();
+                    check(MPI_Scatter(me == src ? flat.data_ptr() : nullptr, count, MPI_BYTE,
+                                      output.data_ptr(), count, MPI_BYTE, src, comm));
+                    return MPI_REQUEST_NULL;
+                  });
+  }
+
+  WorkPtr do_all_to_all_single(at::Tensor& output,
+                               const at::Tensor& input,
+                               const std::vector<int64_t>& output_split_sizes,
+                               const std::vector<int64_t>& input_split_sizes,
+                               int64_t seq) override {
+    check_cpu(input, "all_to_all_single");
+    check_cpu(output, "all_to_all_single");
+    // Rows to byte counts and offsets, which MPI takes as ints.
+    auto layout = [](const at::Tensor& t, const std::vector<int64_t>& rows, const char* what) {
+      const int64_t row_bytes =
+          t.dim() == 0 ? t.element_size() : t.nbytes() / std::max<int64_t>(1, t.size(0));
+      std::vector<int> counts, offsets;
+      int64_t at = 0;
+      for (int64_t r : rows) {
+        counts.push_back(mpi_count(r * row_bytes, what));
+        offsets.push_back(mpi_count(at, what));
+        at += r * row_bytes;
+      }
+      return std::make_pair(counts, offsets);
+    };
+    auto out = layout(output, output_split_sizes, "all_to_all_single");
+    auto in = layout(input, input_split_sizes, "all_to_all_single");
+    return submit("all_to_all_single", std::to_string(input.nbytes()) + " bytes out", seq, true,
+                  [comm = comm_, output, input, out, in]() mutable {
+                    check(MPI_Alltoallv(input.data_ptr(), in.first.data(), in.second.data(),
+                                        MPI_BYTE, output.data_ptr(), out.first.data(),
+                                        out.second.data(), MPI_BYTE, comm));
+                    return MPI_REQUEST_NULL;
+                  });
+  }
+
+  // By messages to and from rank 0, as torch.distributed's over Gloo: each rank tells rank 0 it
+  // arrived, and rank 0 answers every rank that did with the list of those that did not (one flag
+  // per rank). Receives from missing ranks stay posted until the group is destroyed, which
+  // cancels them; the group is broken by then.
+  void do_monitored_barrier(std::chrono::milliseconds timeout,
+                            bool wait_all_ranks,
+                            int64_t seq) override {
+    const int tag = reserved_tag();
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + (rank() == 0 ? timeout : answer_time(timeout));
+    const std::string what = describe("monitored_barrier", seq);
+    auto done_by_deadline = [&](const WorkPtr& w) {
+      while (!w->is_completed() && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!w->is_completed()) {
+        return false;
+      }
+      w->wait();  // rethrows the operation's own failure
+      return true;
+    };
+    auto fail = [&](const std::string& why) {
+      mark_broken(what + " failed: " + why);
+      throw CollectiveError(what + " failed: " + why);
+    };
+    at::Tensor missing = at::zeros({size()}, at::kInt);
+    auto name_missing = [&] {
+      std::string ranks;
+      int count = 0;
+      for (int r = 0; r < size(); ++r) {
+        if (missing[r].item<int>() != 0) {
+          ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+          ++count;
+        }
+      }
+      return (count == 1 ? "rank " : "ranks ") + ranks + " did not reach it within " +
+             std::to_string(timeout.count()) + " ms";
+    };
+    if (rank() != 0) {
+      at::Tensor here = at::ones({1}, at::kInt);
+      auto sent = do_send(here, 0, tag, seq);
+      auto verdict = do_recv(missing, 0, tag, seq);
+      if (!done_by_deadline(verdict)) {
+        fail("rank 0 did not let it pass within " + std::to_string(answer_time(timeout).count()) +
+             " ms");
+      }
+      sent->wait();
+      if (missing.any().item<bool>()) {
+        fail(name_missing());
+      }
+      return;
+    }
+    std::vector<at::Tensor> arrivals;
+    std::vector<WorkPtr> receives;
+    for (int r = 1; r < size(); ++r) {
+      arrivals.push_back(at::zeros({1}, at::kInt));
+      receives.push_back(do_recv(arrivals.back(), r, tag, seq));
+    }
+    // Past the first missing rank (without wait_all_ranks), the others are not waited for: those
+    // already here get the verdict, the rest time out on it.
+    std::vector<bool> arrived(static_cast<size_t>(size()), false);
+    bool failed = false;
+    for (int r = 1; r < size(); ++r) {
+      WorkPtr& w = receives[static_cast<size_t>(r - 1)];
+      if (failed && !wait_all_ranks) {
+        arrived[static_cast<size_t>(r)] = w->is_completed();
+      } else if (done_by_deadline(w)) {
+        arrived[static_cast<size_t>(r)] = true;
+      } else {
+        missing[r] = 1;
+        failed = true;
+      }
+    }
+    std::vector<WorkPtr> answers;
+    for (int r = 1; r < size(); ++r) {
+      if (arrived[static_cast<size_t>(r)]) {
+        answers.push_back(do_send(missing, r, tag, seq));
+      }
+    }
+    for (auto& a : answers) {
+      a->wait();
+    }
+    if (missing.any().item<bool>()) {
+      fail(name_missing());
+    }
+  }
+
   WorkPtr do_barrier(int64_t seq) override {
     return submit("barrier", "", seq, true, [comm = comm_]() {
       check(MPI_Barrier(comm));
@@ -496,6 +702,16 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
  private:
+  // A tag above users' (ProcessGroup::kMaxUserTag) where MPI has one; MPI promises tags up to
+  // 32767 only (MPI_TAG_UB), and then the largest.
+  static int reserved_tag() {
+    void* value = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &value, &found);
+    const int upper = found != 0 && value != nullptr ? *static_cast<int*>(value) : 32767;
+    return std::min(upper, kMaxUserTag);
+  }
+
   static void check(int rc) {
     if (rc != MPI_SUCCESS) {
       throw std::runtime_error(mpi_error_string(rc));

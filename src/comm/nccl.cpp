@@ -56,6 +56,7 @@ struct NcclTraits {
   static constexpr bool kCudaOnly = true;
   static constexpr bool kNativeReduceScatter = true;
   static constexpr bool kExchangeAllgather = false;
+  static constexpr bool kBitwiseOps = false;  // NCCL has no band, bor or bxor
   // libtorch 2.x warns at exit that "destroy_process_group() was not called" unless the engine
   // was shut down; 1.13 aborts its communicators in the destructor and has no shutdown().
   // A broken group is aborted instead: 2.6's graceful shutdown waits for kernels that a dead peer

@@ -1,9 +1,11 @@
 #include "paratrain/comm/process_group.h"
 
+#include "composite_work.h"
 #include "launch/backend_routes.h"
 
 #include <c10/util/Exception.h>
 
+#include <cstring>
 #include <sstream>
 
 namespace paratrain {
@@ -19,6 +21,14 @@ const char* to_string(ReduceOp op) {
       return "max";
     case ReduceOp::kMin:
       return "min";
+    case ReduceOp::kProduct:
+      return "product";
+    case ReduceOp::kBand:
+      return "band";
+    case ReduceOp::kBor:
+      return "bor";
+    case ReduceOp::kBxor:
+      return "bxor";
   }
   return "?";
 }
@@ -89,12 +99,266 @@ void ProcessGroup::check_peer(int peer, const char* op, const char* what) const 
               " is this rank itself");
 }
 
+void ProcessGroup::check_op(ReduceOp op, const at::Tensor& t, const char* name) const {
+  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), backend_name(), " ",
+              name, ": avg needs a floating-point tensor, got ", t.scalar_type());
+  const bool bitwise = op == ReduceOp::kBand || op == ReduceOp::kBor || op == ReduceOp::kBxor;
+  TORCH_CHECK(!bitwise || at::isIntegralType(t.scalar_type(), /*includeBool=*/true), backend_name(),
+              " ", name, ": ", to_string(op), " needs an integer or bool tensor, got ",
+              t.scalar_type());
+}
+
+void ProcessGroup::check_root(int root, const char* op, const char* what) const {
+  TORCH_CHECK(root >= 0 && root < size_, backend_name(), " ", op, ": ", what, " ", root,
+              " is out of range for a group of size ", size_);
+}
+
 WorkPtr ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op) {
   check_not_broken("allreduce");
   check_tensor(tensor, "allreduce", "tensor");
-  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(tensor.scalar_type()), backend_name(),
-              " allreduce: avg needs a floating-point tensor, got ", tensor.scalar_type());
+  check_op(op, tensor, "allreduce");
   return do_allreduce(tensor, op, next_sequence());
+}
+
+WorkPtr ProcessGroup::reduce(at::Tensor& tensor, int dst, ReduceOp op) {
+  check_not_broken("reduce");
+  check_tensor(tensor, "reduce", "tensor");
+  check_op(op, tensor, "reduce");
+  check_root(dst, "reduce", "dst");
+  return do_reduce(tensor, dst, op, next_sequence());
+}
+
+namespace {
+// size() tensors shaped like `like` (what gather's outputs and scatter's inputs must be).
+void check_list(const std::vector<at::Tensor>& list,
+                const at::Tensor& like,
+                int size,
+                const std::string& where) {
+  TORCH_CHECK(static_cast<int>(list.size()) == size, where, " expected one tensor per rank (", size,
+              "), got ", list.size());
+  for (const auto& t : list) {
+    TORCH_CHECK(t.defined() && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type(),
+                where, " every tensor must be shaped as ", like.sizes(), " of ", like.scalar_type(),
+                ", got ", t.defined() ? t.sizes() : c10::IntArrayRef{}, " of ",
+                t.defined() ? t.scalar_type() : at::ScalarType::Undefined);
+    TORCH_CHECK(t.is_contiguous(), where, " every tensor must be contiguous");
+  }
+}
+}  // namespace
+
+WorkPtr ProcessGroup::gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, int dst) {
+  check_not_broken("gather");
+  check_tensor(input, "gather", "input");
+  check_root(dst, "gather", "dst");
+  if (rank_ == dst) {
+    check_list(outputs, input, size_, backend_name() + " gather: outputs:");
+  } else {
+    TORCH_CHECK(outputs.empty(), backend_name(), " gather: outputs are given on rank ", rank_,
+                ", which is not dst (", dst, "); pass an empty list there, as gather_list is None");
+  }
+  return do_gather(outputs, input, dst, next_sequence());
+}
+
+WorkPtr ProcessGroup::scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src) {
+  check_not_broken("scatter");
+  check_tensor(output, "scatter", "output");
+  check_root(src, "scatter", "src");
+  if (rank_ == src) {
+    check_list(inputs, output, size_, backend_name() + " scatter: inputs:");
+  } else {
+    TORCH_CHECK(inputs.empty(), backend_name(), " scatter: inputs are given on rank ", rank_,
+                ", which is not src (", src,
+                "); pass an empty list there, as scatter_list is None");
+  }
+  return do_scatter(output, inputs, src, next_sequence());
+}
+
+namespace {
+// Split sizes along dim 0 of `t` for an all_to_all_single: `given`, or equal pieces when empty.
+std::vector<int64_t> splits_of(const at::Tensor& t,
+                               std::vector<int64_t> given,
+                               int size,
+                               const std::string& where) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  if (given.empty()) {
+    TORCH_CHECK(rows % size == 0, where, " has ", rows, " rows in dim 0, which ", size,
+                " ranks cannot share equally; give its split sizes");
+    return std::vector<int64_t>(static_cast<size_t>(size), rows / size);
+  }
+  TORCH_CHECK(static_cast<int>(given.size()) == size, where, " split sizes have ", given.size(),
+              " entries; give one per rank (", size, ")");
+  int64_t sum = 0;
+  for (int64_t s : given) {
+    TORCH_CHECK(s >= 0, where, " split sizes must not be negative, got ", c10::IntArrayRef(given));
+    sum += s;
+  }
+  TORCH_CHECK(sum == rows, where, " split sizes ", c10::IntArrayRef(given), " add up to ", sum,
+              ", but the tensor has ", rows, " rows in dim 0");
+  return given;
+}
+}  // namespace
+
+WorkPtr ProcessGroup::all_to_all_single(at::Tensor& output,
+                                        const at::Tensor& input,
+                                        std::vector<int64_t> output_split_sizes,
+                                        std::vector<int64_t> input_split_sizes) {
+  check_not_broken("all_to_all_single");
+  check_tensor(input, "all_to_all_single", "input");
+  check_tensor(output, "all_to_all_single", "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), backend_name(),
+              " all_to_all_single: input is ", input.scalar_type(), " and output ",
+              output.scalar_type(), "; they must match");
+  TORCH_CHECK(
+      input.dim() >= 1 && output.dim() >= 1 && input.sizes().slice(1) == output.sizes().slice(1),
+      backend_name(), " all_to_all_single: input ", input.sizes(), " and output ", output.sizes(),
+      " must match in every dim but the first");
+  const std::string name = backend_name() + " all_to_all_single:";
+  auto out = splits_of(output, std::move(output_split_sizes), size_, name + " the output");
+  auto in = splits_of(input, std::move(input_split_sizes), size_, name + " the input");
+  return do_all_to_all_single(output, input, out, in, next_sequence());
+}
+
+// As PyTorch's gloo backend: the pieces travel as one flat all_to_all_single of their elements,
+// so any engine with that collective has this one.
+WorkPtr ProcessGroup::all_to_all(std::vector<at::Tensor>& outputs,
+                                 const std::vector<at::Tensor>& inputs) {
+  check_not_broken("all_to_all");
+  const std::string name = backend_name() + " all_to_all:";
+  TORCH_CHECK(static_cast<int>(outputs.size()) == size_ && static_cast<int>(inputs.size()) == size_,
+              name, " expected one output and one input tensor per rank (", size_, "), got ",
+              outputs.size(), " and ", inputs.size());
+  std::vector<int64_t> out_counts, in_counts;
+  for (int r = 0; r < size_; ++r) {
+    check_tensor(inputs[r], "all_to_all", "input");
+    check_tensor(outputs[r], "all_to_all", "output");
+    TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
+                    outputs[r].scalar_type() == inputs[0].scalar_type(),
+                name, " every tensor must be ", inputs[0].scalar_type(), ", got ",
+                inputs[r].scalar_type(), " and ", outputs[r].scalar_type());
+    TORCH_CHECK(
+        inputs[r].device() == inputs[0].device() && outputs[r].device() == inputs[0].device(), name,
+        " every tensor must be on ", inputs[0].device());
+    in_counts.push_back(inputs[r].numel());
+    out_counts.push_back(outputs[r].numel());
+  }
+  std::vector<at::Tensor> flat_in;
+  for (const auto& t : inputs) {
+    flat_in.push_back(t.reshape({-1}));
+  }
+  at::Tensor in = at::cat(flat_in);
+  int64_t total = 0;
+  for (int64_t c : out_counts) {
+    total += c;
+  }
+  at::Tensor out = at::empty({total}, in.options());
+  auto work = do_all_to_all_single(out, in, out_counts, in_counts, next_sequence());
+  return std::make_shared<detail::CompositeWork>(
+      std::vector<WorkPtr>{work}, [outputs, out, out_counts]() mutable {
+        int64_t at = 0;
+        for (size_t r = 0; r < outputs.size(); ++r) {
+          outputs[r].copy_(out.narrow(0, at, out_counts[r]).view(outputs[r].sizes()));
+          at += out_counts[r];
+        }
+      });
+}
+
+WorkPtr ProcessGroup::all_gather_into_tensor(at::Tensor& output, const at::Tensor& input) {
+  check_not_broken("all_gather_into_tensor");
+  check_tensor(input, "all_gather_into_tensor", "input");
+  check_tensor(output, "all_gather_into_tensor", "output");
+  TORCH_CHECK(
+      output.numel() == size_ * input.numel() && output.scalar_type() == input.scalar_type(),
+      backend_name(), " all_gather_into_tensor: the output must hold ", size_,
+      " times the input's ", input.numel(), " ", input.scalar_type(), " elements, got ",
+      output.numel(), " ", output.scalar_type(), " (", output.sizes(), ")");
+  std::vector<at::Tensor> slots;
+  at::Tensor rows = output.view({size_, input.numel()});
+  for (int r = 0; r < size_; ++r) {
+    slots.push_back(rows[r].view(input.sizes()));
+  }
+  return do_allgather(slots, input, next_sequence());
+}
+
+WorkPtr ProcessGroup::reduce_scatter_tensor(at::Tensor& output,
+                                            const at::Tensor& input,
+                                            ReduceOp op) {
+  check_not_broken("reduce_scatter_tensor");
+  check_tensor(input, "reduce_scatter_tensor", "input");
+  check_tensor(output, "reduce_scatter_tensor", "output");
+  check_op(op, output, "reduce_scatter_tensor");
+  TORCH_CHECK(
+      input.numel() == size_ * output.numel() && output.scalar_type() == input.scalar_type(),
+      backend_name(), " reduce_scatter_tensor: the input must hold ", size_, " times the output's ",
+      output.numel(), " ", output.scalar_type(), " elements, got ", input.numel(), " ",
+      input.scalar_type(), " (", input.sizes(), ")");
+  std::vector<at::Tensor> pieces;
+  at::Tensor rows = input.view({size_, output.numel()});
+  for (int r = 0; r < size_; ++r) {
+    pieces.push_back(rows[r].view(output.sizes()));
+  }
+  return do_reduce_scatter(output, pieces, op, next_sequence());
+}
+
+void ProcessGroup::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  check_not_broken("monitored_barrier");
+  TORCH_CHECK(timeout.count() >= 0, backend_name(),
+              " monitored_barrier: the timeout must not be negative, got ", timeout.count(), " ms");
+  do_monitored_barrier(timeout.count() == 0 ? timeout_ : timeout, wait_all_ranks, next_sequence());
+}
+
+std::vector<WorkPtr> ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  TORCH_CHECK(!ops.empty(), backend_name(), " batch_isend_irecv: the list of operations is empty");
+  // Every operation is checked before any starts: a bad one must not leave others in flight.
+  for (const auto& op : ops) {
+    const char* name = op.kind == P2POp::Kind::kIsend ? "isend" : "irecv";
+    check_tensor(op.tensor, name, "tensor");
+    TORCH_CHECK(op.tag >= 0 && op.tag < kMaxUserTag, backend_name(), " ", name,
+                ": tag must be in [0, ", kMaxUserTag, "), got ", op.tag);
+    check_peer(op.peer, name, op.kind == P2POp::Kind::kIsend ? "destination rank" : "source rank");
+  }
+  std::vector<WorkPtr> works;
+  for (const auto& op : ops) {
+    at::Tensor t = op.tensor;
+    works.push_back(op.kind == P2POp::Kind::kIsend ? send(t, op.peer, op.tag)
+                                                   : recv(t, op.peer, op.tag));
+  }
+  return works;
+}
+
+// As PyTorch's: first the size, then the bytes, as uint8 tensors on the CPU (so over the group's
+// CPU engine; PyTorch's NCCL groups move them through the current GPU instead).
+void ProcessGroup::broadcast_object(std::string& bytes, int src) {
+  check_root(src, "broadcast_object", "src");
+  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  broadcast(length, src)->wait();
+  at::Tensor data = at::empty({length.item<int64_t>()}, at::kByte);
+  if (rank_ == src) {
+    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+  }
+  if (data.numel() > 0) {
+    broadcast(data, src)->wait();
+  }
+  bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
+}
+
+void ProcessGroup::all_gather_object(std::vector<std::string>& object_list,
+                                     const std::string& bytes) {
+  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor lengths = at::empty({size_}, at::kLong);
+  all_gather_into_tensor(lengths, length)->wait();
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor mine = at::zeros({longest}, at::kByte);
+  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  at::Tensor all = at::empty({size_ * longest}, at::kByte);
+  if (longest > 0) {
+    all_gather_into_tensor(all, mine)->wait();
+  }
+  object_list.assign(static_cast<size_t>(size_), std::string());
+  for (int r = 0; r < size_; ++r) {
+    const auto* base = static_cast<const char*>(all.data_ptr()) + r * longest;
+    object_list[static_cast<size_t>(r)].assign(base,
+                                               static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
 }
 
 WorkPtr ProcessGroup::broadcast(at::Tensor& tensor, int root) {
@@ -135,8 +399,7 @@ WorkPtr ProcessGroup::reduce_scatter(at::Tensor& output,
                 output.sizes(), ", ", output.scalar_type(), "), got ", i.sizes(), ", ",
                 i.scalar_type());
   }
-  TORCH_CHECK(op != ReduceOp::kAvg || at::isFloatingType(output.scalar_type()), backend_name(),
-              " reduce_scatter: avg needs a floating-point tensor, got ", output.scalar_type());
+  check_op(op, output, "reduce_scatter");
   return do_reduce_scatter(output, inputs, op, next_sequence());
 }
 

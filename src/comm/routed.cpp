@@ -53,6 +53,35 @@ class RoutedGroup : public ProcessGroup {
                             int64_t) override {
     return route(output, "reduce_scatter").reduce_scatter(output, inputs, op);
   }
+  WorkPtr do_reduce(at::Tensor& tensor, int dst, ReduceOp op, int64_t) override {
+    return route(tensor, "reduce").reduce(tensor, dst, op);
+  }
+  WorkPtr do_gather(std::vector<at::Tensor>& outputs,
+                    const at::Tensor& input,
+                    int dst,
+                    int64_t) override {
+    return route(input, "gather").gather(outputs, input, dst);
+  }
+  WorkPtr do_scatter(at::Tensor& output,
+                     const std::vector<at::Tensor>& inputs,
+                     int src,
+                     int64_t) override {
+    return route(output, "scatter").scatter(output, inputs, src);
+  }
+  WorkPtr do_all_to_all_single(at::Tensor& output,
+                               const at::Tensor& input,
+                               const std::vector<int64_t>& output_split_sizes,
+                               const std::vector<int64_t>& input_split_sizes,
+                               int64_t) override {
+    return route(input, "all_to_all_single")
+        .all_to_all_single(output, input, output_split_sizes, input_split_sizes);
+  }
+  // Moves no tensor: the first route's, as the barrier's.
+  void do_monitored_barrier(std::chrono::milliseconds timeout,
+                            bool wait_all_ranks,
+                            int64_t) override {
+    routes_.front().group->monitored_barrier(timeout, wait_all_ranks);
+  }
   // Any one engine's barrier makes every rank wait for the others; the first route's is the CPU's
   // when there is one, which needs no device.
   WorkPtr do_barrier(int64_t) override { return routes_.front().group->barrier(); }

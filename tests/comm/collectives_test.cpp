@@ -72,6 +72,82 @@ INSTANTIATE_TEST_SUITE_P(Backends,
                            return name + "_" + std::to_string(info.param.ranks) + "ranks";
                          });
 
+// PyTorch's results for `ranks` ranks (tests/comm/collectives_reference.py on gloo), then
+// paratrain's on `backend` compared with them on every rank, together with its bad-input checks.
+void expect_pytorch_results(const std::string& backend, int ranks) {
+  const std::string dir = make_temp_dir("collectives-reference");
+  auto made = run_process(
+      {test_python(), std::string(PARATRAIN_TEST_DATA_DIR) + "/../comm/collectives_reference.py",
+       std::to_string(ranks), dir},
+      {}, 180);
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  auto r =
+      run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", std::to_string(ranks),
+                   "--backend", backend, "--", worker_path(), "reference", dir},
+                  {{"PARATRAIN_TIMEOUT", "60"}}, 240);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("MISMATCH"), std::string::npos) << r.output;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const std::string line = "[rank " + std::to_string(rank) + "]: rank " + std::to_string(rank) +
+                             " of " + std::to_string(ranks) + " (" + backend + "): ";
+    EXPECT_NE(r.output.find(line), std::string::npos) << "missing '" << line << "' in\n"
+                                                      << r.output;
+  }
+  EXPECT_NE(r.output.find("results equal PyTorch's"), std::string::npos) << r.output;
+  remove_tree(dir);
+}
+
+TEST(Collectives, MatchPyTorchOnGloo) {  // ctest: slow 60
+  for (int ranks : {2, 3, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    expect_pytorch_results("gloo", ranks);
+  }
+}
+
+#ifdef PARATRAIN_WITH_MPI
+TEST(Collectives, MatchPyTorchOnMpi) {  // ctest: slow 60
+  for (int ranks : {2, 3, 4}) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks");
+    expect_pytorch_results("mpi", ranks);
+  }
+}
+#endif
+
+// Rank 2 comes 4 s late to a monitored_barrier with a 1.5 s timeout: every rank's error names it
+// (rank 2's own says that rank 0 did not let it pass, or names itself).
+TEST(BadInput, MonitoredBarrierNamesTheLateRank) {  // ctest: slow 20
+  std::vector<std::string> backends{"gloo"};
+#ifdef PARATRAIN_WITH_MPI
+  backends.push_back("mpi");
+#endif
+  for (const auto& backend : backends) {
+    auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "3",
+                          "--backend", backend, "--", worker_path(), "monitored", "2"},
+                         {{"PARATRAIN_TIMEOUT", "60"}}, 120);
+    ASSERT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    for (int rank = 0; rank < 3; ++rank) {
+      EXPECT_NE(r.output.find("rank " + std::to_string(rank) + " passed the monitored barrier"),
+                std::string::npos)
+          << r.output;
+    }
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string line = "rank " + std::to_string(rank) + " error: monitored_barrier #";
+      const auto at = r.output.find(line);
+      ASSERT_NE(at, std::string::npos) << backend << ": " << r.output;
+      EXPECT_NE(r.output.substr(at, r.output.find('\n', at) - at)
+                    .find("failed: rank 2 did not reach it within 1500 ms"),
+                std::string::npos)
+          << backend << ": " << r.output;
+    }
+    EXPECT_NE(r.output.find("rank 2 error: monitored_barrier #"), std::string::npos)
+        << backend << ": " << r.output;
+    EXPECT_EQ(r.output.find("passed the second monitored barrier"), std::string::npos)
+        << backend << ": " << r.output;
+  }
+}
+
 TEST(WorldOfOne, RunsWithoutAnyLauncher) {
   // No RANK, WORLD_SIZE or MASTER_ADDR: a plain program is a world of one, with no network.
   auto r = run_process({worker_path(), "collectives"}, world_of_one_env(), 120);

@@ -7,6 +7,10 @@
 //                                     PARATRAIN_INIT_METHOD when set)
 //   collective_worker die RANK        RANK exits 0 before the first allreduce; the others try it
 //   collective_worker late RANK SECS  RANK sleeps SECS before the first allreduce
+//   collective_worker reference DIR   every collective on the inputs of
+//                                     tests/comm/collectives_reference.py, compared with the
+//                                     results PyTorch saved to DIR/rank-R.pt; bad input first
+//   collective_worker monitored RANK  a monitored_barrier that passes, then one that RANK misses
 //
 // Errors are printed as "error: <one line>" and end the process with code 1.
 
@@ -15,7 +19,11 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <iostream>
+#include <map>
+#include <numeric>
 #include <sstream>
 #include <thread>
 
@@ -83,6 +91,8 @@ void check_collectives(dist::ProcessGroup& pg) {
             break;
           case dist::ReduceOp::kMin:
             want = std::get<0>(stacked.min(0));
+            break;
+          default:  // the others: checked against PyTorch's results (mode "reference")
             break;
         }
         at::Tensor t = contribution(me, numel, type);
@@ -219,6 +229,245 @@ void check_collectives(dist::ProcessGroup& pg) {
   }
 }
 
+// The inputs of collectives_reference.py: small integers (-4..4), quarters as floats, so that
+// every sum is exact in any order.
+at::Tensor values(int64_t seed, int64_t numel, at::ScalarType type) {
+  at::Tensor v = (torch::arange(numel, torch::kLong) * 3 + seed * 7).remainder(9) - 4;
+  return type == torch::kFloat ? v.to(torch::kFloat) / 4 : v.to(type);
+}
+
+at::Tensor bits(int64_t seed, int64_t numel) {
+  return (torch::arange(numel, torch::kLong) * 11 + seed * 37).remainder(64);
+}
+
+at::Tensor as_bytes(const std::string& s) {
+  at::Tensor t = torch::empty({static_cast<int64_t>(s.size())}, torch::kByte);
+  std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+// Integers exactly, floats within 1e-6.
+void expect_reference(const std::map<std::string, at::Tensor>& want,
+                      const std::string& key,
+                      const at::Tensor& got,
+                      int& compared) {
+  auto it = want.find(key);
+  if (it == want.end()) {
+    std::cout << "MISMATCH " << key << ": PyTorch saved no result" << std::endl;
+    ++g_failures;
+    return;
+  }
+  const at::Tensor& w = it->second;
+  const bool same_kind = got.scalar_type() == w.scalar_type() && got.sizes() == w.sizes();
+  const bool equal =
+      same_kind && (at::isFloatingType(got.scalar_type()) ? torch::allclose(got, w, 1e-6, 1e-6)
+                                                          : torch::equal(got, w));
+  if (!equal) {
+    std::cout << "MISMATCH " << key << ": got " << got.flatten().slice(0, 0, 8) << " "
+              << got.sizes() << " want " << w.flatten().slice(0, 0, 8) << " " << w.sizes()
+              << std::endl;
+    ++g_failures;
+  }
+  ++compared;
+}
+
+// Each bad input is one line, thrown before any rank communicates (so one rank may hit it alone).
+void check_bad_input(dist::ProcessGroup& pg) {
+  const int n = pg.size();
+  auto expect_error = [](const std::string& what, const std::function<void()>& f,
+                         const std::string& part) {
+    try {
+      f();
+      std::cout << "MISMATCH bad input " << what << ": no error" << std::endl;
+      ++g_failures;
+    } catch (const c10::Error& e) {
+      const std::string m = e.what_without_backtrace();
+      if (m.find(part) == std::string::npos || m.find('\n') != std::string::npos) {
+        std::cout << "MISMATCH bad input " << what << ": " << m << std::endl;
+        ++g_failures;
+      }
+    }
+  };
+  at::Tensor f = torch::zeros({4});
+  at::Tensor i = torch::zeros({4}, torch::kLong);
+  expect_error(
+      "splits",
+      [&] {
+        at::Tensor out = torch::zeros({n});
+        std::vector<int64_t> wrong(static_cast<size_t>(n), 0);
+        wrong[0] = 3;
+        pg.all_to_all_single(out, f, std::vector<int64_t>(static_cast<size_t>(n), 1), wrong);
+      },
+      "add up to 3, but the tensor has 4 rows in dim 0");
+  expect_error(
+      "bitwise on floats", [&] { pg.allreduce(f, dist::ReduceOp::kBand); },
+      "band needs an integer or bool tensor, got Float");
+  expect_error(
+      "dst out of range", [&] { pg.reduce(i, n); },
+      "reduce: dst " + std::to_string(n) + " is out of range for a group of size " +
+          std::to_string(n));
+  if (n > 1) {
+    std::vector<at::Tensor> outputs(static_cast<size_t>(n), torch::zeros({4}));
+    const int dst = (pg.rank() + 1) % n;
+    expect_error(
+        "gather outputs on a non-dst rank", [&] { pg.gather(outputs, f, dst); },
+        "gather: outputs are given on rank " + std::to_string(pg.rank()) + ", which is not dst (" +
+            std::to_string(dst) + ")");
+  }
+}
+
+void check_reference(dist::ProcessGroup& pg, const std::string& dir) {
+  const int n = pg.size();
+  const int me = pg.rank();
+  check_bad_input(pg);
+  const auto want = paratrain::load_torch_state_dict(dir + "/rank-" + std::to_string(me) + ".pt");
+  int compared = 0;
+  auto expect = [&](const std::string& key, const at::Tensor& got) {
+    expect_reference(want, key, got, compared);
+  };
+  const std::vector<std::pair<std::string, dist::ReduceOp>> ops{
+      {"sum", dist::ReduceOp::kSum},
+      {"max", dist::ReduceOp::kMax},
+      {"min", dist::ReduceOp::kMin},
+      {"product", dist::ReduceOp::kProduct}};
+  for (const auto& [name, op] : ops) {
+    for (auto [type, tag] :
+         {std::make_pair(torch::kFloat, "f32"), std::make_pair(torch::kLong, "i64")}) {
+      at::Tensor t = values(me, 7, type);
+      pg.allreduce(t, op)->wait();
+      expect("allreduce_" + name + "_" + tag, t);
+    }
+  }
+  at::Tensor avg = values(me, 7, torch::kFloat);
+  pg.allreduce(avg, dist::ReduceOp::kAvg)->wait();
+  expect("allreduce_avg_f32", avg);
+  for (const auto& [name, op] :
+       std::vector<std::pair<std::string, dist::ReduceOp>>{{"band", dist::ReduceOp::kBand},
+                                                           {"bor", dist::ReduceOp::kBor},
+                                                           {"bxor", dist::ReduceOp::kBxor}}) {
+    at::Tensor t = bits(me, 7);
+    pg.allreduce(t, op)->wait();
+    expect("allreduce_" + name + "_i64", t);
+  }
+
+  at::Tensor r = values(me, 6, torch::kFloat);
+  const at::Tensor before = r.clone();
+  pg.reduce(r, n - 1)->wait();
+  if (me == n - 1) {
+    expect("reduce_sum_f32", r);
+  } else if (!torch::equal(r, before)) {
+    std::cout << "MISMATCH reduce changed a non-dst rank's tensor" << std::endl;
+    ++g_failures;
+  }
+  r = values(me, 6, torch::kLong);
+  pg.reduce(r, 0, dist::ReduceOp::kProduct)->wait();
+  if (me == 0) {
+    expect("reduce_product_i64", r);
+  }
+
+  const int dst = 1 % n;
+  std::vector<at::Tensor> gathered;
+  if (me == dst) {
+    for (int k = 0; k < n; ++k) {
+      gathered.push_back(torch::zeros({5}));
+    }
+  }
+  pg.gather(gathered, values(me + 10, 5, torch::kFloat), dst)->wait();
+  for (size_t k = 0; k < gathered.size(); ++k) {
+    expect("gather_" + std::to_string(k), gathered[k]);
+  }
+
+  const int src = n - 1;
+  at::Tensor received = torch::zeros({3}, torch::kLong);
+  std::vector<at::Tensor> pieces;
+  if (me == src) {
+    for (int k = 0; k < n; ++k) {
+      pieces.push_back(values(100 + k, 3, torch::kLong));
+    }
+  }
+  pg.scatter(received, pieces, src)->wait();
+  expect("scatter", received);
+
+  std::vector<at::Tensor> inputs, outputs;
+  for (int p = 0; p < n; ++p) {
+    inputs.push_back(values(me * 10 + p, ((me + p) % 3 + 1) * 2, torch::kFloat).view({-1, 2}));
+    outputs.push_back(torch::zeros({(p + me) % 3 + 1, 2}));
+  }
+  pg.all_to_all(outputs, inputs)->wait();
+  for (int p = 0; p < n; ++p) {
+    expect("all_to_all_" + std::to_string(p), outputs[static_cast<size_t>(p)]);
+  }
+
+  std::vector<int64_t> in_splits, out_splits;
+  for (int p = 0; p < n; ++p) {
+    in_splits.push_back((me + 2 * p) % 3);
+    out_splits.push_back((p + 2 * me) % 3);
+  }
+  const int64_t rows_in = std::accumulate(in_splits.begin(), in_splits.end(), int64_t(0));
+  const int64_t rows_out = std::accumulate(out_splits.begin(), out_splits.end(), int64_t(0));
+  at::Tensor target = torch::zeros({rows_out, 2}, torch::kLong);
+  pg.all_to_all_single(target, values(me + 20, rows_in * 2, torch::kLong).view({-1, 2}), out_splits,
+                       in_splits)
+      ->wait();
+  expect("all_to_all_single_uneven", target);
+  at::Tensor equal_out = torch::zeros({n * 2, 3});
+  pg.all_to_all_single(equal_out, values(me + 30, n * 6, torch::kFloat).view({n * 2, 3}))->wait();
+  expect("all_to_all_single_equal", equal_out);
+
+  at::Tensor whole = torch::zeros({n * 5});
+  pg.all_gather_into_tensor(whole, values(me + 40, 5, torch::kFloat))->wait();
+  expect("all_gather_into_tensor", whole);
+  for (const auto& [name, op] : std::vector<std::pair<std::string, dist::ReduceOp>>{
+           {"sum", dist::ReduceOp::kSum}, {"max", dist::ReduceOp::kMax}}) {
+    at::Tensor mine = torch::zeros({4});
+    pg.reduce_scatter_tensor(mine, values(me + 50, n * 4, torch::kFloat), op)->wait();
+    expect("reduce_scatter_tensor_" + name, mine);
+  }
+
+  at::Tensor recv = torch::zeros({6});
+  auto works = pg.batch_isend_irecv(
+      {{dist::P2POp::Kind::kIsend, values(me + 60, 6, torch::kFloat), (me + 1) % n},
+       {dist::P2POp::Kind::kIrecv, recv, (me + n - 1) % n}});
+  for (auto& w : works) {
+    w->wait();
+  }
+  expect("batch_isend_irecv", recv);
+
+  std::string object;
+  for (int k = 0; k <= me; ++k) {
+    object += "object of rank " + std::to_string(me);
+  }
+  pg.broadcast_object(object, n - 1);
+  expect("broadcast_object", as_bytes(object));
+  std::string mine;
+  for (int k = 0; k <= me; ++k) {
+    mine += "rank " + std::to_string(me) + " ";
+  }
+  std::vector<std::string> everyone;
+  pg.all_gather_object(everyone, mine);
+  for (int k = 0; k < n; ++k) {
+    expect("all_gather_object_" + std::to_string(k), as_bytes(everyone[static_cast<size_t>(k)]));
+  }
+  std::cout << "rank " << me << " of " << n << " (" << pg.backend_name() << "): " << compared
+            << " results equal PyTorch's" << std::endl;
+}
+
+// A monitored_barrier that every rank reaches, then one that rank `late` reaches too late.
+int check_monitored(dist::ProcessGroup& pg, int late) {
+  pg.monitored_barrier(std::chrono::milliseconds(20000));
+  std::cout << "rank " << pg.rank() << " passed the monitored barrier" << std::endl;
+  if (pg.rank() == late) {
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+  }
+  try {
+    pg.monitored_barrier(std::chrono::milliseconds(1500), /*wait_all_ranks=*/true);
+    std::cout << "rank " << pg.rank() << " passed the second monitored barrier" << std::endl;
+  } catch (const dist::CollectiveError& e) {
+    std::cout << "rank " << pg.rank() << " error: " << e.what() << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -261,7 +510,14 @@ int run(int argc, char** argv) {
       std::cout << "rank " << pg->rank() << " " << op << " done" << std::endl;
       return 0;
     }
-    check_collectives(*pg);
+    if (mode == "monitored") {
+      return check_monitored(*pg, argc > 2 ? std::atoi(argv[2]) : 1);
+    }
+    if (mode == "reference") {
+      check_reference(*pg, argc > 2 ? argv[2] : ".");
+    } else {
+      check_collectives(*pg);
+    }
     if (g_failures > 0) {
       std::cout << "rank " << pg->rank() << ": " << g_failures << " collective checks failed"
                 << std::endl;

@@ -33,10 +33,21 @@ namespace dist {
 /// Default collective timeout: 5 minutes, as c10d's kProcessGroupDefaultTimeout.
 constexpr std::chrono::milliseconds kDefaultTimeout{5 * 60 * 1000};
 
-enum class ReduceOp { kSum, kAvg, kMax, kMin };
+/// torch.distributed.ReduceOp. kAvg needs floating-point tensors; the bitwise ones (kBand, kBor,
+/// kBxor) need integer or bool tensors, as in PyTorch, and NCCL has none of them.
+enum class ReduceOp { kSum, kAvg, kMax, kMin, kProduct, kBand, kBor, kBxor };
 
-/// "sum", "avg", "max", "min".
+/// "sum", "avg", "max", "min", "product", "band", "bor", "bxor".
 const char* to_string(ReduceOp op);
+
+/// One send or receive of batch_isend_irecv (torch.distributed.P2POp).
+struct P2POp {
+  enum class Kind { kIsend, kIrecv };
+  Kind kind;
+  at::Tensor tensor;
+  int peer;
+  int tag = 0;
+};
 
 /// A failed or timed-out collective. what() is one line suitable for users.
 class CollectiveError : public std::runtime_error {
@@ -94,8 +105,51 @@ class ProcessGroup {
   WorkPtr reduce_scatter(at::Tensor& output,
                          const std::vector<at::Tensor>& inputs,
                          ReduceOp op = ReduceOp::kSum);
+  /// Reduces `tensor` over all ranks into `dst`'s tensor; the others' tensors are left as they
+  /// were (PyTorch leaves them unspecified).
+  WorkPtr reduce(at::Tensor& tensor, int dst, ReduceOp op = ReduceOp::kSum);
+  /// On `dst`, outputs[r] receives rank r's `input` (size() tensors shaped like it); every other
+  /// rank passes an empty `outputs`, as torch.distributed.gather's gather_list is None there.
+  WorkPtr gather(std::vector<at::Tensor>& outputs, const at::Tensor& input, int dst);
+  /// Each rank r receives `src`'s inputs[r] into `output`; `inputs` (size() tensors shaped like
+  /// output) is given on `src` only and empty elsewhere.
+  WorkPtr scatter(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src);
+  /// outputs[r] receives rank r's inputs[this rank]: size() tensors each, of one dtype; the shapes
+  /// may differ from pair to pair (outputs[r] must be shaped as rank r's piece for this rank).
+  WorkPtr all_to_all(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
+  /// `input` split along dim 0 by input_split_sizes goes to the ranks in order; `output`, split by
+  /// output_split_sizes, receives each rank's piece. An empty split list means equal pieces
+  /// (dim 0 divisible by size()).
+  WorkPtr all_to_all_single(at::Tensor& output,
+                            const at::Tensor& input,
+                            std::vector<int64_t> output_split_sizes = {},
+                            std::vector<int64_t> input_split_sizes = {});
+  /// allgather into one tensor: `output` holds size() times `input`'s elements, rank r's at
+  /// [r * input.numel(), ...) (shaped [size() * d0, ...] or [size(), d0, ...]).
+  WorkPtr all_gather_into_tensor(at::Tensor& output, const at::Tensor& input);
+  /// reduce_scatter from one tensor: `input` holds size() times `output`'s elements, and rank r
+  /// receives the reduction of every rank's r-th slice.
+  WorkPtr reduce_scatter_tensor(at::Tensor& output,
+                                const at::Tensor& input,
+                                ReduceOp op = ReduceOp::kSum);
   /// Completes once every rank has called it.
   WorkPtr barrier();
+  /// A barrier that names the ranks that did not reach it within `timeout` (the group's when
+  /// zero): rank 0 waits for every other rank, then lets them go. Throws CollectiveError on every
+  /// rank that sees the failure; wait_all_ranks names all missing ranks rather than the first.
+  /// The group is broken after a failure. Gloo and NCCL groups meet over the job's store, mpi
+  /// groups by messages to rank 0.
+  void monitored_barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0),
+                         bool wait_all_ranks = false);
+  /// Starts every send and receive of `ops` and returns their handles in order
+  /// (torch.distributed.batch_isend_irecv). Every rank of a matching pair must list its side.
+  std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
+  /// torch.distributed.broadcast_object_list for one object given as bytes: every rank ends with
+  /// `src`'s `bytes`. Blocks until done.
+  void broadcast_object(std::string& bytes, int src = 0);
+  /// torch.distributed.all_gather_object over bytes: object_list[r] is rank r's `bytes`.
+  /// Blocks until done.
+  void all_gather_object(std::vector<std::string>& object_list, const std::string& bytes);
   /// Point to point; a send matches the recv on `dst` with the same tag, in [0, kMaxUserTag).
   static constexpr int kMaxUserTag = 1 << 30;
   WorkPtr send(const at::Tensor& tensor, int dst, int tag = 0);
@@ -126,6 +180,28 @@ class ProcessGroup {
                                     ReduceOp op,
                                     int64_t seq) = 0;
   virtual WorkPtr do_barrier(int64_t seq) = 0;
+  virtual WorkPtr do_reduce(at::Tensor& tensor, int dst, ReduceOp op, int64_t seq) = 0;
+  /// `outputs` is empty on every rank but `dst`.
+  virtual WorkPtr do_gather(std::vector<at::Tensor>& outputs,
+                            const at::Tensor& input,
+                            int dst,
+                            int64_t seq) = 0;
+  /// `inputs` is empty on every rank but `src`.
+  virtual WorkPtr do_scatter(at::Tensor& output,
+                             const std::vector<at::Tensor>& inputs,
+                             int src,
+                             int64_t seq) = 0;
+  /// Split sizes are checked and complete (size() entries each, in rows of dim 0).
+  virtual WorkPtr do_all_to_all_single(at::Tensor& output,
+                                       const at::Tensor& input,
+                                       const std::vector<int64_t>& output_split_sizes,
+                                       const std::vector<int64_t>& input_split_sizes,
+                                       int64_t seq) = 0;
+  /// Rank 0 waits for the others for `timeout`, naming those that did not come (all of them when
+  /// `wait_all_ranks`); the others wait for rank 0's word for answer_time(timeout).
+  virtual void do_monitored_barrier(std::chrono::milliseconds timeout,
+                                    bool wait_all_ranks,
+                                    int64_t seq) = 0;
   virtual WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) = 0;
   virtual WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) = 0;
   /// `ranks` is checked; `index` is this rank's place in it (-1: not a member); `group_id`
@@ -133,6 +209,12 @@ class ProcessGroup {
   virtual std::shared_ptr<ProcessGroup> do_new_group(const std::vector<int>& ranks,
                                                      int index,
                                                      int64_t group_id) = 0;
+
+  /// How long a rank other than 0 waits for rank 0's verdict in a monitored_barrier: rank 0 may
+  /// take the whole timeout to give it, so twice that, and a second for the message.
+  static std::chrono::milliseconds answer_time(std::chrono::milliseconds timeout) {
+    return 2 * timeout + std::chrono::milliseconds(1000);
+  }
 
   /// "allreduce #12 (sum, 4194304 bytes) on rank 1 of 2 (gloo)": the prefix of every error.
   std::string describe(const std::string& op, int64_t seq, const std::string& detail = "") const;
@@ -147,6 +229,8 @@ class ProcessGroup {
   int64_t next_sequence() { return sequence_++; }
   int64_t next_p2p_sequence() { return p2p_sequence_++; }
   void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
+  void check_op(ReduceOp op, const at::Tensor& t, const char* name) const;
+  void check_root(int root, const char* op, const char* what) const;
   void check_peer(int peer, const char* op, const char* what) const;
   void check_not_broken(const char* op) const;
 
