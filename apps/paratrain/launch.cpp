@@ -37,7 +37,9 @@ const CommandSpec& launch_spec() {
           {"devices", "0,1,3",
            "GPUs to use, by physical index (cuda:N means N too): sets CUDA_VISIBLE_DEVICES; "
            "local rank i uses cuda:i"},
-          {"log-dir,log_dir", "D", "also write each rank's output to D/rank_R.log"},
+          {"log-dir,log_dir", "D",
+           "also write each worker's stdout and stderr under D, a folder per run, attempt and "
+           "local rank (as torchrun)"},
           {"backend", "B",
            "gloo, mpi, nccl, or routes by tensor device such as cpu:gloo,cuda:nccl; mpi runs the "
            "job through mpirun"},

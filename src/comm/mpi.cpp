@@ -81,6 +81,7 @@ void prod_fn(void* in, void* inout, int* len, MPI_Datatype*) {
 struct MpiGlobals {
   MPI_Datatype half16 = MPI_DATATYPE_NULL;  // two bytes, reduced by the ops below
   MPI_Op half_sum, half_max, half_min, half_prod, bf16_sum, bf16_max, bf16_min, bf16_prod;
+  int tag_upper_bound = 32767;  // MPI_TAG_UB: MPI promises at least this
 };
 
 struct MpiWorker;
@@ -113,6 +114,12 @@ void ensure_mpi_initialized() {
     {
       std::lock_guard<std::mutex> lock(g_registry_mutex);
       g_thread_level = provided;
+    }
+    void* upper = nullptr;
+    int found = 0;
+    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &upper, &found);
+    if (found != 0 && upper != nullptr) {
+      g_mpi.tag_upper_bound = *static_cast<int*>(upper);
     }
     MPI_Type_contiguous(2, MPI_BYTE, &g_mpi.half16);
     MPI_Type_commit(&g_mpi.half16);
@@ -207,6 +214,16 @@ int64_t chunk_bytes() {
     return int64_t(1) << 20;
   }();
   return bytes;
+}
+
+// The tensors one after another, flattened (at::cat refuses 0-dim tensors): a task that threw on
+// one rank only would leave the others in the collective.
+at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  for (const auto& t : tensors) {
+    flat.push_back(t.reshape({-1}));
+  }
+  return at::cat(flat);
 }
 
 void check_cpu(const at::Tensor& t, const char* op) {
@@ -445,7 +462,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     const int count = mpi_count(output.numel(), "reduce_scatter");
     return submit("reduce_scatter", to_string(op), seq, true,
                   [comm = comm_, n = size(), output, inputs, type, mop, op, count]() mutable {
-                    at::Tensor flat = at::cat(inputs).contiguous();
+                    at::Tensor flat = flat_cat(inputs);
                     check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(), count, type,
                                                    mop, comm));
                     if (op == ReduceOp::kAvg) {
@@ -515,7 +532,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     mpi_count(output.nbytes() * size(), "scatter");
     return submit("scatter", "src " + std::to_string(src), seq, true,
                   [comm = comm_, me = rank(), output, inputs, src, count]() mutable {
-                    at::Tensor flat = me == src ? at::cat(inputs).contiguous() : at::Tensor();
+                    at::Tensor flat = me == src ? flat_cat(inputs) : at::Tensor();
                     check(MPI_Scatter(me == src ? flat.data_ptr() : nullptr, count, MPI_BYTE,
                                       output.data_ptr(), count, MPI_BYTE, src, comm));
                     return MPI_REQUEST_NULL;
@@ -554,8 +571,8 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   // By messages to and from rank 0, as torch.distributed's over Gloo: each rank tells rank 0 it
-  // arrived, and rank 0 answers every rank that did with the list of those that did not (one flag
-  // per rank). Receives from missing ranks stay posted until the group is destroyed, which
+  // arrived, and rank 0 answers every rank with the list of those that did not (one flag per
+  // rank). Receives from missing ranks stay posted until the group is destroyed, which
   // cancels them; the group is broken by then.
   void do_monitored_barrier(std::chrono::milliseconds timeout,
                             bool wait_all_ranks,
@@ -593,8 +610,8 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     };
     if (rank() != 0) {
       at::Tensor here = at::ones({1}, at::kInt);
-      auto sent = do_send(here, 0, tag, seq);
-      auto verdict = do_recv(missing, 0, tag, seq);
+      auto sent = start_send(here, 0, tag, seq);
+      auto verdict = start_recv(missing, 0, tag, seq);
       if (!done_by_deadline(verdict)) {
         fail("rank 0 did not let it pass within " + std::to_string(answer_time(timeout).count()) +
              " ms");
@@ -609,10 +626,9 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     std::vector<WorkPtr> receives;
     for (int r = 1; r < size(); ++r) {
       arrivals.push_back(at::zeros({1}, at::kInt));
-      receives.push_back(do_recv(arrivals.back(), r, tag, seq));
+      receives.push_back(start_recv(arrivals.back(), r, tag, seq));
     }
-    // Past the first missing rank (without wait_all_ranks), the others are not waited for: those
-    // already here get the verdict, the rest time out on it.
+    // Past the first missing rank (without wait_all_ranks), the others are not waited for.
     std::vector<bool> arrived(static_cast<size_t>(size()), false);
     bool failed = false;
     for (int r = 1; r < size(); ++r) {
@@ -626,10 +642,13 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
         failed = true;
       }
     }
+    // Every rank gets the verdict, a late one as it comes; only those here are waited for (a
+    // send to a rank that never comes is cancelled with the group).
     std::vector<WorkPtr> answers;
     for (int r = 1; r < size(); ++r) {
+      WorkPtr sent = start_send(missing, r, tag, seq);
       if (arrived[static_cast<size_t>(r)]) {
-        answers.push_back(do_send(missing, r, tag, seq));
+        answers.push_back(sent);
       }
     }
     for (auto& a : answers) {
@@ -648,6 +667,11 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
+    check_user_tag(tag, "send");
+    return start_send(tensor, dst, tag, seq);
+  }
+
+  WorkPtr start_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) {
     check_cpu(tensor, "send");
     const int count = mpi_count(tensor.nbytes(), "send");
     return submit("send", "to rank " + std::to_string(dst) + ", tag " + std::to_string(tag), seq,
@@ -659,6 +683,11 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
+    check_user_tag(tag, "recv");
+    return start_recv(tensor, src, tag, seq);
+  }
+
+  WorkPtr start_recv(at::Tensor& tensor, int src, int tag, int64_t seq) {
     check_cpu(tensor, "recv");
     const int count = mpi_count(tensor.nbytes(), "recv");
     return submit("recv", "from rank " + std::to_string(src) + ", tag " + std::to_string(tag), seq,
@@ -703,13 +732,14 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
  private:
   // A tag above users' (ProcessGroup::kMaxUserTag) where MPI has one; MPI promises tags up to
-  // 32767 only (MPI_TAG_UB), and then the largest.
-  static int reserved_tag() {
-    void* value = nullptr;
-    int found = 0;
-    MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &value, &found);
-    const int upper = found != 0 && value != nullptr ? *static_cast<int*>(value) : 32767;
-    return std::min(upper, kMaxUserTag);
+  // 32767 only (MPI_TAG_UB), and then the largest, which users' sends are refused.
+  static int reserved_tag() { return std::min(g_mpi.tag_upper_bound, kMaxUserTag); }
+
+  // An MPI whose largest tag is below ProcessGroup::kMaxUserTag keeps its largest for paratrain.
+  static void check_user_tag(int tag, const char* op) {
+    TORCH_CHECK(tag < reserved_tag(), "mpi ", op, ": tag ", tag,
+                " is reserved; this MPI's tags go up to ", reserved_tag(),
+                " (MPI_TAG_UB), and paratrain's monitored_barrier uses the largest");
   }
 
   static void check(int rc) {

@@ -315,6 +315,8 @@ std::vector<WorkPtr> ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& o
     TORCH_CHECK(op.tag >= 0 && op.tag < kMaxUserTag, backend_name(), " ", name,
                 ": tag must be in [0, ", kMaxUserTag, "), got ", op.tag);
     check_peer(op.peer, name, op.kind == P2POp::Kind::kIsend ? "destination rank" : "source rank");
+    TORCH_CHECK(moves(op.tensor.device().type()), backend_name(), " ", name, ": the tensor is on ",
+                op.tensor.device(), ", which this group's engines do not move");
   }
   std::vector<WorkPtr> works;
   for (const auto& op : ops) {
@@ -332,7 +334,7 @@ void ProcessGroup::broadcast_object(std::string& bytes, int src) {
   at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
   broadcast(length, src)->wait();
   at::Tensor data = at::empty({length.item<int64_t>()}, at::kByte);
-  if (rank_ == src) {
+  if (rank_ == src && !bytes.empty()) {
     std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
   }
   if (data.numel() > 0) {
@@ -348,7 +350,9 @@ void ProcessGroup::all_gather_object(std::vector<std::string>& object_list,
   all_gather_into_tensor(lengths, length)->wait();
   const int64_t longest = lengths.max().item<int64_t>();
   at::Tensor mine = at::zeros({longest}, at::kByte);
-  std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  if (!bytes.empty()) {
+    std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
+  }
   at::Tensor all = at::empty({size_ * longest}, at::kByte);
   if (longest > 0) {
     all_gather_into_tensor(all, mine)->wait();

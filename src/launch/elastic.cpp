@@ -88,8 +88,8 @@ LaunchResult run_round(const LaunchOptions& options,
   LaunchOptions o = options;
   Environment env = o.env();
   // Static: every node takes part in every round, so the round is the attempt all of them share.
-  env["TORCHELASTIC_RESTART_COUNT"] =
-      std::to_string(ro.fixed_node_rank >= 0 ? static_cast<int>(a.round) : attempt);
+  const int restart_count = ro.fixed_node_rank >= 0 ? static_cast<int>(a.round) : attempt;
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count);
   env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
   env["TORCHELASTIC_RUN_ID"] = ro.id;
   if (ro.min_nodes < ro.max_nodes) {
@@ -102,8 +102,10 @@ LaunchResult run_round(const LaunchOptions& options,
       .master_addr(a.master_addr)
       .master_port(a.master_port)
       .env(env);
+  Placement where;
+  where.attempt = restart_count;
   LaunchResult r =
-      run_job(o, Placement{}, [&rdzv, &a](std::string* why) { return rdzv.must_restart(a, why); });
+      run_job(o, where, [&rdzv, &a](std::string* why) { return rdzv.must_restart(a, why); });
   r.rounds = attempt + 1;
   return r;
 }
@@ -186,9 +188,11 @@ LaunchResult launch_elastic(const LaunchOptions& options) {
                                         : "")
             << ": joining" << std::endl;
   ElasticRestarts restarts;
+  LaunchOptions logged = options;
+  logged.log_dir(make_log_run_dir(options));
   for (int attempt = 0;; ++attempt) {
     const detail::Assignment a = rdzv.next();
-    LaunchResult r = run_round(options, ro, rdzv, a, attempt);
+    LaunchResult r = run_round(logged, ro, rdzv, a, attempt);
     if (!join_next_round(options, ro, rdzv, a, r, restarts)) {
       return r;
     }

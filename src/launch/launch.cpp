@@ -174,13 +174,16 @@ LaunchResult launch(const LaunchOptions& options) {
   }
 
   std::vector<WorkerFailure> failures;
+  const std::string log_run_dir = launch_internal::make_log_run_dir(options);
   for (int attempt = 0;; ++attempt) {
     LaunchOptions o = options;
     Environment env = o.env();
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts());
-    o.env(env);
-    LaunchResult r = launch_internal::run_job(o, launch_internal::Placement{});
+    o.env(env).log_dir(log_run_dir);
+    launch_internal::Placement where;
+    where.attempt = attempt;
+    LaunchResult r = launch_internal::run_job(o, where);
     if (r.first_failure) {
       failures.push_back(*r.first_failure);
     }

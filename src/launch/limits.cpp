@@ -55,7 +55,7 @@ int64_t read_number(const std::string& path) {
 // pipes; and room for what it opens while the job runs (/proc, the rendezvous' connections).
 int64_t descriptors_needed(const LaunchOptions& o, int nproc) {
   const int64_t relayed = launch_internal::runs_on_mpi(o.backend()) ? 1 : nproc;
-  return open_descriptors() + relayed * (o.log_dir().empty() ? 2 : 3) + 3 + 2 + 16;
+  return open_descriptors() + relayed * (o.log_dir().empty() ? 2 : 4) + 3 + 2 + 16;
 }
 
 // The hard limit: OpenFilesLimit raises the soft one up to it.
@@ -67,7 +67,7 @@ void check_open_files(const LaunchOptions& o, int nproc) {
   const int64_t need = descriptors_needed(o, nproc);
   const int64_t limit = static_cast<int64_t>(lim.rlim_max);
   TORCH_CHECK(need <= limit, "--nproc-per-node ", nproc, " needs about ", need,
-              " open files in the launcher (2 per worker, 3 with --log-dir), but its limit is ",
+              " open files in the launcher (2 per worker, 4 with --log-dir), but its limit is ",
               limit, " (ulimit -Hn): raise it (ulimit -n ", need,
               " as root, or nofile in /etc/security/limits.conf) or start fewer workers");
 }

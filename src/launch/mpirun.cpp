@@ -278,7 +278,12 @@ LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int worl
               world_size);
   LaunchOptions one = options;
   one.nproc_per_node(1);
-  return launch_internal::run_job(one, launch_internal::Placement{true, rank, world_size});
+  launch_internal::Placement where{true, rank, world_size};
+  // The attempt whose logs this rank writes: the outer launch's, which mpirun passes on.
+  if (const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT")) {
+    where.attempt = std::atoi(count);
+  }
+  return launch_internal::run_job(one, where);
 }
 
 }  // namespace dist

@@ -79,8 +79,10 @@ std::string now_iso8601() {
 
 // One relayed stream of one worker: bytes in, whole prefixed lines out.
 struct Stream {
-  int fd = -1;     // read end, -1 once closed
-  int out_fd = 1;  // where lines go (1 or 2)
+  int fd = -1;      // read end, -1 once closed
+  int out_fd = 1;   // where lines go (1 or 2)
+  int log_fd = -1;  // --log-dir's stdout.log or stderr.log; O_CLOEXEC: later workers must not
+                    // inherit the logs of earlier ones
   std::string partial;
 };
 
@@ -93,14 +95,13 @@ struct Worker {
   int status = 0;
   Stream streams[2];
   std::string prefix;
-  std::string log_path;
-  int log_fd = -1;  // O_CLOEXEC: later workers must not inherit the logs of earlier ones
+  std::string log_path;  // its stderr.log, which the failure summary names
 
   void emit(Stream& s, const std::string& line) {
     std::string text = prefix + line + "\n";
     write_all(s.out_fd, text);  // one write per line: lines from different workers never mix
-    if (log_fd >= 0) {
-      write_all(log_fd, line + "\n");
+    if (s.log_fd >= 0) {
+      write_all(s.log_fd, line + "\n");
     }
   }
 
@@ -247,10 +248,10 @@ struct JobGuard {
           ::close(s.fd);
           s.fd = -1;
         }
-      }
-      if (w.log_fd >= 0) {
-        ::close(w.log_fd);
-        w.log_fd = -1;
+        if (s.log_fd >= 0) {
+          ::close(s.log_fd);
+          s.log_fd = -1;
+        }
       }
     }
     if (dev_null >= 0) {
@@ -316,7 +317,16 @@ Environment worker_environment(const LaunchOptions& o,
   env["LOCAL_RANK"] = std::to_string(local_rank);
   env["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
   env["GROUP_RANK"] = std::to_string(shim ? global_rank / std::max(1, local_world) : o.node_rank());
+  // torchrun's roles: one role ("default", as torchrun's --role) of the whole job.
+  env["ROLE_NAME"] = "default";
   env["ROLE_RANK"] = env["RANK"];
+  env["ROLE_WORLD_SIZE"] = env["WORLD_SIZE"];
+  env["GROUP_WORLD_SIZE"] =
+      std::to_string(shim ? std::max(1, plan.world_size / std::max(1, local_world)) : o.nnodes());
+  env["TORCHELASTIC_RUN_ID"] = o.rdzv_id();
+  // The workers meet in a store of their own, served by rank 0 at MASTER_ADDR:MASTER_PORT, not in
+  // the launcher's: a PyTorch worker must serve it rather than look for the agent's.
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
   env["MASTER_ADDR"] = plan.master_addr;
   env["MASTER_PORT"] = std::to_string(plan.master_port);
   if (!o.devices().empty()) {
@@ -391,6 +401,42 @@ void start_worker(const LaunchOptions& o,
   w.streams[1].out_fd = 2;
 }
 
+// One folder per attempt and worker, as torchrun's: attempt_<k>/<local rank>/{stdout,stderr}.log.
+// Never an existing file: each launch has a folder of its own (make_log_run_dir).
+void open_logs(const std::string& run_dir, int attempt, int folder, Worker& w) {
+  std::string dir = run_dir + "/attempt_" + std::to_string(attempt);
+  for (const std::string& d : {dir, dir + "/" + std::to_string(folder)}) {
+    TORCH_CHECK(::mkdir(d.c_str(), 0755) == 0 || errno == EEXIST, "cannot create ", d, ": ",
+                std::strerror(errno));
+  }
+  dir += "/" + std::to_string(folder);
+  const char* names[2] = {"/stdout.log", "/stderr.log"};
+  for (int k = 0; k < 2; ++k) {
+    const std::string path = dir + names[k];
+    w.streams[k].log_fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    TORCH_CHECK(w.streams[k].log_fd >= 0, "cannot write ", path, ": ", std::strerror(errno));
+  }
+  w.log_path = dir + names[1];
+}
+
+}  // namespace
+
+std::string make_log_run_dir(const LaunchOptions& o) {
+  if (o.log_dir().empty()) {
+    return "";
+  }
+  ::mkdir(o.log_dir().c_str(), 0755);
+  struct stat st;
+  TORCH_CHECK(::stat(o.log_dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--log-dir '",
+              o.log_dir(), "' is not a directory and cannot be created");
+  std::string pattern = o.log_dir() + "/" + o.rdzv_id() + "_XXXXXX";
+  TORCH_CHECK(::mkdtemp(&pattern[0]) != nullptr, "cannot create a folder in --log-dir '",
+              o.log_dir(), "': ", std::strerror(errno));
+  return pattern;
+}
+
+namespace {
+
 void start_workers(const LaunchOptions& o,
                    const JobPlan& plan,
                    const Placement& where,
@@ -401,12 +447,10 @@ void start_workers(const LaunchOptions& o,
     w.local_rank = where.from_mpirun ? -1 : local;
     w.rank = where.from_mpirun ? where.first_rank : o.node_rank() * plan.nproc + local;
     w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
-    if (!o.log_dir().empty()) {
-      w.log_path = o.log_dir() + "/rank_" + std::to_string(w.rank) + ".log";
-      w.log_fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-      TORCH_CHECK(w.log_fd >= 0, "cannot write ", w.log_path, ": ", std::strerror(errno));
-    }
     start_worker(o, plan, job, w, worker_environment(o, plan, where, w.rank, local));
+    if (!o.log_dir().empty()) {
+      open_logs(o.log_dir(), where.attempt, where.from_mpirun ? w.rank : local, w);
+    }
   }
 }
 

@@ -19,7 +19,13 @@ struct Placement {
   bool from_mpirun = false;  // one worker, with the rank and size mpirun decided
   int first_rank = 0;
   int world_size = 1;
+  int attempt = 0;  // TORCHELASTIC_RESTART_COUNT: the folder of this attempt's logs
 };
+
+// With --log-dir D: a folder of its own for this launch's logs, D/<rdzv_id>_<random>, as torchrun
+// makes (so a second run never writes over the first's logs); each attempt writes into it
+// attempt_<k>/<local rank>/{stdout,stderr}.log. "" without --log-dir.
+std::string make_log_run_dir(const LaunchOptions& o);
 
 // Checks the options, then starts the workers (or mpirun) and supervises them.
 LaunchResult run_job(const LaunchOptions& o,

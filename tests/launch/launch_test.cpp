@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -60,6 +62,21 @@ void expect_no_leftovers(const std::string& token) {
   }
 }
 
+// The one folder a launch made in --log-dir D (D/<rdzv id>_<random>, as torchrun's).
+std::string run_folder(const std::string& dir) {
+  std::vector<std::string> found;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    found.push_back(entry.path().string());
+  }
+  EXPECT_EQ(found.size(), 1u) << dir;
+  return found.empty() ? dir + "/none" : found[0];
+}
+
+std::string file_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 TEST(Launch, EnvironmentContract) {
   std::string token = unique_token("env");
   auto r = run_process({cli_path(), "launch", "--nproc-per-node", "3", "--master-port", "29577",
@@ -77,6 +94,15 @@ TEST(Launch, EnvironmentContract) {
     EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
     EXPECT_EQ(vars["MASTER_PORT"], "29577");
     EXPECT_EQ(vars["CUDA_VISIBLE_DEVICES"], "<unset>");
+    // torchrun's whole contract: one role, a run id (static jobs too), the restarts.
+    EXPECT_EQ(vars["ROLE_NAME"], "default");
+    EXPECT_EQ(vars["ROLE_RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["ROLE_WORLD_SIZE"], "3");
+    EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "1");
+    EXPECT_EQ(vars["TORCHELASTIC_RUN_ID"], "none");
+    EXPECT_EQ(vars["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(vars["TORCHELASTIC_MAX_RESTARTS"], "0");
+    EXPECT_EQ(vars["TORCHELASTIC_USE_AGENT_STORE"], "False");
     // cores / local workers, at least 1
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     EXPECT_EQ(vars["OMP_NUM_THREADS"], std::to_string(std::max(1u, cores / 3)));
@@ -115,6 +141,8 @@ TEST(Launch, MultiNodeRanks) {
   EXPECT_EQ(vars["WORLD_SIZE"], "4");
   EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], "2");
   EXPECT_EQ(vars["GROUP_RANK"], "1");
+  EXPECT_EQ(vars["GROUP_WORLD_SIZE"], "2");
+  EXPECT_EQ(vars["ROLE_WORLD_SIZE"], "4");
   EXPECT_FALSE(env_line(r.output, 2).empty());
 }
 
@@ -171,9 +199,11 @@ TEST(Launch, LinesArePrefixedAndNeverInterleave) {
   }
   EXPECT_EQ(counts[0], 400);
   EXPECT_EQ(counts[1], 400);
-  // --log-dir: one file per rank, without prefixes.
+  // --log-dir: as torchrun, a folder for the run, one per attempt and one per worker, with its
+  // stdout and stderr apart, without prefixes.
+  const std::string run = run_folder(dir);
   for (int rank = 0; rank < 2; ++rank) {
-    std::ifstream log(dir + "/rank_" + std::to_string(rank) + ".log");
+    std::ifstream log(run + "/attempt_0/" + std::to_string(rank) + "/stdout.log");
     ASSERT_TRUE(log.good()) << "no log file for rank " << rank;
     int n = 0;
     while (std::getline(log, line)) {
@@ -198,7 +228,7 @@ TEST(Launch, FailingWorkerTearsDownTheJob) {
   std::regex summary(
       R"(paratrain launch: job failed: rank 1 \(local rank 1, pid \d+\) exited with code 3 at )"
       R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[-+]\d{4}; log: )" +
-      dir + R"(/rank_1\.log; stopped the other 2 running workers)");
+      run_folder(dir) + R"(/attempt_0/1/stderr\.log; stopped the other 2 running workers)");
   EXPECT_TRUE(std::regex_search(r.output, summary)) << r.output;
   EXPECT_LT(seconds, 10.0) << "the others were not stopped within 5 s of the failure";
   expect_no_leftovers(token);
@@ -394,7 +424,7 @@ TEST(Launch, ProgramWithoutExecuteBitIsNamed) {
 // the options' checks, the start of the workers, the command line's parsing.
 TEST(Launch, ErrorsNameTheCommandOnce) {
   const std::string dir = make_temp_dir("launch-errors");
-  ASSERT_EQ(::mkdir((dir + "/rank_0.log").c_str(), 0755), 0);  // where rank 0's log would go
+  { std::ofstream(dir + "/file") << "not a folder\n"; }
   struct Case {
     std::vector<std::string> args;
     std::string message;
@@ -402,8 +432,8 @@ TEST(Launch, ErrorsNameTheCommandOnce) {
   const std::vector<Case> cases{
       {{"--", "/no/such/program"}, "program '/no/such/program' not found: no such file"},
       {{"--", dir}, "program '" + dir + "' is a directory, not a program"},
-      {{"--log-dir", dir, "--", "/bin/true"},
-       "cannot write " + dir + "/rank_0.log: Is a directory"},
+      {{"--log-dir", dir + "/file", "--", "/bin/true"},
+       "--log-dir '" + dir + "/file' is not a directory and cannot be created"},
       {{"--nproc-per-node", "2"}, "no program given"},
   };
   for (const auto& c : cases) {
@@ -498,10 +528,17 @@ TEST(Launch, WhatAFailedAttemptLeftRunningEndsBeforeTheRestart) {
       "if kill -0 \"$(cat \"$PID_FILE\")\" 2>/dev/null; then echo 'attempt 0 left it running'; fi; "
       "LEFTOVER=$SECOND; " +
       kLeaveASleep + "exit 0";
-  auto r = run_process({cli_path(), "launch", "--max-restarts", "1", "--", "/bin/sh", "-c", script},
+  const std::string logs = make_temp_dir("attempt-logs");
+  auto r = run_process({cli_path(), "launch", "--max-restarts", "1", "--log-dir", logs, "--",
+                        "/bin/sh", "-c", "echo attempt $TORCHELASTIC_RESTART_COUNT >&2; " + script},
                        {{"FIRST", first}, {"SECOND", second}, {"PID_FILE", pid_file}}, 60);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("restarting all (restart 1 of 1)"), std::string::npos) << r.output;
+  // Each attempt's logs in a folder of its own: the restart keeps the failed attempt's.
+  const std::string run = run_folder(logs);
+  EXPECT_EQ(file_text(run + "/attempt_0/0/stderr.log"), "attempt 0\n");
+  EXPECT_EQ(file_text(run + "/attempt_1/0/stderr.log"), "attempt 1\n");
+  remove_tree(logs);
   EXPECT_EQ(r.output.find("attempt 0 left it running"), std::string::npos) << r.output;
   expect_no_leftovers(first);
   expect_no_leftovers(second);

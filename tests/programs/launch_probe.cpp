@@ -51,7 +51,10 @@ int main(int argc, char** argv) {
     std::cout << "ENV";
     for (const char* name :
          {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-          "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PARATRAIN_BACKEND"}) {
+          "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "PARATRAIN_BACKEND",
+          "ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+          "TORCHELASTIC_USE_AGENT_STORE"}) {
       std::cout << " " << name << "=" << env(name);
     }
     std::cout << std::endl;

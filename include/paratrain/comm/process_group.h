@@ -30,7 +30,8 @@
 namespace paratrain {
 namespace dist {
 
-/// Default collective timeout: 5 minutes, as c10d's kProcessGroupDefaultTimeout.
+/// Default collective timeout: 5 minutes. torch.distributed's is 30 (10 on NCCL); paratrain's
+/// timeouts name the ranks that did not arrive, so a dead or stuck rank is reported sooner.
 constexpr std::chrono::milliseconds kDefaultTimeout{5 * 60 * 1000};
 
 /// torch.distributed.ReduceOp. kAvg needs floating-point tensors; the bitwise ones (kBand, kBor,
@@ -138,11 +139,15 @@ class ProcessGroup {
   /// zero): rank 0 waits for every other rank, then lets them go. Throws CollectiveError on every
   /// rank that sees the failure; wait_all_ranks names all missing ranks rather than the first.
   /// The group is broken after a failure. Gloo and NCCL groups meet over the job's store, mpi
-  /// groups by messages to rank 0.
+  /// groups by messages to rank 0. As in PyTorch, a rank 0 later than the others' wait for its
+  /// word (twice the timeout) passes alone while they fail.
   void monitored_barrier(std::chrono::milliseconds timeout = std::chrono::milliseconds(0),
                          bool wait_all_ranks = false);
   /// Starts every send and receive of `ops` and returns their handles in order
   /// (torch.distributed.batch_isend_irecv). Every rank of a matching pair must list its side.
+  /// Every operation is checked before any starts. On NCCL they are issued one by one, not as
+  /// one NCCL group as PyTorch's: list each rank's receives before its sends to the same peer
+  /// when the tensors are large.
   std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
   /// torch.distributed.broadcast_object_list for one object given as bytes: every rank ends with
   /// `src`'s `bytes`. Blocks until done.

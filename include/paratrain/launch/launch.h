@@ -38,7 +38,9 @@ struct LaunchOptions {
   TORCH_ARG(bool, standalone) = false;
   /// GPUs for this node's workers (CUDA_VISIBLE_DEVICES); local rank i uses cuda:i.
   TORCH_ARG(std::vector<int>, devices) = {};
-  /// When set, also write each rank's output to <log_dir>/rank_<R>.log.
+  /// When set, also write each worker's stdout and stderr, as torchrun, to
+  /// <log_dir>/<rdzv_id>_<random>/attempt_<k>/<local rank>/{stdout,stderr}.log: a new folder
+  /// for each launch and each attempt, so nothing is written over.
   TORCH_ARG(std::string, log_dir) = "";
   /// "" (the worker decides), "gloo", "mpi" or "nccl". mpi runs the job through mpirun.
   TORCH_ARG(std::string, backend) = "";
