@@ -209,7 +209,8 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
   for (const OptionSpec& o : spec.options) {
     std::string flags;
     for (const auto& n : split_names(o.names)) {
-      flags += (flags.empty() ? "--" : ",--") + n;
+      // A one-letter name is a short option (-m), as torchrun's.
+      flags += (flags.empty() ? "" : ",") + std::string(n.size() == 1 ? "-" : "--") + n;
       known.push_back(n);
     }
     const std::string help = wrap(o.help, 68);

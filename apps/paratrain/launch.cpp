@@ -6,9 +6,17 @@
 #include "paratrain/launch/launch.h"
 #include "paratrain/launch/slurm.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <iostream>
+#include <map>
+#include <set>
 #include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace paratrain {
 namespace cli {
@@ -24,8 +32,9 @@ const CommandSpec& launch_spec() {
       "--ntasks-per-node 1 paratrain launch ...), --nnodes, --node-rank and --master-addr come\n"
       "from SLURM_JOB_NODELIST, SLURM_NNODES and SLURM_NODEID unless given.",
       {
-          {"nproc-per-node,nproc_per_node", "N",
-           "workers on this node (default: number of --devices, else 1)"},
+          {"nproc-per-node,nproc_per_node", "N|auto|cpu|gpu",
+           "workers on this node: N; gpu, one per visible GPU; cpu, one per CPU; auto, gpu where "
+           "there are GPUs, else cpu (torchrun's; default: number of --devices, else 1)"},
           {"nnodes", "M|MIN:MAX",
            "nodes in the job (default 1, or the Slurm allocation's); MIN:MAX is elastic, with "
            "--rdzv-endpoint (torchrun's)"},
@@ -62,6 +71,27 @@ const CommandSpec& launch_spec() {
            "append --local_rank=N to each worker's arguments, as torch.distributed.launch did "
            "(for scripts that read args.local_rank)"},
           {"no-prefix", "", "relay output without the [rank R]: prefix"},
+          {"redirects", "N|R:N,...",
+           "with --log-dir, send these streams of every local rank (N), or of local rank R "
+           "(R:N), to the log files only: 1 stdout, 2 stderr, 3 both, 0 neither (torchrun's)"},
+          {"tee", "N|R:N,...",
+           "with --log-dir, write these streams to the log files and the console, as every stream "
+           "is by default (torchrun's)"},
+          {"local-ranks-filter,local_ranks_filter", "0,2",
+           "show only these local ranks' output on the console (the log files keep every rank's)"},
+          {"role", "NAME", "the workers' ROLE_NAME (default default, as torchrun's)"},
+          {"local-addr,local_addr", "A",
+           "this node's address in a rendezvous, given to the other nodes (default: the one "
+           "that routes to the endpoint)"},
+          {"monitor-interval,monitor_interval", "S",
+           "accepted for torchrun's command lines; the launcher learns of a worker's end at once "
+           "(SIGCHLD), so there is nothing to poll"},
+          {"no-python,no_python", "",
+           "accepted for torchrun's command lines: PROGRAM runs as given unless -m or --run-path "
+           "says it is Python"},
+          {"module,m", "", "PROGRAM is a Python module: run python3 -u -m PROGRAM (torchrun's -m)"},
+          {"run-path,run_path", "",
+           "PROGRAM is a Python script: run python3 -u PROGRAM (torchrun's --run-path)"},
           {"max-restarts,max_restarts", "N",
            "when a worker fails, stop all and start them all again, up to N times (torchrun's; "
            "TORCHELASTIC_RESTART_COUNT tells the attempt); with several static nodes, every "
@@ -71,6 +101,151 @@ const CommandSpec& launch_spec() {
       "The program and its arguments follow --: paratrain launch [options] -- PROGRAM [ARGS...]",
       true};
   return spec;
+}
+
+}  // namespace
+
+namespace {
+
+// The GPUs a worker would see: CUDA_VISIBLE_DEVICES's entries when set, else the NVIDIA driver's
+// (/proc/driver/nvidia/gpus); the launcher loads no CUDA runtime to ask.
+int visible_gpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    int n = 0;
+    std::stringstream list(visible);
+    for (std::string item; std::getline(list, item, ',');) {
+      if (item.empty() || item[0] == '-') {
+        break;  // CUDA stops at the first invalid entry
+      }
+      ++n;
+    }
+    return n;
+  }
+  std::error_code ec;
+  int n = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// --nproc-per-node N, auto, cpu or gpu, as torchrun's.
+int parse_nproc(const Args& args) {
+  const std::string text = args.get("nproc-per-node");
+  if (text == "cpu" || (text == "auto" && visible_gpus() == 0)) {
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  if (text == "gpu" || text == "auto") {
+    const int gpus = visible_gpus();
+    if (gpus == 0) {
+      throw UsageError(
+          "--nproc-per-node gpu: this node has no GPU visible (CUDA_VISIBLE_DEVICES, "
+          "/proc/driver/nvidia/gpus); give a number or cpu");
+    }
+    return gpus;
+  }
+  const bool digits = !text.empty() && text.size() <= 6 &&
+                      text.find_first_not_of("0123456789") == std::string::npos;
+  const int n = digits ? std::stoi(text) : 0;
+  if (n < 1) {
+    throw UsageError("--nproc-per-node must be at least 1, or auto, cpu or gpu; got " + text);
+  }
+  return n;
+}
+
+// -m and --run-path: a Python module or script, run by python3 as torchrun runs them by its own
+// interpreter; otherwise the program as given (torchrun's --no-python).
+std::vector<std::string> python_command(const Args& args) {
+  const bool module = args.has("module");
+  const bool script = args.has("run-path");
+  if ((module || script) && args.has("no-python")) {
+    throw UsageError(std::string(module ? "-m" : "--run-path") +
+                     " runs PROGRAM with Python, and --no-python says not to: give one of them");
+  }
+  if (module && script) {
+    throw UsageError("-m and --run-path both say how Python runs PROGRAM: give one of them");
+  }
+  std::vector<std::string> command = args.rest();
+  if (module || script) {
+    std::vector<std::string> python{"python3", "-u"};
+    if (module) {
+      python.push_back("-m");
+    }
+    command.insert(command.begin(), python.begin(), python.end());
+  }
+  return command;
+}
+
+// torchrun's --redirects and --tee values: "N" for every local rank, or "R:N,R:N,...".
+std::map<int, int> parse_streams(const std::string& flag, const std::string& text) {
+  auto bad = [&] {
+    return UsageError("--" + flag + " '" + text +
+                      "' is not N or LOCAL_RANK:N,... with N 0 (none), 1 (stdout), 2 (stderr) "
+                      "or 3 (both)");
+  };
+  auto number = [&](const std::string& s, int most) {
+    if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(s) > most) {
+      throw bad();
+    }
+    return std::stoi(s);
+  };
+  std::map<int, int> out;
+  if (text.find(':') == std::string::npos) {
+    out[-1] = number(text, 3);
+    return out;
+  }
+  std::stringstream items(text);
+  for (std::string item; std::getline(items, item, ',');) {
+    const size_t colon = item.find(':');
+    if (colon == std::string::npos) {
+      throw bad();
+    }
+    out[number(item.substr(0, colon), 999999)] = number(item.substr(colon + 1), 3);
+  }
+  return out;
+}
+
+// Which streams of which local ranks reach the console: --local-ranks-filter picks the ranks,
+// --redirects takes streams away (to the log files only); --tee changes nothing here.
+void parse_console(const Args& args, dist::LaunchOptions& o) {
+  for (const char* flag : {"redirects", "tee"}) {
+    if (args.has(flag) && !args.has("log-dir")) {
+      throw UsageError(std::string("--") + flag +
+                       " says which streams go to the log files: give --log-dir too");
+    }
+  }
+  const auto redirected = parse_streams("redirects", args.get("redirects", "0"));
+  parse_streams("tee", args.get("tee", "0"));  // checked; the files get every stream anyway
+  std::set<int> shown;
+  if (args.has("local-ranks-filter")) {
+    std::stringstream list(args.get("local-ranks-filter"));
+    for (std::string item; std::getline(list, item, ',');) {
+      if (item.empty() || item.size() > 6 ||
+          item.find_first_not_of("0123456789") != std::string::npos) {
+        throw UsageError("--local-ranks-filter '" + args.get("local-ranks-filter") +
+                         "' is not a list of local ranks (e.g. 0,2)");
+      }
+      shown.insert(std::stoi(item));
+    }
+  }
+  auto streams_of = [&](int rank) {
+    int s = shown.empty() || (rank >= 0 && shown.count(rank) != 0) ? 3 : 0;
+    auto r = redirected.find(rank);
+    if (r == redirected.end()) {
+      r = redirected.find(-1);
+    }
+    return r == redirected.end() ? s : s & ~r->second;
+  };
+  std::map<int, int> console{{-1, streams_of(-1)}};
+  for (const auto& [rank, streams] : redirected) {
+    console[rank] = streams_of(rank);
+  }
+  for (int rank : shown) {
+    console[rank] = streams_of(rank);
+  }
+  o.console_streams(console);
 }
 
 }  // namespace
@@ -197,11 +372,14 @@ int run_launch(const std::vector<std::string>& argv) {
     throw UsageError("no program given: paratrain launch [options] -- PROGRAM ARGS...");
   }
   if (args.has("nproc-per-node")) {
-    int n = args.get_int("nproc-per-node", 0);
-    if (n < 1) {
-      throw UsageError("--nproc-per-node must be at least 1, got " + std::to_string(n));
-    }
-    o.nproc_per_node(n);
+    o.nproc_per_node(parse_nproc(args));
+  }
+  o.command(python_command(args));
+  parse_console(args, o);
+  o.role(args.get("role", "default")).local_addr(args.get("local-addr", ""));
+  if (args.has("monitor-interval") && !(args.get_double("monitor-interval", 0) > 0)) {
+    throw UsageError("--monitor-interval must be a positive number of seconds, got '" +
+                     args.get("monitor-interval") + "'");
   }
   parse_nnodes(args.get("nnodes", "1"), o);
   parse_rendezvous(args, o);

@@ -54,6 +54,7 @@ detail::RendezvousOptions rendezvous_options(const LaunchOptions& options) {
     ro.backend = options.rdzv_backend();
   }
   ro.id = options.rdzv_id();
+  ro.local_addr = options.local_addr();
   ro.max_nodes = options.nnodes();
   ro.min_nodes = options.min_nodes() > 0 ? options.min_nodes() : options.nnodes();
   ro.join_timeout = options.rdzv_join_timeout();

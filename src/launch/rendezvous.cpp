@@ -52,7 +52,7 @@ void Rendezvous::start() {
   if (policy_->store_outlives_nodes()) {
     skip_dead_generation();
   }
-  my_address_ = route_source_address(o_.host, o_.port);
+  my_address_ = o_.local_addr.empty() ? route_source_address(o_.host, o_.port) : o_.local_addr;
   if (my_address_.empty()) {
     my_address_ = o_.host;
   }

@@ -62,6 +62,9 @@ constexpr std::chrono::milliseconds kEndedGrace{2000};
 struct RendezvousOptions {
   std::string host;  // the endpoint
   int port = 29400;
+  /// The address this node gives the others (--local-addr); "" finds the one that routes to the
+  /// endpoint.
+  std::string local_addr;
   std::string id;
   int min_nodes = 1;
   int max_nodes = 1;

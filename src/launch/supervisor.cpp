@@ -83,6 +83,7 @@ struct Stream {
   int out_fd = 1;   // where lines go (1 or 2)
   int log_fd = -1;  // --log-dir's stdout.log or stderr.log; O_CLOEXEC: later workers must not
                     // inherit the logs of earlier ones
+  bool to_console = true;
   std::string partial;
 };
 
@@ -98,8 +99,10 @@ struct Worker {
   std::string log_path;  // its stderr.log, which the failure summary names
 
   void emit(Stream& s, const std::string& line) {
-    std::string text = prefix + line + "\n";
-    write_all(s.out_fd, text);  // one write per line: lines from different workers never mix
+    if (s.to_console) {
+      // One write per line: lines from different workers never mix.
+      write_all(s.out_fd, prefix + line + "\n");
+    }
     if (s.log_fd >= 0) {
       write_all(s.log_fd, line + "\n");
     }
@@ -317,8 +320,8 @@ Environment worker_environment(const LaunchOptions& o,
   env["LOCAL_RANK"] = std::to_string(local_rank);
   env["LOCAL_WORLD_SIZE"] = std::to_string(local_world);
   env["GROUP_RANK"] = std::to_string(shim ? global_rank / std::max(1, local_world) : o.node_rank());
-  // torchrun's roles: one role ("default", as torchrun's --role) of the whole job.
-  env["ROLE_NAME"] = "default";
+  // torchrun's roles: one role (--role, "default" unless given) of the whole job.
+  env["ROLE_NAME"] = o.role();
   env["ROLE_RANK"] = env["RANK"];
   env["ROLE_WORLD_SIZE"] = env["WORLD_SIZE"];
   env["GROUP_WORLD_SIZE"] =
@@ -448,6 +451,14 @@ void start_workers(const LaunchOptions& o,
     w.rank = where.from_mpirun ? where.first_rank : o.node_rank() * plan.nproc + local;
     w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
     start_worker(o, plan, job, w, worker_environment(o, plan, where, w.rank, local));
+    const auto& console = o.console_streams();
+    auto shown = console.find(where.from_mpirun ? w.rank : local);
+    if (shown == console.end()) {
+      shown = console.find(-1);
+    }
+    const int streams = shown == console.end() ? 3 : shown->second;
+    w.streams[0].to_console = (streams & 1) != 0;
+    w.streams[1].to_console = (streams & 2) != 0;
     if (!o.log_dir().empty()) {
       open_logs(o.log_dir(), where.attempt, where.from_mpirun ? w.rank : local, w);
     }

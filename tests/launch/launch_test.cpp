@@ -109,6 +109,82 @@ TEST(Launch, EnvironmentContract) {
   }
 }
 
+// torchrun's flags that say how many workers, what they are called, and where their output goes.
+TEST(Launch, TorchrunFlags) {
+  const std::string cores = std::to_string(std::max(1u, std::thread::hardware_concurrency()));
+  auto r = run_process({cli_path(), "launch", "--nproc-per-node", "cpu", "--role", "trainer", "--",
+                        probe_path(), "env", unique_token("cpu")},
+                       {{"CUDA_VISIBLE_DEVICES", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto vars = env_line(r.output, 0);
+  EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], cores);
+  EXPECT_EQ(vars["ROLE_NAME"], "trainer");
+  // auto: the GPUs a worker would see, else the CPUs.
+  r = run_process({cli_path(), "launch", "--nproc-per-node", "auto", "--", probe_path(), "env",
+                   unique_token("auto")},
+                  {{"CUDA_VISIBLE_DEVICES", "0,1,2"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(env_line(r.output, 0)["LOCAL_WORLD_SIZE"], "3");
+  r = run_process({cli_path(), "launch", "--nproc-per-node", "auto", "--", probe_path(), "env",
+                   unique_token("auto")},
+                  {{"CUDA_VISIBLE_DEVICES", ""}});
+  EXPECT_EQ(env_line(r.output, 0)["LOCAL_WORLD_SIZE"], cores) << r.output;
+
+  // --local-ranks-filter shows one rank; --redirects 1 keeps stdout in the files only.
+  const std::string logs = make_temp_dir("redirects");
+  r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--local-ranks-filter", "1",
+                   "--redirects", "1", "--log-dir", logs, "--", "/bin/sh", "-c",
+                   "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"},
+                  {});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("out 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
+  const std::string run = run_folder(logs);
+  EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
+  EXPECT_EQ(file_text(run + "/attempt_1/0/stdout.log"), "");  // no second attempt
+  EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
+  remove_tree(logs);
+
+  // -m and --run-path run Python's module or script, as torchrun does.
+  r = run_process({cli_path(), "launch", "-m", "--", "platform"}, {});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: Linux"), std::string::npos) << r.output;
+  const std::string script = make_temp_dir("run-path") + "/hello.py";
+  { std::ofstream(script) << "import os\nprint('hello from', os.environ['RANK'])\n"; }
+  r = run_process({cli_path(), "launch", "--run-path", "--no-prefix", "--", script}, {});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("hello from 0"), std::string::npos) << r.output;
+
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  const std::vector<Case> bad{
+      {{"--nproc-per-node", "many"}, "--nproc-per-node must be at least 1, or auto, cpu or gpu"},
+      {{"--redirects", "1"}, "--redirects says which streams go to the log files: give --log-dir"},
+      {{"--redirects", "4", "--log-dir", "/tmp"}, "--redirects '4' is not N or LOCAL_RANK:N"},
+      {{"--tee", "0:x", "--log-dir", "/tmp"}, "--tee '0:x' is not N or LOCAL_RANK:N"},
+      {{"--local-ranks-filter", "a"}, "--local-ranks-filter 'a' is not a list of local ranks"},
+      {{"--monitor-interval", "0"}, "--monitor-interval must be a positive number of seconds"},
+      {{"--no-python", "-m"}, "-m runs PROGRAM with Python, and --no-python says not to"},
+      {{"-m", "--run-path"}, "-m and --run-path both say how Python runs PROGRAM"},
+  };
+  for (const auto& c : bad) {
+    std::vector<std::string> argv{cli_path(), "launch"};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    argv.insert(argv.end(), {"--", "/bin/true"});
+    auto e = run_cli(argv);
+    EXPECT_NE(e.exit_code, 0) << c.message;
+    EXPECT_NE(e.output.find(c.message), std::string::npos)
+        << "expected '" << c.message << "' in: " << e.output;
+  }
+  r = run_process({cli_path(), "launch", "--nproc-per-node", "gpu", "--", "/bin/true"},
+                  {{"CUDA_VISIBLE_DEVICES", ""}});
+  EXPECT_NE(r.output.find("--nproc-per-node gpu: this node has no GPU visible"), std::string::npos)
+      << r.output;
+}
+
 TEST(Launch, UserOmpNumThreadsWins) {
   auto r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--", probe_path(), "env",
                         unique_token("omp")},

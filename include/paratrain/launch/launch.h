@@ -25,6 +25,8 @@ namespace dist {
 
 /// Environment variables, name -> value.
 using Environment = std::map<std::string, std::string>;
+/// Local rank -> which of its streams (1 stdout, 2 stderr, 3 both) reach the console.
+using ConsoleStreams = std::map<int, int>;
 
 struct LaunchOptions {
   /// Workers on this node; 0 means "one per --devices entry, else 1".
@@ -55,6 +57,15 @@ struct LaunchOptions {
   TORCH_ARG(std::chrono::milliseconds, kill_grace) = std::chrono::milliseconds(3000);
   /// Prefix each relayed line with "[rank R]: ".
   TORCH_ARG(bool, prefix_output) = true;
+  /// Which of a worker's streams reach the console, by local rank: 1 stdout, 2 stderr, 3 both,
+  /// 0 neither (torchrun's --redirects and --local-ranks-filter). Key -1 stands for every local
+  /// rank not listed; without it, 3. The log files (log_dir) get both streams whatever this says.
+  TORCH_ARG(ConsoleStreams, console_streams) = {};
+  /// torchrun's --role: the workers' ROLE_NAME.
+  TORCH_ARG(std::string, role) = "default";
+  /// torchrun's --local-addr: the address this node gives the other nodes in a rendezvous (the
+  /// job's master address when it is node 0); "" finds the one that routes to the endpoint.
+  TORCH_ARG(std::string, local_addr) = "";
   /// Name used in the launcher's own messages.
   TORCH_ARG(std::string, name) = "paratrain launch";
   /// torchrun's --max-restarts: when a worker fails, every worker is stopped and all are started
