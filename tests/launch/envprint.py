@@ -1,0 +1,14 @@
+"""Prints the torchrun environment contract and the arguments of the worker it runs in, one line:
+what tests/launch/conformance_test.cpp compares between torchrun and paratrain launch."""
+import os
+import sys
+import time
+
+PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_",
+            "OMP_NUM_THREADS", "TORCH_NCCL_", "PYTHONUNBUFFERED")
+keys = sorted(k for k in os.environ if k.startswith(PREFIXES))
+print("ENV " + " ".join("%s=%s" % (k, os.environ[k]) for k in keys) + " ARGS=" +
+      ",".join(sys.argv[1:]), flush=True)
+if os.environ.get("FAIL_FIRST") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    time.sleep(1)  # every worker prints before the first failure stops the others
+    sys.exit(3)
