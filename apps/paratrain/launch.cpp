@@ -208,7 +208,7 @@ std::map<int, int> parse_streams(const std::string& flag, const std::string& tex
 }
 
 // Which streams of which local ranks reach the console: --local-ranks-filter picks the ranks,
-// --redirects takes streams away (to the log files only); --tee changes nothing here.
+// --redirects takes streams away (to the log files only), --tee keeps them.
 void parse_console(const Args& args, dist::LaunchOptions& o) {
   for (const char* flag : {"redirects", "tee"}) {
     if (args.has(flag) && !args.has("log-dir")) {
@@ -216,8 +216,12 @@ void parse_console(const Args& args, dist::LaunchOptions& o) {
                        " says which streams go to the log files: give --log-dir too");
     }
   }
+  if (!args.has("redirects") && !args.has("tee") && !args.has("local-ranks-filter")) {
+    return;  // every stream of every rank
+  }
+  // As torchrun's: a stream given to --tee reaches the console even where --redirects names it.
   const auto redirected = parse_streams("redirects", args.get("redirects", "0"));
-  parse_streams("tee", args.get("tee", "0"));  // checked; the files get every stream anyway
+  const auto teed = parse_streams("tee", args.get("tee", "0"));
   std::set<int> shown;
   if (args.has("local-ranks-filter")) {
     std::stringstream list(args.get("local-ranks-filter"));
@@ -232,15 +236,18 @@ void parse_console(const Args& args, dist::LaunchOptions& o) {
   }
   auto streams_of = [&](int rank) {
     int s = shown.empty() || (rank >= 0 && shown.count(rank) != 0) ? 3 : 0;
-    auto r = redirected.find(rank);
-    if (r == redirected.end()) {
-      r = redirected.find(-1);
-    }
-    return r == redirected.end() ? s : s & ~r->second;
+    auto mask = [rank](const std::map<int, int>& m) {
+      auto it = m.find(rank);
+      it = it == m.end() ? m.find(-1) : it;
+      return it == m.end() ? 0 : it->second;
+    };
+    return s & ~(mask(redirected) & ~mask(teed));
   };
   std::map<int, int> console{{-1, streams_of(-1)}};
-  for (const auto& [rank, streams] : redirected) {
-    console[rank] = streams_of(rank);
+  for (const auto* m : {&redirected, &teed}) {
+    for (const auto& kv : *m) {
+      console[kv.first] = streams_of(kv.first);
+    }
   }
   for (int rank : shown) {
     console[rank] = streams_of(rank);

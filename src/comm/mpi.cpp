@@ -380,6 +380,9 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
 
   std::string backend_name() const override { return "mpi"; }
 
+  // MPI_TAG_UB may be below kMaxUserTag; the largest tag is monitored_barrier's.
+  int user_tag_limit() const override { return reserved_tag(); }
+
   std::string fail(const Task& task, const std::string& why, bool timed_out) {
     std::string message = describe(task.op, task.seq, task.detail) + " failed: " + why;
     if (timed_out && task.collective) {
@@ -667,8 +670,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   WorkPtr do_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) override {
-    check_user_tag(tag, "send");
-    return start_send(tensor, dst, tag, seq);
+    return start_send(tensor, dst, tag, seq);  // the tag is below user_tag_limit()
   }
 
   WorkPtr start_send(const at::Tensor& tensor, int dst, int tag, int64_t seq) {
@@ -683,8 +685,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   }
 
   WorkPtr do_recv(at::Tensor& tensor, int src, int tag, int64_t seq) override {
-    check_user_tag(tag, "recv");
-    return start_recv(tensor, src, tag, seq);
+    return start_recv(tensor, src, tag, seq);  // the tag is below user_tag_limit()
   }
 
   WorkPtr start_recv(at::Tensor& tensor, int src, int tag, int64_t seq) {
@@ -734,13 +735,6 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   // A tag above users' (ProcessGroup::kMaxUserTag) where MPI has one; MPI promises tags up to
   // 32767 only (MPI_TAG_UB), and then the largest, which users' sends are refused.
   static int reserved_tag() { return std::min(g_mpi.tag_upper_bound, kMaxUserTag); }
-
-  // An MPI whose largest tag is below ProcessGroup::kMaxUserTag keeps its largest for paratrain.
-  static void check_user_tag(int tag, const char* op) {
-    TORCH_CHECK(tag < reserved_tag(), "mpi ", op, ": tag ", tag,
-                " is reserved; this MPI's tags go up to ", reserved_tag(),
-                " (MPI_TAG_UB), and paratrain's monitored_barrier uses the largest");
-  }
 
   static void check(int rc) {
     if (rc != MPI_SUCCESS) {

@@ -312,8 +312,8 @@ std::vector<WorkPtr> ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& o
   for (const auto& op : ops) {
     const char* name = op.kind == P2POp::Kind::kIsend ? "isend" : "irecv";
     check_tensor(op.tensor, name, "tensor");
-    TORCH_CHECK(op.tag >= 0 && op.tag < kMaxUserTag, backend_name(), " ", name,
-                ": tag must be in [0, ", kMaxUserTag, "), got ", op.tag);
+    TORCH_CHECK(op.tag >= 0 && op.tag < user_tag_limit(), backend_name(), " ", name,
+                ": tag must be in [0, ", user_tag_limit(), "), got ", op.tag);
     check_peer(op.peer, name, op.kind == P2POp::Kind::kIsend ? "destination rank" : "source rank");
     TORCH_CHECK(moves(op.tensor.device().type()), backend_name(), " ", name, ": the tensor is on ",
                 op.tensor.device(), ", which this group's engines do not move");
@@ -435,8 +435,8 @@ WorkPtr ProcessGroup::barrier() {
 WorkPtr ProcessGroup::send(const at::Tensor& tensor, int dst, int tag) {
   check_not_broken("send");
   check_tensor(tensor, "send", "tensor");
-  TORCH_CHECK(tag >= 0 && tag < kMaxUserTag, backend_name(), " send: tag must be in [0, ",
-              kMaxUserTag, "), got ", tag, " (larger tags carry paratrain's own collectives)");
+  TORCH_CHECK(tag >= 0 && tag < user_tag_limit(), backend_name(), " send: tag must be in [0, ",
+              user_tag_limit(), "), got ", tag, " (larger tags carry paratrain's own collectives)");
   check_peer(dst, "send", "destination rank");
   return do_send(tensor, dst, tag, next_p2p_sequence());
 }
@@ -444,8 +444,8 @@ WorkPtr ProcessGroup::send(const at::Tensor& tensor, int dst, int tag) {
 WorkPtr ProcessGroup::recv(at::Tensor& tensor, int src, int tag) {
   check_not_broken("recv");
   check_tensor(tensor, "recv", "tensor");
-  TORCH_CHECK(tag >= 0 && tag < kMaxUserTag, backend_name(), " recv: tag must be in [0, ",
-              kMaxUserTag, "), got ", tag, " (larger tags carry paratrain's own collectives)");
+  TORCH_CHECK(tag >= 0 && tag < user_tag_limit(), backend_name(), " recv: tag must be in [0, ",
+              user_tag_limit(), "), got ", tag, " (larger tags carry paratrain's own collectives)");
   check_peer(src, "recv", "source rank");
   return do_recv(tensor, src, tag, next_p2p_sequence());
 }

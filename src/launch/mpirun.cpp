@@ -187,6 +187,7 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
     master = o.hostfile().empty() ? "127.0.0.1" : read_hostfile(o.hostfile()).front().host;
   }
   cmd.insert(cmd.end(), {"--master-addr", master, "--master-port", std::to_string(port)});
+  cmd.insert(cmd.end(), {"--role", o.role(), "--rdzv-id", o.rdzv_id()});
   for (const auto& kv : o.env()) {
     cmd.insert(cmd.end(), {"--env", kv.first + "=" + kv.second});
   }
@@ -232,6 +233,9 @@ Environment mpirun_environment(const LaunchOptions& o, int nproc) {
 // Runs a job through mpirun: mpirun starts the shim on each rank, the shim relays that rank's
 // output and reports its failure; this process only watches mpirun.
 LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
+  TORCH_CHECK(o.console_streams().empty(),
+              "--local-ranks-filter, --redirects and --tee are not supported with --backend mpi "
+              "(mpirun relays every rank's output): use --log-dir for each rank's files");
   TORCH_CHECK(o.nnodes() == 1, "--backend mpi with --nnodes ", o.nnodes(),
               " is not supported: on several nodes run mpirun (or srun) with a host file yourself");
   LaunchOptions outer = o;
@@ -279,9 +283,11 @@ LaunchResult launch_mpirun_rank(const LaunchOptions& options, int rank, int worl
   LaunchOptions one = options;
   one.nproc_per_node(1);
   launch_internal::Placement where{true, rank, world_size};
-  // The attempt whose logs this rank writes: the outer launch's, which mpirun passes on.
-  if (const char* count = std::getenv("TORCHELASTIC_RESTART_COUNT")) {
-    where.attempt = std::atoi(count);
+  // The attempt whose logs this rank writes: the outer launch's, which it passes on with --env
+  // (Open MPI sends a remote host only the variables named with -x).
+  const auto count = options.env().find("TORCHELASTIC_RESTART_COUNT");
+  if (count != options.env().end()) {
+    where.attempt = std::atoi(count->second.c_str());
   }
   return launch_internal::run_job(one, where);
 }

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <set>
@@ -294,10 +295,11 @@ JobPlan plan_job(const LaunchOptions& o, int nproc, const Placement& where) {
     plan.master_port = pick_free_port();
   }
   if (!o.log_dir().empty()) {
-    ::mkdir(o.log_dir().c_str(), 0755);
-    struct stat st;
-    TORCH_CHECK(::stat(o.log_dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--log-dir '",
-                o.log_dir(), "' is not a directory and cannot be created");
+    // Whole: an mpirun rank on another host gets the launch's folder, which may not exist there.
+    std::error_code ec;
+    std::filesystem::create_directories(o.log_dir(), ec);
+    TORCH_CHECK(std::filesystem::is_directory(o.log_dir(), ec), "--log-dir '", o.log_dir(),
+                "' is not a directory and cannot be created");
   }
   return plan;
 }
@@ -432,6 +434,8 @@ std::string make_log_run_dir(const LaunchOptions& o) {
   struct stat st;
   TORCH_CHECK(::stat(o.log_dir().c_str(), &st) == 0 && S_ISDIR(st.st_mode), "--log-dir '",
               o.log_dir(), "' is not a directory and cannot be created");
+  TORCH_CHECK(o.rdzv_id().find('/') == std::string::npos, "--rdzv-id '", o.rdzv_id(),
+              "' names the log folder of the run: give one without '/'");
   std::string pattern = o.log_dir() + "/" + o.rdzv_id() + "_XXXXXX";
   TORCH_CHECK(::mkdtemp(&pattern[0]) != nullptr, "cannot create a folder in --log-dir '",
               o.log_dir(), "': ", std::strerror(errno));
@@ -450,9 +454,8 @@ void start_workers(const LaunchOptions& o,
     w.local_rank = where.from_mpirun ? -1 : local;
     w.rank = where.from_mpirun ? where.first_rank : o.node_rank() * plan.nproc + local;
     w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
-    start_worker(o, plan, job, w, worker_environment(o, plan, where, w.rank, local));
     const auto& console = o.console_streams();
-    auto shown = console.find(where.from_mpirun ? w.rank : local);
+    auto shown = console.find(local);
     if (shown == console.end()) {
       shown = console.find(-1);
     }
@@ -462,6 +465,7 @@ void start_workers(const LaunchOptions& o,
     if (!o.log_dir().empty()) {
       open_logs(o.log_dir(), where.attempt, where.from_mpirun ? w.rank : local, w);
     }
+    start_worker(o, plan, job, w, worker_environment(o, plan, where, w.rank, local));
   }
 }
 

@@ -294,7 +294,8 @@ TEST(BadInput, LauncherArguments) {
     std::string message;
   };
   std::vector<Case> cases{
-      {{"--nproc-per-node", "0", "--", "/bin/true"}, "--nproc-per-node must be at least 1, got 0"},
+      {{"--nproc-per-node", "0", "--", "/bin/true"},
+       "--nproc-per-node must be at least 1, or auto, cpu or gpu; got 0"},
       {{"--devices", "0,0", "--", "/bin/true"}, "--devices '0,0' lists GPU 0 twice"},
       {{"--devices", "0,gpu1", "--", "/bin/true"}, "'gpu1' is not a GPU index"},
       {{"--nproc-per-node", "2", "--", "/no/such/program"}, "program '/no/such/program' not found"},
@@ -303,7 +304,8 @@ TEST(BadInput, LauncherArguments) {
       {{"--nnodes", "2", "--", "/bin/true"}, "--nnodes 2 needs --master-addr"},
       {{"--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--", "/bin/true"},
        "--node-rank 2 is out of range for --nnodes 2"},
-      {{"--nproc-per-node", "two", "--", "/bin/true"}, "--nproc-per-node 'two' is not an integer"},
+      {{"--nproc-per-node", "two", "--", "/bin/true"},
+       "--nproc-per-node must be at least 1, or auto, cpu or gpu; got two"},
       {{"--bogus", "--", "/bin/true"}, "unknown option --bogus"},
       {{"--nproc-per-node", "2"}, "no program given"},
       {{"--backend", "smoke-signals", "--", "/bin/true"},

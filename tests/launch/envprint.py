@@ -10,5 +10,5 @@ keys = sorted(k for k in os.environ if k.startswith(PREFIXES))
 print("ENV " + " ".join("%s=%s" % (k, os.environ[k]) for k in keys) + " ARGS=" +
       ",".join(sys.argv[1:]), flush=True)
 if os.environ.get("FAIL_FIRST") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-    time.sleep(1)  # every worker prints before the first failure stops the others
+    time.sleep(3)  # every worker prints before the first failure stops the others
     sys.exit(3)

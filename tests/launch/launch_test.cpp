@@ -142,19 +142,28 @@ TEST(Launch, TorchrunFlags) {
   EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
   const std::string run = run_folder(logs);
   EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
-  EXPECT_EQ(file_text(run + "/attempt_1/0/stdout.log"), "");  // no second attempt
+  EXPECT_FALSE(std::filesystem::exists(run + "/attempt_1"));  // no second attempt
   EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
+  // As torchrun's, --tee keeps on the console a stream that --redirects sends to the files.
+  r = run_process({cli_path(), "launch", "--redirects", "3", "--tee", "1", "--log-dir", logs, "--",
+                   "/bin/sh", "-c", "echo out; echo err >&2"},
+                  {});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0]: out"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("err"), std::string::npos) << r.output;
   remove_tree(logs);
 
   // -m and --run-path run Python's module or script, as torchrun does.
   r = run_process({cli_path(), "launch", "-m", "--", "platform"}, {});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("[rank 0]: Linux"), std::string::npos) << r.output;
-  const std::string script = make_temp_dir("run-path") + "/hello.py";
+  const std::string scripts = make_temp_dir("run-path");
+  const std::string script = scripts + "/hello.py";
   { std::ofstream(script) << "import os\nprint('hello from', os.environ['RANK'])\n"; }
   r = run_process({cli_path(), "launch", "--run-path", "--no-prefix", "--", script}, {});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("hello from 0"), std::string::npos) << r.output;
+  remove_tree(scripts);
 
   struct Case {
     std::vector<std::string> args;
@@ -169,6 +178,9 @@ TEST(Launch, TorchrunFlags) {
       {{"--monitor-interval", "0"}, "--monitor-interval must be a positive number of seconds"},
       {{"--no-python", "-m"}, "-m runs PROGRAM with Python, and --no-python says not to"},
       {{"-m", "--run-path"}, "-m and --run-path both say how Python runs PROGRAM"},
+      {{"--backend", "mpi", "--local-ranks-filter", "0"},
+       "--local-ranks-filter, --redirects and --tee are not supported with --backend mpi"},
+      {{"--log-dir", "/tmp", "--rdzv-id", "a/b"}, "--rdzv-id 'a/b' names the log folder"},
   };
   for (const auto& c : bad) {
     std::vector<std::string> argv{cli_path(), "launch"};

@@ -221,6 +221,9 @@ class ProcessGroup {
     return 2 * timeout + std::chrono::milliseconds(1000);
   }
 
+  /// The largest user tag + 1: kMaxUserTag, or less where the engine has fewer tags (mpi).
+  virtual int user_tag_limit() const { return kMaxUserTag; }
+
   /// "allreduce #12 (sum, 4194304 bytes) on rank 1 of 2 (gloo)": the prefix of every error.
   std::string describe(const std::string& op, int64_t seq, const std::string& detail = "") const;
 
