@@ -577,6 +577,33 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
   // arrived, and rank 0 answers every rank with the list of those that did not (one flag per
   // rank). Receives from missing ranks stay posted until the group is destroyed, which
   // cancels them; the group is broken by then.
+  // Whether `w` completed by `deadline` (polled: MPI has no wait with a deadline); rethrows its
+  // own failure.
+  static bool done_by(const WorkPtr& w, std::chrono::steady_clock::time_point deadline) {
+    while (!w->is_completed() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!w->is_completed()) {
+      return false;
+    }
+    w->wait();
+    return true;
+  }
+
+  // "rank 2 did not reach it within 1500 ms", from one flag per rank.
+  static std::string missing_ranks(const at::Tensor& missing, std::chrono::milliseconds timeout) {
+    std::string ranks;
+    int count = 0;
+    for (int64_t r = 0; r < missing.numel(); ++r) {
+      if (missing[r].item<int>() != 0) {
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        ++count;
+      }
+    }
+    return (count == 1 ? "rank " : "ranks ") + ranks + " did not reach it within " +
+           std::to_string(timeout.count()) + " ms";
+  }
+
   void do_monitored_barrier(std::chrono::milliseconds timeout,
                             bool wait_all_ranks,
                             int64_t seq) override {
@@ -584,33 +611,13 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = start + (rank() == 0 ? timeout : answer_time(timeout));
     const std::string what = describe("monitored_barrier", seq);
-    auto done_by_deadline = [&](const WorkPtr& w) {
-      while (!w->is_completed() && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      if (!w->is_completed()) {
-        return false;
-      }
-      w->wait();  // rethrows the operation's own failure
-      return true;
-    };
+    auto done_by_deadline = [&](const WorkPtr& w) { return done_by(w, deadline); };
     auto fail = [&](const std::string& why) {
       mark_broken(what + " failed: " + why);
       throw CollectiveError(what + " failed: " + why);
     };
     at::Tensor missing = at::zeros({size()}, at::kInt);
-    auto name_missing = [&] {
-      std::string ranks;
-      int count = 0;
-      for (int r = 0; r < size(); ++r) {
-        if (missing[r].item<int>() != 0) {
-          ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-          ++count;
-        }
-      }
-      return (count == 1 ? "rank " : "ranks ") + ranks + " did not reach it within " +
-             std::to_string(timeout.count()) + " ms";
-    };
+    auto name_missing = [&] { return missing_ranks(missing, timeout); };
     if (rank() != 0) {
       at::Tensor here = at::ones({1}, at::kInt);
       auto sent = start_send(here, 0, tag, seq);
