@@ -58,9 +58,9 @@ const BenchSpec& amp_spec() {
           {"backend", "NAME", "gloo (default: PyTorch's backend too) or mpi"},
           {"no-pytorch", "", "skip PyTorch's rows"},
           {"python", "LIST", anchor_pythons_help("with torch for PyTorch's rows")},
-          {"accuracy", "", ""},
-          {"level", "L", ""},
-          {"dtype", "T", ""},
+          {"accuracy", "", kInternalOption},
+          {"level", "L", kInternalOption},
+          {"dtype", "T", kInternalOption},
       },
       "print JSON",
       /*workers=*/true};

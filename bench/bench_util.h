@@ -73,7 +73,7 @@ inline Workload workload(const std::string& name, int steps_override) {
             16,         {16, 3, 32, 32},
             2,          steps_override > 0 ? steps_override : 16};
   }
-  if (name == "cnn") {  // the zoo's small CNN: activations of a few MiB (README, Allocator)
+  if (name == "cnn") {  // the zoo's small CNN: activations of a few MiB (docs/allocator.md)
     return {"cnn", "cnn", 32, {32, 1, 28, 28}, 5, steps_override > 0 ? steps_override : 40};
   }
   throw UsageError("unknown workload '" + name + "': choose mlp, resnet18 or cnn");

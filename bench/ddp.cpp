@@ -121,8 +121,8 @@ const BenchSpec& ddp_spec() {
            "also write a Chrome trace of paratrain's DDP steps and print how much of the "
            "allreduce time backward hides; with several workloads or backends, one file each "
            "(trace.json: trace.mlp.gloo.json, ...)"},
-          {"mode", "M", ""},
-          {"workload", "W", ""},
+          {"mode", "M", kInternalOption},
+          {"workload", "W", kInternalOption},
       },
       "print JSON",
       /*workers=*/true};

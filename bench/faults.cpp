@@ -338,7 +338,7 @@ const BenchSpec& faults_spec() {
           {"resnet-batch", "B", "its batch (default 16)", "2"},
           // The checkpoint's model: ResNet-50, whose numbers the rows name; the smoke run takes the
           // same path with ResNet-18's quarter of the bytes.
-          {"resnet-model", "NAME", "", "resnet18"},
+          {"resnet-model", "NAME", kInternalOption, "resnet18"},
           {"dir", "DIR", "where the runs write (default /tmp)"},
       },
       "print one JSON object"};

@@ -76,7 +76,7 @@ const BenchSpec& fsdp_spec() {
           {"python", "LIST",
            anchor_pythons_help(
                "with torch for PyTorch's rows (DDP, ZeRO, FSDP2's fully_shard; CPU, gloo)")},
-          {"system", "S", ""},
+          {"system", "S", kInternalOption},
       },
       "print JSON rows",
       /*workers=*/true};

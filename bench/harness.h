@@ -41,8 +41,8 @@ inline void require(bool ok, const std::string& message) {
   }
 }
 
-/// One option of a benchmark: `names`, `value` and `help` as in OptionSpec (an empty help hides a
-/// worker's own option), and `smoke`, the value a valued option takes under --smoke when the
+/// One option of a benchmark: `names`, `value` and `help` as in OptionSpec (kInternalOption hides
+/// a worker's own option), and `smoke`, the value a valued option takes under --smoke when the
 /// command line does not give it ("": the same as without --smoke).
 struct BenchOption {
   std::string names;
@@ -140,7 +140,7 @@ class Bench {
     CommandSpec out{"paratrain bench " + spec.name, spec.description, {}};
     for (const auto& o : spec.options) {
       std::string help = o.help;
-      if (!help.empty() && !o.smoke.empty()) {
+      if (help != kInternalOption && !o.smoke.empty()) {
         help += " [--smoke: " + o.smoke + "]";
       }
       out.options.push_back({o.names, o.value, help});
@@ -149,8 +149,8 @@ class Bench {
     out.options.push_back(
         {"smoke", "", "the smallest run through every code path, in seconds (for tests)"});
     if (spec.workers) {
-      out.options.push_back({"worker", "", ""});
-      out.options.push_back({"out", "FILE", ""});
+      out.options.push_back({"worker", "", kInternalOption});
+      out.options.push_back({"out", "FILE", kInternalOption});
     }
     return out;
   }

@@ -62,8 +62,8 @@ const BenchSpec& strategies_spec() {
           {"workloads", "LIST", "mlp, resnet18, cnn (default mlp,resnet18)", "mlp"},
           {"steps", "N", "timed steps per workload", "1"},
           {"backend", "NAME", "mpi or gloo"},
-          {"strategy", "S", ""},
-          {"workload", "W", ""},
+          {"strategy", "S", kInternalOption},
+          {"workload", "W", kInternalOption},
       },
       "print JSON",
       /*workers=*/true};

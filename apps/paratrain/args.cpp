@@ -145,6 +145,50 @@ std::string wrap(const std::string& text, size_t width) {
   return out;
 }
 
+// `text` for a Markdown table cell: pipes escaped, no line breaks.
+std::string cell(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    out += c == '|' ? "\\|" : c == '\n' ? " " : std::string(1, c);
+  }
+  return out;
+}
+
+// The spec as a Markdown section of the reference: the name, the description, a table of the
+// options (the internal ones left out) and the footer.
+std::string markdown_help(const CommandSpec& spec) {
+  std::ostringstream out;
+  out << "### `" << spec.name << "`\n\n" << spec.description << "\n\n";
+  out << "| option | what it does |\n| --- | --- |\n";
+  for (const OptionSpec& o : spec.options) {
+    if (o.help == kInternalOption) {
+      continue;
+    }
+    std::string flags;
+    for (const auto& n : split_names(o.names)) {
+      flags += (flags.empty() ? "`" : ", `") + std::string(n.size() == 1 ? "-" : "--") + n +
+               (o.value.empty() ? "" : " " + o.value) + "`";
+    }
+    out << "| " << cell(flags) << " | " << cell(o.help) << " |\n";
+  }
+  out << "| `--config FILE` | read options from a TOML file whose keys are the long option names "
+         "(`lr = 0.1`); the command line overrides it |\n";
+  if (!spec.footer.empty()) {
+    out << "\n" << spec.footer << "\n";
+  }
+  return out.str();
+}
+
+// Every option has a help text unless it is internal.
+void check_help_texts(const CommandSpec& spec) {
+  for (const OptionSpec& o : spec.options) {
+    if (o.help.empty()) {
+      throw std::logic_error(spec.name + "'s option --" + split_names(o.names)[0] +
+                             " has no help text: give it one, or kInternalOption to hide it");
+    }
+  }
+}
+
 }  // namespace
 
 std::vector<std::string> split_list(const std::string& text) {
@@ -185,6 +229,7 @@ std::string nearest(const std::string& word, const std::vector<std::string>& cho
 }
 
 Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
+  check_help_texts(spec);
   const auto dash = std::find(argv.begin(), argv.end(), "--");
   const std::vector<std::string> words = split_empty_values({argv.begin(), dash}, spec);
   if (dash != argv.end()) {
@@ -218,12 +263,13 @@ Args::Args(const std::vector<std::string>& argv, const CommandSpec& spec) {
                                        : app.add_option(flags, help)
                                              ->type_name(o.value)
                                              ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-    if (o.help.empty()) {
-      opt->group("");  // internal: hidden from the help
+    if (o.help == kInternalOption) {
+      opt->group("");  // hidden from the help
     }
     options.emplace_back(&o, opt);
   }
-  help_ = app.help();
+  const char* format = std::getenv("PARATRAIN_HELP_FORMAT");
+  help_ = format != nullptr && std::string(format) == "markdown" ? markdown_help(spec) : app.help();
   if (std::find(words.begin(), words.end(), "--help") != words.end() ||
       std::find(words.begin(), words.end(), "-h") != words.end()) {
     values_.emplace("help", "1");  // before CLI11 reads any --config file

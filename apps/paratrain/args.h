@@ -26,9 +26,14 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The help of an internal option, hidden from `--help` and the reference (a worker's own
+/// options). Any other option must have a help text: Args refuses an empty one, so that no flag
+/// reaches users, or the generated reference (docs/reference.md), without it.
+inline const char* const kInternalOption = "(internal)";
+
 /// One option: `names` is the long name without dashes, then any aliases after commas
 /// ("nproc-per-node,nproc_per_node"); `value` names its value in the help ("N", "DIR"), empty
-/// for a flag; an empty `help` hides an internal option (the benchmarks' worker modes).
+/// for a flag; `help` says what it does, or is kInternalOption.
 struct OptionSpec {
   std::string names;
   std::string value;
@@ -65,7 +70,8 @@ class Args {
   std::vector<std::string> get_all(const std::string& name) const;
   /// Words after "--".
   const std::vector<std::string>& rest() const { return rest_; }
-  /// The help made from the spec.
+  /// The help made from the spec: text, or with PARATRAIN_HELP_FORMAT=markdown a Markdown
+  /// section (the generated reference, scripts/reference.py).
   const std::string& help() const { return help_; }
 
  private:

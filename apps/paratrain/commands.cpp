@@ -22,7 +22,7 @@ const std::vector<Command>& commands() {
        "dataset tools: make-imagefolder (Fashion-MNIST as JPEG/PNG/WebP files), tokenize (a "
        "file's bytes as GPT token files)",
        run_data},
-      {"tune", "[opts] [-- COMMAND] | report [opts]",
+      {"tune", "[opts] [-- COMMAND] | report [opts] | serve [opts]",
        "hyperparameter search (grid, random, TPE, BOHB; ASHA, Hyperband, median) over train "
        "jobs or any command",
        run_tune},

@@ -96,7 +96,7 @@ const CommandSpec& launch_spec() {
            "when a worker fails, stop all and start them all again, up to N times (torchrun's; "
            "TORCHELASTIC_RESTART_COUNT tells the attempt); with several static nodes, every "
            "node restarts together (their launchers meet at --master-port + 1)"},
-          {"from-mpirun", "", ""},  // internal: what mpirun runs for --backend mpi
+          {"from-mpirun", "", kInternalOption},  // what mpirun runs for --backend mpi
       },
       "The program and its arguments follow --: paratrain launch [options] -- PROGRAM [ARGS...]",
       true};

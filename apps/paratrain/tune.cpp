@@ -74,7 +74,7 @@ const CommandSpec& tune_spec() {
           {"perturbation-interval", "T", "pbt: iterations between perturbations (required)"},
           {"mutation", "NAME=DIST",
            "pbt: a parameter explore perturbs, as 'lr=loguniform(1e-4, 1e-1)' or "
-           "'batch=choice(32, 64)'; repeat for each",
+           "'batch-size=choice(32, 64)'; repeat for each",
            true},
           {"quantile-fraction", "Q",
            "pbt: the bottom and top fractions that exploit and are copied (default 0.25)"},

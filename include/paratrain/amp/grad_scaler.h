@@ -42,9 +42,13 @@ namespace paratrain {
 namespace amp {
 
 struct GradScalerOptions {
+  /// The first loss scale (torch.amp.GradScaler's init_scale).
   TORCH_ARG(double, init_scale) = 65536.0;
+  /// The scale is multiplied by this after growth_interval steps without inf/NaN.
   TORCH_ARG(double, growth_factor) = 2.0;
+  /// The scale is multiplied by this at a step whose gradients hold inf/NaN.
   TORCH_ARG(double, backoff_factor) = 0.5;
+  /// Steps without inf/NaN before the scale grows.
   TORCH_ARG(int64_t, growth_interval) = 2000;
   /// Disabled: scale() returns its input, step() just steps, the rest does nothing.
   TORCH_ARG(bool, enabled) = true;

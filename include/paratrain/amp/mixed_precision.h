@@ -55,11 +55,13 @@ OptLevel parse_opt_level(const std::string& name);
 std::string to_string(OptLevel level);
 
 struct AmpOptions {
+  /// apex's opt level: O0 fp32, O1 autocast, O2 half model with fp32 master weights, O3 all half.
   TORCH_ARG(OptLevel, opt_level) = OptLevel::kO0;
   /// The half dtype; unset: bf16 on CPU, fp16 on CUDA.
   TORCH_ARG(c10::optional<at::ScalarType>, dtype) = c10::nullopt;
   /// Dynamic loss scaling; unset: on for fp16 at O1 and O2, off otherwise.
   TORCH_ARG(c10::optional<bool>, loss_scaling) = c10::nullopt;
+  /// The dynamic loss scaler's settings, when loss scaling is on.
   TORCH_ARG(GradScalerOptions, scaler) = {};
 };
 

@@ -46,17 +46,24 @@ struct ChildOptions {
   TORCH_ARG(std::string, program);
   /// The child's whole environment ("NAME=VALUE"), used when inherit_environment is false.
   TORCH_ARG(std::vector<std::string>, environment);
+  /// The child gets this process's environment; false: `environment` alone.
   TORCH_ARG(bool, inherit_environment) = true;
+  /// Start the child in a process group of its own, so that a signal to it reaches its children.
   TORCH_ARG(bool, own_process_group) = true;
+  /// The child gets SIGKILL when this process dies (PR_SET_PDEATHSIG).
   TORCH_ARG(bool, die_with_parent) = true;
   /// Descriptors the child gets as stdin, stdout and stderr; -1 keeps the parent's.
   TORCH_ARG(int, stdin_fd) = -1;
+  /// The child's stdout; -1 keeps the parent's.
   TORCH_ARG(int, stdout_fd) = -1;
+  /// The child's stderr; -1 keeps the parent's.
   TORCH_ARG(int, stderr_fd) = -1;
   /// Pipes for stdout and stderr, read through ChildProcess::stdout_fd() and stderr_fd()
   /// (non-blocking, close-on-exec). capture_output sends both to one pipe, in the order written.
   TORCH_ARG(bool, capture_stdout) = false;
+  /// A pipe for stderr, read through ChildProcess::stderr_fd().
   TORCH_ARG(bool, capture_stderr) = false;
+  /// One pipe for stdout and stderr together, in the order written.
   TORCH_ARG(bool, capture_output) = false;
   /// CPU cores the child may run on (sched_setaffinity, best effort); empty: any.
   TORCH_ARG(std::vector<int>, cores);

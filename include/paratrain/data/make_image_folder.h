@@ -20,6 +20,7 @@ struct MakeImageFolderOptions {
   TORCH_ARG(int64_t, size) = 64;
   /// Only JPEGs (RGB) when false; else also grayscale JPEGs, RGB and RGBA PNGs and WebPs.
   TORCH_ARG(bool, mixed) = true;
+  /// JPEG quality, 1-100 (libjpeg's).
   TORCH_ARG(int, jpeg_quality) = 90;
 };
 

@@ -46,6 +46,7 @@ struct TokenDatasetOptions {
   /// nanoGPT's torch.randint offsets but fixed per index, so a resumed run reads the same windows.
   /// Both give (tokens - 1) / context samples: an epoch reads about every token once.
   TORCH_ARG(std::string, windows) = "sequential";
+  /// The seed of the "random" windows' positions.
   TORCH_ARG(uint64_t, seed) = 0;
   /// When > 0, a token >= vocab is an error naming the file and position (checked per window,
   /// when it is read): a file tokenized for another vocabulary would otherwise index past the

@@ -54,6 +54,7 @@ using TensorMap = std::map<std::string, torch::Tensor>;
 
 struct CheckpointOptions {
   /* implicit */ CheckpointOptions(std::string dir = "") : dir_(std::move(dir)) {}
+  /// The directory the checkpoints are written to.
   TORCH_ARG(std::string, dir);
   /// How many checkpoints stay on disk; older ones are deleted after each save. >= 1, and >= 2
   /// with a process group: a rank killed while writing the newest leaves only the one before.

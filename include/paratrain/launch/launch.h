@@ -31,10 +31,13 @@ using ConsoleStreams = std::map<int, int>;
 struct LaunchOptions {
   /// Workers on this node; 0 means "one per --devices entry, else 1".
   TORCH_ARG(int, nproc_per_node) = 0;
+  /// Nodes in the job (torchrun's --nnodes).
   TORCH_ARG(int, nnodes) = 1;
+  /// This node's rank among them, 0 to nnodes - 1 (torchrun's --node-rank).
   TORCH_ARG(int, node_rank) = 0;
   /// Address of rank 0's node; required when nnodes > 1.
   TORCH_ARG(std::string, master_addr) = "";
+  /// The port of the store on rank 0's node (torchrun's --master-port).
   TORCH_ARG(int, master_port) = 29500;
   /// Single node on loopback with a free port chosen by the launcher.
   TORCH_ARG(bool, standalone) = false;

@@ -35,9 +35,12 @@ namespace paratrain {
 namespace models {
 
 struct GptOptions {
+  /// Transformer blocks (n_layer).
   TORCH_ARG(int64_t, layers) = 12;
   TORCH_ARG(int64_t, width) = 768;  // n_embd
+  /// Attention heads per block (n_head); width must be a multiple.
   TORCH_ARG(int64_t, heads) = 12;
+  /// Vocabulary size (vocab_size), the rows of the token embedding.
   TORCH_ARG(int64_t, vocab) = 50257;
   /// The longest input (n_positions): the position embedding's rows.
   TORCH_ARG(int64_t, context) = 1024;

@@ -87,6 +87,7 @@ struct FsdpOptions {
   TORCH_ARG(bool, reshard_after_forward) = true;
   /// Issue the next unit's all-gather before the current unit computes.
   TORCH_ARG(bool, prefetch) = true;
+  /// The dtypes parameters are gathered and gradients reduced in (FSDP2's MixedPrecisionPolicy).
   TORCH_ARG(FsdpMixedPrecision, mixed_precision) = {};
   /// Recompute each unit's activations in backward instead of keeping them (checkpoint()).
   TORCH_ARG(bool, activation_checkpointing) = false;

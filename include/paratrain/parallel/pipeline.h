@@ -148,6 +148,7 @@ using LossFn =
 struct PipelineOptions {
   /// Micro-batches per step (1: plain model parallelism).
   TORCH_ARG(int64_t, chunks) = 1;
+  /// GPipe (all forwards, then all backwards) or 1F1B (one forward, one backward).
   TORCH_ARG(Schedule, schedule) = Schedule::kGPipe;
   /// Recompute activations in backward (Note [Pipeline schedules and gradients]).
   TORCH_ARG(bool, checkpoint) = false;

@@ -43,11 +43,15 @@ namespace paratrain {
 
 struct SyncBatchNormOptions {
   /* implicit */ SyncBatchNormOptions(int64_t num_features) : num_features_(num_features) {}
+  /// Channels (C of an N, C, ... input).
   TORCH_ARG(int64_t, num_features);
+  /// Added to the variance for stability.
   TORCH_ARG(double, eps) = 1e-5;
   /// nullopt: a cumulative moving average (PyTorch's momentum=None).
   TORCH_ARG(std::optional<double>, momentum) = 0.1;
+  /// Learnable weight and bias.
   TORCH_ARG(bool, affine) = true;
+  /// Keep running mean and variance for evaluation.
   TORCH_ARG(bool, track_running_stats) = true;
   /// The ranks whose batches are normalized together; nullptr: no synchronization.
   TORCH_ARG(dist::ProcessGroupPtr, process_group) = nullptr;

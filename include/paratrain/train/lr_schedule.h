@@ -26,14 +26,17 @@
 namespace paratrain {
 
 struct LRScheduleOptions {
+  /// "constant", "step", "multistep" or "cosine" (StepLR, MultiStepLR, CosineAnnealingLR).
   TORCH_ARG(std::string, kind) = "constant";
   /// "step": the lr is multiplied by gamma every step_size scheduler steps.
   TORCH_ARG(int64_t, step_size) = 30;
+  /// "step" and "multistep": the factor the lr is multiplied by.
   TORCH_ARG(double, gamma) = 0.1;
   /// "multistep": sorted scheduler steps at which the lr is multiplied by gamma.
   TORCH_ARG(std::vector<int64_t>, milestones) = {};
   /// "cosine": the half period, in scheduler steps (after the warm-up), and the floor.
   TORCH_ARG(int64_t, t_max) = 1;
+  /// "cosine": the lowest lr.
   TORCH_ARG(double, eta_min) = 0.0;
   /// Linear warm-up from start_factor * lr to lr over this many scheduler steps (0: none).
   TORCH_ARG(int64_t, warmup) = 0;

@@ -54,11 +54,15 @@ std::string to_string(Strategy strategy);
 struct OptimizerOptions {
   /// "sgd", "adam" or "adamw" (libtorch's).
   TORCH_ARG(std::string, kind) = "sgd";
+  /// The learning rate.
   TORCH_ARG(double, lr) = 0.05;
   TORCH_ARG(double, momentum) = 0.9;  // sgd
+  /// L2 penalty (sgd, adam) or decoupled weight decay (adamw).
   TORCH_ARG(double, weight_decay) = 0.0;
   TORCH_ARG(double, beta1) = 0.9;  // adam, adamw
+  /// adam, adamw: the second moment's decay.
   TORCH_ARG(double, beta2) = 0.999;
+  /// adam, adamw: added to the denominator.
   TORCH_ARG(double, eps) = 1e-8;
 };
 
@@ -83,12 +87,14 @@ struct NonFiniteLoss : std::runtime_error {
 };
 
 struct TrainerOptions {
+  /// single, ddp, dp (DataParallel), pipeline or fsdp.
   TORCH_ARG(Strategy, strategy) = Strategy::kSingle;
   /// single and ddp: where the model computes.
   TORCH_ARG(torch::Device, device) = torch::kCPU;
   /// dp: the replicas' devices (the model lives on the first); pipeline: one per stage.
   TORCH_ARG(std::vector<torch::Device>, devices) = {};
   TORCH_ARG(int64_t, chunks) = 4;  // pipeline micro-batches
+  /// pipeline: GPipe or 1F1B.
   TORCH_ARG(pipeline::Schedule, pipeline_schedule) = pipeline::Schedule::kGPipe;
   /// ddp and fsdp: the group (dist::init_process_group()).
   TORCH_ARG(dist::ProcessGroupPtr, process_group) = nullptr;
@@ -98,11 +104,15 @@ struct TrainerOptions {
   /// writes its own shards and optimizer state, which resume on another number of ranks with
   /// `elastic` (resharded) and consolidate into one file (`paratrain checkpoint consolidate`).
   TORCH_ARG(FsdpOptions, fsdp) = {};
+  /// Mixed precision: the opt level, dtype and loss scaling.
   TORCH_ARG(amp::AmpOptions, amp) = {};
+  /// The optimizer and its hyperparameters.
   TORCH_ARG(OptimizerOptions, optimizer) = {};
+  /// The learning-rate schedule.
   TORCH_ARG(LRScheduleOptions, lr_schedule) = {};
   /// The schedule steps after every optimizer step instead of every epoch.
   TORCH_ARG(bool, schedule_per_step) = false;
+  /// Passes over the training set.
   TORCH_ARG(int64_t, epochs) = 1;
   /// Caps the optimizer steps of each epoch (0: the whole epoch).
   TORCH_ARG(int64_t, steps_per_epoch) = 0;
@@ -120,9 +130,13 @@ struct TrainerOptions {
   /// Checkpoints: a directory, every N optimizer steps and/or at each epoch's end, the newest K
   /// kept. resume: "" (start fresh), "auto" (the newest one that verifies, if any), or a path.
   TORCH_ARG(std::string, checkpoint_dir) = "";
+  /// Save every N optimizer steps (0: not by steps).
   TORCH_ARG(int64_t, checkpoint_every) = 0;
+  /// Save at the end of every epoch.
   TORCH_ARG(bool, checkpoint_every_epoch) = false;
+  /// How many checkpoints stay in checkpoint_dir; older ones are deleted.
   TORCH_ARG(int64_t, keep) = 3;
+  /// "" (start fresh), "auto" (the newest checkpoint that verifies, if any) or a path.
   TORCH_ARG(std::string, resume) = "";
   /// With resume "auto": when every checkpoint in checkpoint_dir is damaged, start from step 0
   /// instead of failing. The damaged checkpoints stay on disk and rotation deletes none of them
@@ -139,6 +153,7 @@ struct TrainerOptions {
   TORCH_ARG(std::vector<std::string>, resume_may_change) = {};
   /// JSON lines: an epoch row per epoch, a step row every log_every optimizer steps (0: none).
   TORCH_ARG(std::string, metrics) = "";
+  /// A step row in the metrics every N optimizer steps (0: none).
   TORCH_ARG(int64_t, log_every) = 0;
   /// The same rows as TensorBoard scalars (train/loss, train/lr, train/grad_norm,
   /// train/loss_scale, train/images_per_sec at each logged step; epoch/train_loss,

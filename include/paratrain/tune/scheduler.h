@@ -90,21 +90,27 @@ struct SchedulerOptions {
   /// The most iterations a trial runs; 0: asha 100, hyperband 81 (Ray Tune's), fifo and median
   /// unlimited.
   TORCH_ARG(int64_t, max_t) = 0;
+  /// asha, hyperband: iterations a trial runs before it can be stopped.
   TORCH_ARG(int64_t, grace_period) = 1;
   /// 0: asha 4, hyperband 3.
   TORCH_ARG(double, reduction_factor) = 0;
+  /// median: trials that must have reached an iteration before one is stopped there.
   TORCH_ARG(int64_t, min_samples_required) = 3;
   /// pbt (Ray's names and defaults; the interval is in iterations).
   TORCH_ARG(int64_t, perturbation_interval) = 60;
+  /// pbt: the bottom and top fraction of trials that exploit and are copied (at most 0.5).
   TORCH_ARG(double, quantile_fraction) = 0.25;
+  /// pbt: the chance that explore draws a mutation anew instead of perturbing it.
   TORCH_ARG(double, resample_probability) = 0.25;
-  /// pbt: what explore changes, "lr=loguniform(1e-4, 1e-1)" or "batch=choice(32, 64)" (Ray's
+  /// pbt: what explore changes, "lr=loguniform(1e-4, 1e-1)" or "batch-size=choice(32, 64)" (Ray's
   /// hyperparam_mutations); each name must be a parameter of the search space.
   TORCH_ARG(std::vector<std::string>, mutations) = {};
   /// pbt: the number of trials (the tuner's num_samples), how many run at once (0: all; trials
   /// share slots only when they outnumber them), and the seed of its choices.
   TORCH_ARG(int64_t, population) = 0;
+  /// pbt: how many trials run at once (0: all).
   TORCH_ARG(int64_t, slots) = 0;
+  /// pbt: the seed of its choices.
   TORCH_ARG(uint64_t, seed) = 0;
 };
 

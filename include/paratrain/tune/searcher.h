@@ -52,17 +52,23 @@ class Searcher {
 struct SearcherOptions {
   /// "grid", "random", "tpe" or "bohb".
   TORCH_ARG(std::string, kind) = "random";
+  /// The seed of the searcher's draws.
   TORCH_ARG(uint64_t, seed) = 0;
   /// grid: how many times the grid is repeated.
   TORCH_ARG(int64_t, num_samples) = 1;
   /// tpe: random trials before the model is used (Optuna's n_startup_trials).
   TORCH_ARG(int64_t, n_startup_trials) = 10;
+  /// tpe: candidates drawn to pick the one with the best expected improvement (Optuna's).
   TORCH_ARG(int64_t, n_ei_candidates) = 24;
   /// bohb (HpBandSter's names).
   TORCH_ARG(double, top_n_percent) = 15;
+  /// bohb: configurations drawn from the model to pick the best one.
   TORCH_ARG(int64_t, num_samples_kde) = 64;
+  /// bohb: the fraction of configurations drawn at random.
   TORCH_ARG(double, random_fraction) = 1.0 / 3.0;
+  /// bohb: widens the model's kernels when drawing.
   TORCH_ARG(double, bandwidth_factor) = 3;
+  /// bohb: the smallest kernel bandwidth.
   TORCH_ARG(double, min_bandwidth) = 1e-3;
 };
 

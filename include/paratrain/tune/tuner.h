@@ -76,13 +76,17 @@ struct TunerOptions {
   /// sqlite:///FILE, a path, or postgresql://... (storage.h). Several tuners may share a study:
   /// each claims trials in transactions, and none runs twice.
   TORCH_ARG(std::string, storage) = "";
+  /// The study's name in the storage.
   TORCH_ARG(std::string, study) = "";
+  /// The reported metric the search optimizes.
   TORCH_ARG(std::string, metric) = "";
   /// "min" or "max".
   TORCH_ARG(std::string, mode) = "min";
   /// How a trial's metric is judged at the end: "last" (its last report) or "best" (its best).
   TORCH_ARG(std::string, scope) = "last";
+  /// How configurations are chosen.
   TORCH_ARG(SearcherOptions, searcher) = {};
+  /// When trials are stopped, paused or perturbed.
   TORCH_ARG(SchedulerOptions, scheduler) = {};
   /// Trials (grid: passes over the grid).
   TORCH_ARG(int64_t, num_samples) = 1;
@@ -90,9 +94,11 @@ struct TunerOptions {
   TORCH_ARG(int, max_concurrent) = 0;
   /// Times a failed trial is started again (from its checkpoint) before it counts as failed.
   TORCH_ARG(int, max_failures) = 3;
+  /// What each trial takes.
   TORCH_ARG(Resources, resources) = {};
   /// The machine: cores (0: those this process may run on) and GPUs (-1: torch's count).
   TORCH_ARG(int, cpus) = 0;
+  /// The machine's GPUs; -1: torch's count.
   TORCH_ARG(int, gpus) = -1;
   /// Where trials keep their logs and checkpoints: <trial_dir>/trial_<number>/.
   TORCH_ARG(std::string, trial_dir) = "";
@@ -101,7 +107,9 @@ struct TunerOptions {
   /// A `paratrain train` trial: the fixed flags (the sampled values are added), and the CLI that
   /// runs it.
   TORCH_ARG(bool, train) = false;
+  /// A `paratrain train` trial: its fixed flags.
   TORCH_ARG(std::vector<std::string>, train_args) = {};
+  /// A `paratrain train` trial: the path of the paratrain program that runs it (required).
   TORCH_ARG(std::string, paratrain_cli) = "";
   /// A running trial whose tuner sent no heartbeat for this long (or, on the same host, whose
   /// tuner process is gone) is released and retried by another tuner on the study.

@@ -12,7 +12,7 @@
 // libtorch 1.13: PyTorch 61 ms a step, 20 ms with the settings below; paratrain's `train` 10.1 s
 // an epoch, 1.8 s), with 6% more peak memory. PyTorch's performance guide suggests preloading
 // jemalloc or tcmalloc for the same reason; glibc, told to keep freed memory, needs no other
-// library (README, Allocator).
+// library (docs/allocator.md).
 // Threads other than the main one allocate from heaps of their own, which glibc caps at 64 MiB:
 // their blocks above that are still mapped and unmapped each time, whatever the threshold.
 
