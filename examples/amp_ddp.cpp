@@ -15,7 +15,7 @@
 namespace pt = paratrain;
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   const std::string level = argc > 1 ? argv[1] : "O1";
   const int steps = argc > 2 ? std::atoi(argv[2]) : 200;
   try {

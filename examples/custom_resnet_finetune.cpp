@@ -24,7 +24,7 @@
 namespace pt = paratrain;
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   if (argc < 2) {
     std::cerr << "usage: custom_resnet_finetune WEIGHTS [depth=50] [steps=100] [freeze=1]"
               << std::endl;

@@ -13,7 +13,7 @@
 namespace pt = paratrain;
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   const int epochs = argc > 1 ? std::atoi(argv[1]) : 2;
   const size_t max_steps = argc > 2 ? static_cast<size_t>(std::atoll(argv[2])) : SIZE_MAX;
   const int64_t batch_size = 128;  // the whole batch: DataParallel splits it over the devices

@@ -17,7 +17,7 @@ namespace pt = paratrain;
 namespace T = pt::data::transforms;
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   if (argc < 2) {
     std::cerr << "usage: imagefolder_ddp DIR [epochs] [model] [image_size]" << std::endl;
     return 2;

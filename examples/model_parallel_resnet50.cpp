@@ -17,7 +17,7 @@
 namespace pt = paratrain;
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   const int steps = argc > 1 ? std::atoi(argv[1]) : 3;
   const int64_t batch = argc > 2 ? std::atoll(argv[2]) : 64;
   const int64_t chunks = argc > 3 ? std::atoll(argv[3]) : 8;

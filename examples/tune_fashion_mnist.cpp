@@ -77,7 +77,7 @@ void train_fashion_mnist(pt::tune::TrialContext& trial, const Data& d, int max_e
 }
 
 int main(int argc, char** argv) {
-  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (README, Allocator)
+  paratrain::cpu::keep_freed_memory();  // reuse freed tensors' memory (docs/allocator.md)
   const int num_samples = argc > 1 ? std::atoi(argv[1]) : 8;
   const int max_epochs = argc > 2 ? std::atoi(argv[2]) : 3;
   const int64_t images = argc > 3 ? std::atoll(argv[3]) : 20000;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compares CPU allocators on the pipeline and DataParallel benchmarks and on a small CNN's step:
-# glibc's malloc as paratrain sets it (keep_freed_memory: README, Allocator) and with glibc's
+# glibc's malloc as paratrain sets it (keep_freed_memory: docs/allocator.md) and with glibc's
 # defaults (PARATRAIN_KEEP_FREED_MEMORY=0), against Debian's mimalloc and jemalloc, preloaded.
 # Runs are interleaved (glibc-defaults, glibc, mimalloc, jemalloc, glibc-defaults, ...) so that
 # the machine's drift hits each alike, and the medians and their ratios to glibc's defaults are

@@ -53,7 +53,7 @@ status=0
 (cd "$build" && OMP_NUM_THREADS=2 ctest -j "$(($(nproc) / 2))" --output-on-failure --timeout 300 \
   ${PARATRAIN_CTEST_ARGS:-}) 2>&1 | tee "$out/ctest.log" || status=1
 
-# The speed comparison of the README ("Using an official libtorch (CUDA)"): images per second of
+# The speed comparison of docs/building.md ("Using an official libtorch (CUDA)"): images per second of
 # one epoch's first steps, paratrain train against PyTorch with the batch already on the GPU.
 {
   echo "== PyTorch, data already on the GPU"

@@ -81,8 +81,8 @@ int run_info(const std::vector<std::string>& argv) {
             << "libtorch      " << TORCH_VERSION << "\n"
             << "backends      " << backends
 #ifndef PARATRAIN_WITH_GLOO
-            << " (no gloo: built without gloo's headers; see the README, \"Using an official "
-               "libtorch\")"
+            << " (no gloo: built without gloo's headers; see docs/building.md, \"Using an "
+               "official libtorch (CUDA)\")"
 #endif
             << "\n"
             << "cpu threads   " << at::get_num_threads() << " intra-op (of "

@@ -232,9 +232,9 @@ class SlurmCluster {
     }                                                           \
   } while (0)
 
-// The README's multi-node form on a real allocation of two nodes: a Slurm of two slurmd on two
-// namespace hosts (in this test, which owns munged while it runs). srun starts one launcher per
-// node, each finds its place in the allocation, and DDP across them equals one process.
+// docs/several-hosts.md's multi-node form on a real allocation of two nodes: a Slurm of two slurmd
+// on two namespace hosts (in this test, which owns munged while it runs). srun starts one launcher
+// per node, each finds its place in the allocation, and DDP across them equals one process.
 void two_node_allocation() {
   const std::string why = cli::FakeHosts::unavailable_reason();
   if (!why.empty() || ::access("/usr/bin/nsenter", X_OK) != 0 ||
@@ -264,8 +264,8 @@ void two_node_allocation() {
   }
 }
 
-// The README's sbatch examples, as they are there. One test, one Slurm: the tests run two at a
-// time, and two test Slurms would share (and stop) one munged.
+// docs/several-hosts.md's sbatch examples, as they are there. One test, one Slurm: the tests run
+// two at a time, and two test Slurms would share (and stop) one munged.
 TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {  // ctest: slow 35
   SKIP_WITHOUT_SLURM();
   SlurmCluster slurm;
@@ -273,6 +273,7 @@ TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {  // ctest: slow 35
   const std::string weights = slurm.dir() + "/weights.safetensors";
   auto r = slurm.batch(
       "#!/bin/sh\n#SBATCH --ntasks 2\n#SBATCH --time 10\n"
+      "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n"
       "export MASTER_PORT=" +
       std::to_string(free_port()) +
       "\n"
@@ -287,7 +288,8 @@ TEST(Slurm, SbatchRunsSrunTasksAndLaunch) {  // ctest: slow 35
   struct stat st;
   EXPECT_EQ(::stat(weights.c_str(), &st), 0) << r.output;
 
-  // The README's multi-node form, on this one node: launch reads the allocation (node 0 of 1).
+  // docs/several-hosts.md's multi-node form, on this one node: launch reads the allocation (node 0
+  // of 1).
   r = slurm.batch(
       "#!/bin/sh\n#SBATCH --nodes 1\n#SBATCH --ntasks-per-node 1\n#SBATCH --time 10\n"
       "srun --ntasks-per-node 1 " +
