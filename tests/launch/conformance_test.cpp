@@ -2,12 +2,14 @@
 // every worker's environment contract and arguments are compared key by key. The keys that differ
 // on purpose are listed below with their reason, as docs/launch.md lists them for users.
 
+#include "fake_hosts.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 
 #include <unistd.h>
 
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -49,20 +51,59 @@ std::map<std::string, std::map<std::string, std::string>> contracts(const std::s
   return out;
 }
 
-void expect_same_contract(const std::vector<std::string>& flags,
-                          const std::string& what,
-                          size_t workers) {
-  const std::string torchrun = hf_python().substr(0, hf_python().rfind('/')) + "/torchrun";
+// Keys whose values differ under a dynamic rendezvous only: each launcher places the workers' store
+// itself (docs/launch.md, "torchrun's environment").
+const std::map<std::string, std::string> kDifferDynamic{
+    {"MASTER_ADDR", "the workers' store: torchrun's agent's getfqdn(), paratrain rank 0's address"},
+    {"MASTER_PORT", "the workers' store: a free port, picked by each launcher"},
+};
+
+// `launcher`'s command line (torchrun, or paratrain launch) for `flags` and the script.
+std::vector<std::string> command(bool torchrun, const std::vector<std::string>& flags) {
   const std::string script = std::string(PARATRAIN_TEST_DATA_DIR) + "/../launch/envprint.py";
-  std::vector<std::string> theirs{torchrun};
-  theirs.insert(theirs.end(), flags.begin(), flags.end());
-  theirs.insert(theirs.end(), {script, "a", "b"});
-  std::vector<std::string> ours{cli_path(), "launch"};
-  ours.insert(ours.end(), flags.begin(), flags.end());
-  ours.insert(ours.end(), {"--run-path", "--", script, "a", "b"});
+  std::vector<std::string> argv{
+      torchrun ? hf_python().substr(0, hf_python().rfind('/')) + "/torchrun" : cli_path()};
+  if (!torchrun) {
+    argv.push_back("launch");
+  }
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  if (!torchrun) {
+    argv.insert(argv.end(), {"--run-path", "--"});
+  }
+  argv.insert(argv.end(), {script, "a", "b"});
+  return argv;
+}
+
+// One job: the launcher of node k with flags(k), on this machine (no hosts) or on host k. The
+// outputs are joined; the exit code is the first non-zero one.
+ProcessResult run_job(bool torchrun,
+                      const std::function<std::vector<std::string>(int)>& flags,
+                      const cli::FakeHosts* hosts,
+                      const std::map<std::string, std::string>& env) {
+  if (hosts == nullptr) {
+    return run_process(command(torchrun, flags(0)), env, 180);
+  }
+  std::vector<RunningProcess> others;
+  for (int k = 1; k < hosts->size(); ++k) {
+    others.push_back(start_process(hosts->exec(k, command(torchrun, flags(k))), env));
+  }
+  ProcessResult all = run_process(hosts->exec(0, command(torchrun, flags(0))), env, 180);
+  for (auto& p : others) {
+    const ProcessResult r = p.finish(180);
+    all.output += r.output;
+    all.exit_code = all.exit_code != 0 ? all.exit_code : r.exit_code;
+  }
+  return all;
+}
+
+void expect_same_contract(const std::function<std::vector<std::string>(int)>& flags,
+                          const std::string& what,
+                          size_t workers,
+                          const cli::FakeHosts* hosts = nullptr,
+                          const std::map<std::string, std::string>& differ = {}) {
   const std::map<std::string, std::string> env{{"FAIL_FIRST", what == "restart" ? "1" : ""}};
-  auto t = run_process(theirs, env, 180);
-  auto p = run_process(ours, env, 180);
+  const ProcessResult t = run_job(true, flags, hosts, env);
+  const ProcessResult p = run_job(false, flags, hosts, env);
   const auto want = contracts(t.output);
   const auto got = contracts(p.output);
   ASSERT_EQ(want.size(), workers) << what << ": torchrun's output:\n" << t.output;
@@ -79,7 +120,7 @@ void expect_same_contract(const std::vector<std::string>& flags,
       keys.insert(kv.first);
     }
     for (const auto& key : keys) {
-      if (kDiffer.count(key) != 0) {
+      if (kDiffer.count(key) != 0 || differ.count(key) != 0) {
         continue;
       }
       const auto a = vars.find(key);
@@ -92,18 +133,56 @@ void expect_same_contract(const std::vector<std::string>& flags,
   }
 }
 
+std::function<std::vector<std::string>(int)> same(const std::vector<std::string>& flags) {
+  return [flags](int) { return flags; };
+}
+
+#define SKIP_WITHOUT_TORCHRUN()                                                    \
+  do {                                                                             \
+    if (!hf_python_missing().empty()) {                                            \
+      GTEST_SKIP() << "no PyPI torch with torchrun here: " << hf_python_missing(); \
+    }                                                                              \
+  } while (0)
+
 TEST(Conformance, TorchrunEnvironmentKeyByKey) {  // ctest: slow 40
-  if (!hf_python_missing().empty()) {
-    GTEST_SKIP() << "no PyPI torch with torchrun here: " << hf_python_missing();
-  }
+  SKIP_WITHOUT_TORCHRUN();
   const std::string port = std::to_string(free_port());
-  expect_same_contract({"--nproc-per-node", "2", "--master-port", port}, "static", 2);
-  expect_same_contract(
-      {"--nproc-per-node", "2", "--master-port", port, "--rdzv-id", "job7", "--role", "trainer"},
-      "named", 2);
+  expect_same_contract(same({"--nproc-per-node", "2", "--master-port", port}), "static", 2);
+  expect_same_contract(same({"--nproc-per-node", "2", "--master-port", port, "--rdzv-id", "job7",
+                             "--role", "trainer"}),
+                       "named", 2);
   // A first attempt that fails, then a restart: both attempts' contracts.
-  expect_same_contract({"--nproc-per-node", "2", "--master-port", port, "--max-restarts", "1"},
-                       "restart", 4);
+  expect_same_contract(
+      same({"--nproc-per-node", "2", "--master-port", port, "--max-restarts", "1"}), "restart", 4);
+}
+
+// The dynamic rendezvous (torchrun's c10d): the launcher on the endpoint's host serves it.
+TEST(Conformance, TorchrunEnvironmentUnderC10dRendezvous) {  // ctest: slow 30
+  SKIP_WITHOUT_TORCHRUN();
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  expect_same_contract(same({"--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", endpoint, "--rdzv-id", "job9"}),
+                       "c10d", 2, nullptr, kDifferDynamic);
+}
+
+// Two nodes of a static job, each launcher on a host of its own (network namespaces).
+TEST(Conformance, TorchrunEnvironmentOnTwoHosts) {  // ctest: slow 40
+  SKIP_WITHOUT_TORCHRUN();
+  const std::string why = cli::FakeHosts::unavailable_reason();
+  if (!why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  cli::FakeHosts hosts(2);
+  const std::string port = std::to_string(free_port());
+  expect_same_contract(
+      [&](int k) {
+        return std::vector<std::string>{"--nnodes",         "2",
+                                        "--nproc-per-node", "2",
+                                        "--node-rank",      std::to_string(k),
+                                        "--master-addr",    hosts.address(0),
+                                        "--master-port",    port};
+      },
+      "two hosts", 4, &hosts);
 }
 
 }  // namespace
