@@ -216,9 +216,35 @@ int64_t chunk_bytes() {
   return bytes;
 }
 
+// Whether the tensors already lie one after another in one storage, as the rows of
+// reduce_scatter_tensor's input do: then that memory is the flat buffer, and no copy is needed.
+bool adjacent(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) {
+    return false;
+  }
+  const at::Tensor& first = tensors.front();
+  const char* next = static_cast<const char*>(first.data_ptr());
+  for (const auto& t : tensors) {
+    if (!t.is_contiguous() || t.scalar_type() != first.scalar_type() ||
+        !t.storage().is_alias_of(first.storage()) || t.data_ptr() != next) {
+      return false;
+    }
+    next += t.nbytes();
+  }
+  return true;
+}
+
 // The tensors one after another, flattened (at::cat refuses 0-dim tensors): a task that threw on
-// one rank only would leave the others in the collective.
-at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
+// one rank only would leave the others in the collective. A copy unless they are adjacent and
+// apart from `receiver`, the collective's receive buffer: MPI forbids the two to overlap.
+at::Tensor flat_cat(const std::vector<at::Tensor>& tensors, const at::Tensor& receiver) {
+  if (adjacent(tensors) && !receiver.storage().is_alias_of(tensors.front().storage())) {
+    int64_t total = 0;
+    for (const auto& t : tensors) {
+      total += t.numel();
+    }
+    return tensors.front().as_strided({total}, {1});
+  }
   std::vector<at::Tensor> flat;
   for (const auto& t : tensors) {
     flat.push_back(t.reshape({-1}));
@@ -465,7 +491,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     const int count = mpi_count(output.numel(), "reduce_scatter");
     return submit("reduce_scatter", to_string(op), seq, true,
                   [comm = comm_, n = size(), output, inputs, type, mop, op, count]() mutable {
-                    at::Tensor flat = flat_cat(inputs);
+                    at::Tensor flat = flat_cat(inputs, output);
                     check(MPI_Reduce_scatter_block(flat.data_ptr(), output.data_ptr(), count, type,
                                                    mop, comm));
                     if (op == ReduceOp::kAvg) {
@@ -535,7 +561,7 @@ class MpiGroup : public ProcessGroup, public std::enable_shared_from_this<MpiGro
     mpi_count(output.nbytes() * size(), "scatter");
     return submit("scatter", "src " + std::to_string(src), seq, true,
                   [comm = comm_, me = rank(), output, inputs, src, count]() mutable {
-                    at::Tensor flat = me == src ? flat_cat(inputs) : at::Tensor();
+                    at::Tensor flat = me == src ? flat_cat(inputs, output) : at::Tensor();
                     check(MPI_Scatter(me == src ? flat.data_ptr() : nullptr, count, MPI_BYTE,
                                       output.data_ptr(), count, MPI_BYTE, src, comm));
                     return MPI_REQUEST_NULL;

@@ -423,6 +423,11 @@ void check_reference(dist::ProcessGroup& pg, const std::string& dir) {
     pg.reduce_scatter_tensor(mine, values(me + 50, n * 4, torch::kFloat), op)->wait();
     expect("reduce_scatter_tensor_" + name, mine);
   }
+  // In place, as FSDP calls it: the output is this rank's row of the input.
+  at::Tensor both = values(me + 50, n * 4, torch::kFloat);
+  at::Tensor row = both.view({n, 4})[me];
+  pg.reduce_scatter_tensor(row, both, dist::ReduceOp::kSum)->wait();
+  expect("reduce_scatter_tensor_sum", row);
 
   at::Tensor recv = torch::zeros({6});
   auto works = pg.batch_isend_irecv(
