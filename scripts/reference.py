@@ -103,6 +103,17 @@ def doc_above(lines, i):
     return text
 
 
+def split_call(text):
+    """(the arguments, what follows) of `text`, which starts after a call's opening parenthesis:
+    the arguments end at the matching one (a type may hold parentheses: std::function<T(A)>)."""
+    depth = 1
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0:
+            return text[:i], text[i + 1:]
+    return None, None
+
+
 def torch_args(path):
     """(line, struct, name, type, default, text) of each TORCH_ARG of the header `path`."""
     with open(path, encoding="utf-8") as f:
@@ -118,23 +129,35 @@ def torch_args(path):
         while ";" not in statement and j + 1 < len(lines):
             j += 1
             statement += " " + lines[j].strip()
-        m = re.match(r"^\s*TORCH_ARG\((.*)\)\s*(?:=\s*(.*?))?;\s*(?://\s*(.*))?$", statement)
-        if not m:
+        inside, rest = split_call(statement[statement.index("TORCH_ARG(") + len("TORCH_ARG("):])
+        m = re.match(r"^\s*(?:=\s*(.*?))?;\s*(?://\s*(.*))?$", rest or "")
+        type_, _, name = (inside or "").rpartition(",")
+        if not m or not re.match(r"^\w+$", name.strip()):
             raise ReferenceError(f"{path}:{i + 1}: cannot read this TORCH_ARG")
-        type_, _, name = m.group(1).rpartition(",")
         text = doc_above(lines, i)
-        if m.group(3):
-            text.append(m.group(3).strip())
+        if m.group(2):
+            text.append(m.group(2).strip())
         where = os.path.relpath(path, ROOT)
         if not text:
             missing.append(f"{where}:{i + 1}: {struct}::{name.strip()} has no comment")
-        found.append((struct, name.strip(), type_.strip(), (m.group(2) or "").strip(),
+        found.append((struct, name.strip(), type_.strip(), (m.group(1) or "").strip(),
                       " ".join(text)))
     return found, missing
 
 
-def cell(text):
+def code_cell(text):
+    """`text` for a code span in a table cell: only the pipes escaped."""
     return text.replace("|", "\\|")
+
+
+def cell(text):
+    """`text` for a table cell: pipes escaped, and outside code spans `<` too (`<rank>` would be
+    read as HTML)."""
+    out, code = [], False
+    for c in text:
+        code ^= c == "`"
+        out.append("\\|" if c == "|" else "&lt;" if c == "<" and not code else c)
+    return "".join(out)
 
 
 def library_reference():
@@ -161,8 +184,8 @@ def library_reference():
                     struct = owner
                     out.append(f"`{owner}`\n\n| option | type | default | what it does |\n"
                                "| --- | --- | --- | --- |")
-                value = f"`{cell(default)}`" if default else "(none)"
-                out.append(f"| `{name}` | `{cell(type_)}` | {value} | {cell(text)} |")
+                value = f"`{code_cell(default)}`" if default else "(none)"
+                out.append(f"| `{name}` | `{code_cell(type_)}` | {value} | {cell(text)} |")
             out.append("")
     if missing:
         raise ReferenceError("options without a comment (write what each does):\n  " +

@@ -2,8 +2,9 @@
 # tests/labels.cmake (their labels and environment, when ctest reads the test list).
 
 set(paratrain_unit_suites
-    AdaptImages Allocator Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList Devices
-    DistributedSampler Files FindProgram FlagWords GradScaler Image ImageList Join Loader MixedPrecision
+    AdaptImages Allocator Args Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList
+    Devices DistributedSampler Files FindProgram FlagWords GradScaler Image ImageList Join Loader
+    MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery RendezvousPolicy RendezvousRounds Routes
     Safetensors SocketStore TokenDataset
     GptPretrained Trace

@@ -145,11 +145,20 @@ std::string wrap(const std::string& text, size_t width) {
   return out;
 }
 
-// `text` for a Markdown table cell: pipes escaped, no line breaks.
-std::string cell(const std::string& text) {
+// `text` as Markdown: outside code spans `<` is escaped (a placeholder such as <rank> would be
+// read as HTML); in a table cell, pipes are escaped and line breaks become spaces too.
+std::string markdown(const std::string& text, bool cell) {
   std::string out;
+  bool code = false;
   for (const char c : text) {
-    out += c == '|' ? "\\|" : c == '\n' ? " " : std::string(1, c);
+    code = code != (c == '`');
+    if (c == '<' && !code) {
+      out += "&lt;";
+    } else if (cell && c == '|') {
+      out += "\\|";
+    } else {
+      out += cell && c == '\n' ? ' ' : c;
+    }
   }
   return out;
 }
@@ -158,7 +167,7 @@ std::string cell(const std::string& text) {
 // options (the internal ones left out) and the footer.
 std::string markdown_help(const CommandSpec& spec) {
   std::ostringstream out;
-  out << "### `" << spec.name << "`\n\n" << spec.description << "\n\n";
+  out << "### `" << spec.name << "`\n\n" << markdown(spec.description, false) << "\n\n";
   out << "| option | what it does |\n| --- | --- |\n";
   for (const OptionSpec& o : spec.options) {
     if (o.help == kInternalOption) {
@@ -169,12 +178,12 @@ std::string markdown_help(const CommandSpec& spec) {
       flags += (flags.empty() ? "`" : ", `") + std::string(n.size() == 1 ? "-" : "--") + n +
                (o.value.empty() ? "" : " " + o.value) + "`";
     }
-    out << "| " << cell(flags) << " | " << cell(o.help) << " |\n";
+    out << "| " << markdown(flags, true) << " | " << markdown(o.help, true) << " |\n";
   }
   out << "| `--config FILE` | read options from a TOML file whose keys are the long option names "
          "(`lr = 0.1`); the command line overrides it |\n";
-  if (!spec.footer.empty()) {
-    out << "\n" << spec.footer << "\n";
+  if (!spec.footer.empty()) {  // as the help prints it: examples keep their lines
+    out << "\n```text\n" << spec.footer << (spec.footer.back() == '\n' ? "" : "\n") << "```\n";
   }
   return out.str();
 }

@@ -7,7 +7,8 @@ Usage:
 
 A table of measurements is a Markdown table with a cell that holds a measured quantity: a number
 with a unit of time, size, rate or ratio ("8.4 ms", "2.41 GiB", "1012 images/s", "0.84x",
-"+0.54 points"). It names its command when the text under the same heading as the table (the table
+"+0.54 points"), a bare number under a header that names the quantity ("seconds", "accuracy"),
+or a grid of fractions (0.8685 per seed and setting). It names its command when the text under the same heading as the table (the table
 included) holds one: a ```sh block, or a code span that runs something (`build/bin/...`,
 `paratrain ...`, `bash ...`, `python3 ...`, `perf ...`, an environment assignment before one).
 Prints each table that has none as FILE:LINE and exits 1; exits 0 when every table has one.
@@ -16,12 +17,16 @@ Prints each table that has none as FILE:LINE and exits 1; exits 0 when every tab
 import re
 import sys
 
-UNIT = (r"(?:ns|us|ms|s|min|minutes|B|KB|KiB|MB|MiB|GB|GiB|TB|images/s|samples/s|tokens/s|"
-        r"GB/s|Gbit/s|x|%|points|CPU-seconds)")
+UNIT = (r"(?:ns|us|µs|ms|s|seconds|min|minutes|B|KB|KiB|MB|MiB|GB|GiB|TB|images/s|samples/s|"
+        r"tokens/s|steps/s|it/s|GB/s|Gbit/s|x|×|%|points|CPU-seconds)")
 MEASURE = re.compile(r"(?<![\w.])[-+~]?\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?" + UNIT + r"(?![\w])")
 COMMAND = re.compile(r"`(?:[A-Z_]+=\S+\s+)*(?:build(?:-official)?/bin/|paratrain[ -]|bash |"
                      r"python3 |perf |/usr/bin/time |ctest |ninja |cmake |OMP_NUM_THREADS=)")
 FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})\s*(\S*)")
+# A header cell that names what its column measures; its body cells may then be bare numbers.
+MEASURED_HEADER = re.compile(r"\b(?:seconds|s|ms|GiB|GB|MB|MiB|accuracy|loss|images/s|speed|"
+                             r"time|ratio|throughput|bandwidth|memory)\b", re.IGNORECASE)
+NUMBER = re.compile(r"^\s*[-+~]?\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?(?:\s*\(.*\))?\s*$")
 HEADING = re.compile(r"^#{1,6}\s")
 
 
@@ -36,7 +41,7 @@ def tables(lines):
             fence = m.group(1)
             sections[-1].append(f"```{m.group(2)}")
         elif fence is not None:
-            if line.strip().startswith(fence[0] * len(fence)):
+            if re.match(r"^\s{0,3}" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}\s*$", line):
                 fence = None
             sections[-1].append(line)
         elif HEADING.match(line):
@@ -60,9 +65,23 @@ def names_command(section):
     return "```sh" in text or COMMAND.search(text) is not None
 
 
+def cells(row):
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
 def measured(rows):
-    body = [r for r in rows[2:]]  # the header and the delimiter row hold no measurement
-    return any(MEASURE.search(cell) for r in body for cell in r.split("|"))
+    """Whether a body cell holds a quantity with its unit, or a bare number under a header that
+    names what is measured ("seconds", "accuracy")."""
+    header, body = cells(rows[0]), [cells(r) for r in rows[2:]]
+    for row in body:
+        for i, cell in enumerate(row):
+            if MEASURE.search(cell):
+                return True
+            if i > 0 and i < len(header) and MEASURED_HEADER.search(header[i]) and NUMBER.match(cell):
+                return True
+    # A grid of fractions (accuracies per seed and setting) measures too.
+    values = [cell for row in body for cell in row[1:]]
+    return bool(values) and all(re.match(r"^[-+]?\d*\.\d+$", v) for v in values)
 
 
 def main(paths):

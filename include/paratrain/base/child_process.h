@@ -50,16 +50,15 @@ struct ChildOptions {
   TORCH_ARG(bool, inherit_environment) = true;
   /// Start the child in a process group of its own, so that a signal to it reaches its children.
   TORCH_ARG(bool, own_process_group) = true;
-  /// The child gets SIGKILL when this process dies (PR_SET_PDEATHSIG).
+  /// The child gets SIGKILL when the thread that started it exits (PR_SET_PDEATHSIG).
   TORCH_ARG(bool, die_with_parent) = true;
-  /// Descriptors the child gets as stdin, stdout and stderr; -1 keeps the parent's.
+  /// The child's stdin; -1 keeps the parent's.
   TORCH_ARG(int, stdin_fd) = -1;
   /// The child's stdout; -1 keeps the parent's.
   TORCH_ARG(int, stdout_fd) = -1;
   /// The child's stderr; -1 keeps the parent's.
   TORCH_ARG(int, stderr_fd) = -1;
-  /// Pipes for stdout and stderr, read through ChildProcess::stdout_fd() and stderr_fd()
-  /// (non-blocking, close-on-exec). capture_output sends both to one pipe, in the order written.
+  /// A pipe for stdout, read through ChildProcess::stdout_fd() (non-blocking, close-on-exec).
   TORCH_ARG(bool, capture_stdout) = false;
   /// A pipe for stderr, read through ChildProcess::stderr_fd().
   TORCH_ARG(bool, capture_stderr) = false;

@@ -34,7 +34,7 @@ struct LRScheduleOptions {
   TORCH_ARG(double, gamma) = 0.1;
   /// "multistep": sorted scheduler steps at which the lr is multiplied by gamma.
   TORCH_ARG(std::vector<int64_t>, milestones) = {};
-  /// "cosine": the half period, in scheduler steps (after the warm-up), and the floor.
+  /// "cosine": the half period, in scheduler steps (after the warm-up).
   TORCH_ARG(int64_t, t_max) = 1;
   /// "cosine": the lowest lr.
   TORCH_ARG(double, eta_min) = 0.0;

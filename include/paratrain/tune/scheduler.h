@@ -90,7 +90,7 @@ struct SchedulerOptions {
   /// The most iterations a trial runs; 0: asha 100, hyperband 81 (Ray Tune's), fifo and median
   /// unlimited.
   TORCH_ARG(int64_t, max_t) = 0;
-  /// asha, hyperband: iterations a trial runs before it can be stopped.
+  /// asha, hyperband, median: iterations a trial runs before it can be stopped.
   TORCH_ARG(int64_t, grace_period) = 1;
   /// 0: asha 4, hyperband 3.
   TORCH_ARG(double, reduction_factor) = 0;
@@ -105,12 +105,12 @@ struct SchedulerOptions {
   /// pbt: what explore changes, "lr=loguniform(1e-4, 1e-1)" or "batch-size=choice(32, 64)" (Ray's
   /// hyperparam_mutations); each name must be a parameter of the search space.
   TORCH_ARG(std::vector<std::string>, mutations) = {};
-  /// pbt: the number of trials (the tuner's num_samples), how many run at once (0: all; trials
-  /// share slots only when they outnumber them), and the seed of its choices.
+  /// pbt: the number of trials. Set by the tuner (its num_samples).
   TORCH_ARG(int64_t, population) = 0;
-  /// pbt: how many trials run at once (0: all).
+  /// pbt: how many trials run at once (0: all; trials share slots only when they outnumber them).
+  /// Set by the tuner (what the resources allow).
   TORCH_ARG(int64_t, slots) = 0;
-  /// pbt: the seed of its choices.
+  /// pbt: the seed of its choices. Set by the tuner (the searcher's seed).
   TORCH_ARG(uint64_t, seed) = 0;
 };
 

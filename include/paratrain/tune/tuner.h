@@ -104,8 +104,7 @@ struct TunerOptions {
   TORCH_ARG(std::string, trial_dir) = "";
   /// A command trial: program and arguments.
   TORCH_ARG(std::vector<std::string>, command) = {};
-  /// A `paratrain train` trial: the fixed flags (the sampled values are added), and the CLI that
-  /// runs it.
+  /// Each trial runs `paratrain train` (paratrain_cli) with train_args and the sampled values.
   TORCH_ARG(bool, train) = false;
   /// A `paratrain train` trial: its fixed flags.
   TORCH_ARG(std::vector<std::string>, train_args) = {};
