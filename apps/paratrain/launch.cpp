@@ -96,7 +96,8 @@ const CommandSpec& launch_spec() {
            "when a worker fails, stop all and start them all again, up to N times (torchrun's; "
            "TORCHELASTIC_RESTART_COUNT tells the attempt); with several static nodes, every "
            "node restarts together (their launchers meet at --master-port + 1)"},
-          {"from-mpirun", "", kInternalOption},  // what mpirun runs for --backend mpi
+          {"from-mpirun", "", kInternalOption},         // what mpirun runs for --backend mpi
+          {"console-streams", "MAP", kInternalOption},  // the console rule, to a shim
       },
       "The program and its arguments follow --: paratrain launch [options] -- PROGRAM [ARGS...]",
       true};
@@ -255,6 +256,26 @@ void parse_console(const Args& args, dist::LaunchOptions& o) {
   o.console_streams(console);
 }
 
+// --console-streams, the rule the launcher that started mpirun made of the console flags
+// ("-1:3,1:1": local rank, then streams), which this rank's shim applies to its worker.
+dist::ConsoleStreams parse_console_streams(const std::string& text) {
+  dist::ConsoleStreams out;
+  for (const std::string& item : split_list(text)) {
+    const size_t colon = item.find(':');
+    char* end = nullptr;
+    const long rank = std::strtol(item.c_str(), &end, 10);
+    char* end2 = nullptr;
+    const long streams =
+        colon == std::string::npos ? -1 : std::strtol(item.c_str() + colon + 1, &end2, 10);
+    if (colon == std::string::npos || end != item.c_str() + colon || *end2 != '\0' || rank < -1 ||
+        streams < 0 || streams > 3) {
+      throw UsageError("--console-streams is internal: it is what --backend mpi gives its ranks");
+    }
+    out[static_cast<int>(rank)] = static_cast<int>(streams);
+  }
+  return out;
+}
+
 }  // namespace
 
 // --nnodes N or MIN:MAX.
@@ -367,6 +388,30 @@ void apply_slurm(const Args& args, dist::LaunchOptions& o) {
             << slurm->master_addr << std::endl;
 }
 
+namespace {
+
+// Started by mpirun on one rank (--from-mpirun): this rank's worker, with the rank mpirun gave
+// it, the job's backend and the console rule of the launcher that started mpirun.
+void take_mpirun_rank(const Args& args, dist::LaunchOptions& o, int& mpi_rank, int& mpi_size) {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
+  if (rank == nullptr || size == nullptr) {
+    throw UsageError("--from-mpirun is internal: it is what mpirun runs for --backend mpi");
+  }
+  // The launcher that started mpirun put the job's backend ("mpi", or routes with mpi) here.
+  const char* backend = std::getenv("PARATRAIN_BACKEND");
+  o.backend(backend != nullptr && backend[0] != '\0' ? backend : "mpi");
+  mpi_rank = std::atoi(rank);
+  mpi_size = std::atoi(size);
+  if (args.has("console-streams")) {
+    o.console_streams(parse_console_streams(args.get("console-streams")));
+  }
+  // Each shim starts one worker; the device list stays whole (CUDA_VISIBLE_DEVICES) and the
+  // worker picks cuda:LOCAL_RANK from it.
+}
+
+}  // namespace
+
 int run_launch(const std::vector<std::string>& argv) {
   Args args(argv, launch_spec());
   if (args.has("help")) {
@@ -420,19 +465,9 @@ int run_launch(const std::vector<std::string>& argv) {
   int mpi_rank = -1;
   int mpi_size = -1;
   if (args.has("from-mpirun")) {
-    // Started by mpirun on one rank: relay this rank's worker, with the rank mpirun gave it.
-    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
-    const char* size = std::getenv("OMPI_COMM_WORLD_SIZE");
-    if (rank == nullptr || size == nullptr) {
-      throw UsageError("--from-mpirun is internal: it is what mpirun runs for --backend mpi");
-    }
-    // The launcher that started mpirun put the job's backend ("mpi", or routes with mpi) here.
-    const char* backend = std::getenv("PARATRAIN_BACKEND");
-    o.backend(backend != nullptr && backend[0] != '\0' ? backend : "mpi");
-    mpi_rank = std::atoi(rank);
-    mpi_size = std::atoi(size);
-    // Each shim starts one worker; the device list stays whole (CUDA_VISIBLE_DEVICES) and the
-    // worker picks cuda:LOCAL_RANK from it.
+    take_mpirun_rank(args, o, mpi_rank, mpi_size);
+  } else if (args.has("console-streams")) {
+    throw UsageError("--console-streams is internal: it is what --backend mpi gives its ranks");
   }
 
   dist::LaunchResult result =

@@ -176,6 +176,16 @@ std::vector<std::string> mpirun_command(const LaunchOptions& o, int nproc) {
   if (!o.log_dir().empty()) {
     cmd.insert(cmd.end(), {"--log-dir", o.log_dir()});
   }
+  if (!o.console_streams().empty()) {
+    // Each rank's shim applies the rule to its own worker (by its local rank), so that mpirun
+    // relays only what reaches the console.
+    std::string rule;
+    for (const auto& kv : o.console_streams()) {
+      rule +=
+          (rule.empty() ? "" : ",") + std::to_string(kv.first) + ":" + std::to_string(kv.second);
+    }
+    cmd.insert(cmd.end(), {"--console-streams", rule});
+  }
   if (!o.devices().empty()) {
     cmd.insert(cmd.end(), {"--devices", format_device_list(o.devices())});
   }
@@ -233,9 +243,6 @@ Environment mpirun_environment(const LaunchOptions& o, int nproc) {
 // Runs a job through mpirun: mpirun starts the shim on each rank, the shim relays that rank's
 // output and reports its failure; this process only watches mpirun.
 LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
-  TORCH_CHECK(o.console_streams().empty(),
-              "--local-ranks-filter, --redirects and --tee are not supported with --backend mpi "
-              "(mpirun relays every rank's output): use --log-dir for each rank's files");
   TORCH_CHECK(o.nnodes() == 1, "--backend mpi with --nnodes ", o.nnodes(),
               " is not supported: on several nodes run mpirun (or srun) with a host file yourself");
   LaunchOptions outer = o;
@@ -246,6 +253,7 @@ LaunchResult launch_mpirun(const LaunchOptions& o, int nproc) {
       .nproc_per_node(1)
       .devices({})
       .log_dir("")
+      .console_streams({})  // the ranks' shims apply it; mpirun relays what they show
       .prefix_output(false)
       .env(mpirun_environment(o, nproc));
   // mpirun is one process that is rank 0 of 1 as far as this launcher is concerned.

@@ -455,7 +455,9 @@ void start_workers(const LaunchOptions& o,
     w.rank = where.from_mpirun ? where.first_rank : o.node_rank() * plan.nproc + local;
     w.prefix = o.prefix_output() ? "[rank " + std::to_string(w.rank) + "]: " : "";
     const auto& console = o.console_streams();
-    auto shown = console.find(local);
+    // A shim's one worker has the local rank mpirun gave it (worker_environment's LOCAL_RANK).
+    const char* ompi_local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    auto shown = console.find(where.from_mpirun && ompi_local ? std::atoi(ompi_local) : local);
     if (shown == console.end()) {
       shown = console.find(-1);
     }

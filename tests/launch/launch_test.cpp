@@ -178,8 +178,8 @@ TEST(Launch, TorchrunFlags) {
       {{"--monitor-interval", "0"}, "--monitor-interval must be a positive number of seconds"},
       {{"--no-python", "-m"}, "-m runs PROGRAM with Python, and --no-python says not to"},
       {{"-m", "--run-path"}, "-m and --run-path both say how Python runs PROGRAM"},
-      {{"--backend", "mpi", "--local-ranks-filter", "0"},
-       "--local-ranks-filter, --redirects and --tee are not supported with --backend mpi"},
+      {{"--console-streams", "-1:3"},
+       "--console-streams is internal: it is what --backend mpi gives its ranks"},
       {{"--log-dir", "/tmp", "--rdzv-id", "a/b"}, "--rdzv-id 'a/b' names the log folder"},
   };
   for (const auto& c : bad) {
@@ -426,6 +426,27 @@ TEST(Launch, MpiBackendRunsThroughMpirun) {
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     EXPECT_EQ(vars["OMP_NUM_THREADS"], std::to_string(std::max(1u, cores / 3)));
   }
+}
+
+// torchrun's console flags under mpirun: each rank's shim applies them to its own worker.
+TEST(Launch, MpiBackendTakesTheConsoleFlags) {
+#ifndef PARATRAIN_WITH_MPI
+  GTEST_SKIP() << "this build has no mpi backend";
+#endif
+  const std::string logs = make_temp_dir("mpi-redirects");
+  auto r = run_process({cli_path(), "launch", "--backend", "mpi", "--nproc-per-node", "2",
+                        "--local-ranks-filter", "1", "--redirects", "1", "--log-dir", logs, "--",
+                        "/bin/sh", "-c", "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"},
+                       {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("out 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
+  const std::string run = run_folder(logs);
+  EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
+  EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
+  EXPECT_EQ(file_text(run + "/attempt_0/1/stderr.log"), "err 1\n");
+  remove_tree(logs);
 }
 
 TEST(Launch, MpiWorkerFailureEndsTheJob) {
