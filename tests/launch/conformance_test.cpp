@@ -75,24 +75,33 @@ std::vector<std::string> command(bool torchrun, const std::vector<std::string>& 
 }
 
 // One job: the launcher of node k with flags(k), on this machine (no hosts) or on host k. The
-// outputs are joined; the exit code is the first non-zero one.
+// outputs are joined; the exit code is the first non-zero one. When node 0's launcher failed, the
+// others (waiting for it) get 5 s; none outlives the call.
 ProcessResult run_job(bool torchrun,
                       const std::function<std::vector<std::string>(int)>& flags,
                       const cli::FakeHosts* hosts,
                       const std::map<std::string, std::string>& env) {
   if (hosts == nullptr) {
-    return run_process(command(torchrun, flags(0)), env, 180);
+    return run_process(command(torchrun, flags(0)), env, 120);
   }
-  std::vector<RunningProcess> others;
+  struct Others {
+    std::vector<RunningProcess> running;
+    ~Others() {
+      for (auto& p : running) {
+        p.finish(0);  // killed and reaped, should node 0's run have thrown
+      }
+    }
+  } others;
   for (int k = 1; k < hosts->size(); ++k) {
-    others.push_back(start_process(hosts->exec(k, command(torchrun, flags(k))), env));
+    others.running.push_back(start_process(hosts->exec(k, command(torchrun, flags(k))), env));
   }
-  ProcessResult all = run_process(hosts->exec(0, command(torchrun, flags(0))), env, 180);
-  for (auto& p : others) {
-    const ProcessResult r = p.finish(180);
+  ProcessResult all = run_process(hosts->exec(0, command(torchrun, flags(0))), env, 60);
+  for (auto& p : others.running) {
+    const ProcessResult r = p.finish(all.exit_code == 0 ? 60 : 5);
     all.output += r.output;
     all.exit_code = all.exit_code != 0 ? all.exit_code : r.exit_code;
   }
+  others.running.clear();
   return all;
 }
 
