@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -259,19 +260,14 @@ void parse_console(const Args& args, dist::LaunchOptions& o) {
 // --console-streams, the rule the launcher that started mpirun made of the console flags
 // ("-1:3,1:1": local rank, then streams), which this rank's shim applies to its worker.
 dist::ConsoleStreams parse_console_streams(const std::string& text) {
+  const std::regex item_form("(-1|[0-9]{1,6}):([0-3])");
   dist::ConsoleStreams out;
   for (const std::string& item : split_list(text)) {
-    const size_t colon = item.find(':');
-    char* end = nullptr;
-    const long rank = std::strtol(item.c_str(), &end, 10);
-    char* end2 = nullptr;
-    const long streams =
-        colon == std::string::npos ? -1 : std::strtol(item.c_str() + colon + 1, &end2, 10);
-    if (colon == std::string::npos || end != item.c_str() + colon || *end2 != '\0' || rank < -1 ||
-        streams < 0 || streams > 3) {
+    std::smatch m;
+    if (!std::regex_match(item, m, item_form)) {
       throw UsageError("--console-streams is internal: it is what --backend mpi gives its ranks");
     }
-    out[static_cast<int>(rank)] = static_cast<int>(streams);
+    out[std::stoi(m[1].str())] = std::stoi(m[2].str());
   }
   return out;
 }

@@ -225,7 +225,7 @@ bool adjacent(const std::vector<at::Tensor>& tensors) {
   const at::Tensor& first = tensors.front();
   const char* next = static_cast<const char*>(first.data_ptr());
   for (const auto& t : tensors) {
-    if (!t.is_contiguous() || t.scalar_type() != first.scalar_type() ||
+    if (!t.is_contiguous() || t.is_conj() || t.is_neg() || t.scalar_type() != first.scalar_type() ||
         !t.storage().is_alias_of(first.storage()) || t.data_ptr() != next) {
       return false;
     }

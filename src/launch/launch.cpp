@@ -124,6 +124,12 @@ void validate(const LaunchOptions& o) {
               " both place ranks on nodes: give one of them");
   TORCH_CHECK(o.master_port() > 0 && o.master_port() < 65536, "--master-port ", o.master_port(),
               " is not a TCP port: it must be in [1, 65535]");
+  for (const auto& [local_rank, streams] : o.console_streams()) {
+    TORCH_CHECK(local_rank >= -1 && streams >= 0 && streams <= 3, "console_streams: local rank ",
+                local_rank, " -> ", streams,
+                " is not a rule; give local ranks >= 0 (or -1 for the rest) and streams 0-3 (1 "
+                "stdout, 2 stderr, 3 both)");
+  }
   // The names only: the program launched may be another one (a Python script) whose build has
   // engines this one lacks.
   if (!o.backend().empty() && o.backend() != "auto") {

@@ -34,11 +34,32 @@ TEST(Args, InternalOptionsWorkButAreHidden) {
   EXPECT_EQ(args.help().find("--worker"), std::string::npos) << args.help();
 }
 
+// Sets an environment variable for its lifetime, then puts back what was there.
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    old_ = had_ ? old : "";
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      ::setenv(name_, old_.c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  const char* name_;
+  bool had_;
+  std::string old_;
+};
+
 TEST(Args, MarkdownHelpEscapesWhatMarkdownWouldRead) {
-  ::setenv("PARATRAIN_HELP_FORMAT", "markdown", 1);
-  const Args args({}, spec_with({"mode,m", "a|b", "a or b; <rank> is kept, `x<y` too"}));
-  ::unsetenv("PARATRAIN_HELP_FORMAT");
-  const std::string& md = args.help();
+  std::string md;
+  {
+    ScopedEnv markdown("PARATRAIN_HELP_FORMAT", "markdown");
+    md = Args({}, spec_with({"mode,m", "a|b", "a or b; <rank> is kept, `x<y` too"})).help();
+  }
   EXPECT_NE(md.find("### `paratrain example`\n\nDoes &lt;things>."), std::string::npos) << md;
   EXPECT_NE(md.find("| `--mode a\\|b`, `-m a\\|b` | a or b; &lt;rank> is kept, `x<y` too |"),
             std::string::npos)

@@ -24,7 +24,7 @@ COMMAND = re.compile(r"`(?:[A-Z_]+=\S+\s+)*(?:build(?:-official)?/bin/|paratrain
                      r"python3 |perf |/usr/bin/time |ctest |ninja |cmake |OMP_NUM_THREADS=)")
 FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})\s*(\S*)")
 # A header cell that names what its column measures; its body cells may then be bare numbers.
-MEASURED_HEADER = re.compile(r"\b(?:seconds|s|ms|GiB|GB|MB|MiB|accuracy|loss|images/s|speed|"
+MEASURED_HEADER = re.compile(r"\b(?:seconds|ms|GiB|GB|MB|MiB|accuracy|loss|images/s|speed|"
                              r"time|ratio|throughput|bandwidth|memory)\b", re.IGNORECASE)
 NUMBER = re.compile(r"^\s*[-+~]?\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?(?:\s*\(.*\))?\s*$")
 HEADING = re.compile(r"^#{1,6}\s")
@@ -66,7 +66,8 @@ def names_command(section):
 
 
 def cells(row):
-    return [c.strip() for c in row.strip().strip("|").split("|")]
+    """The cells of a table row; an escaped pipe (\\|) stays inside its cell."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
 
 
 def measured(rows):

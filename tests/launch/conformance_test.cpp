@@ -88,7 +88,9 @@ ProcessResult run_job(bool torchrun,
     std::vector<RunningProcess> running;
     ~Others() {
       for (auto& p : running) {
-        p.finish(0);  // killed and reaped, should node 0's run have thrown
+        if (p.pid > 0) {
+          p.finish(0);  // killed and reaped, should node 0's run have thrown
+        }
       }
     }
   } others;
@@ -98,6 +100,7 @@ ProcessResult run_job(bool torchrun,
   ProcessResult all = run_process(hosts->exec(0, command(torchrun, flags(0))), env, 60);
   for (auto& p : others.running) {
     const ProcessResult r = p.finish(all.exit_code == 0 ? 60 : 5);
+    p.pid = -1;
     all.output += r.output;
     all.exit_code = all.exit_code != 0 ? all.exit_code : r.exit_code;
   }

@@ -11,7 +11,9 @@ keys = sorted(k for k in os.environ if k.startswith(PREFIXES))
 # newline apart, and the workers share one pipe, so two lines could run together.
 line = ("ENV " + " ".join("%s=%s" % (k, os.environ[k]) for k in keys) + " ARGS=" +
         ",".join(sys.argv[1:]) + "\n")
-os.write(1, line.encode())
+data = line.encode()
+while data:
+    data = data[os.write(1, data):]
 if os.environ.get("FAIL_FIRST") and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
     time.sleep(3)  # every worker prints before the first failure stops the others
     sys.exit(3)

@@ -434,6 +434,10 @@ TEST(Launch, MpiBackendTakesTheConsoleFlags) {
   GTEST_SKIP() << "this build has no mpi backend";
 #endif
   const std::string logs = make_temp_dir("mpi-redirects");
+  struct Removed {
+    std::string dir;
+    ~Removed() { remove_tree(dir); }
+  } removed{logs};
   auto r = run_process({cli_path(), "launch", "--backend", "mpi", "--nproc-per-node", "2",
                         "--local-ranks-filter", "1", "--redirects", "1", "--log-dir", logs, "--",
                         "/bin/sh", "-c", "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"},
@@ -446,7 +450,6 @@ TEST(Launch, MpiBackendTakesTheConsoleFlags) {
   EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
   EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
   EXPECT_EQ(file_text(run + "/attempt_0/1/stderr.log"), "err 1\n");
-  remove_tree(logs);
 }
 
 TEST(Launch, MpiWorkerFailureEndsTheJob) {
