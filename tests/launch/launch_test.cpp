@@ -109,6 +109,25 @@ TEST(Launch, EnvironmentContract) {
   }
 }
 
+// Two workers under `--local-ranks-filter 1 --redirects 1 --log-dir LOGS` and `extra`: only rank
+// 1's stderr reaches the console, and the log files keep every stream.
+void expect_rank_1_stderr_on_console(const std::vector<std::string>& extra,
+                                     const std::string& logs) {
+  std::vector<std::string> argv{cli_path(), "launch", "--nproc-per-node", "2"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.insert(argv.end(), {"--local-ranks-filter", "1", "--redirects", "1", "--log-dir", logs, "--",
+                           "/bin/sh", "-c", "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"});
+  const auto r = run_process(argv, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("out 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
+  const std::string run = run_folder(logs);
+  EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
+  EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
+  EXPECT_EQ(file_text(run + "/attempt_0/1/stderr.log"), "err 1\n");
+}
+
 // torchrun's flags that say how many workers, what they are called, and where their output goes.
 TEST(Launch, TorchrunFlags) {
   const std::string cores = std::to_string(std::max(1u, std::thread::hardware_concurrency()));
@@ -132,18 +151,8 @@ TEST(Launch, TorchrunFlags) {
 
   // --local-ranks-filter shows one rank; --redirects 1 keeps stdout in the files only.
   const std::string logs = make_temp_dir("redirects");
-  r = run_process({cli_path(), "launch", "--nproc-per-node", "2", "--local-ranks-filter", "1",
-                   "--redirects", "1", "--log-dir", logs, "--", "/bin/sh", "-c",
-                   "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"},
-                  {});
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("out 1"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
-  const std::string run = run_folder(logs);
-  EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
-  EXPECT_FALSE(std::filesystem::exists(run + "/attempt_1"));  // no second attempt
-  EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
+  expect_rank_1_stderr_on_console({}, logs);
+  EXPECT_FALSE(std::filesystem::exists(run_folder(logs) + "/attempt_1"));  // no second attempt
   // As torchrun's, --tee keeps on the console a stream that --redirects sends to the files.
   r = run_process({cli_path(), "launch", "--redirects", "3", "--tee", "1", "--log-dir", logs, "--",
                    "/bin/sh", "-c", "echo out; echo err >&2"},
@@ -438,18 +447,7 @@ TEST(Launch, MpiBackendTakesTheConsoleFlags) {
     std::string dir;
     ~Removed() { remove_tree(dir); }
   } removed{logs};
-  auto r = run_process({cli_path(), "launch", "--backend", "mpi", "--nproc-per-node", "2",
-                        "--local-ranks-filter", "1", "--redirects", "1", "--log-dir", logs, "--",
-                        "/bin/sh", "-c", "echo out $LOCAL_RANK; echo err $LOCAL_RANK >&2"},
-                       {}, 60);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(r.output.find("[rank 0]"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("out 1"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("[rank 1]: err 1"), std::string::npos) << r.output;
-  const std::string run = run_folder(logs);
-  EXPECT_EQ(file_text(run + "/attempt_0/0/stdout.log"), "out 0\n");
-  EXPECT_EQ(file_text(run + "/attempt_0/1/stdout.log"), "out 1\n");
-  EXPECT_EQ(file_text(run + "/attempt_0/1/stderr.log"), "err 1\n");
+  expect_rank_1_stderr_on_console({"--backend", "mpi"}, logs);
 }
 
 TEST(Launch, MpiWorkerFailureEndsTheJob) {
