@@ -80,7 +80,7 @@ set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollecti
 # the benchmarks, the CLI's end-to-end runs; so do the mpi cases of the parameterized suites but
 # one each (their gloo cases run in both, the mpi engine's own tests too).
 set(paratrain_both_legs_suites
-    Addresses Allocator Autocast BadInput Checkpoint Collectives Conformance ConvertSyncBatchNorm
+    Addresses Allocator Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm
     CpuKernels
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven
     MixedPrecision Pipeline PipelineBalance PipelineDistributed PipelineSchedule
