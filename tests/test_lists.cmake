@@ -64,7 +64,7 @@ endforeach()
 set(paratrain_parameterized_suites
     Backends/Collectives Cases/DdpEquivalence Cases/PipelineDistributed
     Cases/SyncBatchNormEquivalence Cases/ZeroEquivalence Cases/JoinUneven
-    Cases/FsdpEquivalence)
+    Cases/FsdpEquivalence Cases/TensorParallelEquivalence)
 # Cases that scripts select by name (scripts/sanitize.sh), which therefore run as ctest tests of
 # their own rather than inside their suite's.
 set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollectiveTimeout)
@@ -86,7 +86,7 @@ set(paratrain_both_legs_suites
     MixedPrecision Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer
     WorldOfOne Zero ZeroEquivalence Zoo GradScaler Fsdp FsdpEquivalence ActivationCheckpoint
-    Gpt GptPretrained FsdpCheckpoint HfGpt2)
+    Gpt GptPretrained FsdpCheckpoint HfGpt2 TensorParallel TensorParallelEquivalence)
 set(paratrain_both_legs_tests
     Train.MainJobShortened Train.ModelParallelResNet50Example Resume.SingleProcess
     Resume.DdpOnGloo Resume.AmpO1AndO2Bf16 Resume.ShardedZeroCheckpointResumesOnAnotherWorldSize

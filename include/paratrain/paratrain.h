@@ -26,25 +26,30 @@
 #include "paratrain/launch/spawn.h"        // spawn
 #include "paratrain/store/host_address.h"  // route_source_address, is_loopback_name
 
-#include "paratrain/io/checkpoint.h"                   // Checkpoint, optimizer_state, rng_state
-#include "paratrain/io/safetensors.h"                  // save/load_safetensors, module_state
-#include "paratrain/io/safetensors_shards.h"           // save/load_safetensors_shards
-#include "paratrain/io/tensorboard.h"                  // tensorboard::SummaryWriter (event files)
-#include "paratrain/io/torch_load.h"                   // load_torch_state_dict, load_weights
-#include "paratrain/models/generate.h"                 // models::generate (greedy, top-k)
-#include "paratrain/models/gpt.h"                      // models::gpt, GptOptions, presets
-#include "paratrain/models/gpt_pretrained.h"           // Hugging Face GPT-2 directories
-#include "paratrain/models/registry.h"                 // models::make
+#include "paratrain/io/checkpoint.h"          // Checkpoint, optimizer_state, rng_state
+#include "paratrain/io/safetensors.h"         // save/load_safetensors, module_state
+#include "paratrain/io/safetensors_shards.h"  // save/load_safetensors_shards
+#include "paratrain/io/tensorboard.h"         // tensorboard::SummaryWriter (event files)
+#include "paratrain/io/torch_load.h"          // load_torch_state_dict, load_weights
+#include "paratrain/models/conv1d.h"          // models::Conv1D (GPT-2's projection)
+#include "paratrain/models/generate.h"        // models::generate (greedy, top-k)
+#include "paratrain/models/gpt.h"             // models::gpt, GptOptions, presets
+#include "paratrain/models/gpt_parallel.h"    // models::gpt_parallelize_plan (tensor parallel)
+#include "paratrain/models/gpt_pretrained.h"  // Hugging Face GPT-2 directories
+#include "paratrain/models/registry.h"        // models::make
 #include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, apply_activation_checkpointing
 #include "paratrain/parallel/comm_hooks.h"             // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/data_parallel.h"          // DataParallel
+#include "paratrain/parallel/device_mesh.h"            // DeviceMesh, init_device_mesh
 #include "paratrain/parallel/distributed_data_parallel.h"  // DistributedDataParallel, DDPOptions
 #include "paratrain/parallel/fsdp_checkpoint.h"  // save/load_sharded_checkpoint, consolidate
 #include "paratrain/parallel/fully_sharded_data_parallel.h"  // FullyShardedDataParallel (FSDP2)
 #include "paratrain/parallel/join.h"                         // Join (uneven inputs)
-#include "paratrain/parallel/pipeline.h"  // pipeline::Pipeline, DistributedPipeline, schedules
-#include "paratrain/parallel/sync_batchnorm.h"             // SyncBatchNorm, convert_sync_batchnorm
-#include "paratrain/parallel/threads.h"                    // set_blas_threads
+#include "paratrain/parallel/module_hooks.h"  // register_forward_hook, call_with_hooks
+#include "paratrain/parallel/pipeline.h"      // pipeline::Pipeline, DistributedPipeline, schedules
+#include "paratrain/parallel/sync_batchnorm.h"   // SyncBatchNorm, convert_sync_batchnorm
+#include "paratrain/parallel/tensor_parallel.h"  // parallelize_module, Colwise/RowwiseParallel
+#include "paratrain/parallel/threads.h"          // set_blas_threads
 #include "paratrain/parallel/zero_redundancy_optimizer.h"  // ZeroRedundancyOptimizer
 #include "paratrain/train/lr_schedule.h"  // LRSchedule: step, multistep, cosine, warm-up
 #include "paratrain/train/trainer.h"      // Trainer, TrainerOptions, make_optimizer

@@ -1,6 +1,8 @@
 #include "paratrain/models/gpt.h"
 
 #include "hf_names.h"
+#include "paratrain/models/conv1d.h"
+#include "paratrain/parallel/module_hooks.h"
 
 #include <torch/torch.h>
 
@@ -55,36 +57,23 @@ void check_gpt_options(const GptOptions& o) {
               o.dropout());
 }
 
-// Hugging Face's Conv1D: a Linear whose weight is stored [in, out] (as GPT-2's TensorFlow
-// checkpoints had it), so that a checkpoint's tensors load without transposing. Initialised
-// normal(0, std), bias zero.
-struct Conv1DImpl : nn::Cloneable<Conv1DImpl> {
-  Conv1DImpl(int64_t in, int64_t out, double init_std) : in_(in), out_(out), std_(init_std) {
-    reset();
-  }
-  void reset() override {
-    weight = register_parameter("weight", torch::empty({in_, out_}));
-    bias = register_parameter("bias", torch::zeros({out_}));
-    torch::NoGradGuard no_grad;
-    weight.normal_(0, std_);
-  }
+// torch::nn::LayerNorm with GPT-2's eps whose forward takes forward hooks (SequenceParallel), and
+// which clones as itself (a Sequential's clone casts each child's clone back to its type).
+struct GptLayerNormImpl : nn::LayerNormImpl {
+  explicit GptLayerNormImpl(int64_t width)
+      : nn::LayerNormImpl(nn::LayerNormOptions({width}).eps(kGptLayerNormEps)) {}
+  explicit GptLayerNormImpl(const nn::LayerNormImpl& copy) : nn::LayerNormImpl(copy) {}
   torch::Tensor forward(const torch::Tensor& x) {
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = out_;
-    return torch::addmm(bias, x.reshape({-1, in_}), weight).view(shape);
+    return call_with_hooks(
+        *this, x, [this](const torch::Tensor& in) { return nn::LayerNormImpl::forward(in); });
   }
-  void pretty_print(std::ostream& stream) const override {
-    stream << "Conv1D(in=" << in_ << ", out=" << out_ << ")";
+  std::shared_ptr<nn::Module> clone(
+      const c10::optional<torch::Device>& device = c10::nullopt) const override {
+    auto copy = std::dynamic_pointer_cast<nn::LayerNormImpl>(nn::LayerNormImpl::clone(device));
+    return std::make_shared<GptLayerNormImpl>(*copy);
   }
-  int64_t in_, out_;
-  double std_;
-  torch::Tensor weight, bias;
 };
-TORCH_MODULE(Conv1D);
-
-nn::LayerNorm gpt_layer_norm(int64_t width) {
-  return nn::LayerNorm(nn::LayerNormOptions({width}).eps(kGptLayerNormEps));  // ones and zeros
-}
+TORCH_MODULE(GptLayerNorm);
 
 // The residual projections' std: GPT-2 scales them by 1/sqrt(2 * layers), as each block adds two
 // of them to the residual stream.
@@ -114,6 +103,9 @@ struct GptEmbeddingImpl : nn::Cloneable<GptEmbeddingImpl> {
     wpe->weight.normal_(0, kGptInitStd);
   }
   torch::Tensor forward(const torch::Tensor& tokens) {
+    return call_with_hooks(*this, tokens, [this](const torch::Tensor& in) { return embed(in); });
+  }
+  torch::Tensor embed(const torch::Tensor& tokens) {
     TORCH_CHECK(tokens.dim() == 2,
                 "gpt: the input must be token ids of shape [batch, tokens], got shape ",
                 tokens.sizes());
@@ -125,7 +117,9 @@ struct GptEmbeddingImpl : nn::Cloneable<GptEmbeddingImpl> {
                 "; shorten the sequences or build the model with a longer context");
     const torch::Tensor ids = tokens.to(torch::kLong);  // Embedding takes int64 (or int32) only
     const torch::Tensor positions = torch::arange(length, ids.options());
-    return torch::dropout(wte(ids) + wpe(positions), options.dropout(), is_training());
+    const torch::Tensor words =
+        call_with_hooks(*wte, ids, [this](const torch::Tensor& in) { return wte(in); });
+    return torch::dropout(words + wpe(positions), options.dropout(), is_training());
   }
   std::shared_ptr<nn::Module> clone(
       const c10::optional<torch::Device>& device = c10::nullopt) const override {
@@ -147,9 +141,16 @@ struct GptAttentionImpl : nn::Cloneable<GptAttentionImpl> {
     c_proj = register_module("c_proj", Conv1D(width, width, gpt_residual_std(options)));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const int64_t batch = x.size(0), length = x.size(1), width = x.size(2);
-    const int64_t heads = options.heads(), head_dim = width / heads;
-    const auto qkv = c_attn(x).split(width, /*dim=*/2);
+    return call_with_hooks(*this, x, [this](const torch::Tensor& in) { return attend(in); });
+  }
+  // The heads are those c_attn gives: all of them, or this rank's under tensor parallelism
+  // (ColwiseParallel with chunks 3 keeps each rank's heads of q, k and v).
+  torch::Tensor attend(const torch::Tensor& x) {
+    const int64_t batch = x.size(0), length = x.size(1);
+    const int64_t head_dim = options.width() / options.heads();
+    const torch::Tensor fused = c_attn(x);
+    const int64_t width = fused.size(2) / 3, heads = width / head_dim;
+    const auto qkv = fused.split(width, /*dim=*/2);
     auto split_heads = [&](const torch::Tensor& t) {
       return t.view({batch, length, heads, head_dim}).transpose(1, 2);  // [B, heads, T, head_dim]
     };
@@ -180,8 +181,10 @@ struct GptMlpImpl : nn::Cloneable<GptMlpImpl> {
     c_proj = register_module("c_proj", Conv1D(4 * width, width, gpt_residual_std(options)));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const torch::Tensor h = torch::gelu(c_fc(x), "tanh");
-    return torch::dropout(c_proj(h), options.dropout(), is_training());
+    return call_with_hooks(*this, x, [this](const torch::Tensor& in) {
+      const torch::Tensor h = torch::gelu(c_fc(in), "tanh");
+      return torch::dropout(c_proj(h), options.dropout(), is_training());
+    });
   }
   GptOptions options;
   Conv1D c_fc{nullptr}, c_proj{nullptr};
@@ -192,9 +195,9 @@ TORCH_MODULE(GptMlp);
 struct GptBlockImpl : nn::Cloneable<GptBlockImpl> {
   explicit GptBlockImpl(const GptOptions& options) : options(options) { reset(); }
   void reset() override {
-    ln_1 = register_module("ln_1", gpt_layer_norm(options.width()));
+    ln_1 = register_module("ln_1", GptLayerNorm(options.width()));
     attn = register_module("attn", GptAttention(options));
-    ln_2 = register_module("ln_2", gpt_layer_norm(options.width()));
+    ln_2 = register_module("ln_2", GptLayerNorm(options.width()));
     mlp = register_module("mlp", GptMlp(options));
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -202,7 +205,7 @@ struct GptBlockImpl : nn::Cloneable<GptBlockImpl> {
     return x + mlp(ln_2(x));
   }
   GptOptions options;
-  nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
+  GptLayerNorm ln_1{nullptr}, ln_2{nullptr};
   GptAttention attn{nullptr};
   GptMlp mlp{nullptr};
 };
@@ -215,11 +218,13 @@ struct GptHeadImpl : nn::Cloneable<GptHeadImpl> {
   explicit GptHeadImpl(GptEmbedding embedding) : embedding(std::move(embedding)) {}
   void reset() override {}
   torch::Tensor forward(const torch::Tensor& x) {
-    torch::Tensor weight = embedding->wte->weight;
-    if (weight.device() != x.device()) {
-      weight = weight.to(x.device());
-    }
-    return torch::linear(x, weight);
+    return call_with_hooks(*this, x, [this](const torch::Tensor& in) {
+      torch::Tensor weight = embedding->wte->weight;
+      if (weight.device() != in.device()) {
+        weight = weight.to(in.device());
+      }
+      return torch::linear(in, weight);
+    });
   }
   std::shared_ptr<nn::Module> clone(
       const c10::optional<torch::Device>& device = c10::nullopt) const override {
@@ -247,6 +252,30 @@ bool is_block_name(const std::string& name) {
 }
 
 }  // namespace
+
+Conv1DImpl::Conv1DImpl(int64_t in, int64_t out, double init_std)
+    : in_(in), out_(out), std_(init_std) {
+  reset();
+}
+
+void Conv1DImpl::reset() {
+  weight = register_parameter("weight", torch::empty({in_, out_}));
+  bias = register_parameter("bias", torch::zeros({out_}));
+  torch::NoGradGuard no_grad;
+  weight.normal_(0, std_);
+}
+
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
+  return call_with_hooks(*this, x, [this](const torch::Tensor& in) {
+    std::vector<int64_t> shape = in.sizes().vec();
+    shape.back() = weight.size(1);
+    return torch::addmm(bias, in.reshape({-1, weight.size(0)}), weight).view(shape);
+  });
+}
+
+void Conv1DImpl::pretty_print(std::ostream& stream) const {
+  stream << "Conv1D(in=" << in_ << ", out=" << out_ << ")";
+}
 
 GptOptions gpt_options(const std::string& preset) {
   for (const auto& p : kGptPresets) {
@@ -278,7 +307,7 @@ torch::nn::Sequential gpt(const GptOptions& options) {
   for (int64_t i = 0; i < options.layers(); ++i) {
     net->push_back("h" + std::to_string(i), GptBlock(options));
   }
-  net->push_back("ln_f", gpt_layer_norm(options.width()));
+  net->push_back("ln_f", GptLayerNorm(options.width()));
   net->push_back("head", GptHead(embed));
   return net;
 }

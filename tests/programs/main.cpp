@@ -25,6 +25,7 @@ PARATRAIN_TEST_PROGRAM(pipeline_worker)
 PARATRAIN_TEST_PROGRAM(spawn_probe)
 PARATRAIN_TEST_PROGRAM(store_probe)
 PARATRAIN_TEST_PROGRAM(syncbn_worker)
+PARATRAIN_TEST_PROGRAM(tp_worker)
 PARATRAIN_TEST_PROGRAM(zero_worker)
 #undef PARATRAIN_TEST_PROGRAM
 }  // namespace paratrain_test_programs
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
                                      {"spawn_probe", p::spawn_probe::run},
                                      {"store_probe", p::store_probe::run},
                                      {"syncbn_worker", p::syncbn_worker::run},
+                                     {"tp_worker", p::tp_worker::run},
                                      {"zero_worker", p::zero_worker::run}};
   const char* slash = std::strrchr(argv[0], '/');
   std::string name = slash != nullptr ? slash + 1 : argv[0];

@@ -1,0 +1,134 @@
+#include "paratrain/parallel/module_hooks.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+// libtorch's Module has no slot for hooks, so they live in a table keyed by the module's address,
+// with a weak pointer to tell a live module from a later one at the same address.
+
+namespace paratrain {
+namespace {
+
+struct Hooks {
+  std::weak_ptr<const torch::nn::Module> owner;
+  std::vector<ForwardHook> pre;
+  std::vector<ForwardHook> post;
+  std::vector<ForwardWrapper> wrappers;
+};
+
+struct Table {
+  std::shared_mutex mutex;
+  std::unordered_map<const torch::nn::Module*, Hooks> hooks;
+  std::atomic<size_t> count{0};  // lets modules without hooks skip the lock
+};
+
+Table& table() {
+  static Table t;
+  return t;
+}
+
+std::weak_ptr<const torch::nn::Module> owner_of(const torch::nn::Module& module) {
+  try {
+    return module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    TORCH_CHECK(false, "register_forward_hook: the module ", module.name(),
+                " is not held by a shared_ptr; hold it in its ModuleHolder (or as a child)");
+  }
+}
+
+Hooks& entry(Table& t, const torch::nn::Module& module) {
+  auto it = t.hooks.find(&module);
+  if (it != t.hooks.end() && it->second.owner.expired()) {
+    t.hooks.erase(it);  // a module at this address that is gone: its hooks went with it
+    it = t.hooks.end();
+  }
+  if (it == t.hooks.end()) {
+    it = t.hooks.emplace(&module, Hooks{owner_of(module), {}, {}, {}}).first;
+    t.count = t.hooks.size();
+  }
+  return it->second;
+}
+
+}  // namespace
+
+void register_forward_pre_hook(const torch::nn::Module& module, ForwardHook hook) {
+  TORCH_CHECK(hook != nullptr, "register_forward_pre_hook: the hook is empty");
+  Table& t = table();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  entry(t, module).pre.push_back(std::move(hook));
+}
+
+void register_forward_hook(const torch::nn::Module& module, ForwardHook hook) {
+  TORCH_CHECK(hook != nullptr, "register_forward_hook: the hook is empty");
+  Table& t = table();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  entry(t, module).post.push_back(std::move(hook));
+}
+
+void register_forward_wrapper(const torch::nn::Module& module, ForwardWrapper wrapper) {
+  TORCH_CHECK(wrapper != nullptr, "register_forward_wrapper: the wrapper is empty");
+  Table& t = table();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  entry(t, module).wrappers.push_back(std::move(wrapper));
+}
+
+void remove_forward_hooks(const torch::nn::Module& module) {
+  Table& t = table();
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
+  t.hooks.erase(&module);
+  t.count = t.hooks.size();
+}
+
+bool has_forward_hooks(const torch::nn::Module& module) {
+  Table& t = table();
+  std::shared_lock<std::shared_mutex> lock(t.mutex);
+  auto it = t.hooks.find(&module);
+  return it != t.hooks.end() && !it->second.owner.expired();
+}
+
+torch::Tensor call_with_hooks(const torch::nn::Module& module,
+                              const torch::Tensor& input,
+                              const ForwardFunction& forward) {
+  Table& t = table();
+  if (t.count.load() == 0) {
+    return forward(input);
+  }
+  std::vector<ForwardHook> pre, post;
+  std::vector<ForwardWrapper> wrappers;
+  {
+    std::shared_lock<std::shared_mutex> lock(t.mutex);
+    auto it = t.hooks.find(&module);
+    if (it == t.hooks.end() || it->second.owner.expired()) {
+      lock.unlock();
+      return forward(input);
+    }
+    pre = it->second.pre;
+    post = it->second.post;
+    wrappers = it->second.wrappers;
+  }
+  torch::Tensor x = input;
+  for (const auto& hook : pre) {
+    x = hook(x);
+  }
+  // The first wrapper registered is the outermost: each one's `forward` is the next one's.
+  ForwardFunction run = forward;
+  for (size_t i = wrappers.size(); i-- > 0;) {
+    run = [wrapper = wrappers[i], inner = std::move(run)](const torch::Tensor& in) {
+      return wrapper(in, inner);
+    };
+  }
+  torch::Tensor y = run(x);
+  for (const auto& hook : post) {
+    y = hook(y);
+  }
+  return y;
+}
+
+}  // namespace paratrain

@@ -1,0 +1,143 @@
+// Tensor and sequence parallelism on a device mesh against single-process training, with real
+// ranks on loopback: each case runs programs/tp_worker (see its header for what every rank
+// checks). Also: a run with dropout equal to itself, and the bad input of the mesh, the plan
+// and the styles, each in one line.
+
+#include "test_util.h"
+
+#include <paratrain/comm/init.h>
+#include <paratrain/models/gpt.h>
+#include <paratrain/models/gpt_parallel.h>
+#include <paratrain/parallel/device_mesh.h>
+#include <paratrain/parallel/tensor_parallel.h>
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+namespace paratrain {
+namespace testing {
+namespace {
+
+struct TpCase {
+  std::string name;
+  int ranks;
+  std::vector<std::string> args;
+};
+
+void PrintTo(const TpCase& c, std::ostream* os) {
+  *os << c.name << " on " << c.ranks << " ranks";
+}
+
+class TensorParallelEquivalence : public ::testing::TestWithParam<TpCase> {};
+
+TEST_P(TensorParallelEquivalence, MatchesSingleProcess) {
+  const TpCase& c = GetParam();
+  expect_every_rank_ok(PARATRAIN_TEST_TP_WORKER, "gloo", c.ranks, c.args);
+}
+
+// Each mesh trains 20 Adam steps and ends within 1e-5 of one process (the worker's default).
+std::vector<TpCase> tp_cases() {
+  return {
+      {"tp4", 4, {"--tp", "4"}},
+      {"tp2_fsdp2", 4, {"--tp", "2", "--dp-shard", "2"}},
+      {"tp2_sp_loss_parallel", 2, {"--tp", "2", "--sp", "--loss-parallel"}},
+      {"tp2_fsdp2_sp_loss_parallel",
+       4,
+       {"--tp", "2", "--dp-shard", "2", "--sp", "--loss-parallel"}},
+      {"tp2_fsdp2_sp_checkpointing", 4, {"--tp", "2", "--dp-shard", "2", "--sp", "--checkpoint"}},
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases,
+                         TensorParallelEquivalence,
+                         ::testing::ValuesIn(tp_cases()),
+                         [](const ::testing::TestParamInfo<TpCase>& info) {
+                           return info.param.name;
+                         });
+
+// With dropout the ranks of a tp group draw the same masks for what they hold whole; a run is
+// equal to itself, bit for bit.
+TEST(TensorParallel, DropoutRunIsEqualToItself) {
+  const std::string dir = make_temp_dir("paratrain-tp-dropout");
+  std::vector<std::string> files;
+  for (const char* name : {"a.safetensors", "b.safetensors"}) {
+    files.push_back(dir + "/" + name);
+    expect_every_rank_ok(
+        PARATRAIN_TEST_TP_WORKER, "gloo", 2,
+        {"--tp", "2", "--dropout", "0.1", "--steps", "5", "--final-out", files.back()});
+  }
+  const std::string a = file_bytes(files[0]), b = file_bytes(files[1]);
+  EXPECT_FALSE(a.empty());
+  EXPECT_EQ(a, b);
+  remove_tree(dir);
+}
+
+dist::ProcessGroupPtr tp_world_of_one() {
+  const std::string path = "/tmp/" + unique_token("paratrain-tp-store");
+  return dist::init_process_group(
+      dist::InitOptions().backend("gloo").init_method("file://" + path).rank(0).world_size(1));
+}
+
+torch::nn::Sequential tp_gpt() {
+  torch::manual_seed(3);
+  return models::gpt(models::GptOptions().layers(2).width(24).heads(6).vocab(32).context(8));
+}
+
+TEST(TensorParallel, BadMeshesArePlainErrors) {
+  auto world = tp_world_of_one();
+  std::string e = error_of([&] { DeviceMesh(world, {{"dp_shard", 2}, {"tp", 2}}); });
+  EXPECT_NE(e.find("make 4 ranks, but the world has 1"), std::string::npos) << e;
+  e = error_of([&] { mesh_dims(4, 1, 3, 2, 1); });
+  EXPECT_NE(e.find("= 6 ranks, but the world has 4"), std::string::npos) << e;
+  e = error_of([&] { DeviceMesh(world, {{"tp", 1}, {"tp", 1}}); });
+  EXPECT_NE(e.find("listed twice"), std::string::npos) << e;
+  EXPECT_EQ(mesh_dims(8, 1, -1, 2, 2),
+            (std::vector<DeviceMesh::Dim>{{"pp", 2}, {"dp_shard", 2}, {"tp", 2}}));
+  DeviceMesh mesh(world, {{"dp_shard", 1}, {"tp", 1}});
+  EXPECT_EQ(mesh["tp"]->size(), 1);
+  EXPECT_EQ(mesh.size("dp"), 1);
+  e = error_of([&] { (void)mesh["pp"]; });
+  EXPECT_NE(e.find("no dimension 'pp'"), std::string::npos) << e;
+}
+
+TEST(TensorParallel, BadPlansArePlainErrors) {
+  auto world = tp_world_of_one();
+  auto model = tp_gpt();
+  std::string e = error_of([&] { models::gpt_parallelize_plan(model, 4); });
+  EXPECT_NE(e.find("does not divide the 6 attention heads; choose 1 or 2"), std::string::npos) << e;
+  e = error_of([&] { models::gpt_parallelize_plan(model, 3); });
+  EXPECT_NE(e.find("does not divide the vocabulary of 32"), std::string::npos) << e;
+  e = error_of([&] {
+    parallelize_module(model.ptr(), world, {{"h9.mlp.c_fc", ColwiseParallel()}});
+  });
+  EXPECT_NE(e.find("'h9.mlp.c_fc', which matches no submodule"), std::string::npos) << e;
+  e = error_of([&] { parallelize_module(model.ptr(), world, {{"h0.ln_1", RowwiseParallel()}}); });
+  EXPECT_NE(e.find("RowwiseParallel applies to Linear, Conv1D or Embedding; 'h0.ln_1' is a"),
+            std::string::npos)
+      << e;
+  e = error_of([&] { parallelize_module(model.ptr(), world, {{"h0.attn", SequenceParallel()}}); });
+  EXPECT_NE(e.find("SequenceParallel applies to LayerNorm"), std::string::npos) << e;
+}
+
+// On a group of one, the plan changes nothing: the same logits and loss as the plain model.
+TEST(TensorParallel, GroupOfOneIsThePlainModel) {
+  auto world = tp_world_of_one();
+  auto model = tp_gpt();
+  auto ref = tp_gpt();
+  parallelize_module(
+      model.ptr(), world,
+      models::gpt_parallelize_plan(
+          model, 1, models::GptParallelOptions().sequence_parallel(true).loss_parallel(true)));
+  torch::Tensor tokens = torch::randint(0, 32, {2, 8});
+  torch::Tensor out = model->forward(tokens), want = ref->forward(tokens);
+  EXPECT_TRUE(torch::allclose(out, want, 1e-6, 1e-6));
+  torch::Tensor loss = loss_parallel_cross_entropy(out, tokens, world);
+  torch::Tensor want_loss =
+      torch::nn::functional::cross_entropy(want.flatten(0, 1), tokens.flatten());
+  EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), 1e-6);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace paratrain

@@ -1,0 +1,249 @@
+// A tensor-parallel test worker: every rank trains a small GPT on a device mesh (tensor parallel
+// over "tp", FSDP over "dp_shard"), and the same GPT as one process would train it on the whole
+// batch. After every Adam step the full weights (FSDP's full_state over dp_shard, then the
+// tensor-parallel parts all-gathered over tp) must equal the single process's within the
+// tolerance, and the parameters that tensor parallelism leaves whole must be bitwise equal on
+// every rank of the tp group.
+//
+// --tp T (world)  --dp-shard S (1)  --sp (sequence parallel)  --loss-parallel
+// --steps N (20)  --tolerance T (1e-5)  --checkpoint (FSDP's activation checkpointing)
+// --dropout P (0): with dropout the single process is not compared (its masks differ); the run
+//   must still keep the replicated parameters equal over tp
+// --final-out FILE: rank 0 writes the full weights at the end (a run compared with itself)
+// Prints "rank R: ok max_diff=D" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
+
+#include <paratrain/paratrain.h>
+
+#include <torch/torch.h>
+
+#include <iostream>
+#include <map>
+#include <sstream>
+
+namespace paratrain_test_programs {
+namespace tp_worker {
+
+namespace pt = paratrain;
+
+namespace {
+
+struct Mismatch : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+using Options = std::map<std::string, std::string>;
+
+std::string get(const Options& o, const std::string& k, const std::string& d) {
+  auto it = o.find(k);
+  return it == o.end() ? d : it->second;
+}
+
+constexpr int64_t kVocab = 64, kTokens = 16;
+
+torch::nn::Sequential make_model(double dropout) {
+  torch::manual_seed(5);
+  return pt::models::gpt(
+      pt::models::GptOptions().layers(2).width(32).heads(4).vocab(kVocab).context(kTokens).dropout(
+          dropout));
+}
+
+// Step `s`'s whole batch: `rows` sequences of kTokens tokens and their next tokens.
+std::pair<torch::Tensor, torch::Tensor> batch(int s, int rows) {
+  torch::Generator g = at::detail::createCPUGenerator(1000 + s);
+  torch::Tensor tokens = torch::randint(0, kVocab, {rows, kTokens + 1}, g);
+  return {tokens.narrow(1, 0, kTokens), tokens.narrow(1, 1, kTokens)};
+}
+
+torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.flatten(0, 1), target.flatten());
+}
+
+double learning_rate(const Options& o) {
+  return std::stod(get(o, "--lr", "1e-3"));
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Options& o,
+                                                        std::vector<torch::Tensor> params) {
+  if (get(o, "--optimizer", "adam") == "sgd") {
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(learning_rate(o)).momentum(0.9));
+  }
+  return std::make_unique<torch::optim::Adam>(
+      params, torch::optim::AdamOptions(learning_rate(o)).eps(std::stod(get(o, "--eps", "1e-6"))));
+}
+
+struct Run {
+  pt::DeviceMesh mesh;
+  torch::nn::Sequential model;
+  pt::TensorParallelLayout layout;
+  std::unique_ptr<pt::FullyShardedDataParallel> fsdp;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+};
+
+std::unique_ptr<Run> make_run(const Options& o, const pt::dist::ProcessGroupPtr& world) {
+  const int tp = std::stoi(get(o, "--tp", std::to_string(world->size())));
+  const int shard = std::stoi(get(o, "--dp-shard", "1"));
+  auto dims = pt::mesh_dims(world->size(), 1, shard, tp, 1);
+  auto run = std::unique_ptr<Run>(new Run{pt::DeviceMesh(world, dims), {}, {}, nullptr, nullptr});
+  run->model = make_model(std::stod(get(o, "--dropout", "0")));
+  if (tp > 1) {
+    const auto plan =
+        pt::models::gpt_parallelize_plan(run->model, tp,
+                                         pt::models::GptParallelOptions()
+                                             .sequence_parallel(o.count("--sp") > 0)
+                                             .loss_parallel(o.count("--loss-parallel") > 0));
+    run->layout = pt::parallelize_module(run->model.ptr(), run->mesh["tp"], plan);
+  }
+  std::vector<torch::Tensor> params = run->model->parameters();
+  if (shard > 1) {
+    run->fsdp = std::make_unique<pt::FullyShardedDataParallel>(
+        run->model, run->mesh["dp_shard"],
+        pt::FsdpOptions()
+            .units(pt::models::gpt_block_names(run->model))
+            .activation_checkpointing(o.count("--checkpoint") > 0));
+    params = run->fsdp->parameters();
+  }
+  run->opt = make_optimizer(o, params);
+  return run;
+}
+
+// This rank's weights as one process holds them: gathered over dp_shard, then over tp.
+std::map<std::string, torch::Tensor> full_weights(Run& run) {
+  std::map<std::string, torch::Tensor> local;
+  if (run.fsdp) {
+    local = run.fsdp->full_state();
+  } else {
+    for (const auto& p : run.model->named_parameters()) {
+      local[p.key()] = p.value().detach();
+    }
+  }
+  if (!run.mesh.has("tp")) {
+    return local;
+  }
+  return pt::tensor_parallel_full_state(local, run.layout, run.mesh["tp"]);
+}
+
+// The parameters tensor parallelism leaves whole must stay bitwise equal over the tp group.
+void check_replicas(Run& run, const std::map<std::string, torch::Tensor>& full, int step) {
+  if (!run.mesh.has("tp")) {
+    return;
+  }
+  const auto& tp = run.mesh["tp"];
+  for (const auto& [name, t] : full) {
+    if (run.layout.shards.count(name)) {
+      continue;
+    }
+    std::vector<torch::Tensor> all;
+    for (int r = 0; r < tp->size(); ++r) {
+      all.push_back(torch::empty_like(t, at::MemoryFormat::Contiguous));
+    }
+    tp->allgather(all, t.contiguous())->wait();
+    for (const auto& other : all) {
+      if (!torch::equal(other, all[0])) {
+        throw Mismatch(name + " differs between tensor-parallel ranks after step " +
+                       std::to_string(step));
+      }
+    }
+  }
+}
+
+double compare(const std::map<std::string, torch::Tensor>& full,
+               const torch::nn::Sequential& ref,
+               int step,
+               double tolerance) {
+  double worst = 0;
+  for (const auto& p : ref->named_parameters()) {
+    auto it = full.find(p.key());
+    if (it == full.end()) {
+      throw Mismatch("the mesh's weights have no " + p.key());
+    }
+    if (!it->second.sizes().equals(p.value().sizes())) {
+      throw Mismatch(p.key() + " gathers to a shape other than the model's");
+    }
+    torch::Tensor diff = (it->second - p.value()).abs();
+    const double d = diff.max().item<double>();
+    worst = std::max(worst, d);
+    if (!(d <= tolerance)) {
+      const int64_t at = diff.flatten().argmax().item<int64_t>();
+      std::ostringstream why;
+      why << p.key() << " differs by " << d << " after step " << step << " at element " << at
+          << " (" << it->second.flatten()[at].item<double>() << " against "
+          << p.value().flatten()[at].item<double>() << ", whose gradient was "
+          << p.value().grad().flatten()[at].item<double>() << ")";
+      throw Mismatch(why.str());
+    }
+  }
+  return worst;
+}
+
+void mesh_step(const Options& o, Run& run, int s) {
+  const int dp = run.mesh.size("dp"), rows = 4 * dp, mine = rows / dp;
+  auto [x, y] = batch(s, rows);
+  const int64_t at = static_cast<int64_t>(run.mesh.local_rank("dp")) * mine;
+  x = x.narrow(0, at, mine);
+  y = y.narrow(0, at, mine);
+  run.opt->zero_grad();
+  const torch::Tensor out = run.fsdp ? run.fsdp->forward(x) : run.model->forward(x);
+  const torch::Tensor loss = o.count("--loss-parallel")
+                                 ? pt::loss_parallel_cross_entropy(out, y, run.mesh["tp"])
+                                 : lm_loss(out, y);
+  loss.backward();
+  run.opt->step();
+}
+
+double train_and_compare(const Options& o, const pt::dist::ProcessGroupPtr& world) {
+  const int steps = std::stoi(get(o, "--steps", "20"));
+  const double tolerance = std::stod(get(o, "--tolerance", "1e-5"));
+  const bool dropout = std::stod(get(o, "--dropout", "0")) > 0;
+  auto run = make_run(o, world);
+  auto ref = make_model(0.0);
+  auto ref_opt = make_optimizer(o, ref->parameters());
+  torch::manual_seed(11);  // the same dropout masks on every rank of a tp group
+  double worst = 0;
+  std::map<std::string, torch::Tensor> full;
+  for (int s = 0; s < steps; ++s) {
+    mesh_step(o, *run, s);
+    full = full_weights(*run);
+    check_replicas(*run, full, s);
+    if (!dropout) {
+      auto [x, y] = batch(s, 4 * run->mesh.size("dp"));
+      ref_opt->zero_grad();
+      lm_loss(ref->forward(x), y).backward();
+      ref_opt->step();
+      worst = std::max(worst, compare(full, ref, s, tolerance));
+    }
+  }
+  if (o.count("--final-out") && world->rank() == 0) {
+    pt::save_safetensors(full, get(o, "--final-out", ""));
+  }
+  return worst;
+}
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    opt[a] = (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) ? argv[++i] : "1";
+  }
+  int rank = -1;
+  try {
+    torch::set_num_threads(1);
+    auto pg = pt::dist::init_process_group();
+    rank = pg->rank();
+    const double worst = train_and_compare(opt, pg);
+    std::cout << "rank " << rank << ": ok max_diff=" << worst << std::endl;
+    return 0;
+  } catch (const Mismatch& e) {
+    std::cout << "MISMATCH on rank " << rank << ": " << e.what() << std::endl;
+  } catch (const c10::Error& e) {
+    std::cout << "error: " << e.what_without_backtrace() << std::endl;
+  } catch (const std::exception& e) {
+    std::cout << "error: " << e.what() << std::endl;
+  }
+  return 1;
+}
+
+}  // namespace tp_worker
+}  // namespace paratrain_test_programs
