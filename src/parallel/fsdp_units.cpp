@@ -243,6 +243,10 @@ void FullyShardedDataParallel::Impl::finish_reduce(UnitState& u) {
   u.reduce->wait();
   u.reduce.reset();
   torch::NoGradGuard no_grad;
+  const dist::ProcessGroupPtr& replicas = options.replicate_group();
+  if (replicas != nullptr && replicas->size() > 1) {
+    replicas->allreduce(u.reduce_output, dist::ReduceOp::kAvg)->wait();  // HSDP
+  }
   Tensor g = u.reduce_output.to(u.shard.scalar_type());
   Tensor& grad = u.shard.mutable_grad();
   if (grad.defined()) {

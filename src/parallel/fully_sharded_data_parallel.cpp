@@ -81,7 +81,10 @@ void collect_params(UnitState& u,
 }
 
 // Rank 0's weights, flat, cut into this rank's shard; the module's copies are dropped.
-void shard_unit(UnitState& u, const dist::ProcessGroupPtr& group, torch::ScalarType compute) {
+void shard_unit(UnitState& u,
+                const dist::ProcessGroupPtr& group,
+                const dist::ProcessGroupPtr& replicas,
+                torch::ScalarType compute) {
   const int world = group->size();
   u.layout.padded = fsdp_padded_size(u.layout.numel, world);
   auto options = torch::TensorOptions().dtype(u.dtype).device(
@@ -93,6 +96,9 @@ void shard_unit(UnitState& u, const dist::ProcessGroupPtr& group, torch::ScalarT
   }
   if (world > 1 && u.layout.padded > 0) {
     group->broadcast(flat, 0)->wait();
+  }
+  if (replicas != nullptr && replicas->size() > 1 && u.layout.padded > 0) {
+    replicas->broadcast(flat, 0)->wait();  // HSDP: every replica starts from one copy
   }
   const int64_t size = u.layout.padded / world;
   u.shard = flat.narrow(0, group->rank() * size, size).clone().requires_grad_(true);
@@ -119,7 +125,8 @@ void shard_units(Impl& m) {
     cpu::map_large_blocks();
   }
   for (auto& u : m.units) {
-    shard_unit(u, m.group, u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
+    shard_unit(u, m.group, m.options.replicate_group(),
+               u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
   }
   if (on_cpu) {
     cpu::release_free_memory();

@@ -5,8 +5,15 @@
 // tolerance, and the parameters that tensor parallelism leaves whole must be bitwise equal on
 // every rank of the tp group.
 //
-// --tp T (world)  --dp-shard S (1)  --sp (sequence parallel)  --loss-parallel
+// --tp T (world)  --dp-shard S (1)  --dp-replicate R (1: HSDP with S)  --sp (sequence parallel)
+// --loss-parallel
 // --steps N (20)  --tolerance T (1e-5)  --checkpoint (FSDP's activation checkpointing)
+// --optimizer adam|sgd  --lr (1e-3)  --eps (Adam's, 1e-6). Not PyTorch's 1e-8: Adam divides each
+//   gradient by its own size, and an element whose gradient is rounding-sized (h1.mlp.c_fc.weight
+//   had one of 1.6e-9 at step 0 here) moves by up to lr on rounding alone. Tensor parallelism
+//   splits the matmuls' sums, so its rounding differs from one process's by about 1e-10: with
+//   eps 1e-8 and lr 1e-2 that element ended 2.2e-4 apart after one step, with eps 1e-6 and lr
+//   1e-3 every weight stays within 1e-6 over 20 steps. (SGD, which does not magnify: 1e-7.)
 // --dropout P (0): with dropout the single process is not compared (its masks differ); the run
 //   must still keep the replicated parameters equal over tp
 // --final-out FILE: rank 0 writes the full weights at the end (a run compared with itself)
@@ -83,7 +90,8 @@ struct Run {
 std::unique_ptr<Run> make_run(const Options& o, const pt::dist::ProcessGroupPtr& world) {
   const int tp = std::stoi(get(o, "--tp", std::to_string(world->size())));
   const int shard = std::stoi(get(o, "--dp-shard", "1"));
-  auto dims = pt::mesh_dims(world->size(), 1, shard, tp, 1);
+  const int replicate = std::stoi(get(o, "--dp-replicate", "1"));
+  auto dims = pt::mesh_dims(world->size(), replicate, shard, tp, 1);
   auto run = std::unique_ptr<Run>(new Run{pt::DeviceMesh(world, dims), {}, {}, nullptr, nullptr});
   run->model = make_model(std::stod(get(o, "--dropout", "0")));
   if (tp > 1) {
@@ -95,12 +103,13 @@ std::unique_ptr<Run> make_run(const Options& o, const pt::dist::ProcessGroupPtr&
     run->layout = pt::parallelize_module(run->model.ptr(), run->mesh["tp"], plan);
   }
   std::vector<torch::Tensor> params = run->model->parameters();
-  if (shard > 1) {
+  if (shard > 1) {  // FSDP, or HSDP with dp_replicate
     run->fsdp = std::make_unique<pt::FullyShardedDataParallel>(
         run->model, run->mesh["dp_shard"],
         pt::FsdpOptions()
             .units(pt::models::gpt_block_names(run->model))
-            .activation_checkpointing(o.count("--checkpoint") > 0));
+            .activation_checkpointing(o.count("--checkpoint") > 0)
+            .replicate_group(replicate > 1 ? run->mesh["dp_replicate"] : nullptr));
     params = run->fsdp->parameters();
   }
   run->opt = make_optimizer(o, params);

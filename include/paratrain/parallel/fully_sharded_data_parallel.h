@@ -91,6 +91,11 @@ struct FsdpOptions {
   TORCH_ARG(FsdpMixedPrecision, mixed_precision) = {};
   /// Recompute each unit's activations in backward instead of keeping them (checkpoint()).
   TORCH_ARG(bool, activation_checkpointing) = false;
+  /// HSDP (FSDP2 on a 2-D mesh): the group of the ranks that hold the same shards
+  /// (mesh["dp_replicate"]), the constructor's group being the ranks that shard (mesh["dp_shard"]).
+  /// The weights of its rank 0 are kept; each unit's gradient is reduce-scattered over the shard
+  /// group, then all-reduced (averaged) over this one. nullptr: plain FSDP.
+  TORCH_ARG(dist::ProcessGroupPtr, replicate_group) = nullptr;
 };
 
 class FullyShardedDataParallel {
