@@ -32,6 +32,10 @@ const std::vector<Command>& benchmarks() {
        run_bench_cluster},
       {"fsdp", "", "DDP, ZeRO, FSDP and FSDP+checkpointing on a GPT: memory and time per rank",
        run_bench_fsdp},
+      {"parallel", "",
+       "a GPT on device meshes (tensor, sequence, fully sharded): bytes sent against Megatron's "
+       "formula, activations, time",
+       run_bench_parallel},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

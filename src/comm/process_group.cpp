@@ -117,6 +117,7 @@ WorkPtr ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op) {
   check_not_broken("allreduce");
   check_tensor(tensor, "allreduce", "tensor");
   check_op(op, tensor, "allreduce");
+  count_sent(2.0 * (size_ - 1) / size_ * static_cast<double>(tensor.nbytes()));
   return do_allreduce(tensor, op, next_sequence());
 }
 
@@ -276,6 +277,7 @@ WorkPtr ProcessGroup::all_gather_into_tensor(at::Tensor& output, const at::Tenso
   for (int r = 0; r < size_; ++r) {
     slots.push_back(rows[r].view(input.sizes()));
   }
+  count_sent(static_cast<double>(size_ - 1) * static_cast<double>(input.nbytes()));
   return do_allgather(slots, input, next_sequence());
 }
 
@@ -296,6 +298,7 @@ WorkPtr ProcessGroup::reduce_scatter_tensor(at::Tensor& output,
   for (int r = 0; r < size_; ++r) {
     pieces.push_back(rows[r].view(output.sizes()));
   }
+  count_sent(static_cast<double>(size_ - 1) * static_cast<double>(output.nbytes()));
   return do_reduce_scatter(output, pieces, op, next_sequence());
 }
 
@@ -370,6 +373,7 @@ WorkPtr ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   check_tensor(tensor, "broadcast", "tensor");
   TORCH_CHECK(root >= 0 && root < size_, backend_name(), " broadcast: root ", root,
               " is out of range for a group of size ", size_);
+  count_sent(rank_ == root ? static_cast<double>(tensor.nbytes()) : 0.0);
   return do_broadcast(tensor, root, next_sequence());
 }
 
@@ -385,6 +389,7 @@ WorkPtr ProcessGroup::allgather(std::vector<at::Tensor>& outputs, const at::Tens
                 backend_name(), " allgather: every output must match the input (", input.sizes(),
                 ", ", input.scalar_type(), "), got ", o.sizes(), ", ", o.scalar_type());
   }
+  count_sent(static_cast<double>(size_ - 1) * static_cast<double>(input.nbytes()));
   return do_allgather(outputs, input, next_sequence());
 }
 
@@ -404,6 +409,7 @@ WorkPtr ProcessGroup::reduce_scatter(at::Tensor& output,
                 i.scalar_type());
   }
   check_op(op, output, "reduce_scatter");
+  count_sent(static_cast<double>(size_ - 1) * static_cast<double>(output.nbytes()));
   return do_reduce_scatter(output, inputs, op, next_sequence());
 }
 
@@ -427,6 +433,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   return do_new_group(ranks, index, groups_made_++);
 }
 
+void ProcessGroup::count_sent(double bytes) {
+  bytes_sent_.fetch_add(static_cast<int64_t>(bytes));
+}
+
 WorkPtr ProcessGroup::barrier() {
   check_not_broken("barrier");
   return do_barrier(next_sequence());
@@ -438,6 +448,7 @@ WorkPtr ProcessGroup::send(const at::Tensor& tensor, int dst, int tag) {
   TORCH_CHECK(tag >= 0 && tag < user_tag_limit(), backend_name(), " send: tag must be in [0, ",
               user_tag_limit(), "), got ", tag, " (larger tags carry paratrain's own collectives)");
   check_peer(dst, "send", "destination rank");
+  count_sent(static_cast<double>(tensor.nbytes()));
   return do_send(tensor, dst, tag, next_p2p_sequence());
 }
 

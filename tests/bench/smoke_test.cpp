@@ -99,6 +99,7 @@ INSTANTIATE_TEST_SUITE_P(Benchmarks,
                                            "tune",
                                            "cluster",
                                            "fsdp",
+                                           "parallel",
                                            "data"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;  // amp-accuracy: amp_accuracy

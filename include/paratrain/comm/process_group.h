@@ -20,6 +20,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/DeviceType.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -173,6 +174,13 @@ class ProcessGroup {
   /// recv are numbered apart, since only two ranks take part in each.
   int64_t sequence_number() const { return sequence_; }
 
+  /// Bytes this rank has sent through this group (not its sub-groups): what a ring moves per
+  /// rank, as nccl-tests' bus bandwidth counts them, whatever the engine's own algorithm.
+  /// allreduce 2(n-1)/n of the tensor, allgather and all_gather_into_tensor (n-1) times the
+  /// input, reduce_scatter and reduce_scatter_tensor (n-1) times the output, broadcast the
+  /// tensor on the root, send its tensor; the other operations are not counted.
+  int64_t bytes_sent() const { return bytes_sent_.load(); }
+
  protected:
   // Backends implement these; arguments are already checked and `seq` numbers the operation.
   virtual WorkPtr do_allreduce(at::Tensor& tensor, ReduceOp op, int64_t seq) = 0;
@@ -248,6 +256,8 @@ class ProcessGroup {
   int64_t sequence_ = 0;
   int64_t p2p_sequence_ = 0;
   int64_t groups_made_ = 0;
+  std::atomic<int64_t> bytes_sent_{0};
+  void count_sent(double bytes);
   mutable std::mutex broken_mutex_;
   std::string broken_;  // guarded by broken_mutex_
 };
