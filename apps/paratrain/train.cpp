@@ -305,6 +305,13 @@ void configure_run(TrainerOptions& o,
       .pipeline_schedule(s.schedule)
       .process_group(where.pg)
       .fsdp(fsdp_options(args))
+      .mesh(MeshOptions()
+                .dp_replicate(static_cast<int>(args.get_int("dp-replicate", 1)))
+                .dp_shard(static_cast<int>(args.get_int("dp-shard", -1)))
+                .tp(static_cast<int>(args.get_int("tp", 1)))
+                .pp(static_cast<int>(args.get_int("pp", 1)))
+                .sequence_parallel(!args.has("no-sequence-parallel"))
+                .loss_parallel(!args.has("no-loss-parallel")))
       .amp(s.amp_options)
       .epochs(s.epochs)
       .steps_per_epoch(s.steps)
@@ -379,12 +386,23 @@ void print_setup(std::ostream& info,
                  Trainer& trainer,
                  const TrainerOptions& o) {
   const int world = where.world;
+  const MeshOptions& m = o.mesh();
+  std::string mesh;
+  if (m.is_mesh()) {
+    const auto dims = mesh_dims(world, m.dp_replicate(), m.dp_shard(), m.tp(), m.pp());
+    mesh = " on mesh " + DeviceMesh::describe(dims);
+    if (m.tp() > 1) {
+      mesh += std::string(m.sequence_parallel() ? " with" : " without") + " sequence parallel" +
+              (m.loss_parallel() ? ", loss parallel" : "");
+    }
+  }
   info << "paratrain train: " << describe_model_and_data(s, sets, n_params) << ", strategy "
-       << s.strategy << ", " << world << " rank" << (world == 1 ? "" : "s")
+       << s.strategy << mesh << ", " << world << " rank" << (world == 1 ? "" : "s")
        << (where.pg ? " (" + where.pg->backend_name() + ")" : "") << ", device"
        << describe_devices(s, where.device, balance) << ", batch " << s.batch_size
        << (!s.dp_devices.empty() ? " (whole, scattered), "
            : s.piped             ? " (whole, micro-batched), "
+           : m.is_mesh()         ? " per data-parallel rank, "
                                  : " per rank, ")
        << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind() << " lr "
        << s.lr << ", momentum " << s.momentum << ", weight decay " << s.weight_decay << ", seed "

@@ -43,7 +43,22 @@ std::vector<OptionSpec> setup_option_specs() {
       {"vocab", "V", "GPT: the vocabulary size (default 50257, GPT-2's; 256 for byte tokens)"},
       {"context", "N",
        "GPT: tokens per sample, the model's context (default 1024; at most a preset's 1024)"},
-      {"strategy", "NAME", "single (default), ddp, fsdp, dp or pipeline"},
+      {"strategy", "NAME",
+       "single (default), ddp, fsdp, dp or pipeline (fsdp when a mesh degree below is given)"},
+      {"dp-replicate", "R",
+       "fsdp: replicas of the sharded model (HSDP), torchtitan's data_parallel_replicate_degree "
+       "(default 1)"},
+      {"dp-shard", "S",
+       "fsdp: ranks each replica is sharded over, torchtitan's data_parallel_shard_degree "
+       "(default -1: what the other degrees leave of the world)"},
+      {"tp", "T",
+       "fsdp with a GPT: tensor-parallel ranks, adjacent ones, with sequence and loss parallel "
+       "(default 1)"},
+      {"pp", "P",
+       "pipeline stages on the mesh (only 1 so far; pipelines alone: --strategy pipeline)"},
+      {"no-sequence-parallel", "",
+       "with --tp: keep the LayerNorms and the residual stream whole on every rank"},
+      {"no-loss-parallel", "", "with --tp: gather the logits over the vocabulary before the loss"},
       {"nproc-per-node,nproc_per_node,nproc", "N",
        "with ddp or fsdp: start N ranks through the launcher, as torchrun --nproc-per-node "
        "(--nproc: the earlier spelling, kept for this release)"},
@@ -168,7 +183,9 @@ TrainSettings read_basics(const Args& args) {
   TrainSettings s;
   s.model_name = args.get("model", "mlp");
   s.dataset = args.get("dataset", "fashion-mnist");
-  s.strategy = args.get("strategy", "single");
+  const bool mesh =
+      args.has("dp-replicate") || args.has("dp-shard") || args.has("tp") || args.has("pp");
+  s.strategy = args.get("strategy", mesh ? "fsdp" : "single");
   s.epochs = args.get_int("epochs", 1);
   s.steps = args.get_int("steps", 0);
   s.batch_size = args.get_int("batch-size", 64);
@@ -344,10 +361,16 @@ void check_data_and_strategy(const Args& args, TrainSettings& s) {
   } catch (const OptionError& e) {
     throw UsageError(flag_message(e));
   }
-  for (const char* flag : {"checkpoint-activations", "fsdp-param-dtype"}) {
+  for (const char* flag :
+       {"checkpoint-activations", "fsdp-param-dtype", "dp-replicate", "dp-shard", "tp", "pp"}) {
     if (args.has(flag) && strategy != "fsdp") {
       throw UsageError(std::string("--") + flag + " goes with --strategy fsdp (got --strategy " +
                        strategy + ")");
+    }
+  }
+  for (const char* flag : {"no-sequence-parallel", "no-loss-parallel"}) {
+    if (args.has(flag) && !args.has("tp")) {
+      throw UsageError(std::string("--") + flag + " goes with --tp T");
     }
   }
   if (args.has("fsdp-param-dtype") && args.get("fsdp-param-dtype") != "bf16" &&

@@ -137,9 +137,9 @@ int DeviceMesh::local_rank(const std::string& name) const {
   return i < 0 ? 0 : coordinate_[static_cast<size_t>(i)];
 }
 
-std::string DeviceMesh::describe() const {
+std::string DeviceMesh::describe(const std::vector<Dim>& dims) {
   std::string out;
-  for (const auto& [name, degree] : dims_) {
+  for (const auto& [name, degree] : dims) {
     out += (out.empty() ? "" : " x ") + name + "=" + std::to_string(degree);
   }
   return out;
@@ -167,12 +167,9 @@ std::vector<DeviceMesh::Dim> mesh_dims(
   std::vector<DeviceMesh::Dim> out;
   for (const DeviceMesh::Dim& d : std::vector<DeviceMesh::Dim>{
            {"pp", pp}, {"dp_replicate", dp_replicate}, {"dp_shard", dp_shard}, {"tp", tp}}) {
-    if (d.second > 1) {
+    if (d.second > 1 || d.first == "dp_shard") {
       out.push_back(d);
     }
-  }
-  if (out.empty()) {
-    out.push_back({"dp_shard", 1});
   }
   return out;
 }

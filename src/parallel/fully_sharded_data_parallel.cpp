@@ -290,16 +290,58 @@ bool FullyShardedDataParallel::requires_gradient_sync() const {
 }
 
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
+  return clip_grad_norm_(max_norm, TensorParallelLayout(), nullptr);
+}
+
+namespace {
+
+// The squared norms of a unit's gradient shard: [of the parameters `layout` splits, of the
+// others]. The shard covers [rank * size, (rank + 1) * size) of the flat parameter.
+std::pair<double, double> shard_square_norms(const UnitState& u,
+                                             const Tensor& grad,
+                                             int rank,
+                                             const TensorParallelLayout& layout) {
+  const Tensor g = grad.to(torch::kDouble);
+  if (layout.shards.empty()) {
+    return {0.0, g.pow(2).sum().item<double>()};
+  }
+  const int64_t lo = rank * grad.numel(), hi = lo + grad.numel();
+  double split = 0, whole = 0;
+  for (size_t i = 0; i < u.layout.params.size(); ++i) {
+    const int64_t begin = std::max(lo, u.layout.offsets[i]);
+    const int64_t end =
+        std::min(hi, u.layout.offsets[i] + c10::multiply_integers(u.layout.shapes[i]));
+    if (begin >= end) {
+      continue;
+    }
+    const double sq = g.narrow(0, begin - lo, end - begin).pow(2).sum().item<double>();
+    (layout.shards.count(u.layout.params[i]) ? split : whole) += sq;
+  }
+  return {split, whole};
+}
+
+}  // namespace
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm,
+                                                 const TensorParallelLayout& layout,
+                                                 const dist::ProcessGroupPtr& tp) {
   torch::NoGradGuard no_grad;
-  Tensor total = torch::zeros({1}, torch::kDouble);
+  double split = 0, whole = 0;
   for (const auto& u : impl_->units) {
     if (u.has_params() && u.shard.grad().defined()) {
-      total += u.shard.grad().to(torch::kDouble).pow(2).sum().cpu();
+      const auto [a, b] = shard_square_norms(u, u.shard.grad(), rank(), layout);
+      split += a;
+      whole += b;
     }
   }
-  Tensor sum = total.to(impl_->units[1].shard.device());
-  impl_->group->allreduce(sum, dist::ReduceOp::kSum)->wait();
-  const double norm = std::sqrt(sum.cpu().item<double>());
+  const torch::Device device = impl_->units[1].shard.device();
+  Tensor sums = torch::tensor({split, whole}, torch::kDouble).to(device);
+  impl_->group->allreduce(sums, dist::ReduceOp::kSum)->wait();
+  Tensor parts = sums.narrow(0, 0, 1).clone();  // the split parameters' parts, summed over tp
+  if (tp != nullptr && tp->size() > 1) {
+    tp->allreduce(parts, dist::ReduceOp::kSum)->wait();
+  }
+  const double norm = std::sqrt(parts.cpu().item<double>() + sums.cpu()[1].item<double>());
   const double coef = max_norm / (norm + 1e-6);
   if (max_norm > 0 && coef < 1) {
     for (auto& u : impl_->units) {

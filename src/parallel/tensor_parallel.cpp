@@ -160,6 +160,14 @@ std::string Placement::str() const {
   return shard ? "Shard(" + std::to_string(dim) + ")" : "Replicate()";
 }
 
+torch::Tensor tensor_parallel_all_gather(const torch::Tensor& local,
+                                         int64_t dim,
+                                         const dist::ProcessGroupPtr& tp) {
+  TORCH_CHECK(tp != nullptr, "tensor_parallel_all_gather: the tensor-parallel group is null");
+  torch::NoGradGuard no_grad;
+  return tp->size() == 1 ? local : all_gather_along(local, normalized(dim, local), *tp);
+}
+
 torch::Tensor tensor_parallel_slice(const torch::Tensor& whole,
                                     const TensorParallelShard& shard,
                                     int rank,

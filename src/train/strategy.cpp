@@ -56,7 +56,7 @@ torch::Tensor TrainStrategy::forward_backward(const torch::Tensor& input,
   {
     trace::Span span("forward", "compute");
     auto autocast = mp_->autocast();  // O1 only; its threads (dp) inherit it
-    loss = loss_of(train_forward(mp_->cast_input(input)), target);
+    loss = train_loss(train_forward(mp_->cast_input(input)), target);
   }
   trace::Span span("backward", "compute");
   const double accumulate = static_cast<double>(options_.accumulate());

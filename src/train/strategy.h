@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace paratrain::train_internal {
@@ -50,6 +51,9 @@ class TrainStrategy {
                                                     std::optional<data::Batch>& last);
   /// The global gradient norm (at its true scale), clipped to max_norm when max_norm > 0.
   virtual double clip_grad_norm_(double max_norm);
+  /// The data-parallel rank and size, when they are not the process group's (a device mesh,
+  /// whose tensor-parallel ranks take the same batches).
+  virtual std::optional<std::pair<int, int>> data_rank() const { return std::nullopt; }
   /// After each optimizer step (ddp compares its replicas every check_replicas steps).
   virtual void after_step(int64_t global_step) { (void)global_step; }
 
@@ -75,6 +79,10 @@ class TrainStrategy {
                 amp::AmpOptions amp);
   /// The training forward (through the wrapper that synchronizes the gradients).
   virtual torch::Tensor train_forward(const torch::Tensor& input);
+  /// The loss backward starts from: loss_of, or one over the vocabulary's parts (loss parallel).
+  virtual torch::Tensor train_loss(const torch::Tensor& output, const torch::Tensor& target) const {
+    return loss_of(output, target);
+  }
   /// The optimizer's state saved in a checkpoint (the shared file or, sharded, the rank files);
   /// `zero`: this run shards it too, and takes only its part when the world is the same.
   TensorMap saved_optimizer_state(const CheckpointState& state, bool zero) const;

@@ -1,11 +1,18 @@
 // --strategy fsdp: each rank keeps a shard of every unit's parameters, gradients and optimizer
-// state (FullyShardedDataParallel); its checkpoints are sharded (fsdp_checkpoint.h).
+// state (FullyShardedDataParallel); its checkpoints are sharded (fsdp_checkpoint.h). On a device
+// mesh (TrainerOptions::mesh) a gpt() model is first split by tensor parallelism over "tp"
+// (models/gpt_parallel.h), then sharded over "dp_shard" and replicated over "dp_replicate"
+// (HSDP), as torchtitan's parallelize applies them.
 
 #include "strategy.h"
 
 #include "paratrain/base/option_error.h"
+#include "paratrain/models/gpt.h"
+#include "paratrain/models/gpt_parallel.h"
+#include "paratrain/parallel/device_mesh.h"
 #include "paratrain/parallel/fsdp_checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
+#include "paratrain/parallel/tensor_parallel.h"
 
 namespace paratrain::train_internal {
 
@@ -18,11 +25,61 @@ amp::AmpOptions sharded_scaler(const TrainerOptions& o) {
   return amp;
 }
 
+// The mesh and what tensor parallelism split, made before FSDP wraps the model.
+struct MeshParts {
+  std::unique_ptr<DeviceMesh> mesh;  // null: plain FSDP over the whole group
+  TensorParallelLayout layout;
+  bool loss_parallel = false;
+  const dist::ProcessGroupPtr& tp() const { return (*mesh)["tp"]; }
+};
+
+MeshParts make_mesh(const TrainerOptions& o, const torch::nn::Sequential& model) {
+  MeshParts parts;
+  const MeshOptions& m = o.mesh();
+  if (!m.is_mesh()) {
+    return parts;
+  }
+  const dist::ProcessGroupPtr& pg = o.process_group();
+  parts.mesh = std::make_unique<DeviceMesh>(
+      pg, mesh_dims(pg->size(), m.dp_replicate(), m.dp_shard(), m.tp(), m.pp()));
+  if (m.tp() > 1) {
+    TORCH_CHECK(
+        models::gpt_context(model) > 0, "tensor parallelism (tp ", m.tp(),
+        ") has a plan for gpt() models only (--model gpt, gpt2, ...); this model is not one");
+    parts.loss_parallel = m.loss_parallel();
+    parts.layout = parallelize_module(
+        model.ptr(), parts.tp(),
+        models::gpt_parallelize_plan(model, m.tp(),
+                                     models::GptParallelOptions()
+                                         .sequence_parallel(m.sequence_parallel())
+                                         .loss_parallel(m.loss_parallel())));
+  }
+  return parts;
+}
+
+FsdpOptions mesh_fsdp_options(const TrainerOptions& o, const MeshParts& parts) {
+  FsdpOptions f = o.fsdp();
+  if (parts.mesh && parts.mesh->has("dp_replicate")) {
+    f.replicate_group((*parts.mesh)["dp_replicate"]);
+  }
+  return f;
+}
+
 class FsdpStrategy : public TrainStrategy {
  public:
   FsdpStrategy(const TrainerOptions& o, torch::nn::Sequential model)
       : TrainStrategy(o, std::move(model), o.device(), sharded_scaler(o)),
-        fsdp_(model_, o.process_group(), o.fsdp()) {}
+        parts_(make_mesh(o, model_)),
+        fsdp_(model_,
+              parts_.mesh ? (*parts_.mesh)["dp_shard"] : o.process_group(),
+              mesh_fsdp_options(o, parts_)) {}
+
+  std::optional<std::pair<int, int>> data_rank() const override {
+    if (!parts_.mesh) {
+      return std::nullopt;
+    }
+    return std::make_pair(parts_.mesh->local_rank("dp"), parts_.mesh->size("dp"));
+  }
 
   std::unique_ptr<torch::optim::Optimizer> make_optimizer() const override {
     return paratrain::make_optimizer(fsdp_.parameters(), options_.optimizer());
@@ -35,12 +92,20 @@ class FsdpStrategy : public TrainStrategy {
     return TrainStrategy::forward_backward(input, target, last);
   }
 
-  torch::Tensor forward(const torch::Tensor& input) override { return fsdp_.forward(input); }
+  // Under loss parallel the logits leave the head split by the vocabulary: whole for evaluation.
+  torch::Tensor forward(const torch::Tensor& input) override {
+    const torch::Tensor out = fsdp_.forward(input);
+    return parts_.loss_parallel ? tensor_parallel_all_gather(out, -1, parts_.tp()) : out;
+  }
 
   std::optional<data::Batch> next_val_batch(data::DataLoader& loader,
                                             std::optional<data::Batch>& last) override;
 
-  double clip_grad_norm_(double max_norm) override { return fsdp_.clip_grad_norm_(max_norm); }
+  double clip_grad_norm_(double max_norm) override {
+    return parts_.mesh && parts_.mesh->has("tp")
+               ? fsdp_.clip_grad_norm_(max_norm, parts_.layout, parts_.tp())
+               : fsdp_.clip_grad_norm_(max_norm);
+  }
 
   void capture(CheckpointState& s, torch::optim::Optimizer& optimizer) override {
     capture_sharded_state(fsdp_, &optimizer, s);
@@ -60,7 +125,11 @@ class FsdpStrategy : public TrainStrategy {
 
   TensorMap weights() override {
     TensorMap state;
-    for (auto& kv : fsdp_.full_state()) {
+    auto full = fsdp_.full_state();
+    if (parts_.mesh && parts_.mesh->has("tp")) {
+      full = tensor_parallel_full_state(full, parts_.layout, parts_.tp());
+    }
+    for (auto& kv : full) {
       state[kv.first] = kv.second;
     }
     for (const auto& b : model_->named_buffers()) {
@@ -71,8 +140,14 @@ class FsdpStrategy : public TrainStrategy {
 
  protected:
   torch::Tensor train_forward(const torch::Tensor& input) override { return fsdp_.forward(input); }
+  torch::Tensor train_loss(const torch::Tensor& output,
+                           const torch::Tensor& target) const override {
+    return parts_.loss_parallel ? loss_parallel_cross_entropy(output, target, parts_.tp())
+                                : loss_of(output, target);
+  }
 
  private:
+  MeshParts parts_;
   FullyShardedDataParallel fsdp_;
 };
 
@@ -101,6 +176,29 @@ std::optional<data::Batch> FsdpStrategy::next_val_batch(data::DataLoader& loader
   return data::Batch{last->data, torch::empty({0}, last->target.options())};
 }
 
+void check_mesh_options(const TrainerOptions& o) {
+  const MeshOptions& m = o.mesh();
+  PARATRAIN_CHECK_OPTION(m.pp() == 1, "mesh", "pipeline stages on a mesh (pp ", m.pp(),
+                         ") are not available yet: use pp 1, or strategy pipeline alone");
+  PARATRAIN_CHECK_OPTION(
+      m.dp_replicate() >= 1 && m.tp() >= 1 && (m.dp_shard() >= 1 || m.dp_shard() == -1), "mesh",
+      "the mesh's degrees must be >= 1 (dp_shard -1: the rest), got ", "dp_replicate ",
+      m.dp_replicate(), ", dp_shard ", m.dp_shard(), ", tp ", m.tp());
+  if (o.process_group() != nullptr) {
+    const int world = o.process_group()->size();
+    const int others = m.dp_replicate() * m.tp() * m.pp();
+    const int shard = m.dp_shard() == -1 ? world / std::max(1, others) : m.dp_shard();
+    PARATRAIN_CHECK_OPTION(others * shard == world, "mesh", "dp_replicate ", m.dp_replicate(),
+                           " x dp_shard ", m.dp_shard(), " x tp ", m.tp(), " x pp ", m.pp(),
+                           " does not make the world's ", world,
+                           " ranks; choose degrees whose product is the world size");
+  }
+  PARATRAIN_CHECK_OPTION(m.tp() == 1 || (o.checkpoint_dir().empty() && o.resume().empty()),
+                         "checkpoint_dir", "checkpoints of a tensor-parallel mesh (tp ", m.tp(),
+                         ") are not written yet: train without checkpoint_dir and resume, or "
+                         "with tp 1");
+}
+
 void check_fsdp_options(const TrainerOptions& o) {
   PARATRAIN_CHECK_OPTION(
       o.amp().opt_level() == amp::OptLevel::kO0 || o.amp().opt_level() == amp::OptLevel::kO1, "amp",
@@ -110,6 +208,7 @@ void check_fsdp_options(const TrainerOptions& o) {
   PARATRAIN_CHECK_OPTION(o.check_replicas() == 0, "check_replicas",
                          "check_replicas compares DDP's replicas; strategy fsdp keeps one shard "
                          "per rank, not replicas");
+  check_mesh_options(o);
 }
 
 }  // namespace
@@ -118,8 +217,12 @@ StrategyKind fsdp_strategy() {
   return {Strategy::kFSDP,
           "fsdp",
           /*takes_process_group=*/true,
-          no_own_options,
-          "",
+          [](const TrainerOptions& o) {
+            return o.mesh().is_mesh() || o.mesh().dp_shard() != -1
+                       ? std::vector<std::string>{"mesh"}
+                       : std::vector<std::string>{};
+          },
+          "lays the ranks out as a device mesh for FSDP and tensor parallelism",
           check_fsdp_options,
           make_strategy<FsdpStrategy>};
 }

@@ -155,6 +155,11 @@ void Trainer::Impl::build_strategy() {
     world = o.process_group()->size();
   }
   strategy = train_internal::strategy_kind(o.strategy()).make(o, model);
+  data_rank = rank;
+  data_world = world;
+  if (const auto dp = strategy->data_rank()) {
+    std::tie(data_rank, data_world) = *dp;
+  }
   device = strategy->device();
   mp = &strategy->mixed_precision();
   opt = strategy->make_optimizer();
@@ -173,7 +178,7 @@ void Trainer::Impl::refresh_batches() {
 }
 
 void Trainer::Impl::build_loaders() {
-  sampler = std::make_shared<data::DistributedSampler>(train->size(), world, rank,
+  sampler = std::make_shared<data::DistributedSampler>(train->size(), data_world, data_rank,
                                                        /*shuffle=*/true, o.seed());
   loader =
       std::make_unique<data::DataLoader>(train,
@@ -188,8 +193,8 @@ void Trainer::Impl::build_loaders() {
     // Each rank evaluates a contiguous share of the validation set.
     const size_t n = val->size();
     std::vector<size_t> share;
-    for (size_t i = n * static_cast<size_t>(rank) / static_cast<size_t>(world);
-         i < n * static_cast<size_t>(rank + 1) / static_cast<size_t>(world); ++i) {
+    const auto r = static_cast<size_t>(data_rank), w = static_cast<size_t>(data_world);
+    for (size_t i = n * r / w; i < n * (r + 1) / w; ++i) {
       share.push_back(i);
     }
     const int64_t eval_batch = o.eval_batch_size() > 0 ? o.eval_batch_size() : o.batch_size();
@@ -337,9 +342,10 @@ void Trainer::Impl::end_step(const torch::Tensor& loss) {
 
 void Trainer::Impl::write_step_row(const StepInfo& info) {
   const auto now = std::chrono::steady_clock::now();
-  // Every DDP rank trains on as many samples; dp and pipeline batches are whole.
+  // Every data-parallel rank trains on as many samples (a mesh's tp ranks on the same ones); dp
+  // and pipeline batches are whole.
   const double images_per_sec =
-      static_cast<double>(log_samples * world) /
+      static_cast<double>(log_samples * data_world) /
       std::max(1e-9, std::chrono::duration<double>(now - log_clock).count());
   log_clock = now;
   log_samples = 0;
@@ -447,7 +453,10 @@ EpochResult Trainer::Impl::run_epoch() {
   r.trained = totals[1].item<double>() > 0;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   r.train_loss = r.trained ? totals[0].item<double>() / totals[1].item<double>() : nan;
-  r.images_per_sec = r.trained ? totals[1].item<double>() / std::max(1e-9, r.seconds) : nan;
+  // Each of a mesh's tp ranks counted the same samples.
+  const double copies = static_cast<double>(world / data_world);
+  r.images_per_sec =
+      r.trained ? totals[1].item<double>() / copies / std::max(1e-9, r.seconds) : nan;
   r.lr = schedule->lr();
   if (!o.schedule_per_step()) {
     schedule->step();

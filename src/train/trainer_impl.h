@@ -34,6 +34,8 @@ struct Trainer::Impl {
   data::DatasetPtr val;
   int rank = 0;
   int world = 1;
+  int data_rank = 0;  // the sampler's: the data-parallel rank (a mesh's tp ranks share one)
+  int data_world = 1;
   torch::Device device = torch::kCPU;  // where batches go
   std::unique_ptr<train_internal::TrainStrategy> strategy;
   amp::MixedPrecision* mp = nullptr;  // the strategy's

@@ -56,7 +56,8 @@ class DeviceMesh {
   const std::vector<int>& coordinate() const { return coordinate_; }
   const dist::ProcessGroupPtr& world() const { return world_; }
   /// "dp_shard=2 x tp=2": the dimensions and their degrees, outermost first.
-  std::string describe() const;
+  std::string describe() const { return describe(dims_); }
+  static std::string describe(const std::vector<Dim>& dims);
 
   /// The world ranks of the group along dimension `dim` (by index) that holds `rank`, in the
   /// order of the coordinate along it.
@@ -76,7 +77,8 @@ class DeviceMesh {
 DeviceMesh init_device_mesh(dist::ProcessGroupPtr world, std::vector<DeviceMesh::Dim> dims);
 
 /// torchtitan's parallel degrees (ParallelDims): the mesh's dimensions in its order (pp,
-/// dp_replicate, dp_shard, tp), keeping those of degree above 1 (and dp_shard when all are 1).
+/// dp_replicate, dp_shard, tp), keeping those of degree above 1, and dp_shard always (FSDP
+/// shards over it, on one rank too).
 /// A dp_shard of -1 takes what the others leave of the world (torchtitan's default). Throws
 /// c10::Error when the degrees do not multiply to `world_size`, naming each.
 std::vector<DeviceMesh::Dim> mesh_dims(

@@ -53,6 +53,7 @@
 // every rank, in the same order, from one thread.
 
 #include "paratrain/comm/process_group.h"
+#include "paratrain/parallel/tensor_parallel.h"
 
 #include <torch/arg.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -130,6 +131,12 @@ class FullyShardedDataParallel {
   /// norms are summed over the ranks) and returns the norm before clipping, as
   /// torch.nn.utils.clip_grad_norm_. max_norm <= 0 only measures.
   double clip_grad_norm_(double max_norm);
+  /// The same for a module whose parameters are themselves parts over a tensor-parallel group
+  /// (parallelize_module's layout): the squared norms of the parameters the layout splits are
+  /// summed over `tp` as well, the others counted once (they are equal on every tp rank).
+  double clip_grad_norm_(double max_norm,
+                         const TensorParallelLayout& layout,
+                         const dist::ProcessGroupPtr& tp);
   [[deprecated("clip_grad_norm is now clip_grad_norm_, as PyTorch's FSDP names it")]] double
   clip_grad_norm(double max_norm) {
     return clip_grad_norm_(max_norm);

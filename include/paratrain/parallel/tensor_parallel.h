@@ -165,6 +165,12 @@ std::map<std::string, torch::Tensor> tensor_parallel_full_state(
     const TensorParallelLayout& layout,
     const dist::ProcessGroupPtr& tp);
 
+/// The whole tensor from every rank's part along `dim` (an all-gather over `tp`, without
+/// gradient): evaluation's logits under loss parallel.
+torch::Tensor tensor_parallel_all_gather(const torch::Tensor& local,
+                                         int64_t dim,
+                                         const dist::ProcessGroupPtr& tp);
+
 /// This rank's part of a whole tensor split as `shard` over `degree` ranks (`rank` of them).
 torch::Tensor tensor_parallel_slice(const torch::Tensor& whole,
                                     const TensorParallelShard& shard,

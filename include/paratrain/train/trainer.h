@@ -86,6 +86,30 @@ struct NonFiniteLoss : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The fsdp strategy's device mesh, in torchtitan's parallel degrees (DeviceMesh, mesh_dims):
+/// tensor parallelism over `tp` ranks (a gpt() model's plan, models/gpt_parallel.h), FSDP over
+/// `dp_shard`, replicas of the shards over `dp_replicate` (HSDP). All 1 (dp_shard the world):
+/// plain FSDP.
+struct MeshOptions {
+  /// Data-parallel replicas of the sharded model (HSDP's replicate dimension).
+  TORCH_ARG(int, dp_replicate) = 1;
+  /// Ranks each replica's shards are spread over; -1: what the other degrees leave of the world.
+  TORCH_ARG(int, dp_shard) = -1;
+  /// Tensor-parallel ranks (adjacent ranks: the innermost dimension).
+  TORCH_ARG(int, tp) = 1;
+  /// Pipeline stages; only 1 is taken on a mesh so far (pipelines alone: strategy pipeline).
+  TORCH_ARG(int, pp) = 1;
+  /// With tp > 1: the LayerNorms and the residual stream split along the sequence (torchtitan
+  /// always does); the sequence length must be a multiple of tp.
+  TORCH_ARG(bool, sequence_parallel) = true;
+  /// With tp > 1: the loss computed on the vocabulary's parts (torchtitan's default).
+  TORCH_ARG(bool, loss_parallel) = true;
+
+ public:
+  /// Whether this is more than plain FSDP (a degree other than dp_shard above 1).
+  bool is_mesh() const { return dp_replicate_ > 1 || tp_ > 1 || pp_ > 1; }
+};
+
 struct TrainerOptions {
   /// single, ddp, dp (DataParallel), pipeline or fsdp.
   TORCH_ARG(Strategy, strategy) = Strategy::kSingle;
@@ -104,6 +128,8 @@ struct TrainerOptions {
   /// writes its own shards and optimizer state, which resume on another number of ranks with
   /// `elastic` (resharded) and consolidate into one file (`paratrain checkpoint consolidate`).
   TORCH_ARG(FsdpOptions, fsdp) = {};
+  /// fsdp: the device mesh (tensor parallel, HSDP); the default is 1-D FSDP over every rank.
+  TORCH_ARG(MeshOptions, mesh) = {};
   /// Mixed precision: the opt level, dtype and loss scaling.
   TORCH_ARG(amp::AmpOptions, amp) = {};
   /// The optimizer and its hyperparameters.
