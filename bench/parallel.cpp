@@ -8,7 +8,9 @@
 // them), dp_bytes_sent (the same over dp_shard: FSDP's), bytes_formula (what Megatron-LM's
 // formula gives for the same shape: see megatron_bytes), bytes_ratio (bytes_sent over it), and
 // activation_bytes (the largest rank's live tensor bytes that the forward added: what backward
-// keeps, the logits included).
+// keeps, the logits included), block_activation_bytes (the same from the first block's input to
+// the last block's output: the transformer blocks' own, which Korthikanti et al.'s per-layer
+// formula counts; under FSDP it includes the next unit's prefetched weights).
 //
 //   paratrain bench parallel --json       (gpt2-medium's width, 4 blocks, context 256, 4 ranks)
 
@@ -40,7 +42,8 @@ const BenchSpec& parallel_spec() {
       {
           {"meshes", "LIST",
            "space-separated meshes of tpN[+sp][+lp], fsdpN and replicateN joined by commas "
-           "(default \"tp4 tp4+sp tp2,fsdp2 tp2+sp,fsdp2 fsdp4\"); +sp: sequence parallel, +lp: "
+           "(default \"tp4+lp tp4+sp+lp tp2+lp,fsdp2 tp2+sp+lp,fsdp2 fsdp4\"); +sp: sequence "
+           "parallel, +lp: "
            "loss parallel",
            "tp2 tp2+sp+lp fsdp2"},
           {"layers", "N", "transformer blocks (default 4)", "1"},
@@ -112,10 +115,12 @@ models::GptOptions bench_shape(const Bench& bench) {
 
 // Megatron-LM's bytes per rank per step for tensor parallelism over t ranks (Korthikanti et al.,
 // 2022, section 4.2.2): each block all-reduces its activations (b x s x h, fp32 here) twice in
-// forward and twice in backward, a ring sending 2(t-1)/t of each; sequence parallelism replaces
-// every all-reduce by an all-gather and a reduce-scatter, (t-1)/t each: the same bytes. To the
-// blocks' term this adds, as the plan runs them: the embedding's all-reduce (forward) and the
-// head's input (its backward all-reduce; under sequence parallelism an all-gather and a
+// forward and twice in backward, a ring sending 2(t-1)/t of each. Sequence parallelism replaces
+// every all-reduce by an all-gather and a reduce-scatter, (t-1)/t each, the same bytes; and, as
+// Megatron-LM's sequence-parallel layers do, the two layers that gather their input (c_attn,
+// c_fc) gather it again in backward instead of keeping it: two more all-gathers per block.
+// To the blocks' term this adds, as the plan runs them: the embedding's all-reduce (forward) and
+// the head's input (its backward all-reduce; under sequence parallelism an all-gather and a
 // reduce-scatter, and the embedding output's all-gather in backward); the logits' all-gather
 // ((t-1)/t of b x s x vocab) without loss parallel, or loss parallel's three all-reduces of b x s.
 // What the formula leaves out: the O(width) gradient sums of the LayerNorms and biases that
@@ -123,7 +128,8 @@ models::GptOptions bench_shape(const Bench& bench) {
 double megatron_bytes(const models::GptOptions& o, const MeshSpec& m, int64_t batch) {
   const double t = m.tp, f = (t - 1) / t;
   const double activations = 4.0 * static_cast<double>(batch * o.context() * o.width());
-  const double blocks = static_cast<double>(o.layers()) * 4 * 2 * f * activations;
+  const double per_block = m.sp ? (4 + 4 + 2) * f * activations : 4 * 2 * f * activations;
+  const double blocks = static_cast<double>(o.layers()) * per_block;
   double ends = 2 * f * activations + 2 * f * activations;  // embedding, head input
   if (m.sp) {
     ends = 2 * f * activations + f * activations + 2 * f * activations;
@@ -175,12 +181,34 @@ MeshRun build_mesh(const models::GptOptions& shape,
 
 struct StepTotals {
   std::vector<double> times;
-  double tp_bytes = 0, dp_bytes = 0, activations = 0, loss = 0;
+  double tp_bytes = 0, dp_bytes = 0, activations = 0, block_activations = 0, loss = 0;
 };
+
+// Live tensor bytes when the first block starts and when the last one ends, by forward hooks.
+struct BlockSpan {
+  std::shared_ptr<int64_t> start = std::make_shared<int64_t>(0);
+  std::shared_ptr<int64_t> end = std::make_shared<int64_t>(0);
+};
+
+BlockSpan watch_blocks(const torch::nn::Sequential& model, std::shared_ptr<ReplicaMemory> memory) {
+  BlockSpan span;
+  const auto blocks = models::gpt_block_names(model);
+  const auto children = model->named_children();
+  register_forward_pre_hook(*children[blocks.front()], [span, memory](const torch::Tensor& x) {
+    *span.start = memory->currents()[0];
+    return x;
+  });
+  register_forward_hook(*children[blocks.back()], [span, memory](const torch::Tensor& y) {
+    *span.end = memory->currents()[0];
+    return y;
+  });
+  return span;
+}
 
 void timed_step(MeshRun& run,
                 const MeshSpec& m,
                 ReplicaMemory& memory,
+                const BlockSpan& blocks,
                 const torch::Tensor& x,
                 const torch::Tensor& y,
                 StepTotals& totals,
@@ -203,6 +231,8 @@ void timed_step(MeshRun& run,
     totals.tp_bytes += static_cast<double>(run.sent("tp") - tp0);
     totals.dp_bytes += static_cast<double>(run.sent("dp_shard") + run.sent("dp_replicate") - dp0);
     totals.activations = std::max(totals.activations, activations);
+    totals.block_activations =
+        std::max(totals.block_activations, static_cast<double>(*blocks.end - *blocks.start));
   }
 }
 
@@ -214,6 +244,7 @@ int run_parallel_worker(const Bench& bench) {
   const models::GptOptions shape = bench_shape(bench);
   const MeshSpec m = parse_mesh(bench.get("mesh"));
   MeshRun run = build_mesh(shape, m, pg);
+  const BlockSpan blocks = watch_blocks(run.model, memory);
   const int batch = bench.get_int("batch-size", 1), steps = bench.get_int("steps", 3);
   // Every rank of a tp group takes its data-parallel rank's batch.
   torch::manual_seed(100 + run.mesh->local_rank("dp"));
@@ -222,14 +253,14 @@ int run_parallel_worker(const Bench& bench) {
                       y = tokens.narrow(1, 1, shape.context());
   StepTotals totals;
   for (int step = 0; step <= steps; ++step) {
-    timed_step(run, m, *memory, x, y, totals, step > 0);
+    timed_step(run, m, *memory, blocks, x, y, totals, step > 0);
     bench.progress("  " + bench.get("mesh") + " step " + std::to_string(step) + ": loss " +
                    std::to_string(totals.loss));
   }
-  at::Tensor t =
-      torch::tensor({median(totals.times), static_cast<double>(peak_rss_bytes()),
-                     totals.tp_bytes / steps, totals.dp_bytes / steps, totals.activations},
-                    torch::kDouble);
+  at::Tensor t = torch::tensor(
+      {median(totals.times), static_cast<double>(peak_rss_bytes()), totals.tp_bytes / steps,
+       totals.dp_bytes / steps, totals.activations, totals.block_activations},
+      torch::kDouble);
   pg->allreduce(t, dist::ReduceOp::kMax)->wait();
   if (pg->rank() == 0) {
     const double formula = m.tp > 1 ? megatron_bytes(shape, m, batch) : 0.0;
@@ -243,6 +274,7 @@ int run_parallel_worker(const Bench& bench) {
                 {"dp_bytes_sent", static_cast<int64_t>(t[3].item<double>())},
                 {"bytes_formula", static_cast<int64_t>(formula)},
                 {"activation_bytes", static_cast<int64_t>(t[4].item<double>())},
+                {"block_activation_bytes", static_cast<int64_t>(t[5].item<double>())},
                 {"steps", steps}};
     if (formula > 0) {
       row["bytes_ratio"] = t[2].item<double>() / formula;
@@ -285,7 +317,7 @@ void print_parallel_rows(const Bench& bench, const std::vector<JsonRow>& rows) {
 int run_parallel_bench(const Bench& bench) {
   const int ranks = bench.get_int("nproc-per-node", 4);
   std::vector<std::string> meshes;
-  std::stringstream in(bench.get("meshes", "tp4 tp4+sp tp2,fsdp2 tp2+sp,fsdp2 fsdp4"));
+  std::stringstream in(bench.get("meshes", "tp4+lp tp4+sp+lp tp2+lp,fsdp2 tp2+sp+lp,fsdp2 fsdp4"));
   for (std::string word; in >> word;) {
     const MeshSpec m = parse_mesh(word);  // refused here, before any job starts
     require(m.tp * m.shard * m.replicate == ranks,

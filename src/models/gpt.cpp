@@ -146,9 +146,11 @@ struct GptAttentionImpl : nn::Cloneable<GptAttentionImpl> {
   // The heads are those c_attn gives: all of them, or this rank's under tensor parallelism
   // (ColwiseParallel with chunks 3 keeps each rank's heads of q, k and v).
   torch::Tensor attend(const torch::Tensor& x) {
-    const int64_t batch = x.size(0), length = x.size(1);
     const int64_t head_dim = options.width() / options.heads();
+    // The whole sequence: under sequence parallelism x holds this rank's part and c_attn
+    // gathers it.
     const torch::Tensor fused = c_attn(x);
+    const int64_t batch = fused.size(0), length = fused.size(1);
     const int64_t width = fused.size(2) / 3, heads = width / head_dim;
     const auto qkv = fused.split(width, /*dim=*/2);
     auto split_heads = [&](const torch::Tensor& t) {
@@ -200,9 +202,11 @@ struct GptBlockImpl : nn::Cloneable<GptBlockImpl> {
     ln_2 = register_module("ln_2", GptLayerNorm(options.width()));
     mlp = register_module("mlp", GptMlp(options));
   }
-  torch::Tensor forward(torch::Tensor x) {
-    x = x + attn(ln_1(x));
-    return x + mlp(ln_2(x));
+  torch::Tensor forward(const torch::Tensor& input) {
+    return call_with_hooks(*this, input, [this](torch::Tensor x) {
+      x = x + attn(ln_1(x));
+      return x + mlp(ln_2(x));
+    });
   }
   GptOptions options;
   GptLayerNorm ln_1{nullptr}, ln_2{nullptr};

@@ -53,14 +53,15 @@ ParallelizePlan gpt_parallelize_plan(const torch::nn::Sequential& model,
         {"embed",
          PrepareModuleOutput().output_layouts(Replicate()).desired_output_layouts(Shard(1))});
     plan.push_back({"h*.ln_1", SequenceParallel()});
-    plan.push_back({"h*.attn", PrepareModuleInput()});
     plan.push_back({"h*.ln_2", SequenceParallel()});
-    plan.push_back({"h*.mlp", PrepareModuleInput()});
     plan.push_back({"ln_f", SequenceParallel()});
   }
-  plan.push_back({"h*.attn.c_attn", ColwiseParallel().chunks(3)});
+  // Under sequence parallelism c_attn and c_fc gather their input themselves, which keeps only
+  // each rank's part of it for backward (torchtitan puts a PrepareModuleInput on attention and the
+  // MLP instead; DTensor then keeps the gathered input).
+  plan.push_back({"h*.attn.c_attn", ColwiseParallel().chunks(3).input_layouts(residual)});
   plan.push_back({"h*.attn.c_proj", RowwiseParallel().output_layouts(residual)});
-  plan.push_back({"h*.mlp.c_fc", ColwiseParallel()});
+  plan.push_back({"h*.mlp.c_fc", ColwiseParallel().input_layouts(residual)});
   plan.push_back({"h*.mlp.c_proj", RowwiseParallel().output_layouts(residual)});
   plan.push_back(
       {"head", ColwiseParallel().input_layouts(residual).output_layouts(

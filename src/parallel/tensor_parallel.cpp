@@ -186,6 +186,49 @@ torch::Tensor tensor_parallel_slice(const torch::Tensor& whole,
 
 namespace {
 
+// Note [Sequence-parallel linear layers]
+// A column-parallel layer whose input is split along the sequence all-gathers it first. Kept for
+// backward, the gathered input would hold the whole sequence's activations on every rank, which
+// sequence parallelism is there to avoid; so, as Megatron-LM's sequence-parallel linear layers do,
+// only this rank's part is kept, and backward all-gathers it again to compute the weight's
+// gradient (one more all-gather per such layer: see bench/parallel.cpp's formula). The input's
+// gradient, partial on every rank, is reduce-scattered back to the parts.
+struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
+  static Tensor forward(AutogradContext* ctx,
+                        const Tensor& local,
+                        const Tensor& weight,
+                        const Tensor& bias,
+                        const c10::IValue& capsule,
+                        int64_t dim,
+                        bool in_out) {
+    auto g = c10::static_intrusive_pointer_cast<TpGroupCapsule>(capsule.toCapsule())->group;
+    ctx->save_for_backward({local, weight});
+    ctx->saved_data["group"] = capsule;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["in_out"] = in_out;
+    ctx->saved_data["bias"] = bias.defined();
+    const Tensor x = all_gather_along(local, dim, *g);
+    return in_out ? (bias.defined() ? torch::matmul(x, weight) + bias : torch::matmul(x, weight))
+                  : torch::linear(x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g =
+        c10::static_intrusive_pointer_cast<TpGroupCapsule>(ctx->saved_data["group"].toCapsule())
+            ->group;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& weight = saved[1];
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const bool in_out = ctx->saved_data["in_out"].toBool();
+    const Tensor x = all_gather_along(saved[0], dim, *g);  // gathered again, not kept
+    const Tensor dy = grads[0];
+    const Tensor dx = in_out ? torch::matmul(dy, weight.t()) : torch::matmul(dy, weight);
+    const Tensor x2 = x.reshape({-1, x.size(-1)}), dy2 = dy.reshape({-1, dy.size(-1)});
+    const Tensor dw = in_out ? torch::matmul(x2.t(), dy2) : torch::matmul(dy2.t(), x2);
+    const Tensor db = ctx->saved_data["bias"].toBool() ? dy2.sum(0) : Tensor();
+    return {reduce_scatter_along(dx, dim, *g), dw, db, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 // What a style may be applied to.
 // kInOut is a LinearLayer whose weight is [in, out] (Conv1D); one with [out, in] is a kLinear.
 enum class Kind { kLinear, kInOut, kEmbedding, kLayerNorm, kNoParameters, kOther };
@@ -268,16 +311,27 @@ void apply(const Target& t, const ColwiseParallel& style) {
                 "Linear, Conv1D, Embedding or a module without parameters (a tied head)");
   }
   const dist::ProcessGroupPtr g = t.group;
-  register_forward_wrapper(*t.module, [g, style](const Tensor& x, const ForwardFunction& forward) {
-    Tensor in = x;
-    if (x.is_floating_point()) {  // token ids need no collective
-      if (style.input_layouts().shard) {
-        in = comm(Comm::kGather, x, style.input_layouts().dim, g);
-      } else if (t_partial_input_scope == 0) {
-        in = comm(Comm::kCopy, x, 0, g);
+  torch::nn::Module* m = t.module;
+  const bool linear = kind == Kind::kLinear || kind == Kind::kInOut;
+  register_forward_wrapper(*m, [g, m, style, linear, kind](const Tensor& x,
+                                                           const ForwardFunction& forward) {
+    Tensor y;
+    if (linear && style.input_layouts().shard && g->size() > 1) {
+      // Note [Sequence-parallel linear layers]
+      const c10::IValue capsule = c10::IValue::make_capsule(c10::make_intrusive<TpGroupCapsule>(g));
+      y = GatheredLinear::apply(x, own(m, "weight"), own(m, "bias"), capsule,
+                                normalized(style.input_layouts().dim, x), kind == Kind::kInOut);
+    } else {
+      Tensor in = x;
+      if (x.is_floating_point()) {  // token ids need no collective
+        if (style.input_layouts().shard) {
+          in = comm(Comm::kGather, x, style.input_layouts().dim, g);
+        } else if (t_partial_input_scope == 0) {
+          in = comm(Comm::kCopy, x, 0, g);
+        }
       }
+      y = forward(in);
     }
-    const Tensor y = forward(in);
     return style.output_layouts().shard ? y : comm(Comm::kGatherWhole, y, -1, g);
   });
 }

@@ -43,6 +43,10 @@ std::vector<TpCase> tp_cases() {
   return {
       {"tp4", 4, {"--tp", "4"}},
       {"tp4_sgd", 4, {"--tp", "4", "--optimizer", "sgd", "--lr", "0.1", "--tolerance", "1e-6"}},
+      {"tp4_sp_loss_parallel_sgd",
+       4,
+       {"--tp", "4", "--sp", "--loss-parallel", "--optimizer", "sgd", "--lr", "0.1", "--tolerance",
+        "1e-6"}},
       {"hsdp_2x2", 4, {"--tp", "1", "--dp-replicate", "2", "--dp-shard", "2"}},
       {"tp2_fsdp2", 4, {"--tp", "2", "--dp-shard", "2"}},
       {"tp2_sp_loss_parallel", 2, {"--tp", "2", "--sp", "--loss-parallel"}},

@@ -8,7 +8,9 @@
 //  - the head (tied to the embedding) gives each rank its part of the vocabulary, gathered
 //    unless the loss is computed on the parts (loss parallel: loss_parallel_cross_entropy);
 //  - with sequence parallelism, the LayerNorms and the residual stream hold each rank's part of
-//    the sequence (Shard(1)): all-gathered before attention and the MLP, reduce-scattered after.
+//    the sequence (Shard(1)): all-gathered by c_attn and c_fc (which keep only the part for
+//    backward and gather it again there, as Megatron-LM does), reduce-scattered after attention
+//    and the MLP.
 //
 //   auto layout = paratrain::parallelize_module(
 //       model.ptr(), mesh["tp"], paratrain::models::gpt_parallelize_plan(model, tp_degree,
