@@ -258,6 +258,10 @@ SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
   s.world = state.world_size;
   try {
     const Json meta = Json::parse(state.meta);
+    TORCH_CHECK(!meta.contains("mesh"), state.path, " was saved on the device mesh ",
+                meta.at("mesh").value("dims", std::string("?")),
+                ": its rank files hold tensor-parallel parts, which loading into plain FSDP or "
+                "consolidating does not take yet; resume it on the same mesh");
     const Json& fsdp = meta.at("fsdp");
     TORCH_CHECK(fsdp.value("world_size", -1) == s.world, state.path, "'s layout is of ",
                 fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,

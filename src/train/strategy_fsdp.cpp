@@ -109,6 +109,11 @@ class FsdpStrategy : public TrainStrategy {
 
   void capture(CheckpointState& s, torch::optim::Optimizer& optimizer) override {
     capture_sharded_state(fsdp_, &optimizer, s);
+    if (parts_.mesh) {  // each world rank's file holds its shards of its tensor-parallel parts
+      nlohmann::json meta = nlohmann::json::parse(s.meta);
+      meta["mesh"] = mesh_json();
+      s.meta = meta.dump();
+    }
   }
 
   // The layout's checks (units, names, shapes) come with the load (restore_sharded_state).
@@ -120,7 +125,34 @@ class FsdpStrategy : public TrainStrategy {
     TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
                 " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
                 meta.value("strategy", std::string("?")), ")");
-    restore_sharded_state(s, fsdp_, &optimizer);
+    const std::string saved = meta.contains("mesh") ? meta["mesh"].value("dims", "") : "";
+    const std::string here = parts_.mesh ? parts_.mesh->describe() : "";
+    TORCH_CHECK(saved == here, "checkpoint ", s.path, " was saved ",
+                saved.empty() ? "by plain FSDP" : "on the mesh " + saved, " and this run is ",
+                here.empty() ? "plain FSDP" : "on the mesh " + here,
+                "; resume it on the mesh it was saved on (resharding a checkpoint to another "
+                "mesh is not available yet)");
+    if (!parts_.mesh) {
+      restore_sharded_state(s, fsdp_, &optimizer);
+      return;
+    }
+    TORCH_CHECK(meta["mesh"] == mesh_json(), "checkpoint ", s.path,
+                " was saved with another tensor-parallel layout (", meta["mesh"].dump(),
+                "); resume it with the options it was saved with");
+    // The same mesh: this rank's own file holds exactly its shards and optimizer state.
+    fsdp_.load_own_shards(with_prefix(s.own, "fsdp.", /*strip=*/true));
+    load_optimizer_state(optimizer, with_prefix(s.own, "optim.", /*strip=*/true));
+  }
+
+  // The mesh, and what tensor parallelism split, as a checkpoint records them.
+  nlohmann::json mesh_json() const {
+    nlohmann::json shards = nlohmann::json::object();
+    for (const auto& [name, shard] : parts_.layout.shards) {
+      shards[name] = {{"dim", shard.dim}, {"chunks", shard.chunks}};
+    }
+    return {{"dims", parts_.mesh->describe()},
+            {"sequence_parallel", options_.mesh().sequence_parallel()},
+            {"tensor_parallel", shards}};
   }
 
   TensorMap weights() override {
@@ -193,10 +225,6 @@ void check_mesh_options(const TrainerOptions& o) {
                            " does not make the world's ", world,
                            " ranks; choose degrees whose product is the world size");
   }
-  PARATRAIN_CHECK_OPTION(m.tp() == 1 || (o.checkpoint_dir().empty() && o.resume().empty()),
-                         "checkpoint_dir", "checkpoints of a tensor-parallel mesh (tp ", m.tp(),
-                         ") are not written yet: train without checkpoint_dir and resume, or "
-                         "with tp 1");
 }
 
 void check_fsdp_options(const TrainerOptions& o) {

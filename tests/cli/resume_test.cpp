@@ -651,6 +651,50 @@ TEST(Resume, FsdpCheckpointsResumeBitwiseReshardAndConsolidate) {  // ctest: slo
   remove_with_prefix(base);
 }
 
+// A job on a 2-D mesh (tensor parallel over 2 ranks, FSDP over 2) stopped after 2 epochs and
+// resumed for the third ends with the weights of one that ran 3 epochs straight, bit for bit. Its
+// checkpoint is refused, in one line, by plain FSDP and by consolidation, which do not take
+// tensor-parallel parts yet.
+TEST(Resume, MeshCheckpointsResumeBitwise) {  // ctest: slow 40
+  const std::string text = "/usr/share/common-licenses/GPL-3";
+  if (!std::ifstream(text).good()) {
+    GTEST_SKIP() << text << " is missing (Debian's base-files ships it)";
+  }
+  const std::string base = "/tmp/" + unique_token("mesh-resume");
+  const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
+  auto tok = run_process({cli_path(), "data", "tokenize", "--bytes", text, "--out", base + "-tok"});
+  ASSERT_EQ(tok.exit_code, 0) << tok.output;
+  const std::string tokens = base + "-tok";
+  auto mesh_job = [&](const std::string& dir, int epochs) {
+    std::vector<std::string> job = fsdp_job(tokens, dir, 4, epochs);
+    job.insert(job.end(), {"--tp", "2", "--dp-shard", "2"});
+    return job;
+  };
+  auto straight = run_process(
+      plus(mesh_job(base + "-a", 3), {"--save-weights", base + "-a.safetensors"}), env, 300);
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  auto first = run_process(mesh_job(base + "-b", 2), env, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto rest = run_process(plus(mesh_job(base + "-b", 3),
+                               {"--resume", "auto", "--save-weights", base + "-b.safetensors"}),
+                          env, 300);
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  EXPECT_NE(rest.output.find("resumed from"), std::string::npos) << rest.output;
+  EXPECT_EQ(read_bytes(base + "-a.safetensors"), read_bytes(base + "-b.safetensors"));
+  auto plain =
+      run_process(plus(fsdp_job(tokens, base + "-b", 4, 4), {"--resume", "auto"}), env, 300);
+  EXPECT_NE(plain.exit_code, 0);
+  EXPECT_NE(plain.output.find("was saved on the mesh dp_shard=2 x tp=2 and this run is plain FSDP"),
+            std::string::npos)
+      << plain.output;
+  auto whole = run_process(
+      {cli_path(), "checkpoint", "consolidate", base + "-b", "--out", base + "-c.safetensors"});
+  EXPECT_NE(whole.exit_code, 0);
+  EXPECT_NE(whole.output.find("was saved on the device mesh dp_shard=2 x tp=2"), std::string::npos)
+      << whole.output;
+  remove_with_prefix(base);
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace paratrain
