@@ -320,6 +320,8 @@ int run_parallel_bench(const Bench& bench) {
   std::stringstream in(bench.get("meshes", "tp4+lp tp4+sp+lp tp2+lp,fsdp2 tp2+sp+lp,fsdp2 fsdp4"));
   for (std::string word; in >> word;) {
     const MeshSpec m = parse_mesh(word);  // refused here, before any job starts
+    require(m.replicate == 1 || m.shard > 1,
+            "mesh '" + word + "': replicateN shards over fsdpN (HSDP); add fsdpN with N above 1");
     require(m.tp * m.shard * m.replicate == ranks,
             "mesh '" + word + "' has " + std::to_string(m.tp * m.shard * m.replicate) +
                 " ranks; --nproc-per-node is " + std::to_string(ranks));

@@ -369,9 +369,15 @@ void check_data_and_strategy(const Args& args, TrainSettings& s) {
     }
   }
   for (const char* flag : {"no-sequence-parallel", "no-loss-parallel"}) {
-    if (args.has(flag) && !args.has("tp")) {
-      throw UsageError(std::string("--") + flag + " goes with --tp T");
+    if (args.has(flag) && args.get_int("tp", 1) <= 1) {
+      throw UsageError(std::string("--") + flag + " goes with --tp T (T above 1)");
     }
+  }
+  if (args.get_int("tp", 1) > 1 && !s.gpt) {
+    throw UsageError(
+        "--tp splits a GPT's heads, MLP and vocabulary: use --model gpt or a GPT-2 "
+        "preset (got --model " +
+        s.model_name + ")");
   }
   if (args.has("fsdp-param-dtype") && args.get("fsdp-param-dtype") != "bf16" &&
       args.get("fsdp-param-dtype") != "fp16") {

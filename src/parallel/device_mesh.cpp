@@ -154,11 +154,11 @@ std::vector<DeviceMesh::Dim> mesh_dims(
   TORCH_CHECK(dp_replicate >= 1 && tp >= 1 && pp >= 1 && (dp_shard >= 1 || dp_shard == -1),
               "mesh: every degree must be >= 1 (dp_shard may be -1: the rest of the world), got ",
               "dp_replicate=", dp_replicate, " dp_shard=", dp_shard, " tp=", tp, " pp=", pp);
-  const int others = dp_replicate * tp * pp;
+  const int64_t others = int64_t{dp_replicate} * tp * pp;
   if (dp_shard == -1) {
     TORCH_CHECK(world_size % others == 0, "mesh: dp_replicate=", dp_replicate, " x tp=", tp,
                 " x pp=", pp, " = ", others, " does not divide the world size ", world_size);
-    dp_shard = world_size / others;
+    dp_shard = static_cast<int>(world_size / others);
   }
   TORCH_CHECK(others * dp_shard == world_size, "mesh: dp_replicate=", dp_replicate,
               " x dp_shard=", dp_shard, " x tp=", tp, " x pp=", pp, " = ", others * dp_shard,

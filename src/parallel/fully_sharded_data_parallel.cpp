@@ -5,6 +5,7 @@
 
 #include "paratrain/util/allocator.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -214,6 +215,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   collect_params(m.units[0], named_of(m.units[0]), owner);
   shard_units(m);
   broadcast_buffers(module, m.group);
+  if (m.options.replicate_group() != nullptr) {
+    broadcast_buffers(module, m.options.replicate_group());  // HSDP: one copy for every replica
+  }
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() {
@@ -325,6 +329,18 @@ std::pair<double, double> shard_square_norms(const UnitState& u,
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm,
                                                  const TensorParallelLayout& layout,
                                                  const dist::ProcessGroupPtr& tp) {
+  TORCH_CHECK(
+      layout.shards.empty() || tp != nullptr,
+      "FullyShardedDataParallel::clip_grad_norm_: a tensor-parallel layout needs its group");
+  for (const auto& [name, shard] : layout.shards) {
+    bool found = false;
+    for (const auto& u : impl_->units) {
+      found = found || std::find(u.layout.params.begin(), u.layout.params.end(), name) !=
+                           u.layout.params.end();
+    }
+    TORCH_CHECK(found, "FullyShardedDataParallel::clip_grad_norm_: the layout's ", name,
+                " is no parameter of the model (parallelize the model FSDP wraps, by its names)");
+  }
   torch::NoGradGuard no_grad;
   double split = 0, whole = 0;
   for (const auto& u : impl_->units) {

@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -43,12 +44,18 @@ std::weak_ptr<const torch::nn::Module> owner_of(const torch::nn::Module& module)
   }
 }
 
-Hooks& entry(Table& t, const torch::nn::Module& module) {
-  auto it = t.hooks.find(&module);
-  if (it != t.hooks.end() && it->second.owner.expired()) {
-    t.hooks.erase(it);  // a module at this address that is gone: its hooks went with it
-    it = t.hooks.end();
+// Drops the hooks of modules that are gone (and with them what the hooks hold: process groups),
+// under the table's unique lock.
+void purge(Table& t) {
+  for (auto it = t.hooks.begin(); it != t.hooks.end();) {
+    it = it->second.owner.expired() ? t.hooks.erase(it) : std::next(it);
   }
+  t.count = t.hooks.size();
+}
+
+Hooks& entry(Table& t, const torch::nn::Module& module) {
+  purge(t);  // also a module at this address that is gone: its hooks went with it
+  auto it = t.hooks.find(&module);
   if (it == t.hooks.end()) {
     it = t.hooks.emplace(&module, Hooks{owner_of(module), {}, {}, {}}).first;
     t.count = t.hooks.size();
@@ -83,7 +90,7 @@ void remove_forward_hooks(const torch::nn::Module& module) {
   Table& t = table();
   std::unique_lock<std::shared_mutex> lock(t.mutex);
   t.hooks.erase(&module);
-  t.count = t.hooks.size();
+  purge(t);
 }
 
 bool has_forward_hooks(const torch::nn::Module& module) {

@@ -13,14 +13,14 @@
 #include <set>
 #include <sstream>
 
-// Note [Partial gradients under PrepareModuleInput]
-// A ColwiseParallel module whose input is whole on every rank (Replicate) gets that input's
-// gradient only for its own output features: the gradients of the ranks must be summed, which
-// its input's backward does (an all-reduce). When the input was all-gathered by a
-// PrepareModuleInput (Shard(1) to Replicate, before attention under sequence parallelism), that
-// all-gather's backward is a reduce-scatter, which sums the ranks' gradients and splits them in
-// one collective; the modules inside leave their inputs' gradients partial for it. A thread-local
-// count marks the forward of such a module, as PyTorch's DTensor marks the gradient Partial.
+// Note [Layouts of gradients]
+// Every style gives the gradient of its input in the input's own layout: whole on every rank for
+// a Replicate input (a ColwiseParallel layer all-reduces the partial gradients of its features),
+// this rank's part for a Shard one. So a layout change only moves whole gradients: a
+// PrepareModuleInput from Shard(1) to Replicate all-gathers forward and keeps this rank's part of
+// the gradient backward, whatever consumes the gathered tensor (a residual, another layer).
+// PyTorch's DTensor can leave a gradient Partial and reduce-scatter it once; here the column-wise
+// layers that gather their input themselves (input_layouts Shard(1)) do that instead.
 
 namespace paratrain {
 namespace {
@@ -35,10 +35,17 @@ struct TpGroupCapsule : torch::CustomClassHolder {
   dist::ProcessGroupPtr group;
 };
 
-thread_local int t_partial_input_scope = 0;  // Note [Partial gradients under PrepareModuleInput]
-
 int64_t normalized(int64_t dim, const Tensor& x) {
   return dim < 0 ? dim + x.dim() : dim;
+}
+
+// A tensor split along `dim` over the group: the sequence (dimension 1) under sequence
+// parallelism, features elsewhere.
+void check_splits(const Tensor& x, int64_t dim, dist::ProcessGroup& g) {
+  TORCH_CHECK(x.size(dim) % g.size() == 0, "tensor parallel: dimension ", dim, " (of shape ",
+              x.sizes(), ") does not split over the ", g.size(),
+              " ranks of the tensor-parallel group",
+              dim == 1 ? "; make the sequence a multiple of " + std::to_string(g.size()) : "");
 }
 
 Tensor all_reduce_sum(const Tensor& x, dist::ProcessGroup& g) {
@@ -57,9 +64,7 @@ Tensor all_gather_along(const Tensor& x, int64_t dim, dist::ProcessGroup& g) {
 }
 
 Tensor reduce_scatter_along(const Tensor& x, int64_t dim, dist::ProcessGroup& g) {
-  TORCH_CHECK(x.size(dim) % g.size() == 0, "tensor parallel: dimension ", dim, " of size ",
-              x.size(dim), " does not split over the ", g.size(),
-              " ranks of the tensor-parallel group; make the sequence a multiple of ", g.size());
+  check_splits(x, dim, g);
   Tensor moved = x.movedim(dim, 0).contiguous();
   std::vector<int64_t> sizes = moved.sizes().vec();
   sizes[0] /= g.size();
@@ -69,9 +74,7 @@ Tensor reduce_scatter_along(const Tensor& x, int64_t dim, dist::ProcessGroup& g)
 }
 
 Tensor chunk_along(const Tensor& x, int64_t dim, dist::ProcessGroup& g) {
-  TORCH_CHECK(x.size(dim) % g.size() == 0, "tensor parallel: dimension ", dim, " of size ",
-              x.size(dim), " does not split over the ", g.size(),
-              " ranks of the tensor-parallel group; make the sequence a multiple of ", g.size());
+  check_splits(x, dim, g);
   const int64_t part = x.size(dim) / g.size();
   return x.narrow(dim, part * g.rank(), part).contiguous();
 }
@@ -134,18 +137,16 @@ Tensor comm(Comm kind, const Tensor& x, int64_t dim, const dist::ProcessGroupPtr
   return TpComm::apply(x, static_cast<int64_t>(kind), normalized(dim, x), capsule);
 }
 
-// A layout change of a tensor whose consumers give it a whole gradient (PrepareModuleOutput, a
-// colwise output made Replicate) or, with `partial_grad`, a partial one (PrepareModuleInput).
+// A layout change; the gradient comes back whole (Note [Layouts of gradients]).
 Tensor relayout(const Tensor& x,
                 const Placement& from,
                 const Placement& to,
-                bool partial_grad,
                 const dist::ProcessGroupPtr& g) {
   if (from == to) {
     return x;
   }
   if (from.shard && !to.shard) {
-    return comm(partial_grad ? Comm::kGather : Comm::kGatherWhole, x, from.dim, g);
+    return comm(Comm::kGatherWhole, x, from.dim, g);
   }
   if (!from.shard && to.shard) {
     return comm(Comm::kSplit, x, to.dim, g);
@@ -208,8 +209,14 @@ struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
     ctx->saved_data["in_out"] = in_out;
     ctx->saved_data["bias"] = bias.defined();
     const Tensor x = all_gather_along(local, dim, *g);
-    return in_out ? (bias.defined() ? torch::matmul(x, weight) + bias : torch::matmul(x, weight))
-                  : torch::linear(x, weight, bias);
+    if (!in_out) {
+      return torch::linear(x, weight, bias);
+    }
+    // As Conv1D computes it (addmm), so that autocast casts alike with and without gathering.
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = weight.size(1);
+    const Tensor x2 = x.reshape({-1, x.size(-1)});
+    return (bias.defined() ? torch::addmm(bias, x2, weight) : torch::mm(x2, weight)).view(shape);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto g =
@@ -219,13 +226,21 @@ struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
     const Tensor& weight = saved[1];
     const int64_t dim = ctx->saved_data["dim"].toInt();
     const bool in_out = ctx->saved_data["in_out"].toBool();
-    const Tensor x = all_gather_along(saved[0], dim, *g);  // gathered again, not kept
+    // Backward runs outside autocast: compute in the dtype the forward gave (dy's), and return
+    // each gradient in its input's dtype.
     const Tensor dy = grads[0];
-    const Tensor dx = in_out ? torch::matmul(dy, weight.t()) : torch::matmul(dy, weight);
+    const Tensor x = all_gather_along(saved[0], dim, *g).to(dy.scalar_type());  // gathered again
+    const Tensor w = weight.to(dy.scalar_type());
+    const Tensor dx = in_out ? torch::matmul(dy, w.t()) : torch::matmul(dy, w);
     const Tensor x2 = x.reshape({-1, x.size(-1)}), dy2 = dy.reshape({-1, dy.size(-1)});
     const Tensor dw = in_out ? torch::matmul(x2.t(), dy2) : torch::matmul(dy2.t(), x2);
     const Tensor db = ctx->saved_data["bias"].toBool() ? dy2.sum(0) : Tensor();
-    return {reduce_scatter_along(dx, dim, *g), dw, db, Tensor(), Tensor(), Tensor()};
+    return {reduce_scatter_along(dx, dim, *g).to(saved[0].scalar_type()),
+            dw.to(weight.scalar_type()),
+            db.defined() ? db.to(weight.scalar_type()) : db,
+            Tensor(),
+            Tensor(),
+            Tensor()};
   }
 };
 
@@ -254,6 +269,7 @@ struct Target {
   torch::nn::Module* module;
   const dist::ProcessGroupPtr& group;
   TensorParallelLayout& layout;
+  bool dry;  // check only: parallelize_module checks every entry before it changes anything
 };
 
 [[noreturn]] void unsupported(const Target& t, const char* style, const char* kinds) {
@@ -275,9 +291,11 @@ void shard_parameter(const Target& t, const std::string& local, const TensorPara
               " rows along dimension ", dim, ", which do not split ",
               s.chunks > 1 ? "(in " + std::to_string(s.chunks) + " chunks) " : std::string(),
               "over a tensor-parallel degree of ", t.group->size());
-  torch::NoGradGuard no_grad;
-  p->set_data(tensor_parallel_slice(*p, s, t.group->rank(), t.group->size()));
   t.layout.shards[full] = {dim, s.chunks};
+  if (!t.dry) {
+    torch::NoGradGuard no_grad;
+    p->set_data(tensor_parallel_slice(*p, s, t.group->rank(), t.group->size()));
+  }
 }
 
 // A module's own parameter, or an undefined tensor.
@@ -293,9 +311,12 @@ void apply(const Target& t, const ColwiseParallel& style) {
   TORCH_CHECK(chunks >= 1, "parallelize_module: ColwiseParallel chunks must be >= 1, got ", chunks);
   TORCH_CHECK(style.output_layouts().shard || chunks == 1, "parallelize_module: '", t.name,
               "': a chunked ColwiseParallel keeps its output Shard(-1)");
-  TORCH_CHECK(!style.input_layouts().shard || style.input_layouts().dim != -1,
+  TORCH_CHECK(!style.input_layouts().shard || style.input_layouts().dim == 1,
               "parallelize_module: ColwiseParallel's input is Replicate() or Shard(1), got ",
               style.input_layouts().str());
+  TORCH_CHECK(!style.output_layouts().shard || style.output_layouts().dim == -1,
+              "parallelize_module: ColwiseParallel's output is Shard(-1) or Replicate(), got ",
+              style.output_layouts().str());
   if (kind == Kind::kLinear) {
     shard_parameter(t, "weight", {0, chunks});
     if (own(t.module, "bias").defined()) {
@@ -303,7 +324,9 @@ void apply(const Target& t, const ColwiseParallel& style) {
     }
   } else if (kind == Kind::kInOut) {
     shard_parameter(t, "weight", {1, chunks});
-    shard_parameter(t, "bias", {0, chunks});
+    if (own(t.module, "bias").defined()) {
+      shard_parameter(t, "bias", {0, chunks});
+    }
   } else if (kind == Kind::kEmbedding) {
     shard_parameter(t, "weight", {1, chunks});
   } else if (kind != Kind::kNoParameters) {
@@ -311,6 +334,9 @@ void apply(const Target& t, const ColwiseParallel& style) {
                 "Linear, Conv1D, Embedding or a module without parameters (a tied head)");
   }
   const dist::ProcessGroupPtr g = t.group;
+  if (t.dry) {
+    return;
+  }
   torch::nn::Module* m = t.module;
   const bool linear = kind == Kind::kLinear || kind == Kind::kInOut;
   register_forward_wrapper(*m, [g, m, style, linear, kind](const Tensor& x,
@@ -326,7 +352,7 @@ void apply(const Target& t, const ColwiseParallel& style) {
       if (x.is_floating_point()) {  // token ids need no collective
         if (style.input_layouts().shard) {
           in = comm(Comm::kGather, x, style.input_layouts().dim, g);
-        } else if (t_partial_input_scope == 0) {
+        } else {
           in = comm(Comm::kCopy, x, 0, g);
         }
       }
@@ -337,7 +363,7 @@ void apply(const Target& t, const ColwiseParallel& style) {
 }
 
 // The output of a rowwise module before its bias: the partial product of this rank's rows.
-Tensor rowwise_partial(Kind kind, torch::nn::Module* m, const Tensor& x, int rank) {
+Tensor rowwise_partial(Kind kind, torch::nn::Module* m, const Tensor& x, int rank, int degree) {
   const Tensor weight = own(m, "weight");
   if (kind == Kind::kLinear) {
     return torch::linear(x, weight);
@@ -345,8 +371,15 @@ Tensor rowwise_partial(Kind kind, torch::nn::Module* m, const Tensor& x, int ran
   if (kind == Kind::kInOut) {
     return torch::matmul(x, weight);
   }
-  // An Embedding split by rows: ids outside this rank's rows look up nothing.
+  // An Embedding split by rows: ids outside this rank's rows look up nothing. An id outside every
+  // rank's rows is an error, as Embedding's own index check.
   const int64_t rows = weight.size(0), first = rows * rank;
+  if (x.numel() > 0) {
+    const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
+    TORCH_CHECK(low >= 0 && high < rows * degree, "Embedding (split by rows over ", degree,
+                " ranks): index ", low < 0 ? low : high, " is out of range for ", rows * degree,
+                " rows");
+  }
   const Tensor outside = (x < first).logical_or(x >= first + rows);
   const Tensor ids = (x - first).masked_fill(outside, 0);
   return torch::nn::functional::embedding(ids, weight).masked_fill(outside.unsqueeze(-1), 0);
@@ -372,12 +405,18 @@ void apply(const Target& t, const RowwiseParallel& style) {
                   style.input_layouts() == Replicate(),
               "parallelize_module: RowwiseParallel's input is Shard(-1) or Replicate(), got ",
               style.input_layouts().str());
+  TORCH_CHECK(!style.output_layouts().shard || style.output_layouts().dim == 1,
+              "parallelize_module: RowwiseParallel's output is Replicate() or Shard(1), got ",
+              style.output_layouts().str());
+  if (t.dry) {
+    return;
+  }
   const dist::ProcessGroupPtr g = t.group;
   torch::nn::Module* m = t.module;
   register_forward_wrapper(*m, [g, m, kind, style](const Tensor& x, const ForwardFunction&) {
     const Tensor in =
         kind != Kind::kEmbedding && !style.input_layouts().shard ? comm(Comm::kSplit, x, -1, g) : x;
-    Tensor y = rowwise_partial(kind, m, in, g->rank());
+    Tensor y = rowwise_partial(kind, m, in, g->rank(), g->size());
     const Tensor bias = own(m, "bias");
     if (!style.output_layouts().shard) {
       y = comm(Comm::kReduce, y, 0, g);
@@ -394,10 +433,13 @@ void apply(const Target& t, const SequenceParallel& style) {
   if (kind != Kind::kLayerNorm && kind != Kind::kNoParameters) {
     unsupported(t, "SequenceParallel", "LayerNorm or a module without parameters (dropout)");
   }
-  if (kind == Kind::kNoParameters) {
-    return;  // runs on this rank's part of the sequence as it is
+  TORCH_CHECK(style.sequence_dim() == 1,
+              "parallelize_module: SequenceParallel splits the "
+              "sequence, dimension 1 of [batch, sequence, features]; got sequence_dim ",
+              style.sequence_dim());
+  if (kind == Kind::kNoParameters || t.dry) {
+    return;  // a module without weights runs on this rank's part of the sequence as it is
   }
-  (void)style;
   const dist::ProcessGroupPtr g = t.group;
   auto* norm = t.module->as<torch::nn::LayerNormImpl>();
   register_forward_wrapper(*norm, [g, norm](const Tensor& x, const ForwardFunction&) {
@@ -410,23 +452,22 @@ void apply(const Target& t, const SequenceParallel& style) {
 }
 
 void apply(const Target& t, const PrepareModuleInput& style) {
+  if (t.dry) {
+    return;
+  }
   const dist::ProcessGroupPtr g = t.group;
   register_forward_wrapper(*t.module, [g, style](const Tensor& x, const ForwardFunction& forward) {
-    const bool partial = style.input_layouts().shard && !style.desired_input_layouts().shard;
-    const Tensor in = relayout(x, style.input_layouts(), style.desired_input_layouts(), partial, g);
-    struct Scope {  // Note [Partial gradients under PrepareModuleInput]
-      explicit Scope(bool on) : on(on) { t_partial_input_scope += on ? 1 : 0; }
-      ~Scope() { t_partial_input_scope -= on ? 1 : 0; }
-      bool on;
-    } scope(partial);
-    return forward(in);
+    return forward(relayout(x, style.input_layouts(), style.desired_input_layouts(), g));
   });
 }
 
 void apply(const Target& t, const PrepareModuleOutput& style) {
+  if (t.dry) {
+    return;
+  }
   const dist::ProcessGroupPtr g = t.group;
   register_forward_wrapper(*t.module, [g, style](const Tensor& x, const ForwardFunction& forward) {
-    return relayout(forward(x), style.output_layouts(), style.desired_output_layouts(), false, g);
+    return relayout(forward(x), style.output_layouts(), style.desired_output_layouts(), g);
   });
 }
 
@@ -466,30 +507,41 @@ TensorParallelLayout parallelize_module(const std::shared_ptr<torch::nn::Module>
                                         const ParallelizePlan& plan) {
   TORCH_CHECK(module != nullptr, "parallelize_module: the module is null");
   TORCH_CHECK(tp != nullptr, "parallelize_module: the tensor-parallel group is null");
-  TensorParallelLayout layout;
-  layout.degree = tp->size();
   const auto modules = module->named_modules(/*name_prefix=*/"", /*include_self=*/false);
-  for (const auto& [pattern, style] : plan) {
-    bool found = false;
-    for (const auto& item : modules) {
-      if (!matches(pattern, item.key())) {
-        continue;
+  // Every entry is checked before any weight is split or any hook added, so that a bad plan
+  // leaves the model as it was.
+  for (const bool dry : {true, false}) {
+    TensorParallelLayout layout;
+    layout.degree = tp->size();
+    for (const auto& [pattern, style] : plan) {
+      bool found = false;
+      for (const auto& item : modules) {
+        if (!matches(pattern, item.key())) {
+          continue;
+        }
+        found = true;
+        TORCH_CHECK(!dry || !has_forward_hooks(*item.value()), "parallelize_module: '", item.key(),
+                    "' has forward hooks already (a plan was applied to it); "
+                    "parallelize a model once");
+        const Target target{item.key(), item.value().get(), tp, layout, dry};
+        std::visit([&](const auto& s) { apply(target, s); }, style);
       }
-      found = true;
-      const Target target{item.key(), item.value().get(), tp, layout};
-      std::visit([&](const auto& s) { apply(target, s); }, style);
+      TORCH_CHECK(
+          found, "parallelize_module: the plan names '", pattern,
+          "', which matches no submodule of the model (its children: ", children_of(*module), ")");
     }
-    TORCH_CHECK(found, "parallelize_module: the plan names '", pattern,
-                "', which matches no submodule of the model (its children: ", children_of(*module),
-                ")");
+    if (!dry) {
+      return layout;
+    }
   }
-  return layout;
+  TORCH_CHECK(false, "parallelize_module: not reached");
 }
 
 std::map<std::string, torch::Tensor> tensor_parallel_full_state(
     const std::map<std::string, torch::Tensor>& local,
     const TensorParallelLayout& layout,
     const dist::ProcessGroupPtr& tp) {
+  TORCH_CHECK(tp != nullptr, "tensor_parallel_full_state: the tensor-parallel group is null");
   std::map<std::string, torch::Tensor> out;
   for (const auto& [name, tensor] : local) {
     auto it = layout.shards.find(name);
@@ -521,16 +573,31 @@ namespace {
 
 constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default ignore_index
 
+// cross_entropy's check: every target is a class or ignore_index.
+void check_targets(const Tensor& target, int64_t classes) {
+  const Tensor counted = target.masked_select(target != kIgnoreIndex);
+  if (counted.numel() == 0) {
+    return;
+  }
+  const int64_t low = counted.min().item<int64_t>(), high = counted.max().item<int64_t>();
+  TORCH_CHECK(low >= 0 && high < classes, "loss_parallel_cross_entropy: a target of ",
+              low < 0 ? low : high, " is outside the ", classes,
+              " classes (the vocabulary over every rank)");
+}
+
 // Cross entropy over classes split across the group (Megatron's vocab-parallel cross entropy):
 // the row maxima, the sums of exponentials and the target's logit are each reduced over the
 // ranks, so no rank holds the whole logits.
 struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
   static Tensor forward(AutogradContext* ctx,
-                        const Tensor& logits,
+                        const Tensor& input,
                         const Tensor& target,
                         const c10::IValue& capsule) {
     auto g = c10::static_intrusive_pointer_cast<TpGroupCapsule>(capsule.toCapsule())->group;
+    const Tensor logits = input.to(torch::kFloat);  // as Megatron-LM's: fp32 whatever the logits
     const int64_t classes = logits.size(1), first = classes * g->rank();
+    check_targets(target, classes * g->size());
+    ctx->saved_data["dtype"] = static_cast<int64_t>(input.scalar_type());
     Tensor max = std::get<0>(logits.max(1)).contiguous();
     g->allreduce(max, dist::ReduceOp::kMax)->wait();
     const Tensor exp = (logits - max.unsqueeze(1)).exp();
@@ -553,7 +620,8 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
     Tensor grad = saved[0].clone();  // softmax of this rank's classes
     grad.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(grad.scalar_type()).unsqueeze(1));
     grad.masked_fill_(saved[3].logical_not().unsqueeze(1), 0);
-    return {grad * (grads[0] / saved[4]), Tensor(), Tensor()};
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {(grad * (grads[0] / saved[4])).to(dtype), Tensor(), Tensor()};
   }
 };
 

@@ -14,6 +14,12 @@
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/parallel/tensor_parallel.h"
 
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
 namespace paratrain::train_internal {
 
 namespace {
@@ -217,12 +223,13 @@ void check_mesh_options(const TrainerOptions& o) {
       "the mesh's degrees must be >= 1 (dp_shard -1: the rest), got ", "dp_replicate ",
       m.dp_replicate(), ", dp_shard ", m.dp_shard(), ", tp ", m.tp());
   if (o.process_group() != nullptr) {
-    const int world = o.process_group()->size();
-    const int others = m.dp_replicate() * m.tp() * m.pp();
-    const int shard = m.dp_shard() == -1 ? world / std::max(1, others) : m.dp_shard();
+    const int64_t world = o.process_group()->size();
+    const int64_t others = int64_t{m.dp_replicate()} * m.tp() * m.pp();
+    const int64_t shard = m.dp_shard() == -1 ? world / std::max<int64_t>(1, others) : m.dp_shard();
     PARATRAIN_CHECK_OPTION(others * shard == world, "mesh", "dp_replicate ", m.dp_replicate(),
-                           " x dp_shard ", m.dp_shard(), " x tp ", m.tp(), " x pp ", m.pp(),
-                           " does not make the world's ", world,
+                           " x dp_shard ",
+                           m.dp_shard() == -1 ? "-1 (the rest)" : std::to_string(m.dp_shard()),
+                           " x tp ", m.tp(), " x pp ", m.pp(), " does not make the world's ", world,
                            " ranks; choose degrees whose product is the world size");
   }
 }

@@ -16,6 +16,7 @@
 //   1e-3 every weight stays within 1e-6 over 20 steps. (SGD, which does not magnify: 1e-7.)
 // --dropout P (0): with dropout the single process is not compared (its masks differ); the run
 //   must still keep the replicated parameters equal over tp
+// --pp 2: pipeline stages with tensor parallelism inside (see train_pipeline_and_compare)
 // --final-out FILE: rank 0 writes the full weights at the end (a run compared with itself)
 // Prints "rank R: ok max_diff=D" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
@@ -228,6 +229,84 @@ double train_and_compare(const Options& o, const pt::dist::ProcessGroupPtr& worl
   return worst;
 }
 
+// --pp P: pipeline stages over "pp" with tensor parallelism inside each stage (3-D without data
+// parallelism). Every rank builds and parallelizes the whole model, then keeps its stage. The
+// head's weight is the embedding's (tied): the last stage steps its own copy of it, and the first
+// and last stages sum the copies' gradients, as Megatron-LM's embedding group does, so that both
+// copies stay equal. Each rank compares its stage's weights (gathered over tp) with one process.
+double train_pipeline_and_compare(const Options& o, const pt::dist::ProcessGroupPtr& world) {
+  const int pp = std::stoi(get(o, "--pp", "1"));
+  const int tp = std::stoi(get(o, "--tp", "1"));
+  const int steps = std::stoi(get(o, "--steps", "20"));
+  const double tolerance = std::stod(get(o, "--tolerance", "1e-5"));
+  const bool lp = o.count("--loss-parallel") > 0;
+  pt::DeviceMesh mesh(world, pt::mesh_dims(world->size(), 1, 1, tp, pp));
+  auto model = make_model(0.0);
+  auto ref = make_model(0.0);
+  pt::TensorParallelLayout layout;
+  if (tp > 1) {
+    layout =
+        pt::parallelize_module(model.ptr(), mesh["tp"],
+                               pt::models::gpt_parallelize_plan(
+                                   model, tp, pt::models::GptParallelOptions().loss_parallel(lp)));
+  }
+  const torch::Tensor wte = model->named_parameters()["embed.wte.weight"];
+  const int stage = mesh.local_rank("pp");
+  if (pp != 2) {
+    throw std::runtime_error("this worker splits the GPT into 2 stages (--pp 2)");
+  }
+  auto mine =
+      pt::pipeline::split(model, {2, 3})[static_cast<size_t>(stage)];  // embed,h0 | h1,ln_f,head
+  model = nullptr;
+  const pt::dist::ProcessGroupPtr tp_group = tp > 1 ? mesh["tp"] : nullptr;
+  pt::pipeline::LossFn loss = [lp, tp_group](const torch::Tensor& out, const torch::Tensor& y) {
+    return lp ? pt::loss_parallel_cross_entropy(out, y, tp_group) : lm_loss(out, y);
+  };
+  pt::pipeline::DistributedPipeline pipe(mine, stage, mesh["pp"], {0, 1}, torch::kCPU, loss,
+                                         pt::pipeline::PipelineOptions().chunks(2));
+  std::vector<torch::Tensor> params = mine->parameters();
+  if (pipe.is_last()) {
+    params.push_back(wte);  // the tied head's weight: not among the last stage's own parameters
+  }
+  auto opt = make_optimizer(o, params);
+  auto ref_opt = make_optimizer(o, ref->parameters());
+  double worst = 0;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = batch(s, 4);
+    opt->zero_grad();
+    pipe.step(pipe.is_first() ? x : torch::Tensor(), pipe.is_last() ? y : torch::Tensor());
+    // The tied weight's two copies: the embedding's gradient plus the head's.
+    torch::Tensor g = wte.grad().defined() ? wte.grad() : torch::zeros_like(wte);
+    mesh["pp"]->allreduce(g)->wait();
+    wte.mutable_grad() = g;
+    opt->step();
+    ref_opt->zero_grad();
+    lm_loss(ref->forward(x), y).backward();
+    ref_opt->step();
+    std::map<std::string, torch::Tensor> local;
+    for (const auto& p : mine->named_parameters()) {
+      local[p.key()] = p.value().detach();
+    }
+    local["embed.wte.weight"] = wte.detach();
+    auto full = tp > 1 ? pt::tensor_parallel_full_state(local, layout, mesh["tp"]) : local;
+    std::map<std::string, torch::Tensor> wanted;
+    for (const auto& p : ref->named_parameters()) {
+      if (full.count(p.key())) {
+        wanted[p.key()] = p.value();
+      }
+    }
+    for (const auto& [name, want] : wanted) {
+      const double d = (full.at(name) - want).abs().max().item<double>();
+      worst = std::max(worst, d);
+      if (!(d <= tolerance)) {
+        throw Mismatch(name + " differs by " + std::to_string(d) + " after step " +
+                       std::to_string(s) + " on stage " + std::to_string(stage));
+      }
+    }
+  }
+  return worst;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -241,7 +320,8 @@ int run(int argc, char** argv) {
     torch::set_num_threads(1);
     auto pg = pt::dist::init_process_group();
     rank = pg->rank();
-    const double worst = train_and_compare(opt, pg);
+    const double worst =
+        opt.count("--pp") ? train_pipeline_and_compare(opt, pg) : train_and_compare(opt, pg);
     std::cout << "rank " << rank << ": ok max_diff=" << worst << std::endl;
     return 0;
   } catch (const Mismatch& e) {

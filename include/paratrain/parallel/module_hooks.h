@@ -14,7 +14,8 @@
 //     return paratrain::call_with_hooks(*fc1, x, [&](const torch::Tensor& in) { return fc1(in); });
 //   }
 //
-// Hooks belong to the module object (not to its clones) and end with it. Registering is not
+// Hooks belong to the module object (not to its clones); once it is gone they are dropped at the
+// next registration or removal. Registering is not
 // safe while another thread runs a forward of the same module; running hooks from several
 // threads at once is.
 

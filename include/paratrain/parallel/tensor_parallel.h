@@ -23,7 +23,9 @@
 //  - SequenceParallel: a LayerNorm (or a module without weights: dropout) runs on this rank's
 //    part of the sequence (dimension 1); its weights' gradients are summed over the group.
 //  - PrepareModuleInput / PrepareModuleOutput: change a module's input or output layout (say
-//    Shard(1) to Replicate before attention: an all-gather, whose backward reduce-scatters).
+//    Shard(1) to Replicate: an all-gather, whose backward keeps this rank's part of the whole
+//    gradient; a ColwiseParallel with input_layouts Shard(1) gathers for itself and
+//    reduce-scatters the partial gradient instead, half the bytes).
 // Layouts are plain local tensors: a Shard(d) tensor is this rank's part along d, a Replicate
 // one is whole on every rank. (PyTorch's DTensor and use_local_output have no counterpart: every
 // output is local.)
@@ -33,7 +35,9 @@
 // torch::nn::Embedding, torch::nn::LayerNorm (SequenceParallel), and modules without
 // parameters of their own, which take the layouts only (the GPT's head, tied to the embedding).
 // A module takes its style only where its forward runs through call_with_hooks
-// (parallel/module_hooks.h); the GPT's modules do.
+// (parallel/module_hooks.h); the GPT's modules do. A module called directly (a plain
+// torch::nn::Linear child) gets its weights split and no collective: wrong outputs, so route every
+// module a plan names through call_with_hooks.
 //
 // Collectives go through the group's engine (all_reduce, all_gather_into_tensor,
 // reduce_scatter_tensor), so gloo under libtorch 1.13 uses the same pairwise reduce-scatter as
