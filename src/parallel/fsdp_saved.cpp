@@ -260,8 +260,8 @@ SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
     const Json meta = Json::parse(state.meta);
     TORCH_CHECK(!meta.contains("mesh"), state.path, " was saved on the device mesh ",
                 meta.at("mesh").value("dims", std::string("?")),
-                ": its rank files hold tensor-parallel parts, which loading into plain FSDP or "
-                "consolidating does not take yet; resume it on the same mesh");
+                ": its rank files hold each rank's shards on that mesh, which loading into plain "
+                "FSDP or consolidating does not take yet; resume it on the same mesh");
     const Json& fsdp = meta.at("fsdp");
     TORCH_CHECK(fsdp.value("world_size", -1) == s.world, state.path, "'s layout is of ",
                 fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,

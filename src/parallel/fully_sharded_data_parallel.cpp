@@ -329,9 +329,9 @@ std::pair<double, double> shard_square_norms(const UnitState& u,
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm,
                                                  const TensorParallelLayout& layout,
                                                  const dist::ProcessGroupPtr& tp) {
-  TORCH_CHECK(
-      layout.shards.empty() || tp != nullptr,
-      "FullyShardedDataParallel::clip_grad_norm_: a tensor-parallel layout needs its group");
+  TORCH_CHECK(layout.shards.empty() || (tp != nullptr && tp->size() == layout.degree),
+              "FullyShardedDataParallel::clip_grad_norm_: a tensor-parallel layout of degree ",
+              layout.degree, " needs its group of that size");
   for (const auto& [name, shard] : layout.shards) {
     bool found = false;
     for (const auto& u : impl_->units) {

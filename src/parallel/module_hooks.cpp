@@ -3,7 +3,6 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
-#include <iterator>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -44,17 +43,22 @@ std::weak_ptr<const torch::nn::Module> owner_of(const torch::nn::Module& module)
   }
 }
 
-// Drops the hooks of modules that are gone (and with them what the hooks hold: process groups),
-// under the table's unique lock.
-void purge(Table& t) {
+// Moves the hooks of modules that are gone into `gone`, under the table's unique lock; the caller
+// destroys them after unlocking (what they hold, process groups, may take time to close).
+void purge(Table& t, std::vector<Hooks>& gone) {
   for (auto it = t.hooks.begin(); it != t.hooks.end();) {
-    it = it->second.owner.expired() ? t.hooks.erase(it) : std::next(it);
+    if (it->second.owner.expired()) {
+      gone.push_back(std::move(it->second));
+      it = t.hooks.erase(it);
+    } else {
+      ++it;
+    }
   }
   t.count = t.hooks.size();
 }
 
-Hooks& entry(Table& t, const torch::nn::Module& module) {
-  purge(t);  // also a module at this address that is gone: its hooks went with it
+Hooks& entry(Table& t, const torch::nn::Module& module, std::vector<Hooks>& gone) {
+  purge(t, gone);  // also a module at this address that is gone: its hooks went with it
   auto it = t.hooks.find(&module);
   if (it == t.hooks.end()) {
     it = t.hooks.emplace(&module, Hooks{owner_of(module), {}, {}, {}}).first;
@@ -68,29 +72,37 @@ Hooks& entry(Table& t, const torch::nn::Module& module) {
 void register_forward_pre_hook(const torch::nn::Module& module, ForwardHook hook) {
   TORCH_CHECK(hook != nullptr, "register_forward_pre_hook: the hook is empty");
   Table& t = table();
+  std::vector<Hooks> gone;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module).pre.push_back(std::move(hook));
+  entry(t, module, gone).pre.push_back(std::move(hook));
 }
 
 void register_forward_hook(const torch::nn::Module& module, ForwardHook hook) {
   TORCH_CHECK(hook != nullptr, "register_forward_hook: the hook is empty");
   Table& t = table();
+  std::vector<Hooks> gone;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module).post.push_back(std::move(hook));
+  entry(t, module, gone).post.push_back(std::move(hook));
 }
 
 void register_forward_wrapper(const torch::nn::Module& module, ForwardWrapper wrapper) {
   TORCH_CHECK(wrapper != nullptr, "register_forward_wrapper: the wrapper is empty");
   Table& t = table();
+  std::vector<Hooks> gone;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module).wrappers.push_back(std::move(wrapper));
+  entry(t, module, gone).wrappers.push_back(std::move(wrapper));
 }
 
 void remove_forward_hooks(const torch::nn::Module& module) {
   Table& t = table();
+  std::vector<Hooks> gone;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(t.mutex);
-  t.hooks.erase(&module);
-  purge(t);
+  auto it = t.hooks.find(&module);
+  if (it != t.hooks.end()) {
+    gone.push_back(std::move(it->second));
+    t.hooks.erase(it);
+  }
+  purge(t, gone);
 }
 
 bool has_forward_hooks(const torch::nn::Module& module) {

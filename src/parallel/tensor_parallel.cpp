@@ -235,7 +235,8 @@ struct GatheredLinear : torch::autograd::Function<GatheredLinear> {
     const Tensor x2 = x.reshape({-1, x.size(-1)}), dy2 = dy.reshape({-1, dy.size(-1)});
     const Tensor dw = in_out ? torch::matmul(x2.t(), dy2) : torch::matmul(dy2.t(), x2);
     const Tensor db = ctx->saved_data["bias"].toBool() ? dy2.sum(0) : Tensor();
-    return {reduce_scatter_along(dx, dim, *g).to(saved[0].scalar_type()),
+    // Summed over the ranks in the input's dtype (fp32 under autocast), not the compute dtype.
+    return {reduce_scatter_along(dx.to(saved[0].scalar_type()), dim, *g),
             dw.to(weight.scalar_type()),
             db.defined() ? db.to(weight.scalar_type()) : db,
             Tensor(),
@@ -270,6 +271,7 @@ struct Target {
   const dist::ProcessGroupPtr& group;
   TensorParallelLayout& layout;
   bool dry;  // check only: parallelize_module checks every entry before it changes anything
+  std::set<const c10::TensorImpl*>* split;  // the dry pass's: each tensor split once (ties)
 };
 
 [[noreturn]] void unsupported(const Target& t, const char* style, const char* kinds) {
@@ -292,6 +294,10 @@ void shard_parameter(const Target& t, const std::string& local, const TensorPara
               s.chunks > 1 ? "(in " + std::to_string(s.chunks) + " chunks) " : std::string(),
               "over a tensor-parallel degree of ", t.group->size());
   t.layout.shards[full] = {dim, s.chunks};
+  TORCH_CHECK(!t.dry || t.split->insert(p->unsafeGetTensorImpl()).second,
+              "parallelize_module: ", full,
+              " is a tensor the plan already splits under another name (tied weights): "
+              "name one of them");
   if (!t.dry) {
     torch::NoGradGuard no_grad;
     p->set_data(tensor_parallel_slice(*p, s, t.group->rank(), t.group->size()));
@@ -317,6 +323,8 @@ void apply(const Target& t, const ColwiseParallel& style) {
   TORCH_CHECK(!style.output_layouts().shard || style.output_layouts().dim == -1,
               "parallelize_module: ColwiseParallel's output is Shard(-1) or Replicate(), got ",
               style.output_layouts().str());
+  TORCH_CHECK(kind != Kind::kEmbedding || !style.input_layouts().shard, "parallelize_module: '",
+              t.name, "': an Embedding's input (token ids) is Replicate()");
   if (kind == Kind::kLinear) {
     shard_parameter(t, "weight", {0, chunks});
     if (own(t.module, "bias").defined()) {
@@ -375,7 +383,8 @@ Tensor rowwise_partial(Kind kind, torch::nn::Module* m, const Tensor& x, int ran
   // rank's rows is an error, as Embedding's own index check.
   const int64_t rows = weight.size(0), first = rows * rank;
   if (x.numel() > 0) {
-    const int64_t low = x.min().item<int64_t>(), high = x.max().item<int64_t>();
+    const Tensor bounds = torch::stack({x.min(), x.max()}).cpu();  // one read of the device
+    const int64_t low = bounds[0].item<int64_t>(), high = bounds[1].item<int64_t>();
     TORCH_CHECK(low >= 0 && high < rows * degree, "Embedding (split by rows over ", degree,
                 " ranks): index ", low < 0 ? low : high, " is out of range for ", rows * degree,
                 " rows");
@@ -510,6 +519,8 @@ TensorParallelLayout parallelize_module(const std::shared_ptr<torch::nn::Module>
   const auto modules = module->named_modules(/*name_prefix=*/"", /*include_self=*/false);
   // Every entry is checked before any weight is split or any hook added, so that a bad plan
   // leaves the model as it was.
+  std::set<const c10::TensorImpl*> split;
+  std::map<const torch::nn::Module*, std::string> styled;  // each module takes one style
   for (const bool dry : {true, false}) {
     TensorParallelLayout layout;
     layout.degree = tp->size();
@@ -523,7 +534,13 @@ TensorParallelLayout parallelize_module(const std::shared_ptr<torch::nn::Module>
         TORCH_CHECK(!dry || !has_forward_hooks(*item.value()), "parallelize_module: '", item.key(),
                     "' has forward hooks already (a plan was applied to it); "
                     "parallelize a model once");
-        const Target target{item.key(), item.value().get(), tp, layout, dry};
+        if (dry) {
+          const auto [it, fresh] = styled.emplace(item.value().get(), pattern);
+          TORCH_CHECK(fresh, "parallelize_module: '", item.key(),
+                      "' is named by two plan entries ('", it->second, "' and '", pattern,
+                      "'); give each module one style");
+        }
+        const Target target{item.key(), item.value().get(), tp, layout, dry, &split};
         std::visit([&](const auto& s) { apply(target, s); }, style);
       }
       TORCH_CHECK(
@@ -575,11 +592,15 @@ constexpr int64_t kIgnoreIndex = -100;  // cross_entropy's default ignore_index
 
 // cross_entropy's check: every target is a class or ignore_index.
 void check_targets(const Tensor& target, int64_t classes) {
-  const Tensor counted = target.masked_select(target != kIgnoreIndex);
-  if (counted.numel() == 0) {
+  if (target.numel() == 0) {
     return;
   }
-  const int64_t low = counted.min().item<int64_t>(), high = counted.max().item<int64_t>();
+  // One read of the device's values: the lowest and the highest target, ignore_index aside.
+  const Tensor ignored = target == kIgnoreIndex;
+  const Tensor bounds = torch::stack({target.masked_fill(ignored, classes - 1).min(),
+                                      target.masked_fill(ignored, 0).max()})
+                            .cpu();
+  const int64_t low = bounds[0].item<int64_t>(), high = bounds[1].item<int64_t>();
   TORCH_CHECK(low >= 0 && high < classes, "loss_parallel_cross_entropy: a target of ",
               low < 0 ? low : high, " is outside the ", classes,
               " classes (the vocabulary over every rank)");
@@ -594,7 +615,8 @@ struct ParallelCrossEntropy : torch::autograd::Function<ParallelCrossEntropy> {
                         const Tensor& target,
                         const c10::IValue& capsule) {
     auto g = c10::static_intrusive_pointer_cast<TpGroupCapsule>(capsule.toCapsule())->group;
-    const Tensor logits = input.to(torch::kFloat);  // as Megatron-LM's: fp32 whatever the logits
+    // As Megatron-LM's: at least fp32, whatever the logits.
+    const Tensor logits = input.to(at::promote_types(input.scalar_type(), torch::kFloat));
     const int64_t classes = logits.size(1), first = classes * g->rank();
     check_targets(target, classes * g->size());
     ctx->saved_data["dtype"] = static_cast<int64_t>(input.scalar_type());

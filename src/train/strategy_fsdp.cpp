@@ -145,9 +145,16 @@ class FsdpStrategy : public TrainStrategy {
     TORCH_CHECK(meta["mesh"] == mesh_json(), "checkpoint ", s.path,
                 " was saved with another tensor-parallel layout (", meta["mesh"].dump(),
                 "); resume it with the options it was saved with");
-    // The same mesh: this rank's own file holds exactly its shards and optimizer state.
-    fsdp_.load_own_shards(with_prefix(s.own, "fsdp.", /*strip=*/true));
-    load_optimizer_state(optimizer, with_prefix(s.own, "optim.", /*strip=*/true));
+    // The same mesh: this rank's own file holds exactly its shards and optimizer state, as a
+    // plain FSDP checkpoint of the dp_shard group would. Loaded as one (its layout's checks, the
+    // buffers), with the world and rank of that group.
+    CheckpointState local = s;
+    local.world_size = fsdp_.world_size();
+    local.rank = fsdp_.rank();
+    nlohmann::json plain = meta;
+    plain.erase("mesh");
+    local.meta = plain.dump();
+    restore_sharded_state(local, fsdp_, &optimizer);
   }
 
   // The mesh, and what tensor parallelism split, as a checkpoint records them.

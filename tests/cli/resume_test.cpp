@@ -117,6 +117,11 @@ TEST(Resume, DdpOnGloo) {
   expect_exact_resume({"--strategy", "ddp", "--nproc-per-node", "2", "--backend", "gloo"}, 2);
 }
 
+// HSDP (a mesh of 2 replicas of a shard each): the MLP's BatchNorm statistics come back too.
+TEST(Resume, HsdpOnAMesh) {
+  expect_exact_resume({"--dp-replicate", "2", "--nproc-per-node", "2"}, 2);
+}
+
 #ifdef PARATRAIN_WITH_MPI
 TEST(Resume, DdpOnMpi) {  // ctest: slow 12
   expect_exact_resume({"--strategy", "ddp", "--nproc", "2", "--backend", "mpi"}, 2);

@@ -9,6 +9,7 @@
 #include <paratrain/models/gpt.h>
 #include <paratrain/models/gpt_parallel.h>
 #include <paratrain/parallel/device_mesh.h>
+#include <paratrain/parallel/module_hooks.h>
 #include <paratrain/parallel/tensor_parallel.h>
 
 #include <torch/torch.h>
@@ -62,7 +63,9 @@ INSTANTIATE_TEST_SUITE_P(Cases,
                          TensorParallelEquivalence,
                          ::testing::ValuesIn(tp_cases()),
                          [](const ::testing::TestParamInfo<TpCase>& info) {
-                           return info.param.name;
+                           // "_gloo": the suites' ctest filter takes the gloo cases by name.
+                           return info.param.name + "_gloo_" + std::to_string(info.param.ranks) +
+                                  "ranks";
                          });
 
 // With dropout the ranks of a tp group draw the same masks for what they hold whole; a run is
@@ -127,6 +130,52 @@ TEST(TensorParallel, BadPlansArePlainErrors) {
       << e;
   e = error_of([&] { parallelize_module(model.ptr(), world, {{"h0.attn", SequenceParallel()}}); });
   EXPECT_NE(e.find("SequenceParallel applies to LayerNorm"), std::string::npos) << e;
+  // A plan that fails leaves the model as it was: the good entry before the bad one added nothing.
+  e = error_of([&] {
+    parallelize_module(model.ptr(), world,
+                       {{"h0.mlp.c_fc", ColwiseParallel()}, {"h0.ln_1", RowwiseParallel()}});
+  });
+  EXPECT_NE(e.find("RowwiseParallel applies to"), std::string::npos) << e;
+  const auto modules = model->named_modules();
+  EXPECT_FALSE(has_forward_hooks(*modules["h0.mlp.c_fc"]));
+  e = error_of([&] {
+    parallelize_module(model.ptr(), world,
+                       {{"h0.mlp.c_fc", ColwiseParallel()}, {"h*.mlp.c_fc", ColwiseParallel()}});
+  });
+  EXPECT_NE(e.find("'h0.mlp.c_fc' is named by two plan entries"), std::string::npos) << e;
+  parallelize_module(model.ptr(), world, {{"h0.mlp.c_fc", ColwiseParallel()}});
+  EXPECT_TRUE(has_forward_hooks(*modules["h0.mlp.c_fc"]));
+  e = error_of([&] {
+    parallelize_module(model.ptr(), world, {{"h0.mlp.c_fc", ColwiseParallel()}});
+  });
+  EXPECT_NE(e.find("has forward hooks already"), std::string::npos) << e;
+  e = error_of([&] {
+    parallelize_module(model.ptr(), world,
+                       {{"h1.attn.c_attn", ColwiseParallel().input_layouts(Shard(0))}});
+  });
+  EXPECT_NE(e.find("ColwiseParallel's input is Replicate() or Shard(1), got Shard(0)"),
+            std::string::npos)
+      << e;
+}
+
+// Loss parallel and the row-wise embedding refuse what cross_entropy and Embedding refuse.
+TEST(TensorParallel, OutOfRangeTokensAndTargetsAreErrors) {
+  auto world = tp_world_of_one();
+  auto model = tp_gpt();
+  parallelize_module(model.ptr(), world, models::gpt_parallelize_plan(model, 1));
+  std::string e = error_of([&] { model->forward(torch::full({1, 4}, 32, torch::kLong)); });
+  EXPECT_NE(e.find("index 32 is out of range for 32 rows"), std::string::npos) << e;
+  const torch::Tensor logits = torch::randn({4, 32});
+  e = error_of([&] {
+    loss_parallel_cross_entropy(logits, torch::tensor({0, 1, 40, -100}), world);
+  });
+  EXPECT_NE(e.find("a target of 40 is outside the 32 classes"), std::string::npos) << e;
+  // ignore_index is not counted, as cross_entropy's; bf16 logits are computed in fp32.
+  const torch::Tensor target = torch::tensor({0, 5, -100, 31});
+  EXPECT_NEAR(loss_parallel_cross_entropy(logits, target, world).item<double>(),
+              torch::nn::functional::cross_entropy(logits, target).item<double>(), 1e-6);
+  EXPECT_EQ(loss_parallel_cross_entropy(logits.to(torch::kBFloat16), target, world).scalar_type(),
+            torch::kFloat);
 }
 
 // On a group of one, the plan changes nothing: the same logits and loss as the plain model.
