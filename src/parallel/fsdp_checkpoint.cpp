@@ -328,18 +328,11 @@ void check_output(const std::string& dir, const std::string& out_file) {
               "), which it would replace or pass for: give it another name");
 }
 
-// The whole model of a saved sharded state, every saving rank's file read.
+// The whole model of a saved sharded state, every saving rank's file read (on a mesh, the first
+// replica's), tensor-parallel parts joined.
 ConsolidatedModel consolidate(const SavedShards& m,
                               const std::function<std::string(const std::string&)>& name_map) {
-  std::vector<TensorMap> files;
-  for (int r = 0; r < m.world; ++r) {
-    TensorMap file = m.read(r, /*optimizer=*/false);
-    for (auto it = file.begin(); it != file.end();) {  // the shards alone
-      it = detail::starts_with(it->first, m.prefix) ? std::next(it) : file.erase(it);
-    }
-    files.push_back(std::move(file));
-  }
-  const std::vector<bool> all(files.size(), true);
+  auto files = fsdp_saved::read_all(m, /*optimizer=*/false);
   ConsolidatedModel model;
   std::map<std::string, std::string> source;  // each output name's parameter or buffer
   auto add = [&](const std::string& name, const Tensor& t) {
@@ -354,15 +347,15 @@ ConsolidatedModel consolidate(const SavedShards& m,
       continue;
     }
     const std::string name = m.prefix + unit_key(u);
-    const Tensor flat = torch::cat(pieces_of(files, all, m, k, name));
-    for (auto& f : files) {
-      f.erase(name);  // one copy of the weights at a time: the pieces go as the units are made
-    }
-    for (size_t i = 0; i < u.params.size(); ++i) {
-      const int64_t n = c10::multiply_integers(u.shapes[i]);
-      add(u.params[i], flat.narrow(0, u.offsets[i], n).view(u.shapes[i]));
+    for (const auto& [param, t] : fsdp_saved::whole_of_unit(files, m, k, name)) {
+      add(param, t);
       ++model.counts.tensors;
-      model.counts.parameters += n;
+      model.counts.parameters += t.numel();
+    }
+    for (auto& part : files) {
+      for (auto& f : part) {
+        f.erase(name);  // one copy of the weights at a time: the pieces go as the units are made
+      }
     }
   }
   for (const auto& [name, t] : m.buffers) {  // not sharded
@@ -372,6 +365,33 @@ ConsolidatedModel consolidate(const SavedShards& m,
   model.metadata = m.metadata;
   model.config = m.config;
   return model;
+}
+
+bool same_split(const SavedShards& m, const TensorParallelLayout& layout) {
+  if (m.tp != layout.degree || m.split.size() != layout.shards.size()) {
+    return false;
+  }
+  for (const auto& [name, split] : layout.shards) {
+    auto it = m.split.find(name);
+    if (it == m.split.end() || it->second.dim != split.dim || it->second.chunks != split.chunks) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A saved state into a model split as `layout` (on tensor-parallel rank `tp_rank`): shard by
+// shard when tensor parallelism split it alike, else through the whole tensors.
+void load_onto_mesh(const SavedShards& m,
+                    FullyShardedDataParallel& fsdp,
+                    torch::optim::Optimizer* optimizer,
+                    const TensorParallelLayout& layout,
+                    int tp_rank) {
+  if (same_split(m, layout)) {
+    load_shards(fsdp_saved::tp_part(m, tp_rank), fsdp, optimizer);
+  } else {
+    fsdp_saved::load_across_meshes(m, fsdp, optimizer, layout, tp_rank);
+  }
 }
 
 }  // namespace
@@ -397,10 +417,47 @@ void capture_sharded_state(FullyShardedDataParallel& fsdp,
   state.own_read_by_all = true;
 }
 
+void capture_sharded_state(FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer,
+                           CheckpointState& state,
+                           const DeviceMesh& mesh,
+                           const TensorParallelLayout& layout) {
+  TORCH_CHECK(mesh.has("dp_shard") && mesh.size("dp_shard") == fsdp.world_size(),
+              "capture_sharded_state: the model is sharded over ", fsdp.world_size(),
+              " ranks, not over the mesh's dp_shard (", mesh.describe(),
+              "); shard it over mesh[\"dp_shard\"]");
+  capture_sharded_state(fsdp, optimizer, state);
+  Json meta = Json::parse(state.meta);
+  Json degrees = Json::array();
+  for (const auto& [name, degree] : mesh.dims()) {
+    degrees.push_back(Json::array({name, degree}));
+  }
+  Json split = Json::object();
+  for (const auto& [name, shard] : layout.shards) {
+    split[name] = {{"dim", shard.dim}, {"chunks", shard.chunks}};
+  }
+  meta["mesh"] = {{"dims", mesh.describe()}, {"degrees", degrees}, {"tensor_parallel", split}};
+  state.meta = meta.dump();
+}
+
 void restore_sharded_state(const CheckpointState& state,
                            FullyShardedDataParallel& fsdp,
                            torch::optim::Optimizer* optimizer) {
-  load_shards(fsdp_saved::from_checkpoint(state, fsdp.rank()), fsdp, optimizer);
+  load_onto_mesh(fsdp_saved::from_checkpoint(state), fsdp, optimizer, {}, 0);
+}
+
+void restore_sharded_state(const CheckpointState& state,
+                           FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer,
+                           const DeviceMesh& mesh,
+                           const TensorParallelLayout& layout) {
+  TORCH_CHECK(mesh.size("dp_shard") == fsdp.world_size(), "restore_sharded_state: the model is ",
+              "sharded over ", fsdp.world_size(), " ranks, not over the mesh's dp_shard (",
+              mesh.describe(), "); shard it over mesh[\"dp_shard\"]");
+  TORCH_CHECK(layout.degree == mesh.size("tp"), "restore_sharded_state: the layout is of ",
+              layout.degree, " tensor-parallel ranks and the mesh has tp ", mesh.size("tp"));
+  load_onto_mesh(fsdp_saved::from_checkpoint(state), fsdp, optimizer, layout,
+                 mesh.local_rank("tp"));
 }
 
 void save_sharded_checkpoint(const std::string& dir,
@@ -449,7 +506,7 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
                                                            FullyShardedDataParallel& fsdp,
                                                            torch::optim::Optimizer* optimizer) {
   SavedShards m = fsdp_saved::from_directory(dir, fsdp.rank());
-  load_shards(m, fsdp, optimizer);
+  load_onto_mesh(m, fsdp, optimizer, {}, 0);
   return m.metadata;
 }
 

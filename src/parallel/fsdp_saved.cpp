@@ -251,17 +251,73 @@ std::map<std::string, size_t> optimizer_units(torch::optim::Optimizer& optimizer
   return out;
 }
 
-SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
+namespace {
+
+// The world rank at `coords` (by dimension name; the others 0) of a mesh laid out row-major.
+int world_rank_at(const std::vector<std::pair<std::string, int>>& dims,
+                  const std::map<std::string, int>& coords) {
+  int rank = 0;
+  for (const auto& [name, degree] : dims) {
+    auto it = coords.find(name);
+    rank = rank * degree + (it == coords.end() ? 0 : it->second);
+  }
+  return rank;
+}
+
+// The mesh a checkpoint was saved on (meta "mesh"): its dimensions, and what tensor parallelism
+// split. The units' layout is then that of the dp_shard group: its world is that dimension's.
+void read_mesh(const Json& mesh, SavedShards& s) {
+  s.mesh = mesh.at("dims").get<std::string>();
+  int product = 1;
+  for (const Json& d : mesh.at("degrees")) {
+    s.dims.emplace_back(d.at(0).get<std::string>(), d.at(1).get<int>());
+    TORCH_CHECK(s.dims.back().second >= 1, s.where, " names a mesh dimension of degree ",
+                s.dims.back().second, ": the file is damaged");
+    product *= s.dims.back().second;
+  }
+  TORCH_CHECK(product == s.world, s.where, "'s mesh ", s.mesh, " is not of its ", s.world,
+              " ranks: the file is damaged");
+  int shard = 1;
+  for (const auto& [name, degree] : s.dims) {
+    TORCH_CHECK(name != "pp" || degree == 1, s.where, " was saved with pipeline stages (", s.mesh,
+                "), which a checkpoint of FSDP shards does not hold");
+    shard = name == "dp_shard" ? degree : shard;
+    s.tp = name == "tp" ? degree : s.tp;
+  }
+  for (const auto& [name, split] : mesh.at("tensor_parallel").items()) {
+    s.split[name] =
+        TensorParallelShard{split.at("dim").get<int64_t>(), split.at("chunks").get<int64_t>()};
+  }
+  s.world = shard;
+}
+
+}  // namespace
+
+SavedShards tp_part(const SavedShards& s, int t) {
+  TORCH_CHECK(t >= 0 && t < s.tp, "tp_part: tensor-parallel rank ", t, " of ", s.tp);
+  SavedShards out = s;
+  out.tp_rank = t;
+  if (s.dims.empty()) {
+    out.file = s.world_file;
+    out.read = s.world_read;
+    return out;
+  }
+  auto at = [dims = s.dims, t](int r) { return world_rank_at(dims, {{"dp_shard", r}, {"tp", t}}); };
+  out.file = [at, f = s.world_file](int r) { return f(at(r)); };
+  out.read = [at, f = s.world_read](int r, bool optimizer) { return f(at(r), optimizer); };
+  return out;
+}
+
+SavedShards from_checkpoint(const CheckpointState& state, int tp_rank) {
   SavedShards s;
   s.where = state.path;
   s.prefix = "fsdp.";
   s.world = state.world_size;
   try {
     const Json meta = Json::parse(state.meta);
-    TORCH_CHECK(!meta.contains("mesh"), state.path, " was saved on the device mesh ",
-                meta.at("mesh").value("dims", std::string("?")),
-                ": its rank files hold each rank's shards on that mesh, which loading into plain "
-                "FSDP or consolidating does not take yet; resume it on the same mesh");
+    if (meta.contains("mesh")) {
+      read_mesh(meta.at("mesh"), s);
+    }
     const Json& fsdp = meta.at("fsdp");
     TORCH_CHECK(fsdp.value("world_size", -1) == s.world, state.path, "'s layout is of ",
                 fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,
@@ -285,21 +341,21 @@ SavedShards from_checkpoint(const CheckpointState& state, int own_rank) {
   s.buffers = with_prefix(state.shared, "model.", /*strip=*/true);
   const std::string path = state.path;
   const int64_t step = state.step;
-  const int world = s.world;
-  s.file = [path, step](int r) {
+  const int world = state.world_size;
+  s.world_file = [path, step](int r) {
     return parent_directory(path) + "/" + Checkpoint::rank_file_name(step, r);
   };
-  // The tensors already read are used only when they are this rank's (Checkpoint::load's rank).
-  const bool have_own = state.rank == own_rank && own_rank >= 0;
-  s.read = [path, step, world, own_rank, have_own, own = state.own](int r, bool optimizer) {
-    if (r == own_rank && have_own) {
+  // The tensors already read are those of saving rank state.rank.
+  s.world_read = [path, step, world, own_rank = state.own.empty() ? -1 : state.rank,
+                  own = state.own](int r, bool optimizer) {
+    if (r == own_rank) {
       return own;
     }
     return Checkpoint::load_own(path, r, step, world, [optimizer](const std::string& name) {
       return optimizer || !detail::starts_with(name, "optim.");
     });
   };
-  return s;
+  return tp_part(s, std::min(std::max(tp_rank, 0), s.tp - 1));
 }
 
 SavedShards from_directory(const std::string& dir, int rank) {
@@ -324,7 +380,7 @@ SavedShards from_directory(const std::string& dir, int rank) {
                 meta.is_object() ? meta.value("strategy", std::string("?")) : "?",
                 " strategy, whose weights are whole (model.* in its shared file); only fsdp "
                 "checkpoints are sharded");
-    s = from_checkpoint(state, rank);
+    s = from_checkpoint(state);
     s.where = dir;
   } else {
     TORCH_CHECK(::stat((dir + "/" + kOldManifest).c_str(), &st) == 0, "no complete checkpoint in ",
@@ -333,6 +389,8 @@ SavedShards from_directory(const std::string& dir, int rank) {
                        : "the directory does not exist",
                 "); give the directory of a save that finished");
     s = from_old_manifest(dir);
+    s.world_file = s.file;
+    s.world_read = s.read;
     check_rank_files_exist(s);
   }
   return s;

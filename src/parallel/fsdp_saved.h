@@ -10,6 +10,7 @@
 
 #include "paratrain/io/checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
+#include "paratrain/parallel/tensor_parallel.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -19,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace paratrain {
@@ -44,6 +46,17 @@ struct SavedShards {
   std::function<std::string(int rank)> file;    ///< rank r's file, as messages name it
   /// Rank r's tensors, verified; with optimizer false the optimizer's may be left out.
   std::function<TensorMap(int rank, bool optimizer)> read;
+
+  // Saved on a device mesh: every world rank's file holds its dp_shard group's shards (rank r of
+  // `world`, the units' layout) of its tensor-parallel part. file and read above name the files
+  // of tensor-parallel rank `tp_rank` of the first replica; tp_part() points them at another.
+  std::string mesh;  ///< its dimensions (DeviceMesh::describe()); "": plain
+  std::vector<std::pair<std::string, int>> dims;  ///< outermost first; empty when plain
+  int tp = 1;
+  int tp_rank = 0;
+  std::map<std::string, TensorParallelShard> split;  ///< what tensor parallelism split
+  std::function<std::string(int world_rank)> world_file;
+  std::function<TensorMap(int world_rank, bool optimizer)> world_read;
 };
 
 /// A unit as sharded_state() and the rank files call it: "root" for the root.
@@ -57,9 +70,36 @@ std::string layout_difference(const std::vector<Unit>& saved, const std::vector<
 std::map<std::string, size_t> optimizer_units(torch::optim::Optimizer& optimizer,
                                               const FullyShardedDataParallel& fsdp);
 
-/// A Checkpoint's sharded state (its manifest's metadata has "fsdp"); `own` (may be empty) is
-/// the saving rank `own_rank`'s tensors, already read.
-SavedShards from_checkpoint(const CheckpointState& state, int own_rank);
+/// A Checkpoint's sharded state (its manifest's metadata has "fsdp", and "mesh" when saved on
+/// one), file and read pointing at tensor-parallel rank `tp_rank`'s files (0 when it has none);
+/// `state.own` (may be empty) is the saving world rank `state.rank`'s tensors, already read.
+SavedShards from_checkpoint(const CheckpointState& state, int tp_rank = 0);
+/// The same saved state with file and read naming tensor-parallel rank `t`'s files.
+SavedShards tp_part(const SavedShards& s, int t);
+
+/// Every saved rank file, [tensor-parallel rank][dp_shard rank] (a plain checkpoint: [0][rank]),
+/// with or without the optimizer's state.
+std::vector<std::vector<TensorMap>> read_all(const SavedShards& s, bool optimizer);
+
+/// The whole tensors of unit `unit`'s parameters in the flat tensor `key` of every file in
+/// `files` (read_all's): the unit's shards ("fsdp.<unit>") or one optimizer field laid out like
+/// them, put together over dp_shard and joined over tensor parallelism.
+TensorMap whole_of_unit(const std::vector<std::vector<TensorMap>>& files,
+                        const SavedShards& s,
+                        size_t unit,
+                        const std::string& key);
+
+/// Takes a saved state from another mesh (another tensor-parallel degree or split) into `fsdp`
+/// and `optimizer`: the whole of each tensor, then this rank's part of it under `layout` on
+/// tensor-parallel rank `tp_rank`, then its FSDP shard. Holds the whole model and its optimizer
+/// state in memory once. Throws c10::Error, one line, before changing anything, for a model or
+/// optimizer that does not match the saved one.
+void load_across_meshes(const SavedShards& s,
+                        FullyShardedDataParallel& fsdp,
+                        torch::optim::Optimizer* optimizer,
+                        const TensorParallelLayout& layout,
+                        int tp_rank);
+
 /// The checkpoint in `dir`: its newest Checkpoint manifest, else an older fsdp.json; rank
 /// `rank`'s own file is read with it (when it has one; rank < 0: none). Throws c10::Error, one
 /// line, for a file, a directory that holds neither, a checkpoint of unsharded weights, or a

@@ -572,18 +572,27 @@ std::map<std::string, torch::Tensor> tensor_parallel_full_state(
       pieces.push_back(torch::empty_like(tensor, at::MemoryFormat::Contiguous));
     }
     tp->allgather(pieces, tensor.contiguous())->wait();
-    // Piece r holds rank r's part of each chunk: chunk c is the ranks' c-th parts in order.
-    std::vector<Tensor> chunks;
-    for (int64_t c = 0; c < s.chunks; ++c) {
-      std::vector<Tensor> parts;
-      for (const Tensor& piece : pieces) {
-        parts.push_back(piece.chunk(s.chunks, s.dim)[static_cast<size_t>(c)]);
-      }
-      chunks.push_back(torch::cat(parts, s.dim));
-    }
-    out[name] = torch::cat(chunks, s.dim);
+    out[name] = tensor_parallel_join(pieces, s);
   }
   return out;
+}
+
+torch::Tensor tensor_parallel_join(const std::vector<torch::Tensor>& parts,
+                                   const TensorParallelShard& shard) {
+  TORCH_CHECK(!parts.empty(), "tensor_parallel_join: no parts");
+  const int64_t dim = normalized(shard.dim, parts.front());
+  // Part r holds rank r's piece of each chunk: chunk c is the ranks' c-th pieces in order.
+  std::vector<Tensor> chunks;
+  for (int64_t c = 0; c < shard.chunks; ++c) {
+    std::vector<Tensor> pieces;
+    for (const Tensor& part : parts) {
+      TORCH_CHECK(part.sizes() == parts.front().sizes(), "tensor_parallel_join: parts of sizes ",
+                  parts.front().sizes(), " and ", part.sizes(), "; every rank's part is the same");
+      pieces.push_back(part.chunk(shard.chunks, dim)[static_cast<size_t>(c)]);
+    }
+    chunks.push_back(torch::cat(pieces, dim));
+  }
+  return torch::cat(chunks, dim);
 }
 
 namespace {

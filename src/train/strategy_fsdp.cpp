@@ -114,58 +114,28 @@ class FsdpStrategy : public TrainStrategy {
   }
 
   void capture(CheckpointState& s, torch::optim::Optimizer& optimizer) override {
-    capture_sharded_state(fsdp_, &optimizer, s);
     if (parts_.mesh) {  // each world rank's file holds its shards of its tensor-parallel parts
-      nlohmann::json meta = nlohmann::json::parse(s.meta);
-      meta["mesh"] = mesh_json();
-      s.meta = meta.dump();
+      capture_sharded_state(fsdp_, &optimizer, s, *parts_.mesh, parts_.layout);
+    } else {
+      capture_sharded_state(fsdp_, &optimizer, s);
     }
   }
 
   // The layout's checks (units, names, shapes) come with the load (restore_sharded_state).
   std::string saved_model_difference(const CheckpointState&) const override { return ""; }
 
+  // Any mesh's checkpoint, and plain FSDP's, resumes on any mesh: resharded as it loads.
   void restore(const CheckpointState& s,
                const nlohmann::json& meta,
                torch::optim::Optimizer& optimizer) override {
     TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
                 " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
                 meta.value("strategy", std::string("?")), ")");
-    const std::string saved = meta.contains("mesh") ? meta["mesh"].value("dims", "") : "";
-    const std::string here = parts_.mesh ? parts_.mesh->describe() : "";
-    TORCH_CHECK(saved == here, "checkpoint ", s.path, " was saved ",
-                saved.empty() ? "by plain FSDP" : "on the mesh " + saved, " and this run is ",
-                here.empty() ? "plain FSDP" : "on the mesh " + here,
-                "; resume it on the mesh it was saved on (resharding a checkpoint to another "
-                "mesh is not available yet)");
-    if (!parts_.mesh) {
+    if (parts_.mesh) {
+      restore_sharded_state(s, fsdp_, &optimizer, *parts_.mesh, parts_.layout);
+    } else {
       restore_sharded_state(s, fsdp_, &optimizer);
-      return;
     }
-    TORCH_CHECK(meta["mesh"] == mesh_json(), "checkpoint ", s.path,
-                " was saved with another tensor-parallel layout (", meta["mesh"].dump(),
-                "); resume it with the options it was saved with");
-    // The same mesh: this rank's own file holds exactly its shards and optimizer state, as a
-    // plain FSDP checkpoint of the dp_shard group would. Loaded as one (its layout's checks, the
-    // buffers), with the world and rank of that group.
-    CheckpointState local = s;
-    local.world_size = fsdp_.world_size();
-    local.rank = fsdp_.rank();
-    nlohmann::json plain = meta;
-    plain.erase("mesh");
-    local.meta = plain.dump();
-    restore_sharded_state(local, fsdp_, &optimizer);
-  }
-
-  // The mesh, and what tensor parallelism split, as a checkpoint records them.
-  nlohmann::json mesh_json() const {
-    nlohmann::json shards = nlohmann::json::object();
-    for (const auto& [name, shard] : parts_.layout.shards) {
-      shards[name] = {{"dim", shard.dim}, {"chunks", shard.chunks}};
-    }
-    return {{"dims", parts_.mesh->describe()},
-            {"sequence_parallel", options_.mesh().sequence_parallel()},
-            {"tensor_parallel", shards}};
   }
 
   TensorMap weights() override {

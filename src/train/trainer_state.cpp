@@ -34,6 +34,7 @@ CheckpointState Trainer::Impl::capture() {
                    {"epoch_cap", epoch_cap},
                    {"batches_per_epoch", batches_per_epoch},
                    {"world_size", world},
+                   {"data_world", data_world},
                    {"batch_size", o.batch_size()},
                    {"global_step", global_step},
                    {"schedule_steps", schedule->steps()},
@@ -132,17 +133,20 @@ void Trainer::Impl::restore_progress(const CheckpointState& s, const Json& meta)
   global_step = meta.at("global_step").get<int64_t>();
   epoch_start = meta.value("epoch_start", int64_t{0});
   epoch_cap = meta.value("epoch_cap", int64_t{0});
+  // The ranks that drew different data: on a device mesh, the data-parallel ones.
+  const int64_t saved_data_world = meta.value("data_world", int64_t{s.world_size});
   if (s.world_size == world) {
     set_rng_state(s.own);
-  } else {
-    // Another world (elastic): the saved ranks took, between them, the first
-    // world * batch_size * batch samples of the epoch's order after its start (the sampler
+  }
+  if (s.world_size != world || saved_data_world != data_world) {
+    // Another world (elastic), or another mesh: the saved ranks took, between them, the first
+    // data_world * batch_size * batch samples of the epoch's order after its start (the sampler
     // interleaves them); the rest is shared out over this world from its first batch. The RNG
-    // streams belonged to ranks that no longer exist.
+    // streams of another world belonged to ranks that no longer exist.
     const int64_t saved_batch = meta.value("batch_size", o.batch_size());
     const int64_t saved_batches = meta.value("batches_per_epoch", int64_t{0});
     epoch_start = std::min<int64_t>(static_cast<int64_t>(train->size()),
-                                    epoch_start + s.world_size * saved_batch * batch);
+                                    epoch_start + saved_data_world * saved_batch * batch);
     if (saved_batches > 0 && batch >= saved_batches) {
       epoch_start = static_cast<int64_t>(train->size());  // the epoch was done
     } else if (o.steps_per_epoch() > 0) {

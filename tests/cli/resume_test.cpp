@@ -18,10 +18,13 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace paratrain {
@@ -656,11 +659,29 @@ TEST(Resume, FsdpCheckpointsResumeBitwiseReshardAndConsolidate) {  // ctest: slo
   remove_with_prefix(base);
 }
 
+// The largest difference between two weight files of the same names.
+double max_difference(const std::string& a, const std::string& b) {
+  const TensorMap x = load_safetensors(a);
+  const TensorMap y = load_safetensors(b);
+  EXPECT_EQ(x.size(), y.size());
+  double worst = 0;
+  for (const auto& [name, t] : x) {
+    EXPECT_TRUE(y.count(name)) << name;
+    if (y.count(name)) {
+      worst = std::max(
+          worst, (t.to(torch::kDouble) - y.at(name).to(torch::kDouble)).abs().max().item<double>());
+    }
+  }
+  return worst;
+}
+
 // A job on a 2-D mesh (tensor parallel over 2 ranks, FSDP over 2) stopped after 2 epochs and
 // resumed for the third ends with the weights of one that ran 3 epochs straight, bit for bit. Its
-// checkpoint is refused, in one line, by plain FSDP and by consolidation, which do not take
-// tensor-parallel parts yet.
-TEST(Resume, MeshCheckpointsResumeBitwise) {  // ctest: slow 40
+// checkpoint consolidates into the whole model (the tensor-parallel parts joined), by the
+// module's names and by Hugging Face's. Other meshes take it, resharded: plain FSDP on 4 ranks,
+// tensor parallelism over 4, and 2 replicas of FSDP over 2: each holds exactly the saved weights
+// (a resume with no step left saves them again) and trains on from the saved optimizer state.
+TEST(Resume, MeshCheckpointsResumeAndReshard) {  // ctest: slow 60
   const std::string text = "/usr/share/common-licenses/GPL-3";
   if (!std::ifstream(text).good()) {
     GTEST_SKIP() << text << " is missing (Debian's base-files ships it)";
@@ -670,33 +691,66 @@ TEST(Resume, MeshCheckpointsResumeBitwise) {  // ctest: slow 40
   auto tok = run_process({cli_path(), "data", "tokenize", "--bytes", text, "--out", base + "-tok"});
   ASSERT_EQ(tok.exit_code, 0) << tok.output;
   const std::string tokens = base + "-tok";
-  auto mesh_job = [&](const std::string& dir, int epochs) {
-    std::vector<std::string> job = fsdp_job(tokens, dir, 4, epochs);
-    job.insert(job.end(), {"--tp", "2", "--dp-shard", "2"});
+  // 4 heads, so that tensor parallelism may take 4 ranks.
+  auto mesh_job = [&](const std::string& dir, int epochs, const std::vector<std::string>& mesh,
+                      int ranks = 4) {
+    std::vector<std::string> job = plus(fsdp_job(tokens, dir, ranks, epochs), mesh);
+    *(std::find(job.begin(), job.end(), "--heads") + 1) = "4";
     return job;
   };
+  const std::vector<std::string> tp2_fsdp2{"--tp", "2", "--dp-shard", "2"};
   auto straight = run_process(
-      plus(mesh_job(base + "-a", 3), {"--save-weights", base + "-a.safetensors"}), env, 300);
+      plus(mesh_job(base + "-a", 3, tp2_fsdp2), {"--save-weights", base + "-a.safetensors"}), env,
+      300);
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  auto first = run_process(mesh_job(base + "-b", 2), env, 300);
+  auto first = run_process(
+      plus(mesh_job(base + "-b", 2, tp2_fsdp2), {"--save-weights", base + "-b2.safetensors"}), env,
+      300);
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto rest = run_process(plus(mesh_job(base + "-b", 3),
+  const std::string epoch2 = base + "-b/ckpt-0000000020.json";
+  auto rest = run_process(plus(mesh_job(base + "-b", 3, tp2_fsdp2),
                                {"--resume", "auto", "--save-weights", base + "-b.safetensors"}),
                           env, 300);
   ASSERT_EQ(rest.exit_code, 0) << rest.output;
   EXPECT_NE(rest.output.find("resumed from"), std::string::npos) << rest.output;
   EXPECT_EQ(read_bytes(base + "-a.safetensors"), read_bytes(base + "-b.safetensors"));
-  auto plain =
-      run_process(plus(fsdp_job(tokens, base + "-b", 4, 4), {"--resume", "auto"}), env, 300);
-  EXPECT_NE(plain.exit_code, 0);
-  EXPECT_NE(plain.output.find("was saved on the mesh dp_shard=2 x tp=2 and this run is plain FSDP"),
-            std::string::npos)
-      << plain.output;
+
   auto whole = run_process(
       {cli_path(), "checkpoint", "consolidate", base + "-b", "--out", base + "-c.safetensors"});
-  EXPECT_NE(whole.exit_code, 0);
-  EXPECT_NE(whole.output.find("was saved on the device mesh dp_shard=2 x tp=2"), std::string::npos)
-      << whole.output;
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_EQ(max_difference(base + "-b.safetensors", base + "-c.safetensors"), 0.0);
+  auto hf = run_process({cli_path(), "checkpoint", "consolidate", base + "-b", "--names", "hf",
+                         "--out", base + "-hf"});
+  ASSERT_EQ(hf.exit_code, 0) << hf.output;
+  const TensorMap named = load_safetensors(base + "-hf/model.safetensors");
+  ASSERT_TRUE(named.count("transformer.h.0.attn.c_attn.weight")) << hf.output;
+  EXPECT_EQ(named.at("transformer.h.0.attn.c_attn.weight").sizes(), (std::vector<int64_t>{32, 96}));
+
+  // name, ranks, mesh: those with 2 data-parallel ranks see the straight run's batches.
+  const std::vector<std::tuple<std::string, int, std::vector<std::string>>> others{
+      {"fsdp2", 2, {}},  // another world size: elastic, below
+      {"tp2-replicate2", 4, {"--tp", "2", "--dp-replicate", "2"}},
+      {"fsdp4", 4, {}},
+      {"tp4", 4, {"--tp", "4"}}};
+  for (const auto& [name, ranks, mesh] : others) {
+    SCOPED_TRACE("resumed as " + name);
+    const std::string dir = base + "-" + name;
+    auto job = [&, ranks = ranks, mesh = mesh](int epochs, const std::string& out) {
+      return plus(mesh_job(dir, epochs, mesh, ranks), {"--resume", epoch2, "--save-weights", out});
+    };
+    auto elastic = env;
+    elastic["PARATRAIN_ELASTIC"] = "1";  // as `paratrain launch --nnodes MIN:MAX` sets it
+    auto same = run_process(job(2, dir + "-2.safetensors"), elastic, 300);
+    ASSERT_EQ(same.exit_code, 0) << same.output;
+    EXPECT_EQ(max_difference(base + "-b2.safetensors", dir + "-2.safetensors"), 0.0);
+    auto on = run_process(job(3, dir + "-3.safetensors"), elastic, 300);
+    ASSERT_EQ(on.exit_code, 0) << on.output;
+    const double d = max_difference(base + "-a.safetensors", dir + "-3.safetensors");
+    std::cout << name << ": max |w - w_straight| after epoch 3 = " << d << std::endl;
+    if (name == "fsdp2" || name == "tp2-replicate2") {
+      EXPECT_LT(d, 1e-5);
+    }
+  }
   remove_with_prefix(base);
 }
 

@@ -42,11 +42,19 @@
 // optimizer's options (the learning rate) are not saved: they are the caller's, as with
 // optimizer_state().
 //
+// On a device mesh (capture_sharded_state with a mesh), the manifest's metadata also has "mesh":
+// its dimensions ("dims", "degrees") and what tensor parallelism split ("tensor_parallel": each
+// split parameter's dim and chunks). Every world rank writes its own file, of its dp_shard group's
+// layout (the units' shapes are its tensor-parallel part's). Such a checkpoint loads into any
+// mesh, into plain FSDP, and consolidates into the whole model: tensor-parallel parts are joined.
+//
 // The directory must be one that every rank sees (a shared file system). Loading reads only the
 // old ranks' files that hold a piece of this rank's slices: on the same world size, its own.
 
 #include "paratrain/io/checkpoint.h"
+#include "paratrain/parallel/device_mesh.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
+#include "paratrain/parallel/tensor_parallel.h"
 
 #include <torch/optim/optimizer.h>
 
@@ -64,6 +72,15 @@ namespace paratrain {
 void capture_sharded_state(FullyShardedDataParallel& fsdp,
                            torch::optim::Optimizer* optimizer,
                            CheckpointState& state);
+/// The same for a model on a device mesh: `fsdp` sharded over mesh["dp_shard"] (and replicated
+/// over "dp_replicate"), its modules split by parallelize_module over mesh["tp"] as `layout`
+/// says. The manifest records the mesh and the layout, so that the checkpoint can be resumed on
+/// another mesh, loaded into plain FSDP, or consolidated.
+void capture_sharded_state(FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer,
+                           CheckpointState& state,
+                           const DeviceMesh& mesh,
+                           const TensorParallelLayout& layout);
 /// Takes what capture_sharded_state saved (loaded by Checkpoint: load_latest or load) into
 /// `fsdp` and `optimizer` (when not null), on any number of ranks: this rank's `own` tensors are
 /// used as they are, and the other saving ranks' files whose pieces it needs are read from the
@@ -72,6 +89,17 @@ void capture_sharded_state(FullyShardedDataParallel& fsdp,
 void restore_sharded_state(const CheckpointState& state,
                            FullyShardedDataParallel& fsdp,
                            torch::optim::Optimizer* optimizer);
+/// The same into a model on a device mesh, split by tensor parallelism as `layout` says (see
+/// capture_sharded_state), whatever the mesh it was saved on: a checkpoint of the same
+/// tensor-parallel split is resharded shard by shard over dp_shard, as above; one of another
+/// split (another tp degree, or plain FSDP into tensor parallelism and back) is put back together
+/// into whole tensors, holding the whole model and its optimizer state in memory once, and cut
+/// again. The first replica's files are read.
+void restore_sharded_state(const CheckpointState& state,
+                           FullyShardedDataParallel& fsdp,
+                           torch::optim::Optimizer* optimizer,
+                           const DeviceMesh& mesh,
+                           const TensorParallelLayout& layout);
 
 /// Writes this rank's shards of `fsdp`'s weights and of `optimizer`'s state (when not null; SGD,
 /// Adam or AdamW over fsdp.parameters()), and rank 0 the buffers, to `dir` (made if missing),

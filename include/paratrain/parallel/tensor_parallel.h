@@ -181,6 +181,11 @@ torch::Tensor tensor_parallel_slice(const torch::Tensor& whole,
                                     int rank,
                                     int degree);
 
+/// The whole tensor from every rank's part, in rank order (`parts[r]` as tensor_parallel_slice
+/// gives rank r's): the inverse of tensor_parallel_slice, without communication.
+torch::Tensor tensor_parallel_join(const std::vector<torch::Tensor>& parts,
+                                   const TensorParallelShard& shard);
+
 /// Loss parallel (torch.distributed.tensor.parallel.loss_parallel): the mean cross entropy of
 /// logits split over `tp` along the last dimension (rank r holding classes [r * V/tp,
 /// (r+1) * V/tp)), without gathering them. `local_logits` is [N, V/tp] (or [B, T, V/tp]),
