@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <random>
@@ -56,10 +57,14 @@ std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std:
 // A kill at step `first` or later must resume from a checkpoint: checkpoints are written in the
 // background, and save() waits for the previous write, so with --checkpoint-every 3 the one of
 // step 3 is on disk once step 6 ends. Earlier kills may find none.
-void expect_exact_resume(const std::vector<std::string>& extra,
-                         int ranks,
-                         const std::vector<std::string>& checkpoints = {"--checkpoint-every", "3"},
-                         int first = 6) {
+// `make_job` makes the job of 16 steps from the flags (job(): the mlp's).
+void expect_exact_resume(
+    const std::vector<std::string>& extra,
+    int ranks,
+    const std::vector<std::string>& checkpoints = {"--checkpoint-every", "3"},
+    int first = 6,
+    const std::function<std::vector<std::string>(const std::vector<std::string>&)>& make_job =
+        job) {
   std::random_device seed;
   std::mt19937 rng(seed());
   const int kill_step = std::uniform_int_distribution<int>(1, 15)(rng);
@@ -72,7 +77,7 @@ void expect_exact_resume(const std::vector<std::string>& extra,
   const std::string dir = base + "-ckpt";
   const std::map<std::string, std::string> env{kCpuOnly, {"PARATRAIN_TIMEOUT", "60"}};
 
-  auto a = run_process(job(plus(extra, {"--save-weights", whole})), env, 300);
+  auto a = run_process(make_job(plus(extra, {"--save-weights", whole})), env, 300);
   ASSERT_EQ(a.exit_code, 0) << a.output;
 
   auto killed_env = env;
@@ -80,7 +85,7 @@ void expect_exact_resume(const std::vector<std::string>& extra,
   killed_env["PARATRAIN_FAULT_RANK"] = std::to_string(kill_rank);
   const auto with_ckpt =
       plus(plus(extra, {"--checkpoint-dir", dir, "--resume", "auto"}), checkpoints);
-  auto b = run_process(job(with_ckpt), killed_env, 300);
+  auto b = run_process(make_job(with_ckpt), killed_env, 300);
   ASSERT_TRUE(b.signal == 9 || b.exit_code == 137) << "exit " << b.exit_code << "\n" << b.output;
 
   // An earlier kill can also leave the first checkpoint incomplete: rank 0's manifest written
@@ -88,7 +93,8 @@ void expect_exact_resume(const std::vector<std::string>& extra,
   const std::vector<std::string> again = kill_step >= first
                                              ? std::vector<std::string>{}
                                              : std::vector<std::string>{"--start-fresh-if-damaged"};
-  auto c = run_process(job(plus(plus(with_ckpt, again), {"--save-weights", resumed})), env, 300);
+  auto c =
+      run_process(make_job(plus(plus(with_ckpt, again), {"--save-weights", resumed})), env, 300);
   ASSERT_EQ(c.exit_code, 0) << c.output;
   if (kill_step >= first) {
     EXPECT_NE(c.output.find("resumed from "), std::string::npos) << c.output;
@@ -123,6 +129,31 @@ TEST(Resume, DdpOnGloo) {
 // HSDP (a mesh of 2 replicas of a shard each): the MLP's BatchNorm statistics come back too.
 TEST(Resume, HsdpOnAMesh) {
   expect_exact_resume({"--dp-replicate", "2", "--nproc-per-node", "2"}, 2);
+}
+
+// A GPT of 4 heads on bytes of text, 2 epochs of 8 steps.
+std::vector<std::string> gpt_job(const std::string& tokens, const std::vector<std::string>& extra) {
+  return plus(
+      {cli_path(),    "train", "--model",  "gpt",  "--layers",  "2",  "--width",      "32",
+       "--heads",     "4",     "--vocab",  "256",  "--context", "32", "--dataset",    "tokens",
+       "--data-dir",  tokens,  "--epochs", "2",    "--steps",   "8",  "--batch-size", "4",
+       "--optimizer", "adam",  "--lr",     "3e-3", "--device",  "cpu"},
+      extra);
+}
+
+// A 2-D mesh (tensor parallel over 2 ranks with sequence and loss parallel, FSDP over 2).
+TEST(Resume, TensorParallelTimesFsdp) {  // ctest: slow 30
+  const std::string text = "/usr/share/common-licenses/GPL-3";
+  if (!std::ifstream(text).good()) {
+    GTEST_SKIP() << text << " is missing (Debian's base-files ships it)";
+  }
+  const std::string tokens = "/tmp/" + unique_token("tp-resume-tok");
+  auto tok = run_process({cli_path(), "data", "tokenize", "--bytes", text, "--out", tokens});
+  ASSERT_EQ(tok.exit_code, 0) << tok.output;
+  expect_exact_resume(
+      {"--tp", "2", "--dp-shard", "2", "--nproc-per-node", "4"}, 4, {"--checkpoint-every", "3"}, 6,
+      [&](const std::vector<std::string>& extra) { return gpt_job(tokens, extra); });
+  remove_with_prefix(tokens);
 }
 
 #ifdef PARATRAIN_WITH_MPI
