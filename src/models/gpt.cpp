@@ -3,6 +3,7 @@
 #include "hf_names.h"
 #include "paratrain/models/conv1d.h"
 #include "paratrain/parallel/module_hooks.h"
+#include "paratrain/parallel/tensor_parallel.h"
 
 #include <torch/torch.h>
 
@@ -164,10 +165,14 @@ struct GptAttentionImpl : nn::Cloneable<GptAttentionImpl> {
     const torch::Tensor future =
         torch::ones({length, length}, x.options().dtype(torch::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+    // Under tensor parallelism a rank's heads, and (sequence parallel) its part of the sequence,
+    // draw masks of their own.
     const torch::Tensor probs =
-        torch::dropout(torch::softmax(scores, -1), options.dropout(), is_training());
+        tensor_parallel_dropout(torch::softmax(scores, -1), options.dropout(), is_training(),
+                                tensor_parallel_sharded_output(*c_attn));
     const torch::Tensor y = torch::matmul(probs, v).transpose(1, 2).reshape({batch, length, width});
-    return torch::dropout(c_proj(y), options.dropout(), is_training());
+    return tensor_parallel_dropout(c_proj(y), options.dropout(), is_training(),
+                                   tensor_parallel_sharded_output(*c_proj));
   }
   GptOptions options;
   Conv1D c_attn{nullptr}, c_proj{nullptr};
@@ -185,7 +190,8 @@ struct GptMlpImpl : nn::Cloneable<GptMlpImpl> {
   torch::Tensor forward(const torch::Tensor& x) {
     return call_with_hooks(*this, x, [this](const torch::Tensor& in) {
       const torch::Tensor h = torch::gelu(c_fc(in), "tanh");
-      return torch::dropout(c_proj(h), options.dropout(), is_training());
+      return tensor_parallel_dropout(c_proj(h), options.dropout(), is_training(),
+                                     tensor_parallel_sharded_output(*c_proj));
     });
   }
   GptOptions options;

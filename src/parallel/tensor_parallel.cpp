@@ -8,10 +8,19 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+
 #include <fnmatch.h>
 
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <unordered_map>
+#include <utility>
 
 // Note [Layouts of gradients]
 // Every style gives the gradient of its input in the input's own layout: whole on every rank for
@@ -279,6 +288,30 @@ struct Target {
               t.module->name());
 }
 
+// The modules whose output parallelize_module leaves split over the tensor-parallel ranks, with
+// this rank's place: libtorch's Module has no slot for it, so a table keyed by the module's
+// address holds it, with a weak pointer to tell a live module from a later one at that address.
+struct ShardedOutputs {
+  std::mutex mutex;
+  std::unordered_map<const torch::nn::Module*,
+                     std::pair<std::weak_ptr<const torch::nn::Module>, int>>
+      rank;
+};
+
+ShardedOutputs& sharded_outputs() {
+  static ShardedOutputs table;
+  return table;
+}
+
+void mark_sharded_output(const torch::nn::Module& module, int rank) {
+  ShardedOutputs& t = sharded_outputs();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  for (auto it = t.rank.begin(); it != t.rank.end();) {  // modules that are gone
+    it = it->second.first.expired() ? t.rank.erase(it) : std::next(it);
+  }
+  t.rank[&module] = {module.shared_from_this(), rank};
+}
+
 // Replaces `param` (named `local` in t.module) by this rank's part.
 void shard_parameter(const Target& t, const std::string& local, const TensorParallelShard& s) {
   auto params = t.module->named_parameters(/*recurse=*/false);
@@ -346,6 +379,9 @@ void apply(const Target& t, const ColwiseParallel& style) {
     return;
   }
   torch::nn::Module* m = t.module;
+  if (style.output_layouts().shard) {
+    mark_sharded_output(*m, g->rank());
+  }
   const bool linear = kind == Kind::kLinear || kind == Kind::kInOut;
   register_forward_wrapper(*m, [g, m, style, linear, kind](const Tensor& x,
                                                            const ForwardFunction& forward) {
@@ -422,6 +458,9 @@ void apply(const Target& t, const RowwiseParallel& style) {
   }
   const dist::ProcessGroupPtr g = t.group;
   torch::nn::Module* m = t.module;
+  if (style.output_layouts().shard) {
+    mark_sharded_output(*m, g->rank());
+  }
   register_forward_wrapper(*m, [g, m, kind, style](const Tensor& x, const ForwardFunction&) {
     const Tensor in =
         kind != Kind::kEmbedding && !style.input_layouts().shard ? comm(Comm::kSplit, x, -1, g) : x;
@@ -593,6 +632,38 @@ torch::Tensor tensor_parallel_join(const std::vector<torch::Tensor>& parts,
     chunks.push_back(torch::cat(pieces, dim));
   }
   return torch::cat(chunks, dim);
+}
+
+std::optional<int> tensor_parallel_sharded_output(const torch::nn::Module& module) {
+  ShardedOutputs& t = sharded_outputs();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.rank.find(&module);
+  if (it == t.rank.end() || it->second.first.expired()) {
+    return std::nullopt;
+  }
+  return it->second.second;
+}
+
+torch::Tensor tensor_parallel_dropout(const torch::Tensor& x,
+                                      double p,
+                                      bool train,
+                                      std::optional<int> rank) {
+  if (!rank || !train || p == 0) {
+    return torch::dropout(x, p, train);
+  }
+  TORCH_CHECK(p > 0 && p < 1, "tensor_parallel_dropout: p must be in [0, 1), got ", p);
+  // One draw from the default CPU generator, as every rank makes it, gives this call's seed; this
+  // rank's stream is a clone of the device's generator seeded with it plus the rank. Nothing else
+  // is kept: a checkpoint of the default generator's state replays the same masks, and the
+  // default stream goes on alike on every rank (the replicated regions' dropout).
+  const int64_t seed = torch::empty({}, torch::kLong).random_().item<int64_t>();
+  at::Generator mine = at::globalContext().defaultGenerator(x.device()).clone();
+  {
+    std::lock_guard<std::mutex> lock(mine.mutex());
+    mine.set_current_seed(static_cast<uint64_t>(seed) + static_cast<uint64_t>(*rank));
+  }
+  const Tensor keep = torch::empty_like(x, at::MemoryFormat::Contiguous).bernoulli_(1 - p, mine);
+  return x * keep.div_(1 - p);
 }
 
 namespace {

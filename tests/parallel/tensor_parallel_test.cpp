@@ -16,6 +16,10 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
+#include <string>
+#include <utility>
+
 namespace paratrain {
 namespace testing {
 namespace {
@@ -194,6 +198,41 @@ TEST(TensorParallel, GroupOfOneIsThePlainModel) {
   torch::Tensor want_loss =
       torch::nn::functional::cross_entropy(want.flatten(0, 1), tokens.flatten());
   EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), 1e-6);
+}
+
+// Dropout in a split region draws a mask per tensor-parallel rank; in a whole one, the default
+// stream's, as torch::dropout; either way the default stream goes on alike on every rank.
+TEST(TensorParallel, SplitRegionsDrawTheirOwnDropoutMasks) {
+  auto world = tp_world_of_one();
+  auto model = tp_gpt();
+  parallelize_module(
+      model.ptr(), world,
+      models::gpt_parallelize_plan(model, 1, models::GptParallelOptions().sequence_parallel(true)));
+  auto module = [&](const std::string& name) { return model->named_modules()[name]; };
+  EXPECT_EQ(tensor_parallel_sharded_output(*module("h0.attn.c_attn")), 0);  // its heads
+  EXPECT_EQ(tensor_parallel_sharded_output(*module("h0.mlp.c_proj")), 0);   // Shard(1)
+  EXPECT_EQ(tensor_parallel_sharded_output(*module("embed.wte")), std::nullopt);
+  EXPECT_EQ(tensor_parallel_sharded_output(*tp_gpt()->named_modules()["h0.attn.c_attn"]),
+            std::nullopt);
+
+  const torch::Tensor x = torch::ones({4, 64});
+  auto draw = [&](std::optional<int> rank) {
+    torch::manual_seed(7);
+    const torch::Tensor y = tensor_parallel_dropout(x, 0.5, /*train=*/true, rank);
+    return std::make_pair(y, torch::rand({8}));  // and the default stream after it
+  };
+  const auto [r0, after0] = draw(0);
+  const auto [r1, after1] = draw(1);
+  const auto [again, after_again] = draw(0);
+  EXPECT_FALSE(torch::equal(r0, r1));
+  EXPECT_TRUE(torch::equal(r0, again));
+  EXPECT_TRUE(torch::equal(after0, after1));
+  EXPECT_TRUE(torch::equal(after0, after_again));
+  EXPECT_TRUE(torch::equal(r0.eq(0).logical_or(r0.eq(2)), torch::ones_like(r0, torch::kBool)));
+  torch::manual_seed(7);
+  const torch::Tensor whole = torch::dropout(x, 0.5, true);
+  EXPECT_TRUE(torch::equal(draw(std::nullopt).first, whole));
+  EXPECT_TRUE(torch::equal(tensor_parallel_dropout(x, 0.5, /*train=*/false, 1), x));
 }
 
 }  // namespace

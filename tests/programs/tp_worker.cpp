@@ -16,6 +16,8 @@
 //   1e-3 every weight stays within 1e-6 over 20 steps. (SGD, which does not magnify: 1e-7.)
 // --dropout P (0): with dropout the single process is not compared (its masks differ); the run
 //   must still keep the replicated parameters equal over tp
+// --bf16: FSDP's mixed-precision policy (bf16 weights in the units, fp32 gradient reductions
+//   and output), against the single process in fp32
 // --pp 2: pipeline stages with tensor parallelism inside (see train_pipeline_and_compare)
 // --final-out FILE: rank 0 writes the full weights at the end (a run compared with itself)
 // Prints "rank R: ok max_diff=D" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
@@ -110,6 +112,11 @@ std::unique_ptr<Run> make_run(const Options& o, const pt::dist::ProcessGroupPtr&
         pt::FsdpOptions()
             .units(pt::models::gpt_block_names(run->model))
             .activation_checkpointing(o.count("--checkpoint") > 0)
+            .mixed_precision(o.count("--bf16") ? pt::FsdpMixedPrecision()
+                                                     .param_dtype(torch::kBFloat16)
+                                                     .reduce_dtype(torch::kFloat)
+                                                     .output_dtype(torch::kFloat)
+                                               : pt::FsdpMixedPrecision())
             .replicate_group(replicate > 1 ? run->mesh["dp_replicate"] : nullptr));
     params = run->fsdp->parameters();
   }

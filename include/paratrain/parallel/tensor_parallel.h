@@ -52,6 +52,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -185,6 +186,22 @@ torch::Tensor tensor_parallel_slice(const torch::Tensor& whole,
 /// gives rank r's): the inverse of tensor_parallel_slice, without communication.
 torch::Tensor tensor_parallel_join(const std::vector<torch::Tensor>& parts,
                                    const TensorParallelShard& shard);
+
+/// This rank's place in the tensor-parallel group when parallelize_module left `module`'s output
+/// split over it (ColwiseParallel's Shard(-1), RowwiseParallel's Shard(1)); nullopt when the
+/// output is whole (Replicate()) or the module was not parallelized.
+std::optional<int> tensor_parallel_sharded_output(const torch::nn::Module& module);
+
+/// Dropout (torch::dropout) that draws a mask of its own on every tensor-parallel rank, for a
+/// tensor split over them: `rank` (tensor_parallel_sharded_output of the module that made it;
+/// nullopt: torch::dropout as it is, the same mask on every rank, which a whole tensor needs).
+/// As Megatron-LM's model-parallel RNG tracker keeps one stream per rank for split regions and
+/// the default one, equal on every rank, for whole ones. Each call's seed is drawn from the
+/// default CPU generator, so a restored generator state replays the same masks.
+torch::Tensor tensor_parallel_dropout(const torch::Tensor& x,
+                                      double p,
+                                      bool train,
+                                      std::optional<int> rank);
 
 /// Loss parallel (torch.distributed.tensor.parallel.loss_parallel): the mean cross entropy of
 /// logits split over `tp` along the last dimension (rank r holding classes [r * V/tp,
