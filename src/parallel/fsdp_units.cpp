@@ -155,8 +155,11 @@ void FullyShardedDataParallel::Impl::use_gathered(UnitState& u) {
   u.phase = UnitPhase::kUnsharded;
 }
 
-// Between uses the module's parameters are empty tensors of their dtype: reading one then fails
-// with a shape error instead of reading freed memory.
+// Between uses the module's parameters are empty tensors of the dtype they compute in: reading
+// one then fails with a shape error instead of reading freed memory. Of that dtype, not the
+// shard's: set_data with another dtype drops the parameter's gradient accumulator, and a graph
+// recorded before (the unit's forward, under a mixed-precision policy) would then no longer reach
+// the parameter in backward.
 void FullyShardedDataParallel::Impl::release(UnitState& u) {
   if (u.gather) {
     u.gather->wait();  // the engine may still be writing into the storage
@@ -164,7 +167,7 @@ void FullyShardedDataParallel::Impl::release(UnitState& u) {
     u.gather_input = Tensor();
   }
   for (auto& p : u.params) {
-    p.set_data(torch::empty({0}, u.shard.options().requires_grad(false)));
+    p.set_data(torch::empty({0}, u.full.options().requires_grad(false)));
   }
   if (u.phase != UnitPhase::kSharded) {
     free_storage(u.full, pool);

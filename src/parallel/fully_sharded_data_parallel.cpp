@@ -105,7 +105,7 @@ void shard_unit(UnitState& u,
   u.shard = flat.narrow(0, group->rank() * size, size).clone().requires_grad_(true);
   flat = Tensor();
   for (auto& p : u.params) {
-    p.set_data(torch::empty({0}, options));
+    p.set_data(torch::empty({0}, options.dtype(compute)));  // as release() leaves them
   }
   u.full = torch::empty({u.layout.padded}, options.dtype(compute));
   u.full.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(

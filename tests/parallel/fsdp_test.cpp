@@ -44,11 +44,12 @@ std::vector<FsdpCase> fsdp_cases() {
       {"policy_fp32", "gloo", 2, {"--policy", "fp32", "--exact"}},
       {"policy_fp32", "gloo", 3, {"--policy", "fp32", "--exact"}},
       // bf16 weights against the fp32 single process: bf16's rounding (2^-8 of every gathered
-      // weight and product), over 8 SGD steps at lr 0.1, measured 0.08.
+      // weight and product), over 8 SGD steps at lr 0.1, measured 8.6e-4. (0.08 while the
+      // blocks' gradients were lost, which a tolerance of 0.15 let pass.)
       {"policy_bf16_sgd",
        "gloo",
        2,
-       {"--policy", "bf16", "--optimizer", "sgd", "--steps", "8", "--tolerance", "0.15"}},
+       {"--policy", "bf16", "--optimizer", "sgd", "--steps", "8", "--tolerance", "5e-3"}},
       {"checkpointing", "gloo", 3, {"--checkpoint"}},
       {"keep_gathered_sgd", "gloo", 2, {"--keep-gathered", "--optimizer", "sgd"}},
       {"no_sync_clip", "gloo", 2, {"--accumulate", "2", "--clip", "0.5", "--steps", "10"}},
