@@ -8,6 +8,7 @@
 #include <c10/util/accumulate.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -113,6 +114,39 @@ size_t saved_unit(const SavedShards& s, const std::string& name) {
               "'; load it into a model built as the one that saved it");
 }
 
+// The same parameters in the same units, and an optimizer that steps the same units: what the
+// saved state and this model may differ in is only how they are split.
+void check_same_model(const SavedShards& s,
+                      const FullyShardedDataParallel& fsdp,
+                      torch::optim::Optimizer* optimizer) {
+  const auto units = fsdp.units();
+  size_t with_params = 0;
+  for (const auto& u : units) {
+    const size_t k = saved_unit(s, u.name);
+    TORCH_CHECK(s.units[k].params == u.params, "the checkpoint in ", s.where,
+                " is of another model: its unit '", unit_key(u), "' holds ",
+                s.units[k].params.size(), " parameters (the first: '",
+                s.units[k].params.empty() ? "none" : s.units[k].params[0], "') and this model's ",
+                u.params.size(), "; load it into a model built as the one that saved it");
+    with_params += u.padded > 0 ? 1 : 0;
+  }
+  const size_t saved_with_params = static_cast<size_t>(
+      std::count_if(s.units.begin(), s.units.end(), [](const Unit& u) { return u.padded > 0; }));
+  TORCH_CHECK(saved_with_params == with_params, "the checkpoint in ", s.where,
+              " is of another model: it has ", saved_with_params,
+              " units with parameters and this model ", with_params,
+              "; load it into a model built as the one that saved it");
+  if (optimizer != nullptr && s.has_optimizer) {
+    const auto owners = optimizer_units(*optimizer, fsdp);
+    for (const auto& [key, unit] : s.optimizer) {
+      TORCH_CHECK(owners.count(key), "the checkpoint in ", s.where,
+                  " holds optimizer state of parameter ", key.substr(0, key.size() - 1),
+                  ", which this optimizer does not step; build the optimizer over "
+                  "fsdp.parameters(), as the saved one was");
+    }
+  }
+}
+
 // This rank's optimizer state from the saved one: `key` ("<group>.<index>.") of the model's
 // unit `unit`, whose saved unit is `saved`.
 void optimizer_of_unit(const std::vector<std::vector<TensorMap>>& files,
@@ -196,6 +230,7 @@ void load_across_meshes(const SavedShards& s,
       }
     }
   }
+  check_same_model(s, fsdp, optimizer);
   check_part_shapes(s, fsdp, whole, layout);
   // The older format saved no buffers.
   const auto buffers = s.prefix == "model." ? torch::OrderedDict<std::string, Tensor>()
@@ -222,7 +257,7 @@ void load_across_meshes(const SavedShards& s,
     }
   }
   fsdp.load_own_shards(shards);
-  if (optim) {
+  if (optimizer != nullptr) {  // without saved state: none, as a plain load leaves it
     load_optimizer_state(*optimizer, state);
   }
   torch::NoGradGuard no_grad;

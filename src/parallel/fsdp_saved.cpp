@@ -13,6 +13,8 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -268,12 +270,26 @@ int world_rank_at(const std::vector<std::pair<std::string, int>>& dims,
 // split. The units' layout is then that of the dp_shard group: its world is that dimension's.
 void read_mesh(const Json& mesh, SavedShards& s) {
   s.mesh = mesh.at("dims").get<std::string>();
+  if (mesh.contains("degrees")) {
+    for (const Json& d : mesh.at("degrees")) {
+      s.dims.emplace_back(d.at(0).get<std::string>(), d.at(1).get<int>());
+    }
+  } else {  // the first mesh checkpoints recorded only DeviceMesh::describe(): "a=2 x b=2"
+    std::istringstream in(s.mesh);
+    for (std::string item; in >> item;) {
+      const size_t eq = item.find('=');
+      if (item != "x") {
+        TORCH_CHECK(eq != std::string::npos, s.where, "'s mesh '", s.mesh,
+                    "' is not one DeviceMesh::describe() writes: the file is damaged");
+        s.dims.emplace_back(item.substr(0, eq), std::atoi(item.c_str() + eq + 1));
+      }
+    }
+  }
   int product = 1;
-  for (const Json& d : mesh.at("degrees")) {
-    s.dims.emplace_back(d.at(0).get<std::string>(), d.at(1).get<int>());
-    TORCH_CHECK(s.dims.back().second >= 1, s.where, " names a mesh dimension of degree ",
-                s.dims.back().second, ": the file is damaged");
-    product *= s.dims.back().second;
+  for (const auto& [name, degree] : s.dims) {
+    TORCH_CHECK(degree >= 1, s.where, " names a mesh dimension ", name, " of degree ", degree,
+                ": the file is damaged");
+    product *= degree;
   }
   TORCH_CHECK(product == s.world, s.where, "'s mesh ", s.mesh, " is not of its ", s.world,
               " ranks: the file is damaged");
@@ -287,6 +303,8 @@ void read_mesh(const Json& mesh, SavedShards& s) {
   for (const auto& [name, split] : mesh.at("tensor_parallel").items()) {
     s.split[name] =
         TensorParallelShard{split.at("dim").get<int64_t>(), split.at("chunks").get<int64_t>()};
+    TORCH_CHECK(s.split[name].chunks >= 1, s.where, " splits ", name, " in ", s.split[name].chunks,
+                " chunks: the file is damaged");
   }
   s.world = shard;
 }

@@ -620,13 +620,19 @@ torch::Tensor tensor_parallel_join(const std::vector<torch::Tensor>& parts,
                                    const TensorParallelShard& shard) {
   TORCH_CHECK(!parts.empty(), "tensor_parallel_join: no parts");
   const int64_t dim = normalized(shard.dim, parts.front());
+  TORCH_CHECK(dim >= 0 && dim < parts.front().dim() && shard.chunks >= 1 &&
+                  parts.front().size(dim) % shard.chunks == 0,
+              "tensor_parallel_join: parts of shape ", parts.front().sizes(), " do not split into ",
+              shard.chunks, " chunks along dimension ", shard.dim);
+  for (const Tensor& part : parts) {
+    TORCH_CHECK(part.sizes() == parts.front().sizes(), "tensor_parallel_join: parts of sizes ",
+                parts.front().sizes(), " and ", part.sizes(), "; every rank's part is the same");
+  }
   // Part r holds rank r's piece of each chunk: chunk c is the ranks' c-th pieces in order.
   std::vector<Tensor> chunks;
   for (int64_t c = 0; c < shard.chunks; ++c) {
     std::vector<Tensor> pieces;
     for (const Tensor& part : parts) {
-      TORCH_CHECK(part.sizes() == parts.front().sizes(), "tensor_parallel_join: parts of sizes ",
-                  parts.front().sizes(), " and ", part.sizes(), "; every rank's part is the same");
       pieces.push_back(part.chunk(shard.chunks, dim)[static_cast<size_t>(c)]);
     }
     chunks.push_back(torch::cat(pieces, dim));
@@ -657,7 +663,12 @@ torch::Tensor tensor_parallel_dropout(const torch::Tensor& x,
   // is kept: a checkpoint of the default generator's state replays the same masks, and the
   // default stream goes on alike on every rank (the replicated regions' dropout).
   const int64_t seed = torch::empty({}, torch::kLong).random_().item<int64_t>();
-  at::Generator mine = at::globalContext().defaultGenerator(x.device()).clone();
+  at::Generator mine;
+  {
+    at::Generator device = at::globalContext().defaultGenerator(x.device());
+    std::lock_guard<std::mutex> lock(device.mutex());  // another thread may draw from it
+    mine = device.clone();
+  }
   {
     std::lock_guard<std::mutex> lock(mine.mutex());
     mine.set_current_seed(static_cast<uint64_t>(seed) + static_cast<uint64_t>(*rank));

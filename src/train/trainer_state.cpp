@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <map>
@@ -133,8 +134,16 @@ void Trainer::Impl::restore_progress(const CheckpointState& s, const Json& meta)
   global_step = meta.at("global_step").get<int64_t>();
   epoch_start = meta.value("epoch_start", int64_t{0});
   epoch_cap = meta.value("epoch_cap", int64_t{0});
-  // The ranks that drew different data: on a device mesh, the data-parallel ones.
-  const int64_t saved_data_world = meta.value("data_world", int64_t{s.world_size});
+  // The ranks that drew different data: on a device mesh, the data-parallel ones (the world over
+  // its tp degree, for the first mesh checkpoints, which did not record them).
+  int64_t saved_data_world = s.world_size;
+  if (meta.contains("data_world")) {
+    saved_data_world = meta.at("data_world").get<int64_t>();
+  } else if (meta.contains("mesh")) {
+    const std::string dims = meta.at("mesh").value("dims", std::string());
+    const size_t tp = dims.find("tp=");
+    saved_data_world /= tp == std::string::npos ? 1 : std::max(1, std::atoi(dims.c_str() + tp + 3));
+  }
   if (s.world_size == world) {
     set_rng_state(s.own);
   }
