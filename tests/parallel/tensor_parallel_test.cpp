@@ -16,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <utility>
@@ -204,6 +205,24 @@ TEST(TensorParallel, GroupOfOneIsThePlainModel) {
   torch::Tensor want_loss =
       torch::nn::functional::cross_entropy(want.flatten(0, 1), tokens.flatten());
   EXPECT_NEAR(loss.item<double>(), want_loss.item<double>(), 1e-6);
+}
+
+// PyTorch's own tensor parallelism (DTensor, PARATRAIN_HF_PYTHON's torch) on the same GPT, the
+// same weights and batch and torchtitan's plan: the same logits and gradients within 1e-5
+// (tests/parallel/dtensor_reference.py; measured 1.2e-7 against torch 2.15 on 4 ranks).
+TEST(TensorParallel, MatchesPyTorchDTensor) {  // ctest: slow 30
+  if (!hf_python_missing().empty()) {
+    GTEST_SKIP() << hf_python_missing();
+  }
+  const std::string dir = make_temp_dir("dtensor");
+  expect_every_rank_ok(PARATRAIN_TEST_TP_WORKER, "gloo", 4, {"--tp", "4", "--dump", dir});
+  const std::string script =
+      std::string(PARATRAIN_TEST_DATA_DIR) + "/../parallel/dtensor_reference.py";
+  auto r = run_process({hf_python(), script, dir, "4", "4", "1e-5"}, {}, 300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("DTensor on 4 gloo ranks: logits and 28 gradients"), std::string::npos)
+      << r.output;
+  std::filesystem::remove_all(dir);
 }
 
 // Dropout in a split region draws a mask per tensor-parallel rank; in a whole one, the default

@@ -269,6 +269,31 @@ double train_and_compare(const Options& o, const pt::dist::ProcessGroupPtr& worl
   return worst;
 }
 
+// --dump DIR: no training; one forward and backward of step 0's batch on the tensor-parallel
+// mesh, and rank 0 writes what PyTorch's DTensor is compared with (tests/parallel/
+// dtensor_reference.py): DIR/weights.safetensors (the whole initial weights), DIR/batch
+// (input, target), DIR/logits (whole) and DIR/grads (the whole gradients).
+void dump_for_pytorch(const Options& o, const pt::dist::ProcessGroupPtr& world) {
+  auto run = make_run(o, world);
+  const std::string dir = get(o, "--dump", "");
+  std::map<std::string, torch::Tensor> weights = full_weights(*run);
+  auto [x, y] = batch(0, 4);
+  const torch::Tensor logits = run->model->forward(x);
+  lm_loss(logits, y).backward();
+  std::map<std::string, torch::Tensor> grads;
+  for (const auto& p : run->model->named_parameters()) {
+    grads[p.key()] = p.value().grad();
+  }
+  grads = pt::tensor_parallel_full_state(grads, run->layout, run->mesh["tp"]);
+  if (world->rank() == 0) {
+    pt::save_safetensors(weights, dir + "/weights.safetensors");
+    pt::save_safetensors({{"input", x}, {"target", y}}, dir + "/batch.safetensors");
+    pt::save_safetensors({{"logits", logits.detach()}}, dir + "/logits.safetensors");
+    pt::save_safetensors(grads, dir + "/grads.safetensors");
+  }
+  world->barrier()->wait();
+}
+
 // --pp P: pipeline stages over "pp" with tensor parallelism inside each stage (3-D without data
 // parallelism). Every rank builds and parallelizes the whole model, then keeps its stage. The
 // head's weight is the embedding's (tied): the last stage steps its own copy of it, and the first
@@ -360,8 +385,12 @@ int run(int argc, char** argv) {
     torch::set_num_threads(1);
     auto pg = pt::dist::init_process_group();
     rank = pg->rank();
-    const double worst =
-        opt.count("--pp") ? train_pipeline_and_compare(opt, pg) : train_and_compare(opt, pg);
+    double worst = 0;
+    if (opt.count("--dump")) {
+      dump_for_pytorch(opt, pg);
+    } else {
+      worst = opt.count("--pp") ? train_pipeline_and_compare(opt, pg) : train_and_compare(opt, pg);
+    }
     std::cout << "rank " << rank << ": ok max_diff=" << worst << std::endl;
     return 0;
   } catch (const Mismatch& e) {
