@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -16,11 +17,17 @@
 namespace paratrain {
 namespace {
 
-struct Hooks {
-  std::weak_ptr<const torch::nn::Module> owner;
+// One module's hooks, never changed once made: a registration makes a new set, so a forward
+// takes the current one (a pointer copy under the lock) and runs it without holding the lock.
+struct HookLists {
   std::vector<ForwardHook> pre;
   std::vector<ForwardHook> post;
   std::vector<ForwardWrapper> wrappers;
+};
+
+struct Hooks {
+  std::weak_ptr<const torch::nn::Module> owner;
+  std::shared_ptr<const HookLists> lists;
 };
 
 struct Table {
@@ -57,40 +64,38 @@ void purge(Table& t, std::vector<Hooks>& gone) {
   t.count = t.hooks.size();
 }
 
-Hooks& entry(Table& t, const torch::nn::Module& module, std::vector<Hooks>& gone) {
+// Adds to `module`'s hooks what `add` puts in a copy of them.
+void add_hooks(const torch::nn::Module& module, const std::function<void(HookLists&)>& add) {
+  Table& t = table();
+  std::vector<Hooks> gone;  // destroyed after the lock is released
+  std::unique_lock<std::shared_mutex> lock(t.mutex);
   purge(t, gone);  // also a module at this address that is gone: its hooks went with it
   auto it = t.hooks.find(&module);
   if (it == t.hooks.end()) {
-    it = t.hooks.emplace(&module, Hooks{owner_of(module), {}, {}, {}}).first;
+    it = t.hooks.emplace(&module, Hooks{owner_of(module), std::make_shared<HookLists>()}).first;
     t.count = t.hooks.size();
   }
-  return it->second;
+  auto lists = std::make_shared<HookLists>(*it->second.lists);
+  add(*lists);
+  gone.push_back(Hooks{{}, std::move(it->second.lists)});
+  it->second.lists = std::move(lists);
 }
 
 }  // namespace
 
 void register_forward_pre_hook(const torch::nn::Module& module, ForwardHook hook) {
   TORCH_CHECK(hook != nullptr, "register_forward_pre_hook: the hook is empty");
-  Table& t = table();
-  std::vector<Hooks> gone;  // destroyed after the lock is released
-  std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module, gone).pre.push_back(std::move(hook));
+  add_hooks(module, [&](HookLists& l) { l.pre.push_back(std::move(hook)); });
 }
 
 void register_forward_hook(const torch::nn::Module& module, ForwardHook hook) {
   TORCH_CHECK(hook != nullptr, "register_forward_hook: the hook is empty");
-  Table& t = table();
-  std::vector<Hooks> gone;  // destroyed after the lock is released
-  std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module, gone).post.push_back(std::move(hook));
+  add_hooks(module, [&](HookLists& l) { l.post.push_back(std::move(hook)); });
 }
 
 void register_forward_wrapper(const torch::nn::Module& module, ForwardWrapper wrapper) {
   TORCH_CHECK(wrapper != nullptr, "register_forward_wrapper: the wrapper is empty");
-  Table& t = table();
-  std::vector<Hooks> gone;  // destroyed after the lock is released
-  std::unique_lock<std::shared_mutex> lock(t.mutex);
-  entry(t, module, gone).wrappers.push_back(std::move(wrapper));
+  add_hooks(module, [&](HookLists& l) { l.wrappers.push_back(std::move(wrapper)); });
 }
 
 void remove_forward_hooks(const torch::nn::Module& module) {
@@ -119,32 +124,30 @@ torch::Tensor call_with_hooks(const torch::nn::Module& module,
   if (t.count.load() == 0) {
     return forward(input);
   }
-  std::vector<ForwardHook> pre, post;
-  std::vector<ForwardWrapper> wrappers;
+  std::shared_ptr<const HookLists> hooks;
   {
     std::shared_lock<std::shared_mutex> lock(t.mutex);
     auto it = t.hooks.find(&module);
-    if (it == t.hooks.end() || it->second.owner.expired()) {
-      lock.unlock();
-      return forward(input);
+    if (it != t.hooks.end() && !it->second.owner.expired()) {
+      hooks = it->second.lists;
     }
-    pre = it->second.pre;
-    post = it->second.post;
-    wrappers = it->second.wrappers;
+  }
+  if (hooks == nullptr) {
+    return forward(input);
   }
   torch::Tensor x = input;
-  for (const auto& hook : pre) {
+  for (const auto& hook : hooks->pre) {
     x = hook(x);
   }
   // The first wrapper registered is the outermost: each one's `forward` is the next one's.
   ForwardFunction run = forward;
-  for (size_t i = wrappers.size(); i-- > 0;) {
-    run = [wrapper = wrappers[i], inner = std::move(run)](const torch::Tensor& in) {
+  for (size_t i = hooks->wrappers.size(); i-- > 0;) {
+    run = [&wrapper = hooks->wrappers[i], inner = std::move(run)](const torch::Tensor& in) {
       return wrapper(in, inner);
     };
   }
   torch::Tensor y = run(x);
-  for (const auto& hook : post) {
+  for (const auto& hook : hooks->post) {
     y = hook(y);
   }
   return y;

@@ -25,6 +25,8 @@
 // Prints "rank R: ok max_diff=D" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
 #include <paratrain/parallel/fsdp_checkpoint.h>
+#include "worker_options.h"
+
 #include <paratrain/paratrain.h>
 
 #include <torch/torch.h>
@@ -38,17 +40,6 @@ namespace fsdp_worker {
 namespace pt = paratrain;
 
 namespace {
-
-struct Mismatch : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-using Options = std::map<std::string, std::string>;
-
-std::string get(const Options& o, const std::string& k, const std::string& d) {
-  auto it = o.find(k);
-  return it == o.end() ? d : it->second;
-}
 
 // Vocabulary and widths that make every unit's flat size uneven over 2 and 3 ranks.
 pt::models::GptOptions shape(const Options& o, double dropout) {
@@ -359,11 +350,7 @@ double compare_checkpointing(const Options& o, const pt::dist::ProcessGroupPtr& 
 }  // namespace
 
 int run(int argc, char** argv) {
-  Options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    opt[a] = (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) ? argv[++i] : "1";
-  }
+  const Options opt = parse_options(argc, argv);
   int rank = -1;
   try {
     torch::set_num_threads(1);

@@ -9,6 +9,8 @@
 // --model mlp|syncbn  --zero  --batches N --extra K --rows B
 // Prints "rank R: ok shadows=S" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
+#include "worker_options.h"
+
 #include <paratrain/paratrain.h>
 
 #include <torch/torch.h>
@@ -38,23 +40,19 @@ torch::nn::Sequential net(bool bn) {
 }  // namespace
 
 int run(int argc, char** argv) {
-  std::map<std::string, std::string> opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    opt[a] = (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) ? argv[++i] : "1";
-  }
-  auto get = [&](const std::string& k, const std::string& d) { return opt.count(k) ? opt[k] : d; };
+  const Options opt = parse_options(argc, argv);
   int rank = -1;
   try {
     torch::set_num_threads(1);
     auto pg = pt::dist::init_process_group();
     rank = pg->rank();
     const int W = pg->size();
-    const bool syncbn = get("--model", "mlp") == "syncbn";
-    const int rows = std::stoi(get("--rows", "4"));
+    const bool syncbn = get(opt, "--model", "mlp") == "syncbn";
+    const int rows = std::stoi(get(opt, "--rows", "4"));
     std::vector<int> batches;
     for (int r = 0; r < W; ++r) {
-      batches.push_back(std::stoi(get("--batches", "2")) + r * std::stoi(get("--extra", "2")));
+      batches.push_back(std::stoi(get(opt, "--batches", "2")) +
+                        r * std::stoi(get(opt, "--extra", "2")));
     }
     const int steps = *std::max_element(batches.begin(), batches.end());
 

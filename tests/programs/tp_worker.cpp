@@ -23,6 +23,8 @@
 // --final-out FILE: rank 0 writes the full weights at the end (a run compared with itself)
 // Prints "rank R: ok max_diff=D" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
+#include "worker_options.h"
+
 #include <paratrain/paratrain.h>
 
 #include <torch/torch.h>
@@ -38,17 +40,6 @@ namespace tp_worker {
 namespace pt = paratrain;
 
 namespace {
-
-struct Mismatch : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-using Options = std::map<std::string, std::string>;
-
-std::string get(const Options& o, const std::string& k, const std::string& d) {
-  auto it = o.find(k);
-  return it == o.end() ? d : it->second;
-}
 
 constexpr int64_t kVocab = 64, kTokens = 16;
 
@@ -375,11 +366,7 @@ double train_pipeline_and_compare(const Options& o, const pt::dist::ProcessGroup
 }  // namespace
 
 int run(int argc, char** argv) {
-  Options opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    opt[a] = (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) ? argv[++i] : "1";
-  }
+  const Options opt = parse_options(argc, argv);
   int rank = -1;
   try {
     torch::set_num_threads(1);

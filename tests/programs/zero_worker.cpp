@@ -13,6 +13,8 @@
 // --optimizer sgd|adam  --steps N  --groups 1|2 (two groups: the last layer at a tenth of the lr)
 // Prints "rank R: ok state_bytes=B unsharded=U" (exit 0) or "MISMATCH ..." / "error: ..." (exit 1).
 
+#include "worker_options.h"
+
 #include <paratrain/paratrain.h>
 
 #include <torch/torch.h>
@@ -27,10 +29,6 @@ namespace zero_worker {
 namespace pt = paratrain;
 
 namespace {
-
-struct Mismatch : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 torch::nn::Sequential net() {
   return torch::nn::Sequential({{"fc0", torch::nn::Linear(20, 64)},
@@ -62,21 +60,16 @@ std::vector<torch::optim::OptimizerParamGroup> groups_of(const torch::nn::Sequen
 }  // namespace
 
 int run(int argc, char** argv) {
-  std::map<std::string, std::string> opt;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    opt[a] = (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) ? argv[++i] : "1";
-  }
-  auto get = [&](const std::string& k, const std::string& d) { return opt.count(k) ? opt[k] : d; };
+  const Options opt = parse_options(argc, argv);
   int rank = -1;
   try {
     torch::set_num_threads(1);
     auto pg = pt::dist::init_process_group();
     rank = pg->rank();
     const int W = pg->size();
-    const int steps = std::stoi(get("--steps", "6"));
-    const int ngroups = std::stoi(get("--groups", "1"));
-    const bool adam = get("--optimizer", "sgd") == "adam";
+    const int steps = std::stoi(get(opt, "--steps", "6"));
+    const int ngroups = std::stoi(get(opt, "--groups", "1"));
+    const bool adam = get(opt, "--optimizer", "sgd") == "adam";
     const double lr = adam ? 1e-2 : 0.05;
 
     torch::manual_seed(11 + rank);  // DDP replaces these with rank 0's
@@ -106,7 +99,7 @@ int run(int argc, char** argv) {
     auto plain = factory(groups_of(b, ngroups, adam ? 0 : lr));
 
     if (opt.count("--load")) {
-      auto saved = pt::load_safetensors(get("--load", ""));
+      auto saved = pt::load_safetensors(get(opt, "--load", ""));
       pt::load_module_state(*a, pt::with_prefix(saved, "model.", true));
       pt::load_module_state(*b, pt::with_prefix(saved, "model.", true));
       zero.load_state(pt::with_prefix(saved, "optim.", true));
@@ -168,7 +161,7 @@ int run(int argc, char** argv) {
         for (auto& [key, value] : pt::with_prefix(whole, "optim.")) {
           out[key] = value;
         }
-        pt::save_safetensors(out, get("--save", ""));
+        pt::save_safetensors(out, get(opt, "--save", ""));
       }
     } else if (!whole.empty()) {
       throw Mismatch("consolidate_state(0) returned a state on rank " + std::to_string(rank));
