@@ -67,7 +67,8 @@ void purge(Table& t, std::vector<Hooks>& gone) {
 // Adds to `module`'s hooks what `add` puts in a copy of them.
 void add_hooks(const torch::nn::Module& module, const std::function<void(HookLists&)>& add) {
   Table& t = table();
-  std::vector<Hooks> gone;  // destroyed after the lock is released
+  std::vector<Hooks> gone;               // destroyed after the lock is released
+  std::shared_ptr<const HookLists> old;  // likewise
   std::unique_lock<std::shared_mutex> lock(t.mutex);
   purge(t, gone);  // also a module at this address that is gone: its hooks went with it
   auto it = t.hooks.find(&module);
@@ -77,8 +78,7 @@ void add_hooks(const torch::nn::Module& module, const std::function<void(HookLis
   }
   auto lists = std::make_shared<HookLists>(*it->second.lists);
   add(*lists);
-  gone.push_back(Hooks{{}, std::move(it->second.lists)});
-  it->second.lists = std::move(lists);
+  old = std::exchange(it->second.lists, std::move(lists));
 }
 
 }  // namespace
@@ -142,8 +142,10 @@ torch::Tensor call_with_hooks(const torch::nn::Module& module,
   // The first wrapper registered is the outermost: each one's `forward` is the next one's.
   ForwardFunction run = forward;
   for (size_t i = hooks->wrappers.size(); i-- > 0;) {
-    run = [&wrapper = hooks->wrappers[i], inner = std::move(run)](const torch::Tensor& in) {
-      return wrapper(in, inner);
+    // The set is held, not referred to: a wrapper may keep `forward` for later (checkpoint() runs
+    // it again in backward), after a registration has replaced the set.
+    run = [hooks, i, inner = std::move(run)](const torch::Tensor& in) {
+      return hooks->wrappers[i](in, inner);
     };
   }
   torch::Tensor y = run(x);

@@ -13,8 +13,8 @@ one line per quantity and exits 1 when any differs by more than TOLERANCE.
 
 import math
 import os
-import socket
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,7 @@ class Gpt(nn.Module):
         super().__init__()
         vocab, width = w["embed.wte.weight"].shape
         context = w["embed.wpe.weight"].shape[0]
-        layers = len({k.split(".")[0] for k in w if k.startswith("h")})
+        layers = len({k.split(".")[0] for k in w if k.split(".")[0][1:].isdigit()})
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(context, width)
         self.h = nn.ModuleList(Block(width, heads) for _ in range(layers))
@@ -151,9 +151,10 @@ def plan(layers):
     return p
 
 
-def worker(rank, ranks, port, directory, heads, tolerance, failed):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+def worker(rank, ranks, directory, heads, tolerance, failed):
+    # A file rendezvous in DIR: no port to race for, and it goes with the directory.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(directory, "rendezvous"),
+                            rank=rank, world_size=ranks, timeout=timedelta(seconds=90))
     torch.set_num_threads(1)
     w = load_file(os.path.join(directory, "weights.safetensors"))
     batch = load_file(os.path.join(directory, "batch.safetensors"))
@@ -187,17 +188,11 @@ def worker(rank, ranks, port, directory, heads, tolerance, failed):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     directory, heads, ranks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     tolerance = float(sys.argv[4])
     failed = mp.get_context("spawn").Value("i", 0)
-    mp.spawn(worker, args=(ranks, free_port(), directory, heads, tolerance, failed), nprocs=ranks)
+    mp.spawn(worker, args=(ranks, directory, heads, tolerance, failed), nprocs=ranks)
     sys.exit(failed.value)
 
 

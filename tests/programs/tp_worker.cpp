@@ -265,6 +265,9 @@ double train_and_compare(const Options& o, const pt::dist::ProcessGroupPtr& worl
 // dtensor_reference.py): DIR/weights.safetensors (the whole initial weights), DIR/batch
 // (input, target), DIR/logits (whole) and DIR/grads (the whole gradients).
 void dump_for_pytorch(const Options& o, const pt::dist::ProcessGroupPtr& world) {
+  for (const char* other : {"--pp", "--dp-shard", "--dp-replicate", "--sp", "--loss-parallel"}) {
+    TORCH_CHECK(!o.count(other), "--dump compares plain tensor parallelism (--tp); drop ", other);
+  }
   auto run = make_run(o, world);
   const std::string dir = get(o, "--dump", "");
   std::map<std::string, torch::Tensor> weights = full_weights(*run);

@@ -15,9 +15,9 @@
 //   }
 //
 // Hooks belong to the module object (not to its clones); once it is gone they are dropped at the
-// next registration or removal. Registering is not
-// safe while another thread runs a forward of the same module; running hooks from several
-// threads at once is.
+// next registration or removal. Registering while another thread runs a forward of the same
+// module is safe: that forward runs the hooks it started with. Forwards on several threads at
+// once share the same hook objects, so a hook that keeps state must guard it.
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
