@@ -55,7 +55,8 @@ std::vector<OptionSpec> setup_option_specs() {
        "fsdp with a GPT: tensor-parallel ranks, adjacent ones, with sequence and loss parallel "
        "(default 1)"},
       {"pp", "P",
-       "pipeline stages on the mesh (only 1 so far; pipelines alone: --strategy pipeline)"},
+       "fsdp with a GPT: pipeline stages, outermost, each sharded and split as above, with "
+       "--chunks and --schedule (default 1)"},
       {"no-sequence-parallel", "",
        "with --tp: keep the LayerNorms and the residual stream whole on every rank"},
       {"no-loss-parallel", "", "with --tp: gather the logits over the vocabulary before the loss"},
@@ -72,8 +73,8 @@ std::vector<OptionSpec> setup_option_specs() {
       {"devices", "LIST",
        "dp: the devices the batch is scattered over; pipeline: one per stage (cpu,cpu)"},
       {"stages", "P", "pipeline stages (default 2)"},
-      {"chunks", "M", "pipeline micro-batches per batch (default 4)"},
-      {"schedule", "NAME", "pipeline schedule: gpipe (default) or 1f1b"},
+      {"chunks", "M", "pipeline and --pp: micro-batches per batch (default 4)"},
+      {"schedule", "NAME", "pipeline and --pp: the schedule, gpipe (default) or 1f1b"},
       {"epochs", "E", "epochs (default 1)"},
       {"steps", "S", "cap on the steps of each epoch (default 0: the whole epoch)"},
       {"batch-size", "B",
@@ -373,6 +374,11 @@ void check_data_and_strategy(const Args& args, TrainSettings& s) {
       throw UsageError(std::string("--") + flag + " goes with --tp T (T above 1)");
     }
   }
+  if (args.get_int("pp", 1) > 1 && !s.gpt) {
+    throw UsageError(
+        "--pp cuts a GPT between its blocks: use --model gpt or a GPT-2 preset (got --model " +
+        s.model_name + ")");
+  }
   if (args.get_int("tp", 1) > 1 && !s.gpt) {
     throw UsageError(
         "--tp splits a GPT's heads, MLP and vocabulary: use --model gpt or a GPT-2 "
@@ -410,15 +416,20 @@ amp::AmpOptions read_amp(const Args& args) {
   return amp_options;
 }
 
-// --stages, --chunks, --schedule and the stages' --devices.
+// --stages, --chunks, --schedule and the stages' --devices; --pp's stages take --chunks and
+// --schedule too (torchtitan's microbatches and schedule).
 void read_pipeline(const Args& args, TrainSettings& s) {
   s.piped = s.strategy == "pipeline";
-  if (!s.piped && (args.has("stages") || args.has("chunks") || args.has("schedule"))) {
-    throw UsageError("--stages, --chunks and --schedule go with --strategy pipeline");
+  const bool mesh_stages = args.get_int("pp", 1) > 1;
+  if (!s.piped && args.has("stages")) {
+    throw UsageError("--stages goes with --strategy pipeline (on a mesh: --pp P)");
+  }
+  if (!s.piped && !mesh_stages && (args.has("chunks") || args.has("schedule"))) {
+    throw UsageError("--chunks and --schedule go with --strategy pipeline or --pp P (P above 1)");
   }
   s.stages = args.get_int("stages", 2);
   s.chunks = args.get_int("chunks", 4);
-  if (!s.piped) {
+  if (!s.piped && !mesh_stages) {
     return;
   }
   if (s.stages < 1) {
@@ -431,6 +442,9 @@ void read_pipeline(const Args& args, TrainSettings& s) {
     s.schedule = pipeline::parse_schedule(args.get("schedule", "gpipe"));
   } catch (const c10::Error& e) {
     throw UsageError(e.what_without_backtrace());
+  }
+  if (!s.piped) {
+    return;
   }
   s.stage_devices = args.has("devices")
                         ? parse_devices(args.get("devices"))

@@ -26,7 +26,9 @@
 #include <filesystem>
 #include <functional>
 #include <iterator>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace paratrain {
 
@@ -367,6 +369,44 @@ ConsolidatedModel consolidate(const SavedShards& m,
   return model;
 }
 
+// Every rank's `text`, in rank order (a collective: the lengths, then the bytes padded to the
+// longest). The process group moves tensors only.
+std::vector<std::string> all_gather_text(const dist::ProcessGroupPtr& pg, const std::string& text) {
+  const int n = pg->size();
+  Tensor length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+  Tensor lengths = torch::empty({n}, torch::kLong);
+  pg->all_gather_into_tensor(lengths, length)->wait();
+  const int64_t longest = lengths.max().item<int64_t>();
+  Tensor bytes = torch::zeros({longest}, torch::kUInt8);
+  std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
+  Tensor all = torch::empty({n * longest}, torch::kUInt8);
+  pg->all_gather_into_tensor(all, bytes)->wait();
+  std::vector<std::string> out;
+  for (int r = 0; r < n; ++r) {
+    const auto* at = all.data_ptr<uint8_t>() + r * longest;
+    out.emplace_back(at, at + lengths[r].item<int64_t>());
+  }
+  return out;
+}
+
+// The whole model of every pipeline stage (each holds its own units; one stage without them).
+ConsolidatedModel consolidate_stages(
+    const SavedShards& m, const std::function<std::string(const std::string&)>& name_map) {
+  ConsolidatedModel model = consolidate(m, name_map);
+  for (int stage = 1; stage < m.pp; ++stage) {
+    SavedShards other = fsdp_saved::stage_part(m, stage, 0);
+    other.buffers.clear();  // taken once, with the first stage
+    ConsolidatedModel part = consolidate(other, name_map);
+    for (auto& [name, t] : part.tensors) {
+      TORCH_CHECK(model.tensors.emplace(name, std::move(t)).second, "consolidate: '", name,
+                  "' is saved by two pipeline stages of ", m.where, ": the file is damaged");
+    }
+    model.counts.tensors += part.counts.tensors;
+    model.counts.parameters += part.counts.parameters;
+  }
+  return model;
+}
+
 bool same_split(const SavedShards& m, const TensorParallelLayout& layout) {
   if (m.tp != layout.degree || m.split.size() != layout.shards.size()) {
     return false;
@@ -392,6 +432,15 @@ void load_onto_mesh(const SavedShards& m,
   } else {
     fsdp_saved::load_across_meshes(m, fsdp, optimizer, layout, tp_rank);
   }
+}
+
+// Pipeline stages are not resharded: a checkpoint's stages hold other units than another
+// count's would.
+void check_stages(const SavedShards& m, int stages) {
+  TORCH_CHECK(m.pp == stages, "the checkpoint in ", m.where, " was saved on ",
+              m.mesh.empty() ? "plain FSDP" : "mesh " + m.mesh, ", with ", m.pp, " pipeline stage",
+              m.pp == 1 ? "" : "s", ", and this run has ", stages, "; resume it with pp ", m.pp,
+              " (its stages cannot be resharded; other degrees can)");
 }
 
 }  // namespace
@@ -437,13 +486,23 @@ void capture_sharded_state(FullyShardedDataParallel& fsdp,
     split[name] = {{"dim", shard.dim}, {"chunks", shard.chunks}};
   }
   meta["mesh"] = {{"dims", mesh.describe()}, {"degrees", degrees}, {"tensor_parallel", split}};
+  if (mesh.size("pp") > 1) {  // each stage's units differ: the manifest holds every stage's
+    Json stages = Json::array();
+    const Json mine = {{"fsdp", meta.at("fsdp")}, {"tensor_parallel", split}};
+    for (const std::string& stage : all_gather_text(mesh["pp"], mine.dump())) {
+      stages.push_back(Json::parse(stage));
+    }
+    meta["mesh"]["stages"] = stages;
+  }
   state.meta = meta.dump();
 }
 
 void restore_sharded_state(const CheckpointState& state,
                            FullyShardedDataParallel& fsdp,
                            torch::optim::Optimizer* optimizer) {
-  load_onto_mesh(fsdp_saved::from_checkpoint(state), fsdp, optimizer, {}, 0);
+  const SavedShards m = fsdp_saved::from_checkpoint(state);
+  check_stages(m, 1);
+  load_onto_mesh(m, fsdp, optimizer, {}, 0);
 }
 
 void restore_sharded_state(const CheckpointState& state,
@@ -456,8 +515,10 @@ void restore_sharded_state(const CheckpointState& state,
               mesh.describe(), "); shard it over mesh[\"dp_shard\"]");
   TORCH_CHECK(layout.degree == mesh.size("tp"), "restore_sharded_state: the layout is of ",
               layout.degree, " tensor-parallel ranks and the mesh has tp ", mesh.size("tp"));
-  load_onto_mesh(fsdp_saved::from_checkpoint(state), fsdp, optimizer, layout,
-                 mesh.local_rank("tp"));
+  const SavedShards m =
+      fsdp_saved::from_checkpoint(state, mesh.local_rank("tp"), mesh.local_rank("pp"));
+  check_stages(m, mesh.size("pp"));
+  load_onto_mesh(m, fsdp, optimizer, layout, mesh.local_rank("tp"));
 }
 
 void save_sharded_checkpoint(const std::string& dir,
@@ -506,13 +567,14 @@ std::map<std::string, std::string> load_sharded_checkpoint(const std::string& di
                                                            FullyShardedDataParallel& fsdp,
                                                            torch::optim::Optimizer* optimizer) {
   SavedShards m = fsdp_saved::from_directory(dir, fsdp.rank());
+  check_stages(m, 1);
   load_onto_mesh(m, fsdp, optimizer, {}, 0);
   return m.metadata;
 }
 
 ConsolidatedModel consolidate_sharded_model(
     const std::string& dir, const std::function<std::string(const std::string&)>& name_map) {
-  return consolidate(fsdp_saved::from_directory(dir, 0), name_map);
+  return consolidate_stages(fsdp_saved::from_directory(dir, 0), name_map);
 }
 
 ConsolidatedCheckpoint consolidate_sharded_checkpoint(
@@ -522,7 +584,7 @@ ConsolidatedCheckpoint consolidate_sharded_checkpoint(
   // A missing checkpoint is named before the output is looked at.
   const SavedShards m = fsdp_saved::from_directory(dir, 0);
   check_output(dir, out_file);
-  const ConsolidatedModel model = consolidate(m, name_map);
+  const ConsolidatedModel model = consolidate_stages(m, name_map);
   write_safetensors(out_file, model.tensors, model.metadata);
   return model.counts;
 }

@@ -266,6 +266,30 @@ int world_rank_at(const std::vector<std::pair<std::string, int>>& dims,
   return rank;
 }
 
+void read_split(const Json& split_json, SavedShards& s) {
+  s.split.clear();
+  for (const auto& [name, split] : split_json.items()) {
+    s.split[name] =
+        TensorParallelShard{split.at("dim").get<int64_t>(), split.at("chunks").get<int64_t>()};
+    TORCH_CHECK(s.split[name].chunks >= 1, s.where, " splits ", name, " in ", s.split[name].chunks,
+                " chunks: the file is damaged");
+  }
+}
+
+// The units' layout (meta "fsdp", or a stage's) and which unit each optimizer parameter steps.
+void read_layout(const Json& fsdp, SavedShards& s) {
+  TORCH_CHECK(fsdp.value("world_size", -1) == s.world, s.where, "'s layout is of ",
+              fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,
+              ": the file is damaged");
+  s.units = units_of(fsdp.at("units"), s.world, s.where);
+  if (fsdp.contains("optimizer")) {
+    read_optimizer(fsdp.at("optimizer"), s);
+  } else {  // a Trainer's, of an earlier version: always with its optimizer
+    s.has_optimizer = true;
+    s.optimizer = mapping_by_order(s.units);
+  }
+}
+
 // The mesh a checkpoint was saved on (meta "mesh"): its dimensions, and what tensor parallelism
 // split. The units' layout is then that of the dp_shard group: its world is that dimension's.
 void read_mesh(const Json& mesh, SavedShards& s) {
@@ -295,17 +319,17 @@ void read_mesh(const Json& mesh, SavedShards& s) {
               " ranks: the file is damaged");
   int shard = 1;
   for (const auto& [name, degree] : s.dims) {
-    TORCH_CHECK(name != "pp" || degree == 1, s.where, " was saved with pipeline stages (", s.mesh,
-                "), which a checkpoint of FSDP shards does not hold");
     shard = name == "dp_shard" ? degree : shard;
     s.tp = name == "tp" ? degree : s.tp;
+    s.pp = name == "pp" ? degree : s.pp;
   }
-  for (const auto& [name, split] : mesh.at("tensor_parallel").items()) {
-    s.split[name] =
-        TensorParallelShard{split.at("dim").get<int64_t>(), split.at("chunks").get<int64_t>()};
-    TORCH_CHECK(s.split[name].chunks >= 1, s.where, " splits ", name, " in ", s.split[name].chunks,
-                " chunks: the file is damaged");
+  if (s.pp > 1) {
+    TORCH_CHECK(mesh.contains("stages") && mesh.at("stages").size() == static_cast<size_t>(s.pp),
+                s.where, " was saved with ", s.pp, " pipeline stages but holds the layout of ",
+                mesh.contains("stages") ? mesh.at("stages").size() : 0, ": the file is damaged");
+    s.stages = mesh.at("stages");
   }
+  read_split(mesh.at("tensor_parallel"), s);
   s.world = shard;
 }
 
@@ -320,13 +344,31 @@ SavedShards tp_part(const SavedShards& s, int t) {
     out.read = s.world_read;
     return out;
   }
-  auto at = [dims = s.dims, t](int r) { return world_rank_at(dims, {{"dp_shard", r}, {"tp", t}}); };
+  auto at = [dims = s.dims, t, stage = s.pp_rank](int r) {
+    return world_rank_at(dims, {{"dp_shard", r}, {"tp", t}, {"pp", stage}});
+  };
   out.file = [at, f = s.world_file](int r) { return f(at(r)); };
   out.read = [at, f = s.world_read](int r, bool optimizer) { return f(at(r), optimizer); };
   return out;
 }
 
-SavedShards from_checkpoint(const CheckpointState& state, int tp_rank) {
+SavedShards stage_part(const SavedShards& s, int stage, int t) {
+  TORCH_CHECK(stage >= 0 && stage < s.pp, "stage_part: pipeline stage ", stage, " of ", s.pp);
+  SavedShards out = s;
+  out.pp_rank = stage;
+  if (s.pp > 1) {
+    try {
+      const Json& part = s.stages.at(static_cast<size_t>(stage));
+      read_layout(part.at("fsdp"), out);
+      read_split(part.at("tensor_parallel"), out);
+    } catch (const Json::exception& e) {
+      TORCH_CHECK(false, s.where, " is damaged (", e.what(), "); save the checkpoint again");
+    }
+  }
+  return tp_part(out, t);
+}
+
+SavedShards from_checkpoint(const CheckpointState& state, int tp_rank, int pp_rank) {
   SavedShards s;
   s.where = state.path;
   s.prefix = "fsdp.";
@@ -336,17 +378,7 @@ SavedShards from_checkpoint(const CheckpointState& state, int tp_rank) {
     if (meta.contains("mesh")) {
       read_mesh(meta.at("mesh"), s);
     }
-    const Json& fsdp = meta.at("fsdp");
-    TORCH_CHECK(fsdp.value("world_size", -1) == s.world, state.path, "'s layout is of ",
-                fsdp.value("world_size", -1), " ranks but its manifest says ", s.world,
-                ": the file is damaged");
-    s.units = units_of(fsdp.at("units"), s.world, state.path);
-    if (fsdp.contains("optimizer")) {
-      read_optimizer(fsdp.at("optimizer"), s);
-    } else {  // a Trainer's, of an earlier version: always with its optimizer
-      s.has_optimizer = true;
-      s.optimizer = mapping_by_order(s.units);
-    }
+    read_layout(meta.at("fsdp"), s);
     if (meta.contains("metadata")) {
       s.metadata = meta.at("metadata").get<std::map<std::string, std::string>>();
     } else {
@@ -373,7 +405,8 @@ SavedShards from_checkpoint(const CheckpointState& state, int tp_rank) {
       return optimizer || !detail::starts_with(name, "optim.");
     });
   };
-  return tp_part(s, std::min(std::max(tp_rank, 0), s.tp - 1));
+  return stage_part(s, std::min(std::max(pp_rank, 0), s.pp - 1),
+                    std::min(std::max(tp_rank, 0), s.tp - 1));
 }
 
 SavedShards from_directory(const std::string& dir, int rank) {

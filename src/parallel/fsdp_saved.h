@@ -55,6 +55,11 @@ struct SavedShards {
   int tp = 1;
   int tp_rank = 0;
   std::map<std::string, TensorParallelShard> split;  ///< what tensor parallelism split
+  // Saved with pipeline stages (pp above 1): units, optimizer and split above are stage
+  // `pp_rank`'s, and file and read name its ranks; stage_part() points them at another stage.
+  int pp = 1;
+  int pp_rank = 0;
+  Json stages;  ///< per stage: {"fsdp": its layout, "tensor_parallel": its split}
   std::function<std::string(int world_rank)> world_file;
   std::function<TensorMap(int world_rank, bool optimizer)> world_read;
 };
@@ -73,9 +78,12 @@ std::map<std::string, size_t> optimizer_units(torch::optim::Optimizer& optimizer
 /// A Checkpoint's sharded state (its manifest's metadata has "fsdp", and "mesh" when saved on
 /// one), file and read pointing at tensor-parallel rank `tp_rank`'s files (0 when it has none);
 /// `state.own` (may be empty) is the saving world rank `state.rank`'s tensors, already read.
-SavedShards from_checkpoint(const CheckpointState& state, int tp_rank = 0);
+SavedShards from_checkpoint(const CheckpointState& state, int tp_rank = 0, int pp_rank = 0);
 /// The same saved state with file and read naming tensor-parallel rank `t`'s files.
 SavedShards tp_part(const SavedShards& s, int t);
+/// The same saved state for pipeline stage `stage` (its layout, and its files of tensor-parallel
+/// rank `t`).
+SavedShards stage_part(const SavedShards& s, int stage, int t);
 
 /// Every saved rank file, [tensor-parallel rank][dp_shard rank] (a plain checkpoint: [0][rank]),
 /// with or without the optimizer's state.

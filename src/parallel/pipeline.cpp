@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace paratrain {
 namespace pipeline {
@@ -203,18 +205,39 @@ struct DistributedPipeline::Impl {
   StageRunner runner;
   std::shared_ptr<Transport> transport;
   std::unique_ptr<DistributedDataParallel> ddp;
+
+  // Runs this stage's actions; on a failure the neighbours waiting on it are woken with its
+  // reason, and what the step kept is dropped.
+  void run(const std::vector<Action>& acts, bool training) {
+    try {
+      runner.run(acts, training);
+      transport->flush();
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      transport->abort(what.substr(0, what.find('\n')));
+      runner.clear();
+      throw;
+    } catch (...) {
+      transport->abort("an unknown exception");
+      runner.clear();
+      throw;
+    }
+  }
 };
 
-DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
-                                         int64_t stage,
-                                         dist::ProcessGroupPtr pg,
-                                         std::vector<int> stage_ranks,
-                                         torch::Device device,
-                                         LossFn loss,
-                                         PipelineOptions options,
-                                         dist::ProcessGroupPtr data_parallel_group,
-                                         DDPOptions ddp_options)
-    : impl_(std::make_unique<Impl>()) {
+namespace {
+
+// The checks and the runner both constructors share; the transport first: it refuses a schedule
+// or device the group cannot carry, and a refused constructor must leave the caller's module
+// where it was.
+void set_up(DistributedPipeline::Impl& im,
+            const nn::Sequential& stage_module,
+            int64_t stage,
+            const dist::ProcessGroupPtr& pg,
+            const std::vector<int>& stage_ranks,
+            torch::Device device,
+            LossFn loss,
+            const PipelineOptions& options) {
   TORCH_CHECK(pg != nullptr, "pipeline: the process group is null");
   TORCH_CHECK(!stage_ranks.empty(), "pipeline: stage_ranks is empty; give the rank of each stage");
   const int64_t p = static_cast<int64_t>(stage_ranks.size());
@@ -226,30 +249,63 @@ DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
   TORCH_CHECK(options.chunks() >= 1, "pipeline: chunks must be >= 1, got ", options.chunks());
   check_device_exists(device);
   TORCH_CHECK(stage + 1 < p || loss != nullptr, "pipeline: the last stage needs a loss function");
-  // The transport first: it refuses a schedule or device the group cannot carry, and a refused
-  // constructor must leave the caller's module where it was.
-  impl_->transport = make_process_group_transport(pg, stage_ranks, device, options.schedule());
-  stage_module->to(device);
-  auto& r = impl_->runner;
+  im.transport = make_process_group_transport(pg, stage_ranks, device, options.schedule());
+  auto& r = im.runner;
   r.module = stage_module;
   r.device = device;
   r.index = stage;
   r.count = p;
   r.loss = std::move(loss);
   r.options = options;
-  r.transport = impl_->transport.get();
+  r.transport = im.transport.get();
+}
+
+}  // namespace
+
+DistributedPipeline::DistributedPipeline(nn::Sequential stage_module,
+                                         int64_t stage,
+                                         dist::ProcessGroupPtr pg,
+                                         std::vector<int> stage_ranks,
+                                         torch::Device device,
+                                         LossFn loss,
+                                         PipelineOptions options,
+                                         dist::ProcessGroupPtr data_parallel_group,
+                                         DDPOptions ddp_options)
+    : impl_(std::make_unique<Impl>()) {
+  set_up(*impl_, stage_module, stage, pg, stage_ranks, device, std::move(loss), options);
+  stage_module->to(device);
   if (data_parallel_group != nullptr) {
     impl_->ddp =
         std::make_unique<DistributedDataParallel>(stage_module, data_parallel_group, ddp_options);
-    r.ddp = impl_->ddp.get();
+    impl_->runner.ddp = impl_->ddp.get();
   }
+}
+
+DistributedPipeline::DistributedPipeline(FullyShardedDataParallel& fsdp,
+                                         int64_t stage,
+                                         dist::ProcessGroupPtr pg,
+                                         std::vector<int> stage_ranks,
+                                         torch::Device device,
+                                         LossFn loss,
+                                         PipelineOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  // FSDP placed its shards when it was built; they stay where they are.
+  set_up(*impl_, fsdp.module(), stage, pg, stage_ranks, device, std::move(loss), options);
+  impl_->runner.fsdp = &fsdp;
 }
 
 DistributedPipeline::~DistributedPipeline() = default;
 
 torch::Tensor DistributedPipeline::step(const torch::Tensor& input, const torch::Tensor& target) {
+  return step(input, target, impl_->runner.options.chunks());
+}
+
+torch::Tensor DistributedPipeline::step(const torch::Tensor& input,
+                                        const torch::Tensor& target,
+                                        int64_t chunks) {
   auto& r = impl_->runner;
-  const int64_t m = r.options.chunks();
+  const int64_t m = chunks;
+  TORCH_CHECK(m >= 1, "pipeline: chunks must be >= 1, got ", m);
   // Bad input is refused before any message moves: the pipeline stays usable.
   std::vector<at::Tensor> inputs;
   std::vector<at::Tensor> targets;
@@ -259,27 +315,33 @@ torch::Tensor DistributedPipeline::step(const torch::Tensor& input, const torch:
   if (r.is_last()) {
     targets = micro_batches(target, m, "target");
   }
-  try {
-    r.inputs = std::move(inputs);
-    r.targets = std::move(targets);
-    if (r.is_last()) {
-      r.batch = target.size(0);
-    }
-    r.run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
-    impl_->transport->flush();
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    impl_->transport->abort(what.substr(0, what.find('\n')));
-    r.clear();
-    throw;
-  } catch (...) {
-    impl_->transport->abort("an unknown exception");
-    r.clear();
-    throw;
+  r.inputs = std::move(inputs);
+  r.targets = std::move(targets);
+  if (r.is_last()) {
+    r.batch = target.size(0);
   }
+  impl_->run(actions(r.options.schedule(), r.index, r.count, m), /*training=*/true);
   r.inputs.clear();
   r.targets.clear();
   return r.is_last() ? r.loss_sum : at::Tensor();
+}
+
+torch::Tensor DistributedPipeline::forward(const torch::Tensor& input, int64_t chunks) {
+  auto& r = impl_->runner;
+  TORCH_CHECK(chunks >= 1, "pipeline: chunks must be >= 1, got ", chunks);
+  std::vector<at::Tensor> inputs;
+  if (r.index == 0) {
+    inputs = micro_batches(input, chunks, "input");
+  }
+  r.inputs = std::move(inputs);
+  impl_->run(forwards_only(chunks), /*training=*/false);
+  r.inputs.clear();
+  if (!r.is_last()) {
+    return at::Tensor();
+  }
+  at::Tensor out = torch::cat(r.outputs, 0);
+  r.outputs.clear();
+  return out;
 }
 
 bool DistributedPipeline::is_first() const {

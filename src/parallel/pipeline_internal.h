@@ -45,6 +45,8 @@ struct StageRunner {
   LossFn loss;
   PipelineOptions options;
   DistributedDataParallel* ddp = nullptr;
+  FullyShardedDataParallel* fsdp = nullptr;  // runs the module instead (a sharded stage)
+  bool fsdp_sync = true;  // the sync the caller set, restored for the step's last backward
   Transport* transport = nullptr;
 
   // Per step.

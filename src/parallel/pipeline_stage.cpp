@@ -18,6 +18,9 @@ namespace pipeline {
 namespace stage_work {
 
 at::Tensor StageRunner::run_module(const at::Tensor& x) {
+  if (fsdp != nullptr) {
+    return fsdp->forward(x);
+  }
   return ddp != nullptr ? ddp->forward(x) : module->forward(x);
 }
 
@@ -92,6 +95,9 @@ void StageRunner::backward(int64_t mb,
     }
   }
   const at::Tensor& root = is_last() ? s.loss : s.output;
+  if (last_backward && fsdp != nullptr) {
+    fsdp->set_requires_gradient_sync(fsdp_sync);  // this backward reduce-scatters the step's sum
+  }
   if (last_backward && ddp != nullptr) {
     // The other backwards accumulated locally; this one reduces everything (Note in the
     // header of DistributedPipeline).
@@ -126,14 +132,26 @@ void StageRunner::run(const std::vector<Action>& acts, bool training) {
   if (ddp != nullptr && training) {
     no_sync.emplace(*ddp);
   }
+  if (fsdp != nullptr && training) {
+    // The micro-batches' gradients add up unsharded until the last backward (pipeline.h).
+    fsdp_sync = fsdp->requires_gradient_sync();
+    fsdp->set_requires_gradient_sync(false);
+  }
   torch::AutoGradMode mode(training);
   auto t0 = Clock::now();
-  for (size_t i = 0; i < acts.size(); ++i) {
-    if (acts[i].kind == Action::Kind::kForward) {
-      forward(acts[i].micro_batch, training);
-    } else {
-      backward(acts[i].micro_batch, i + 1 == acts.size(), no_sync);
+  try {
+    for (size_t i = 0; i < acts.size(); ++i) {
+      if (acts[i].kind == Action::Kind::kForward) {
+        forward(acts[i].micro_batch, training);
+      } else {
+        backward(acts[i].micro_batch, i + 1 == acts.size(), no_sync);
+      }
     }
+  } catch (...) {
+    if (fsdp != nullptr && training) {
+      fsdp->set_requires_gradient_sync(fsdp_sync);
+    }
+    throw;
   }
   stats.busy_seconds = std::chrono::duration<double>(Clock::now() - t0).count() - waiting;
 }

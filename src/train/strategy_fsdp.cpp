@@ -4,7 +4,7 @@
 // (models/gpt_parallel.h), then sharded over "dp_shard" and replicated over "dp_replicate"
 // (HSDP), as torchtitan's parallelize applies them.
 
-#include "strategy.h"
+#include "strategy_mesh.h"
 
 #include "paratrain/base/option_error.h"
 #include "paratrain/models/gpt.h"
@@ -22,22 +22,11 @@
 
 namespace paratrain::train_internal {
 
-namespace {
-
-// Sharded gradients: every rank must agree to skip a step (PyTorch's ShardedGradScaler).
 amp::AmpOptions sharded_scaler(const TrainerOptions& o) {
   amp::AmpOptions amp = o.amp();
   amp.scaler(amp::GradScalerOptions(amp.scaler()).process_group(o.process_group()));
   return amp;
 }
-
-// The mesh and what tensor parallelism split, made before FSDP wraps the model.
-struct MeshParts {
-  std::unique_ptr<DeviceMesh> mesh;  // null: plain FSDP over the whole group
-  TensorParallelLayout layout;
-  bool loss_parallel = false;
-  const dist::ProcessGroupPtr& tp() const { return (*mesh)["tp"]; }
-};
 
 MeshParts make_mesh(const TrainerOptions& o, const torch::nn::Sequential& model) {
   MeshParts parts;
@@ -70,6 +59,8 @@ FsdpOptions mesh_fsdp_options(const TrainerOptions& o, const MeshParts& parts) {
   }
   return f;
 }
+
+namespace {
 
 class FsdpStrategy : public TrainStrategy {
  public:
@@ -166,17 +157,23 @@ class FsdpStrategy : public TrainStrategy {
   FullyShardedDataParallel fsdp_;
 };
 
-// A forward is a collective, and the ranks' shares of the validation set may differ by a batch:
-// while any rank has a batch left, the ranks without one run their last batch again with an empty
-// target (not counted).
 std::optional<data::Batch> FsdpStrategy::next_val_batch(data::DataLoader& loader,
                                                         std::optional<data::Batch>& last) {
+  return next_val_batch_in_step(loader, last, options_.process_group(), device_);
+}
+
+}  // namespace
+
+std::optional<data::Batch> next_val_batch_in_step(data::DataLoader& loader,
+                                                  std::optional<data::Batch>& last,
+                                                  const dist::ProcessGroupPtr& pg,
+                                                  torch::Device device) {
   std::optional<data::Batch> b = loader.next();
   // [any rank has a batch, any rank has had none at all]: every rank decides alike, so a rank
   // without data fails together with the others instead of leaving them in a collective.
   torch::Tensor flags =
-      torch::tensor({b ? 1.0 : 0.0, b || last ? 0.0 : 1.0}, torch::kDouble).to(device_);
-  options_.process_group()->allreduce(flags, dist::ReduceOp::kMax)->wait();
+      torch::tensor({b ? 1.0 : 0.0, b || last ? 0.0 : 1.0}, torch::kDouble).to(device);
+  pg->allreduce(flags, dist::ReduceOp::kMax)->wait();
   flags = flags.cpu();
   if (flags[0].item<double>() == 0) {
     return std::nullopt;
@@ -191,14 +188,18 @@ std::optional<data::Batch> FsdpStrategy::next_val_batch(data::DataLoader& loader
   return data::Batch{last->data, torch::empty({0}, last->target.options())};
 }
 
+namespace {
+
 void check_mesh_options(const TrainerOptions& o) {
   const MeshOptions& m = o.mesh();
-  PARATRAIN_CHECK_OPTION(m.pp() == 1, "mesh", "pipeline stages on a mesh (pp ", m.pp(),
-                         ") are not available yet: use pp 1, or strategy pipeline alone");
-  PARATRAIN_CHECK_OPTION(
-      m.dp_replicate() >= 1 && m.tp() >= 1 && (m.dp_shard() >= 1 || m.dp_shard() == -1), "mesh",
-      "the mesh's degrees must be >= 1 (dp_shard -1: the rest), got ", "dp_replicate ",
-      m.dp_replicate(), ", dp_shard ", m.dp_shard(), ", tp ", m.tp());
+  PARATRAIN_CHECK_OPTION(m.dp_replicate() >= 1 && m.tp() >= 1 && m.pp() >= 1 &&
+                             (m.dp_shard() >= 1 || m.dp_shard() == -1),
+                         "mesh", "the mesh's degrees must be >= 1 (dp_shard -1: the rest), got ",
+                         "dp_replicate ", m.dp_replicate(), ", dp_shard ", m.dp_shard(), ", tp ",
+                         m.tp(), ", pp ", m.pp());
+  PARATRAIN_CHECK_OPTION(m.pp() == 1 || o.chunks() <= o.batch_size(), "chunks", "chunks (",
+                         o.chunks(), ") is larger than batch_size (", o.batch_size(),
+                         "): a micro-batch needs a sample");
   if (o.process_group() != nullptr) {
     const int64_t world = o.process_group()->size();
     const int64_t others = int64_t{m.dp_replicate()} * m.tp() * m.pp();
@@ -236,7 +237,10 @@ StrategyKind fsdp_strategy() {
           },
           "lays the ranks out as a device mesh for FSDP and tensor parallelism",
           check_fsdp_options,
-          make_strategy<FsdpStrategy>};
+          [](const TrainerOptions& o, torch::nn::Sequential model) {
+            return o.mesh().pp() > 1 ? make_fsdp_pipeline(o, std::move(model))
+                                     : make_strategy<FsdpStrategy>(o, std::move(model));
+          }};
 }
 
 }  // namespace paratrain::train_internal

@@ -289,7 +289,8 @@ TEST(Train, BadInput) {  // ctest: slow 10
        "or bf16 shards through --fsdp-param-dtype, not O2"},
       {{"--strategy", "dp"}, "--strategy dp needs --devices"},
       {{"--devices", "cpu"}, "--devices goes with --strategy dp or pipeline"},
-      {{"--chunks", "2"}, "--stages, --chunks and --schedule go with --strategy pipeline"},
+      {{"--chunks", "2"}, "--chunks and --schedule go with --strategy pipeline or --pp P"},
+      {{"--stages", "3"}, "--stages goes with --strategy pipeline (on a mesh: --pp P)"},
       {{"--strategy", "pipeline", "--model", "linear", "--stages", "3"},
        "pipeline: 3 stages but the model has only 2 layers"},
       {{"--strategy", "pipeline", "--chunks", "0"}, "--chunks must be >= 1, got 0"},
@@ -308,7 +309,7 @@ TEST(Train, BadInput) {  // ctest: slow 10
       {{"--tp", "2", "--model", "mlp"}, "--tp splits a GPT's heads, MLP and vocabulary"},
       {{"--dp-replicate", "2"},
        "dp_replicate 2 x dp_shard -1 (the rest) x tp 1 x pp 1 does not make the world's 1 ranks"},
-      {{"--pp", "2"}, "pipeline stages on a mesh (pp 2) are not available yet"},
+      {{"--pp", "2"}, "--pp cuts a GPT between its blocks: use --model gpt or a GPT-2 preset"},
       {{"--nproc-per-node", "-1"},
        "--nproc-per-node needs --strategy ddp or fsdp and a positive count"},
       {{"--nproc", "2"}, "--nproc-per-node needs --strategy ddp or fsdp"},  // the earlier spelling

@@ -46,6 +46,7 @@
 
 #include "paratrain/comm/process_group.h"
 #include "paratrain/parallel/distributed_data_parallel.h"
+#include "paratrain/parallel/fully_sharded_data_parallel.h"
 
 #include <chrono>
 #include <functional>
@@ -217,11 +218,30 @@ class DistributedPipeline {
                       PipelineOptions options = {},
                       dist::ProcessGroupPtr data_parallel_group = nullptr,
                       DDPOptions ddp_options = {});
+  /// A stage sharded by FSDP over the ranks that hold it in the other pipeline replicas
+  /// (mesh["dp_shard"]), as torch.distributed.pipelining runs a fully_shard-ed stage: every
+  /// micro-batch's forward runs through `fsdp`, whose module is this stage, and its gradients stay
+  /// unsharded (set_requires_gradient_sync(false)) until the step's last backward reduce-scatters
+  /// their sum. A caller that turned the sync off itself (gradient accumulation over steps) keeps
+  /// it off. `fsdp` must outlive the pipeline.
+  DistributedPipeline(FullyShardedDataParallel& fsdp,
+                      int64_t stage,
+                      dist::ProcessGroupPtr pg,
+                      std::vector<int> stage_ranks,
+                      torch::Device device,
+                      LossFn loss,
+                      PipelineOptions options = {});
   ~DistributedPipeline();
 
   /// `input` is read on the first stage, `target` on the last (pass undefined tensors elsewhere).
   /// Returns the loss on the last stage, an undefined tensor on the others.
   torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target);
+  /// The same in `chunks` micro-batches instead of the options' (a last batch smaller than
+  /// chunks); every stage must pass the same count.
+  torch::Tensor step(const torch::Tensor& input, const torch::Tensor& target, int64_t chunks);
+  /// Forward without gradients (evaluation) in `chunks` micro-batches, the same on every stage:
+  /// `input` is read on the first stage; returns the output on the last, undefined elsewhere.
+  torch::Tensor forward(const torch::Tensor& input, int64_t chunks = 1);
 
   bool is_first() const;
   bool is_last() const;

@@ -97,7 +97,8 @@ struct MeshOptions {
   TORCH_ARG(int, dp_shard) = -1;
   /// Tensor-parallel ranks (adjacent ranks: the innermost dimension).
   TORCH_ARG(int, tp) = 1;
-  /// Pipeline stages; only 1 is taken on a mesh so far (pipelines alone: strategy pipeline).
+  /// Pipeline stages, outermost (a gpt() model cut between its blocks, each stage sharded and
+  /// split by the degrees above; TrainerOptions::chunks and pipeline_schedule apply).
   TORCH_ARG(int, pp) = 1;
   /// With tp > 1: the LayerNorms and the residual stream split along the sequence (torchtitan
   /// always does); the sequence length must be a multiple of tp.
