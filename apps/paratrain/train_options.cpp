@@ -774,6 +774,12 @@ std::string in_flags(const std::string& text, const std::map<std::string, std::s
     }
     at = end;
   }
+  // The world size a job may change only when a launcher restarts it elastic: `paratrain train`
+  // has no flag for it.
+  const std::string elastic = "give --nnodes MIN:MAX";
+  if (const size_t at = out.find(elastic); at != std::string::npos) {
+    out.replace(at, elastic.size(), "start it with `paratrain launch --nnodes MIN:MAX ...`");
+  }
   return out;
 }
 

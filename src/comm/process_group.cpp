@@ -330,35 +330,45 @@ std::vector<WorkPtr> ProcessGroup::batch_isend_irecv(const std::vector<P2POp>& o
   return works;
 }
 
-// As PyTorch's: first the size, then the bytes, as uint8 tensors on the CPU (so over the group's
-// CPU engine; PyTorch's NCCL groups move them through the current GPU instead).
+// As PyTorch's: first the size, then the bytes, as uint8 tensors on the CPU over the group's CPU
+// engine, or through the current GPU on a group of NCCL alone (as PyTorch's NCCL groups do).
+at::TensorOptions ProcessGroup::object_options() const {
+  return at::TensorOptions().device(moves(at::kCPU) ? at::kCPU : at::kCUDA);
+}
+
 void ProcessGroup::broadcast_object(std::string& bytes, int src) {
   check_root(src, "broadcast_object", "src");
-  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  const at::TensorOptions on = object_options();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), on.dtype(at::kLong));
   broadcast(length, src)->wait();
-  at::Tensor data = at::empty({length.item<int64_t>()}, at::kByte);
+  at::Tensor data = at::zeros({length.cpu().item<int64_t>()}, at::kByte);
   if (rank_ == src && !bytes.empty()) {
     std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
   }
   if (data.numel() > 0) {
-    broadcast(data, src)->wait();
+    at::Tensor moved = data.to(on.device());
+    broadcast(moved, src)->wait();
+    data = moved.cpu();
   }
   bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
 }
 
 void ProcessGroup::all_gather_object(std::vector<std::string>& object_list,
                                      const std::string& bytes) {
-  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  at::Tensor lengths = at::empty({size_}, at::kLong);
+  const at::TensorOptions on = object_options();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(bytes.size()), on.dtype(at::kLong));
+  at::Tensor lengths = at::empty({size_}, on.dtype(at::kLong));
   all_gather_into_tensor(lengths, length)->wait();
+  lengths = lengths.cpu();
   const int64_t longest = lengths.max().item<int64_t>();
   at::Tensor mine = at::zeros({longest}, at::kByte);
   if (!bytes.empty()) {
     std::memcpy(mine.data_ptr(), bytes.data(), bytes.size());
   }
-  at::Tensor all = at::empty({size_ * longest}, at::kByte);
+  at::Tensor all = at::empty({size_ * longest}, on.dtype(at::kByte));
   if (longest > 0) {
-    all_gather_into_tensor(all, mine)->wait();
+    all_gather_into_tensor(all, mine.to(on.device()))->wait();
+    all = all.cpu();
   }
   object_list.assign(static_cast<size_t>(size_), std::string());
   for (int r = 0; r < size_; ++r) {

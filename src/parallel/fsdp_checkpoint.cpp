@@ -369,26 +369,6 @@ ConsolidatedModel consolidate(const SavedShards& m,
   return model;
 }
 
-// Every rank's `text`, in rank order (a collective: the lengths, then the bytes padded to the
-// longest). The process group moves tensors only.
-std::vector<std::string> all_gather_text(const dist::ProcessGroupPtr& pg, const std::string& text) {
-  const int n = pg->size();
-  Tensor length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
-  Tensor lengths = torch::empty({n}, torch::kLong);
-  pg->all_gather_into_tensor(lengths, length)->wait();
-  const int64_t longest = lengths.max().item<int64_t>();
-  Tensor bytes = torch::zeros({longest}, torch::kUInt8);
-  std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
-  Tensor all = torch::empty({n * longest}, torch::kUInt8);
-  pg->all_gather_into_tensor(all, bytes)->wait();
-  std::vector<std::string> out;
-  for (int r = 0; r < n; ++r) {
-    const auto* at = all.data_ptr<uint8_t>() + r * longest;
-    out.emplace_back(at, at + lengths[r].item<int64_t>());
-  }
-  return out;
-}
-
 // The whole model of every pipeline stage (each holds its own units; one stage without them).
 ConsolidatedModel consolidate_stages(
     const SavedShards& m, const std::function<std::string(const std::string&)>& name_map) {
@@ -398,8 +378,9 @@ ConsolidatedModel consolidate_stages(
     other.buffers.clear();  // taken once, with the first stage
     ConsolidatedModel part = consolidate(other, name_map);
     for (auto& [name, t] : part.tensors) {
-      TORCH_CHECK(model.tensors.emplace(name, std::move(t)).second, "consolidate: '", name,
-                  "' is saved by two pipeline stages of ", m.where, ": the file is damaged");
+      TORCH_CHECK(model.tensors.emplace(name, std::move(t)).second, "consolidate: two pipeline ",
+                  "stages of ", m.where, " give the name '", name,
+                  "' (a name_map that makes two names one, or a damaged checkpoint)");
     }
     model.counts.tensors += part.counts.tensors;
     model.counts.parameters += part.counts.parameters;
@@ -439,8 +420,9 @@ void load_onto_mesh(const SavedShards& m,
 void check_stages(const SavedShards& m, int stages) {
   TORCH_CHECK(m.pp == stages, "the checkpoint in ", m.where, " was saved on ",
               m.mesh.empty() ? "plain FSDP" : "mesh " + m.mesh, ", with ", m.pp, " pipeline stage",
-              m.pp == 1 ? "" : "s", ", and this run has ", stages, "; resume it with pp ", m.pp,
-              " (its stages cannot be resharded; other degrees can)");
+              m.pp == 1 ? "" : "s", ", and this one has ", stages,
+              "; restore it on a mesh with pp ", m.pp,
+              " (its stages cannot be resharded; the other degrees can), or consolidate it");
 }
 
 }  // namespace
@@ -489,7 +471,9 @@ void capture_sharded_state(FullyShardedDataParallel& fsdp,
   if (mesh.size("pp") > 1) {  // each stage's units differ: the manifest holds every stage's
     Json stages = Json::array();
     const Json mine = {{"fsdp", meta.at("fsdp")}, {"tensor_parallel", split}};
-    for (const std::string& stage : all_gather_text(mesh["pp"], mine.dump())) {
+    std::vector<std::string> all;
+    mesh["pp"]->all_gather_object(all, mine.dump());
+    for (const std::string& stage : all) {
       stages.push_back(Json::parse(stage));
     }
     meta["mesh"]["stages"] = stages;

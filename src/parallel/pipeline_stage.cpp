@@ -153,6 +153,9 @@ void StageRunner::run(const std::vector<Action>& acts, bool training) {
     }
     throw;
   }
+  if (fsdp != nullptr && training) {
+    fsdp->set_requires_gradient_sync(fsdp_sync);  // whatever the schedule's last action was
+  }
   stats.busy_seconds = std::chrono::duration<double>(Clock::now() - t0).count() - waiting;
 }
 

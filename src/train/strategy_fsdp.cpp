@@ -52,6 +52,12 @@ MeshParts make_mesh(const TrainerOptions& o, const torch::nn::Sequential& model)
   return parts;
 }
 
+void check_saved_by_fsdp(const CheckpointState& s, const nlohmann::json& meta) {
+  TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
+              " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
+              meta.value("strategy", std::string("?")), ")");
+}
+
 FsdpOptions mesh_fsdp_options(const TrainerOptions& o, const MeshParts& parts) {
   FsdpOptions f = o.fsdp();
   if (parts.mesh && parts.mesh->has("dp_replicate")) {
@@ -119,9 +125,7 @@ class FsdpStrategy : public TrainStrategy {
   void restore(const CheckpointState& s,
                const nlohmann::json& meta,
                torch::optim::Optimizer& optimizer) override {
-    TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
-                " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
-                meta.value("strategy", std::string("?")), ")");
+    check_saved_by_fsdp(s, meta);
     if (parts_.mesh) {
       restore_sharded_state(s, fsdp_, &optimizer, *parts_.mesh, parts_.layout);
     } else {

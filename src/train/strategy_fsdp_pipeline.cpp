@@ -78,6 +78,7 @@ class FsdpPipelineStrategy : public TrainStrategy {
   double clip_grad_norm_(double max_norm) override;
   void after_step(int64_t global_step) override {
     (void)global_step;
+    clear_tied_gradient();  // a step the scaler skipped left its sum
     send_tied_weight();
   }
 
@@ -88,9 +89,7 @@ class FsdpPipelineStrategy : public TrainStrategy {
   void restore(const CheckpointState& s,
                const nlohmann::json& meta,
                torch::optim::Optimizer& optimizer) override {
-    TORCH_CHECK(meta.contains("fsdp"), "checkpoint ", s.path,
-                " was not saved by the fsdp strategy; resume it with the strategy that saved it (",
-                meta.value("strategy", std::string("?")), ")");
+    check_saved_by_fsdp(s, meta);
     restore_sharded_state(s, *fsdp_, &optimizer, mesh(), stage_layout_);
     send_tied_weight();
   }
@@ -101,9 +100,13 @@ class FsdpPipelineStrategy : public TrainStrategy {
   const dist::ProcessGroupPtr& pp() const { return mesh()["pp"]; }
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ + 1 == stages_; }
+  void record_layouts();
+  std::vector<std::string> stage_units(const TrainerOptions& o) const;
+  void hold_tied_copy(const TrainerOptions& o, const torch::Tensor& tied);
   void keep_stage();
   void reduce_tied_gradient();
   void send_tied_weight();
+  void clear_tied_gradient();
   // Where the tied weight starts in the first stage's root flat parameter.
   int64_t tied_offset() const;
 
@@ -115,6 +118,9 @@ class FsdpPipelineStrategy : public TrainStrategy {
   torch::Tensor tied_;                      // the last stage's copy of the tied weight
   std::vector<int64_t> tied_shape_;         // its tensor-parallel part's shape
   torch::TensorOptions tied_options_;
+  // The last stage's sum of the copy's gradients, in fp32, since the last optimizer step.
+  std::shared_ptr<torch::Tensor> tied_grad_ = std::make_shared<torch::Tensor>();
+  int64_t tied_offset_ = 0;  // the first stage's tied_offset()
   // Every parameter's shape unsplit, and dtype, as weights() receives it from its stage.
   std::map<std::string, std::pair<std::vector<int64_t>, torch::ScalarType>> whole_;
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
@@ -130,6 +136,39 @@ FsdpPipelineStrategy::FsdpPipelineStrategy(const TrainerOptions& o, torch::nn::S
   stage_ = mesh().local_rank("pp");
   stages_ = mesh().size("pp");
   cut_ = pipeline::split(model_, stage_balance(model_, stages_));
+  record_layouts();
+  const std::vector<std::string> units = stage_units(o);  // checked for every stage, on every rank
+  const torch::Tensor tied = model_->named_parameters()[kTied];
+  tied_shape_ = tied.sizes().vec();
+  tied_options_ = tied.options();
+  if (is_last()) {
+    hold_tied_copy(o, tied);
+  }
+  keep_stage();
+  fsdp_ = std::make_unique<FullyShardedDataParallel>(cut_[static_cast<size_t>(stage_)],
+                                                     mesh()["dp_shard"],
+                                                     mesh_fsdp_options(o, parts_).units(units));
+  if (is_first()) {
+    tied_offset_ = tied_offset();
+  }
+  std::vector<int> ranks(static_cast<size_t>(stages_));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const bool lp = parts_.loss_parallel;
+  pipe_ = std::make_unique<pipeline::DistributedPipeline>(
+      *fsdp_, stage_, pp(), ranks, device_,
+      // Each micro-batch's loss, scaled for the GradScaler and the accumulation.
+      [this, lp](const torch::Tensor& out, const torch::Tensor& target) {
+        const torch::Tensor l =
+            lp ? loss_parallel_cross_entropy(out, target, parts_.tp()) : loss_of(out, target);
+        return mp_->scaler().scale(l) / static_cast<double>(options_.accumulate());
+      },
+      pipeline::PipelineOptions().chunks(o.chunks()).schedule(o.pipeline_schedule()));
+  send_tied_weight();  // FSDP kept rank 0's weights: the copy takes them too
+}
+
+// Every parameter's whole shape and dtype (what weights() receives from another stage), and what
+// tensor parallelism split of this stage.
+void FsdpPipelineStrategy::record_layouts() {
   for (const auto& p : model_->named_parameters()) {
     std::vector<int64_t> shape = p.value().sizes().vec();
     auto split = parts_.layout.shards.find(p.key());
@@ -147,41 +186,55 @@ FsdpPipelineStrategy::FsdpPipelineStrategy(const TrainerOptions& o, torch::nn::S
       stage_layout_.shards.insert(*split);
     }
   }
-  const torch::Tensor tied = model_->named_parameters()[kTied];
-  tied_shape_ = tied.sizes().vec();
-  tied_options_ = tied.options();
-  if (is_last()) {
-    tied_ = tied;
-    if (const auto dtype = o.fsdp().mixed_precision().param_dtype()) {
-      // The head computes in the units' dtype, as with the root FSDP would gather in one process.
-      torch::NoGradGuard no_grad;
-      tied_.set_data(tied_.to(*dtype));
+}
+
+// This stage's FSDP units: the given units (a GPT's blocks by default) it holds. Every rank checks
+// every stage, so that a bad list fails everywhere at once rather than on one stage.
+std::vector<std::string> FsdpPipelineStrategy::stage_units(const TrainerOptions& o) const {
+  const std::vector<std::string> all =
+      o.fsdp().units().empty() ? models::gpt_block_names(model_) : o.fsdp().units();
+  const std::string holder = std::string(kTied).substr(0, std::string(kTied).find('.'));
+  TORCH_CHECK(std::find(all.begin(), all.end(), holder) == all.end(), "fsdp units: '", holder,
+              "' holds ", kTied, ", which the pipeline's last stage shares for the tied head: ",
+              "leave it to the first stage's root (units: the blocks)");
+  std::vector<std::string> mine;
+  for (int s = 0; s < stages_; ++s) {
+    std::vector<std::string> units;
+    for (const auto& c : cut_[static_cast<size_t>(s)]->named_children()) {
+      if (std::find(all.begin(), all.end(), c.key()) != all.end()) {
+        units.push_back(c.key());
+      }
+      TORCH_CHECK(s == 0 || c.value()->buffers().empty(), "pipeline stage ", s, "'s layer '",
+                  c.key(), "' has buffers, which a mesh checkpoint holds for the first stage only");
+    }
+    TORCH_CHECK(!units.empty(), "fsdp units: pipeline stage ", s, " holds none of them; give ",
+                "units that every stage has (a GPT's blocks, the default)");
+    if (s == stage_) {
+      mine = units;
     }
   }
-  keep_stage();
-  FsdpOptions f = mesh_fsdp_options(o, parts_);
-  const std::vector<std::string> all_units =
-      f.units().empty() ? models::gpt_block_names(model_) : f.units();
-  const torch::nn::Sequential& mine = cut_[static_cast<size_t>(stage_)];
-  std::vector<std::string> units;
-  for (const auto& c : mine->named_children()) {
-    if (std::find(all_units.begin(), all_units.end(), c.key()) != all_units.end()) {
-      units.push_back(c.key());
-    }
+  return mine;
+}
+
+// The head computes with the embedding's weight, which the last stage keeps as a copy; its
+// gradients are summed in fp32 (tied_grad_) whatever dtype the head computes in.
+void FsdpPipelineStrategy::hold_tied_copy(const TrainerOptions& o, const torch::Tensor& tied) {
+  tied_ = tied;
+  if (const auto dtype = o.fsdp().mixed_precision().param_dtype()) {
+    // In the units' dtype, as FSDP would gather the root's weights for it in one stage.
+    torch::NoGradGuard no_grad;
+    tied_.set_data(tied_.to(*dtype));
   }
-  fsdp_ = std::make_unique<FullyShardedDataParallel>(mine, mesh()["dp_shard"], f.units(units));
-  std::vector<int> ranks(static_cast<size_t>(stages_));
-  std::iota(ranks.begin(), ranks.end(), 0);
-  const bool lp = parts_.loss_parallel;
-  pipe_ = std::make_unique<pipeline::DistributedPipeline>(
-      *fsdp_, stage_, pp(), ranks, device_,
-      // Each micro-batch's loss, scaled for the GradScaler and the accumulation.
-      [this, lp](const torch::Tensor& out, const torch::Tensor& target) {
-        const torch::Tensor l =
-            lp ? loss_parallel_cross_entropy(out, target, parts_.tp()) : loss_of(out, target);
-        return mp_->scaler().scale(l) / static_cast<double>(options_.accumulate());
-      },
-      pipeline::PipelineOptions().chunks(o.chunks()).schedule(o.pipeline_schedule()));
+  // The hook holds the sum, not the strategy: the model (and the hook) may outlive it.
+  tied_.register_hook([sum = tied_grad_](const torch::Tensor& g) {
+    torch::NoGradGuard no_grad;
+    if (sum->defined()) {
+      sum->add_(g);
+    } else {
+      *sum = g.to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    }
+    return torch::Tensor();
+  });
 }
 
 // The other stages' weights are dropped (every rank built the whole model), but for the last
@@ -211,10 +264,13 @@ torch::Tensor FsdpPipelineStrategy::forward_backward(const torch::Tensor& input,
   const int64_t chunks = std::min<int64_t>(options_.chunks(), input.size(0));
   fsdp_->set_requires_gradient_sync(last);
   torch::Tensor loss;
-  {
+  try {
     auto autocast = mp_->autocast();
     loss = pipe_->step(is_first() ? mp_->cast_input(input) : torch::Tensor(),
                        is_last() ? target : torch::Tensor(), chunks);
+  } catch (...) {
+    clear_tied_gradient();  // a failed step's part of the sum is not the next one's
+    throw;
   }
   const double accumulate = static_cast<double>(options_.accumulate());
   // Every stage reports the batch's loss, the last stage's.
@@ -239,28 +295,34 @@ int64_t FsdpPipelineStrategy::tied_offset() const {
   return root.offsets[static_cast<size_t>(at)];
 }
 
+// The tag of the tied weight's messages between the first and the last stage, after the
+// pipeline's own (0: activations, 1: gradients), which have all arrived by then.
+constexpr int kTiedTag = 2;
+
 // The last stage's gradient of the tied weight, averaged over its data-parallel ranks, added to
-// the first stage's shards of the embedding's (every stage takes part in the group's broadcast).
+// the first stage's shards of the embedding's. Point to point: the stages between take no part.
 void FsdpPipelineStrategy::reduce_tied_gradient() {
+  if (!is_first() && !is_last()) {
+    return;
+  }
   torch::NoGradGuard no_grad;
   torch::Tensor g = torch::zeros(tied_shape_, tied_options_);
   if (is_last()) {
-    if (tied_.grad().defined()) {
-      g.copy_(tied_.grad());
+    if (tied_grad_->defined()) {
+      g.copy_(*tied_grad_);
     }
-    tied_.mutable_grad() = torch::Tensor();
+    clear_tied_gradient();
     const dist::ProcessGroupPtr& dp = mesh()["dp"];
     if (dp->size() > 1) {
       dp->allreduce(g, dist::ReduceOp::kAvg)->wait();
     }
-  }
-  pp()->broadcast(g, stages_ - 1)->wait();
-  if (!is_first()) {
+    pp()->send(g, 0, kTiedTag)->wait();
     return;
   }
+  pp()->recv(g, stages_ - 1, kTiedTag)->wait();
   // This rank's shard is [start, start + per_rank) of the root's flat parameter, the tied
   // weight [offset, offset + numel) of it: their overlap, if any.
-  const int64_t offset = tied_offset();
+  const int64_t offset = tied_offset_;
   const int64_t per_rank = fsdp_->units().front().padded / fsdp_->world_size();
   const int64_t start = per_rank * fsdp_->rank();
   const int64_t lo = std::max(offset, start);
@@ -277,19 +339,30 @@ void FsdpPipelineStrategy::reduce_tied_gradient() {
       .add_(g.reshape({-1}).narrow(0, lo - offset, hi - lo).to(grad.scalar_type()));
 }
 
-// The first stage's tied weight, gathered from its shards, into the last stage's copy.
+// The first stage's tied weight, gathered from its root's shards (the embedding's weight is most
+// of the root), into the last stage's copy.
 void FsdpPipelineStrategy::send_tied_weight() {
+  if (stages_ == 1 || (!is_first() && !is_last())) {
+    return;
+  }
   torch::NoGradGuard no_grad;
   torch::Tensor w = torch::empty(tied_shape_, tied_options_);
   if (is_first()) {
     const torch::Tensor shard = fsdp_->parameters().front();
     torch::Tensor whole = torch::empty({shard.numel() * fsdp_->world_size()}, shard.options());
     fsdp_->process_group()->all_gather_into_tensor(whole, shard)->wait();
-    w.copy_(whole.narrow(0, tied_offset(), w.numel()).view(tied_shape_));
+    w.copy_(whole.narrow(0, tied_offset_, w.numel()).view(tied_shape_));
+    pp()->send(w, stages_ - 1, kTiedTag)->wait();
+    return;
   }
-  pp()->broadcast(w, 0)->wait();
-  if (is_last()) {
-    tied_.copy_(w);
+  pp()->recv(w, 0, kTiedTag)->wait();
+  tied_.detach().copy_(w);
+}
+
+void FsdpPipelineStrategy::clear_tied_gradient() {
+  *tied_grad_ = torch::Tensor();
+  if (tied_.defined()) {
+    tied_.mutable_grad() = torch::Tensor();  // the hook's sum is the one used
   }
 }
 

@@ -30,6 +30,9 @@ MeshParts make_mesh(const TrainerOptions& o, const torch::nn::Sequential& model)
 /// The fsdp options with HSDP's replicate group when the mesh has one.
 FsdpOptions mesh_fsdp_options(const TrainerOptions& o, const MeshParts& parts);
 
+/// Refuses a checkpoint without sharded state (another strategy's), naming the one that saved it.
+void check_saved_by_fsdp(const CheckpointState& s, const nlohmann::json& meta);
+
 /// The next validation batch of a strategy whose forward is a collective: the ranks' shares may
 /// differ by a batch, so while any rank has one left, the ranks without one run their last batch
 /// again with an empty target (not counted).

@@ -24,7 +24,8 @@ TEST(FlagWords, FieldsBecomeFlags) {
   EXPECT_EQ(in_flags("none was loaded; set start_fresh_if_damaged to start from step 0"),
             "none was loaded; add --start-fresh-if-damaged to start from step 0");
   EXPECT_EQ(in_flags("start as many ranks, or set elastic to reshard it"),
-            "start as many ranks, or give --nnodes MIN:MAX to reshard it");
+            "start as many ranks, or start it with `paratrain launch --nnodes MIN:MAX ...` to "
+            "reshard it");
   EXPECT_EQ(in_flags("reset zero"), "reset --zero");  // "set" only as a word
 }
 

@@ -469,7 +469,8 @@ TEST(Resume, BadInput) {  // ctest: slow 24
        "--sync-bn works across DDP's ranks: add --strategy ddp (got --strategy dp)"},
       {{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--checkpoint-dir", dir,
         "--resume", "auto"},
-       "was made by 1 ranks and this job has 2: start as many ranks, or give --nnodes MIN:MAX"},
+       "was made by 1 ranks and this job has 2: start as many ranks, or start it with `paratrain "
+       "launch --nnodes MIN:MAX ...`"},
       {{"--strategy", "ddp", "--nproc", "2", "--backend", "gloo", "--checkpoint-dir",
         base + "-keep1", "--keep", "1"},
        "keep at least 2 checkpoints with several ranks, got 1"},
@@ -846,15 +847,18 @@ TEST(Resume, PipelineStagesOnAMesh) {  // ctest: slow 60
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   EXPECT_EQ(max_difference(base + "-stopped.st", base + "-whole.st"), 0.0);
   const std::string epoch1 = base + "-stopped/ckpt-0000000010.json";
-  auto other_split = run_process(
-      plus(job("resplit", 4, 1, {"--pp", "2", "--dp-shard", "2"}), {"--resume", epoch1}), env, 300);
+  auto other_split =
+      run_process(plus(job("resplit", 4, 1, {"--pp", "2", "--dp-shard", "2", "--chunks", "2"}),
+                       {"--resume", epoch1}),
+                  env, 300);
   ASSERT_EQ(other_split.exit_code, 0) << other_split.output;
   EXPECT_EQ(max_difference(base + "-whole.st", base + "-resplit.st"), 0.0);
   auto refused = run_process(
       plus(job("no-stages", 4, 1, {"--tp", "2", "--dp-shard", "2"}), {"--resume", epoch1}), env,
       300);
   EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.output.find("with 2 pipeline stages, and this run has 1; resume it with pp 2"),
+  EXPECT_NE(refused.output.find(
+                "with 2 pipeline stages, and this one has 1; restore it on a mesh with pp 2"),
             std::string::npos)
       << refused.output;
   auto rest = run_process(plus(job("stopped", 4, 2, pp2_tp2), {"--resume", "auto"}), env, 300);

@@ -151,7 +151,8 @@ class ProcessGroup {
   /// when the tensors are large.
   std::vector<WorkPtr> batch_isend_irecv(const std::vector<P2POp>& ops);
   /// torch.distributed.broadcast_object_list for one object given as bytes: every rank ends with
-  /// `src`'s `bytes`. Blocks until done.
+  /// `src`'s `bytes`. Blocks until done. Over the group's CPU engine, or through the current GPU
+  /// on a group of NCCL alone.
   void broadcast_object(std::string& bytes, int src = 0);
   /// torch.distributed.all_gather_object over bytes: object_list[r] is rank r's `bytes`.
   /// Blocks until done.
@@ -242,6 +243,8 @@ class ProcessGroup {
   bool is_broken() const;
 
  private:
+  // Where broadcast_object and all_gather_object put their bytes: the CPU, or the current GPU.
+  at::TensorOptions object_options() const;
   int64_t next_sequence() { return sequence_++; }
   int64_t next_p2p_sequence() { return p2p_sequence_++; }
   void check_tensor(const at::Tensor& t, const char* op, const char* what) const;
