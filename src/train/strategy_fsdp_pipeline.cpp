@@ -62,6 +62,11 @@ std::vector<int64_t> stage_balance(const torch::nn::Sequential& model, int stage
 class FsdpPipelineStrategy : public TrainStrategy {
  public:
   FsdpPipelineStrategy(const TrainerOptions& o, torch::nn::Sequential model);
+  ~FsdpPipelineStrategy() override {
+    if (tied_.defined() && tied_hook_ >= 0) {
+      tied_.remove_hook(static_cast<unsigned>(tied_hook_));  // the model may outlive us
+    }
+  }
 
   std::optional<std::pair<int, int>> data_rank() const override {
     return std::make_pair(mesh().local_rank("dp"), mesh().size("dp"));
@@ -78,7 +83,6 @@ class FsdpPipelineStrategy : public TrainStrategy {
   double clip_grad_norm_(double max_norm) override;
   void after_step(int64_t global_step) override {
     (void)global_step;
-    clear_tied_gradient();  // a step the scaler skipped left its sum
     send_tied_weight();
   }
 
@@ -100,6 +104,9 @@ class FsdpPipelineStrategy : public TrainStrategy {
   const dist::ProcessGroupPtr& pp() const { return mesh()["pp"]; }
   bool is_first() const { return stage_ == 0; }
   bool is_last() const { return stage_ + 1 == stages_; }
+  // Where the tied weight's messages travel: host memory over a group with a CPU engine (gloo's
+  // send and recv take no CUDA tensor), the device over NCCL alone, as the pipeline's own.
+  torch::Device wire() const { return pp()->moves(torch::kCPU) ? torch::kCPU : device_; }
   void record_layouts();
   std::vector<std::string> stage_units(const TrainerOptions& o) const;
   void hold_tied_copy(const TrainerOptions& o, const torch::Tensor& tied);
@@ -121,6 +128,7 @@ class FsdpPipelineStrategy : public TrainStrategy {
   // The last stage's sum of the copy's gradients, in fp32, since the last optimizer step.
   std::shared_ptr<torch::Tensor> tied_grad_ = std::make_shared<torch::Tensor>();
   int64_t tied_offset_ = 0;  // the first stage's tied_offset()
+  int64_t tied_hook_ = -1;   // the hook that sums the copy's gradients
   // Every parameter's shape unsplit, and dtype, as weights() receives it from its stage.
   std::map<std::string, std::pair<std::vector<int64_t>, torch::ScalarType>> whole_;
   std::unique_ptr<FullyShardedDataParallel> fsdp_;
@@ -139,6 +147,8 @@ FsdpPipelineStrategy::FsdpPipelineStrategy(const TrainerOptions& o, torch::nn::S
   record_layouts();
   const std::vector<std::string> units = stage_units(o);  // checked for every stage, on every rank
   const torch::Tensor tied = model_->named_parameters()[kTied];
+  TORCH_CHECK(tied.requires_grad(), kTied, " does not require grad; pipeline stages train the ",
+              "embedding the head is tied to");
   tied_shape_ = tied.sizes().vec();
   tied_options_ = tied.options();
   if (is_last()) {
@@ -197,6 +207,11 @@ std::vector<std::string> FsdpPipelineStrategy::stage_units(const TrainerOptions&
   TORCH_CHECK(std::find(all.begin(), all.end(), holder) == all.end(), "fsdp units: '", holder,
               "' holds ", kTied, ", which the pipeline's last stage shares for the tied head: ",
               "leave it to the first stage's root (units: the blocks)");
+  for (const std::string& unit : all) {
+    TORCH_CHECK(model_->named_children().contains(unit), "fsdp units: '", unit,
+                "' is not a child of the model; units are named as model->named_children() names ",
+                "them (a GPT's blocks: h0, h1, ...)");
+  }
   std::vector<std::string> mine;
   for (int s = 0; s < stages_; ++s) {
     std::vector<std::string> units;
@@ -226,7 +241,7 @@ void FsdpPipelineStrategy::hold_tied_copy(const TrainerOptions& o, const torch::
     tied_.set_data(tied_.to(*dtype));
   }
   // The hook holds the sum, not the strategy: the model (and the hook) may outlive it.
-  tied_.register_hook([sum = tied_grad_](const torch::Tensor& g) {
+  tied_hook_ = tied_.register_hook([sum = tied_grad_](const torch::Tensor& g) {
     torch::NoGradGuard no_grad;
     if (sum->defined()) {
       sum->add_(g);
@@ -269,8 +284,11 @@ torch::Tensor FsdpPipelineStrategy::forward_backward(const torch::Tensor& input,
     loss = pipe_->step(is_first() ? mp_->cast_input(input) : torch::Tensor(),
                        is_last() ? target : torch::Tensor(), chunks);
   } catch (...) {
-    clear_tied_gradient();  // a failed step's part of the sum is not the next one's
+    clear_tied_gradient();  // the accumulation's sum ends with the failed step
     throw;
+  }
+  if (tied_.defined()) {
+    tied_.mutable_grad() = torch::Tensor();  // the hook's fp32 sum is the one used
   }
   const double accumulate = static_cast<double>(options_.accumulate());
   // Every stage reports the batch's loss, the last stage's.
@@ -295,8 +313,8 @@ int64_t FsdpPipelineStrategy::tied_offset() const {
   return root.offsets[static_cast<size_t>(at)];
 }
 
-// The tag of the tied weight's messages between the first and the last stage, after the
-// pipeline's own (0: activations, 1: gradients), which have all arrived by then.
+// The tag of the tied weight's messages between the first and the last stage, apart from the
+// pipeline's own (0: activations, 1: gradients), whose sends a step waits for before it returns.
 constexpr int kTiedTag = 2;
 
 // The last stage's gradient of the tied weight, averaged over its data-parallel ranks, added to
@@ -316,10 +334,12 @@ void FsdpPipelineStrategy::reduce_tied_gradient() {
     if (dp->size() > 1) {
       dp->allreduce(g, dist::ReduceOp::kAvg)->wait();
     }
-    pp()->send(g, 0, kTiedTag)->wait();
+    pp()->send(g.to(wire()), 0, kTiedTag)->wait();
     return;
   }
-  pp()->recv(g, stages_ - 1, kTiedTag)->wait();
+  torch::Tensor received = g.to(wire());
+  pp()->recv(received, stages_ - 1, kTiedTag)->wait();
+  g.copy_(received);
   // This rank's shard is [start, start + per_rank) of the root's flat parameter, the tied
   // weight [offset, offset + numel) of it: their overlap, if any.
   const int64_t offset = tied_offset_;
@@ -342,11 +362,11 @@ void FsdpPipelineStrategy::reduce_tied_gradient() {
 // The first stage's tied weight, gathered from its root's shards (the embedding's weight is most
 // of the root), into the last stage's copy.
 void FsdpPipelineStrategy::send_tied_weight() {
-  if (stages_ == 1 || (!is_first() && !is_last())) {
+  if (!is_first() && !is_last()) {
     return;
   }
   torch::NoGradGuard no_grad;
-  torch::Tensor w = torch::empty(tied_shape_, tied_options_);
+  torch::Tensor w = torch::empty(tied_shape_, tied_options_.device(wire()));
   if (is_first()) {
     const torch::Tensor shard = fsdp_->parameters().front();
     torch::Tensor whole = torch::empty({shard.numel() * fsdp_->world_size()}, shard.options());

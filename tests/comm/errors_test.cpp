@@ -219,14 +219,15 @@ TEST(BadInput, NcclWithoutCuda) {
 }
 
 TEST(BadInput, PeerDiesMidCollective) {
-  // Rank 1 leaves (exit 0, so the launcher does not stop the job); rank 0's allreduce fails and
-  // its error names the operation, itself and rank 1.
+  // Rank 1 leaves after a barrier (exit 0, so the launcher does not stop the job); rank 0's
+  // allreduce, the group's second collective, fails and its error names the operation, itself
+  // and rank 1.
   auto r = run_process({cli_path(), "launch", "--standalone", "--nproc-per-node", "2", "--",
                         worker_path(), "die", "1"},
                        {{"PARATRAIN_TIMEOUT", "20"}}, 120);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("[rank 0]: error: allreduce #0 (sum, 262144 bytes) on rank 0 of 2 "
+  EXPECT_NE(r.output.find("[rank 0]: error: allreduce #1 (sum, 262144 bytes) on rank 0 of 2 "
                           "(gloo) failed: "),
             std::string::npos)
       << r.output;

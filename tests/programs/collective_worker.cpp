@@ -491,6 +491,11 @@ int run(int argc, char** argv) {
     }
     if (mode == "die" || mode == "late") {
       int who = argc > 2 ? std::atoi(argv[2]) : 1;
+      if (mode == "die") {
+        // Every rank's connections are made first: a rank that left while another was still
+        // connecting would fail that rank's rendezvous, not its collective.
+        pg->barrier()->wait();
+      }
       if (pg->rank() == who) {
         if (mode == "die") {
           std::cout << "rank " << who << " leaving before the allreduce" << std::endl;

@@ -155,7 +155,8 @@ class ProcessGroup {
   /// on a group of NCCL alone.
   void broadcast_object(std::string& bytes, int src = 0);
   /// torch.distributed.all_gather_object over bytes: object_list[r] is rank r's `bytes`.
-  /// Blocks until done.
+  /// Blocks until done. As broadcast_object, through the current GPU on NCCL alone (the group's
+  /// bound device: make_nccl_group sets it).
   void all_gather_object(std::vector<std::string>& object_list, const std::string& bytes);
   /// Point to point; a send matches the recv on `dst` with the same tag, in [0, kMaxUserTag).
   static constexpr int kMaxUserTag = 1 << 30;
