@@ -156,27 +156,7 @@ void check_compatible(const SavedShards& m,
                   " here; build the optimizer over fsdp.parameters(), as the saved one was");
     }
   }
-  if (m.prefix == "model.") {
-    return;  // the older format saved no buffers
-  }
-  for (const auto& b : fsdp.module()->named_buffers()) {
-    auto it = m.buffers.find(b.key());
-    TORCH_CHECK(it != m.buffers.end() && it->second.sizes() == b.value().sizes(),
-                "the checkpoint in ", m.where, " is of another model: ",
-                it == m.buffers.end() ? "it has no buffer '" + b.key() + "'"
-                                      : "its buffer '" + b.key() + "' has another shape",
-                "; load it into a model built as the one that saved it");
-  }
-}
-
-void load_buffers(const SavedShards& m, FullyShardedDataParallel& fsdp) {
-  torch::NoGradGuard no_grad;
-  for (auto& b : fsdp.module()->named_buffers()) {
-    auto it = m.buffers.find(b.key());
-    if (it != m.buffers.end()) {
-      b.value().copy_(it->second);
-    }
-  }
+  fsdp_saved::check_buffers(m, fsdp);
 }
 
 // Takes a saved sharded state into `fsdp` and `optimizer` (when not null), resharding it over
@@ -193,7 +173,7 @@ void load_shards(const SavedShards& m,
     if (optimizer != nullptr) {
       load_optimizer_state(*optimizer, with_prefix(own, "optim.", /*strip=*/true));
     }
-    load_buffers(m, fsdp);
+    fsdp_saved::load_buffers(m, fsdp);
     return;
   }
   OldFiles old = read_old_files(m, fsdp, optim);
@@ -213,7 +193,7 @@ void load_shards(const SavedShards& m,
   if (optimizer != nullptr) {
     load_optimizer_state(*optimizer, state);
   }
-  load_buffers(m, fsdp);
+  fsdp_saved::load_buffers(m, fsdp);
 }
 
 // Runs `step` on this rank, then lets every rank know whether all succeeded (an allgather of

@@ -232,17 +232,7 @@ void load_across_meshes(const SavedShards& s,
   }
   check_same_model(s, fsdp, optimizer);
   check_part_shapes(s, fsdp, whole, layout);
-  // The older format saved no buffers.
-  const auto buffers = s.prefix == "model." ? torch::OrderedDict<std::string, Tensor>()
-                                            : fsdp.module()->named_buffers();
-  for (const auto& b : buffers) {
-    auto it = s.buffers.find(b.key());
-    TORCH_CHECK(it != s.buffers.end() && it->second.sizes() == b.value().sizes(),
-                "the checkpoint in ", s.where, " is of another model: ",
-                it == s.buffers.end() ? "it has no buffer '" + b.key() + "'"
-                                      : "its buffer '" + b.key() + "' has another shape",
-                "; load it into a model built as the one that saved it");
-  }
+  check_buffers(s, fsdp);
   TensorMap shards;
   TensorMap state;
   const auto units = fsdp.units();
@@ -260,10 +250,7 @@ void load_across_meshes(const SavedShards& s,
   if (optimizer != nullptr) {  // without saved state: none, as a plain load leaves it
     load_optimizer_state(*optimizer, state);
   }
-  torch::NoGradGuard no_grad;
-  for (const auto& b : buffers) {
-    b.value().copy_(s.buffers.at(b.key()));
-  }
+  load_buffers(s, fsdp);
 }
 
 }  // namespace fsdp_saved

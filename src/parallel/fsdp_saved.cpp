@@ -447,5 +447,29 @@ SavedShards from_directory(const std::string& dir, int rank) {
   return s;
 }
 
+void check_buffers(const SavedShards& s, FullyShardedDataParallel& fsdp) {
+  if (s.prefix == "model.") {
+    return;  // the older format saved no buffers
+  }
+  for (const auto& b : fsdp.module()->named_buffers()) {
+    auto it = s.buffers.find(b.key());
+    TORCH_CHECK(it != s.buffers.end() && it->second.sizes() == b.value().sizes(),
+                "the checkpoint in ", s.where, " is of another model: ",
+                it == s.buffers.end() ? "it has no buffer '" + b.key() + "'"
+                                      : "its buffer '" + b.key() + "' has another shape",
+                "; load it into a model built as the one that saved it");
+  }
+}
+
+void load_buffers(const SavedShards& s, FullyShardedDataParallel& fsdp) {
+  torch::NoGradGuard no_grad;
+  for (auto& b : fsdp.module()->named_buffers()) {
+    auto it = s.buffers.find(b.key());
+    if (it != s.buffers.end()) {
+      b.value().copy_(it->second);
+    }
+  }
+}
+
 }  // namespace fsdp_saved
 }  // namespace paratrain

@@ -64,6 +64,11 @@ struct SavedShards {
   std::function<TensorMap(int world_rank, bool optimizer)> world_read;
 };
 
+/// Refuses, before anything is loaded, a model whose buffers the saved state lacks or shapes
+/// otherwise (the older format saved none: nothing to check).
+void check_buffers(const SavedShards& s, FullyShardedDataParallel& fsdp);
+/// Copies the saved buffers into the model's (after check_buffers).
+void load_buffers(const SavedShards& s, FullyShardedDataParallel& fsdp);
 /// A unit as sharded_state() and the rank files call it: "root" for the root.
 std::string unit_key(const Unit& u);
 /// The layout as a checkpoint saves it: {"world_size", "units", "optimizer"} (null without one).
