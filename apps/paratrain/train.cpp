@@ -15,9 +15,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <iomanip>
@@ -464,6 +466,25 @@ void print_epoch(const EpochResult& r, bool json, int epochs, int64_t context) {
   }
 }
 
+// Under `paratrain tune`, PARATRAIN_TRIAL_SYNC names a FIFO the tuner answers each epoch's row
+// on, as Ray Tune's report() waits for the driver: the trial goes on only when told to, so a trial
+// the scheduler pauses or stops has not trained (and checkpointed) epochs past the row it was
+// judged on. No answer means the tuner stops the job; end of file (no tuner) means go on.
+void wait_for_tuner() {
+  static int fd = -2;
+  if (fd == -2) {
+    const char* path = std::getenv("PARATRAIN_TRIAL_SYNC");
+    fd = path == nullptr || *path == '\0' ? -1 : ::open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    // Opened without blocking (a FIFO's open waits for a writer), read blocking.
+    if (fd >= 0) {
+      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    }
+  }
+  char byte = 0;
+  while (fd >= 0 && ::read(fd, &byte, 1) < 0 && errno == EINTR) {
+  }
+}
+
 void report_epochs(Trainer& trainer,
                    const TrainSettings& s,
                    bool checkpoint_every_epoch,
@@ -490,6 +511,9 @@ void report_epochs(Trainer& trainer,
       std::printf("\n");
     }
     print_epoch(r, json, epochs, context);
+    if (json && r.epoch + 1 < epochs) {
+      wait_for_tuner();
+    }
   });
 }
 

@@ -88,6 +88,10 @@ ProcessSpec trial_process_spec(const TunerOptions& o,
   spec.env["PARATRAIN_TRIAL_DIR"] = dir;
   spec.env["PARATRAIN_CHECKPOINT_DIR"] = dir + "/checkpoints";
   spec.env["PARATRAIN_TRIAL_RESUME"] = resume ? "1" : "0";
+  if (o.train()) {
+    spec.sync_path = dir + "/.epoch-sync";
+    spec.env["PARATRAIN_TRIAL_SYNC"] = spec.sync_path;
+  }
   spec.env["OMP_NUM_THREADS"] = std::to_string(o.resources().threads());
   if (gpus_visible) {
     // The tuner's GPU i is the i-th of its own CUDA_VISIBLE_DEVICES, when it has one (Slurm).

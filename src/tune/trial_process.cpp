@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -14,11 +15,58 @@ namespace paratrain {
 namespace tune {
 namespace detail {
 
+namespace {
+
+// A fresh FIFO each start: bytes written for an earlier process of the trial must not let this
+// one run ahead.
+void make_sync_fifo(const std::string& path, Process& p) {
+  ::unlink(path.c_str());
+  TORCH_CHECK(::mkfifo(path.c_str(), 0600) == 0, "tune: cannot make the FIFO ", path, ": ",
+              std::strerror(errno));
+  p.sync_fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+  TORCH_CHECK(p.sync_fd >= 0, "tune: cannot open the FIFO ", path, ": ", std::strerror(errno));
+  p.sync_path = path;
+}
+
+void close_sync_fifo(Process& p) {
+  if (p.sync_fd >= 0) {
+    ::close(p.sync_fd);
+    ::unlink(p.sync_path.c_str());
+    p.sync_fd = -1;
+  }
+}
+
+}  // namespace
+
+void answer_row(const Process& p) {
+  if (p.sync_fd >= 0) {
+    const char go = '\n';
+    ssize_t ignored = ::write(p.sync_fd, &go, 1);  // never full: the trial reads each byte
+    (void)ignored;
+  }
+}
+
+void close_process_fds(Process& p) {
+  for (int* fd : {&p.out_fd, &p.log_fd}) {
+    if (*fd >= 0) {
+      ::close(*fd);
+      *fd = -1;
+    }
+  }
+  close_sync_fifo(p);
+}
+
 Process start_process(const ProcessSpec& spec) {
   Process p;
+  if (!spec.sync_path.empty()) {
+    make_sync_fifo(spec.sync_path, p);
+  }
   p.log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  TORCH_CHECK(p.log_fd >= 0, "tune: cannot open trial log ", spec.log_path, ": ",
-              std::strerror(errno));
+  if (p.log_fd < 0) {
+    const int err = errno;
+    close_sync_fifo(p);
+    TORCH_CHECK(false, "tune: cannot open trial log ", spec.log_path, ": ", std::strerror(err));
+  }
   // In its own process group, a trial that read the terminal would stop for good (SIGTTIN): it
   // reads /dev/null, as the launcher's workers do.
   const int dev_null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -35,6 +83,7 @@ Process start_process(const ProcessSpec& spec) {
     p.out_fd = child.release_stdout();
   } catch (...) {
     ::close(p.log_fd);
+    close_sync_fifo(p);
     if (dev_null >= 0) {
       ::close(dev_null);
     }

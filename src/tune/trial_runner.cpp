@@ -282,11 +282,12 @@ bool TrialRun::reap(const LineHandler& on_line, int* status, std::string* error)
 }
 
 void TrialRun::close_fds() {
-  for (int* fd : {&proc_.out_fd, &proc_.log_fd}) {
-    if (*fd >= 0) {
-      ::close(*fd);
-      *fd = -1;
-    }
+  close_process_fds(proc_);
+}
+
+void TrialRun::answer_epoch() {
+  if (!stopping_) {
+    answer_row(proc_);
   }
 }
 

@@ -73,6 +73,9 @@ class TrialRun {
   void stop(std::chrono::milliseconds term_delay, std::chrono::milliseconds grace);
   /// Whether stop() was called.
   bool stopping() const { return stopping_; }
+  /// A `paratrain train` trial printed an epoch's row and waits: lets it go on, unless stop() was
+  /// called (it is stopped where it stands, not an epoch later).
+  void answer_epoch();
   /// Sends `sig` to the process's group at once; a function is told to stop.
   void signal_now(int sig);
 
@@ -85,7 +88,7 @@ class TrialRun {
   bool end_by(std::chrono::steady_clock::time_point deadline);
 
  private:
-  /// Closes the process's stdout and log (each once), whatever happened to the process.
+  /// Closes the process's stdout, log and FIFO (each once), whatever happened to the process.
   void close_fds();
 
   Process proc_;

@@ -468,6 +468,16 @@ void Tuner::handle_row(Running& r, const std::string& line) {
     return;  // not a metric row: only logged
   }
   const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+  // A train trial waits after each epoch's row until the decision on it is made: it goes on
+  // when this returns (or throws), unless the decision stopped it.
+  struct Answer {
+    detail::TrialRun* run;
+    ~Answer() {
+      if (run != nullptr) {
+        run->answer_epoch();
+      }
+    }
+  } answer{row.is_object() && row.contains("epoch") ? &r.run : nullptr};
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }

@@ -9,7 +9,9 @@
 //     PARATRAIN_CHECKPOINT_DIR and PARATRAIN_TRIAL_RESUME (1 when it should continue from its
 //     checkpoint: a promoted, paused or retried trial);
 //   - a `paratrain train` job (TunerOptions::train), the sampled values as its flags, checkpoints
-//     every epoch and `--resume auto`, so a promoted trial continues where it paused;
+//     every epoch and `--resume auto`, so a promoted trial continues where it paused; after each
+//     epoch's row it waits for the scheduler's decision (on the FIFO in PARATRAIN_TRIAL_SYNC), as
+//     Ray Tune's report() does, so a paused trial has not trained past the row it was judged on;
 //   - a C++ function that calls TrialContext::report.
 // The iteration of a row is its "training_iteration", else its "epoch", else the row's count.
 //
