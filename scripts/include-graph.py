@@ -27,9 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (base, store, launch) comes first, since it needs no libtorch and so nothing that does;
 # communication comes before io because a checkpoint is collective (ranks agree on the step they
 # save).
-ORDER = ["base", "store", "launch", "util", "comm", "io", "data", "amp", "parallel", "models",
-         "train", "tune", "umbrella", "cli", "support", "bench", "tests"]
-LIBRARY_AREAS = ORDER[:12]
+ORDER = ["base", "store", "launch", "util", "optim", "comm", "io", "data", "amp", "parallel",
+         "models", "train", "tune", "umbrella", "cli", "support", "bench", "tests"]
+LIBRARY_AREAS = ORDER[:13]
 
 # The private headers a folder offers the others (named from src/), and why they are not public.
 INTERNAL_INTERFACES = {
@@ -38,6 +38,8 @@ INTERNAL_INTERFACES = {
     "util/strings.h": "starts_with and ends_with (C++17 has neither)",
     "util/copies.h": "a device copy from a thread that reads the tensor next",
     "util/batchnorm.h": "which modules are batch normalisation, for amp and SyncBatchNorm",
+    "optim/param_state.h": "the key of a parameter's state in libtorch's optimizers, for the "
+                           "fused optimizers and checkpoints",
     "amp/autocast_state.h": "autocast's per-thread flags over libtorch's two APIs",
     "launch/backend_routes.h": "a routed backend's syntax, which the launcher checks and comm "
                                "routes by",

@@ -3,7 +3,8 @@
 
 set(paratrain_unit_suites
     AdaptImages Allocator Args Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList
-    Devices DistributedSampler Files FindProgram FlagWords GradScaler Image ImageList Join Loader
+    Devices DistributedSampler Files FindProgram FlagWords FusedOptimizer GradScaler Image ImageList
+    Join Loader
     MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery RendezvousPolicy RendezvousRounds Routes
     Safetensors SocketStore TokenDataset
@@ -81,7 +82,7 @@ set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollecti
 # one each (their gloo cases run in both, the mpi engine's own tests too).
 set(paratrain_both_legs_suites
     Addresses Allocator Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm
-    CpuKernels
+    CpuKernels FusedOptimizer
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven
     MixedPrecision Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer
@@ -114,7 +115,7 @@ set(paratrain_isa_cap_environment
 # slower on libtorch 1.13's own kernels under the cap (62 s and 72 s): MixedPrecision.* and
 # CpuKernels.* check that path.
 set(paratrain_cpu_kernel_tests
-    MixedPrecision.* Autocast.* GradScaler.* CpuKernels.* DataParallel.ResNetReplicas
+    MixedPrecision.* Autocast.* GradScaler.* CpuKernels.* FusedOptimizer.* DataParallel.ResNetReplicas
     ConvertSyncBatchNorm.ResNetKeepsItsTensorsAndNames Zoo.TorchvisionWeightsGiveTheSameLogits
     Train.ModelParallelResNet50Example Gpt.MatchesAPyTorchReference
     Pipeline.GradientsEqualUnsplitModel Trainer.EveryInProcessStrategyMatchesOneProcess

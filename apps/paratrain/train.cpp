@@ -406,9 +406,10 @@ void print_setup(std::ostream& info,
            : s.piped             ? " (whole, micro-batched), "
            : m.is_mesh()         ? " per data-parallel rank, "
                                  : " per rank, ")
-       << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind() << " lr "
-       << s.lr << ", momentum " << s.momentum << ", weight decay " << s.weight_decay << ", seed "
-       << s.seed << ", " << at::get_num_threads() << " threads per rank"
+       << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind()
+       << (o.optimizer().fused() ? " (fused, " + optim::fused_isa() + ")" : "") << " lr " << s.lr
+       << ", momentum " << s.momentum << ", weight decay " << s.weight_decay << ", seed " << s.seed
+       << ", " << at::get_num_threads() << " threads per rank"
        << describe_amp(trainer.mixed_precision()) << std::endl;
 }
 

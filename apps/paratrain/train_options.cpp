@@ -93,6 +93,9 @@ std::vector<OptionSpec> loop_option_specs() {
       {"amp", "LEVEL", "mixed precision O0 (default), O1, O2 or O3"},
       {"amp-dtype", "TYPE", "with --amp: bf16 (default) or fp16"},
       {"optimizer", "NAME", "sgd (default), adam or adamw"},
+      {"fused-optimizer", "",
+       "the optimizer's step in one vectorized pass per CPU parameter, as PyTorch's "
+       "Adam(fused=True)"},
       {"lr", "L", "learning rate (default 0.05)"},
       {"momentum", "M", "SGD momentum (default 0.9)"},
       {"weight-decay", "W", "weight decay (default 0)"},
@@ -492,7 +495,8 @@ OptimizerOptions optimizer_options(const Args& args) {
                                    .kind(args.get("optimizer", "sgd"))
                                    .lr(args.get_double("lr", 0.05))
                                    .momentum(args.get_double("momentum", 0.9))
-                                   .weight_decay(args.get_double("weight-decay", 0.0));
+                                   .weight_decay(args.get_double("weight-decay", 0.0))
+                                   .fused(args.has("fused-optimizer"));
   const std::string& kind = opt.kind();
   if (kind != "sgd" && kind != "adam" && kind != "adamw") {
     throw UsageError("unknown --optimizer '" + kind + "': choose sgd, adam or adamw");

@@ -37,6 +37,7 @@
 #include "paratrain/models/gpt_parallel.h"    // models::gpt_parallelize_plan (tensor parallel)
 #include "paratrain/models/gpt_pretrained.h"  // Hugging Face GPT-2 directories
 #include "paratrain/models/registry.h"        // models::make
+#include "paratrain/optim/fused.h"            // optim::FusedAdam, FusedAdamW, FusedSGD
 #include "paratrain/parallel/activation_checkpoint.h"  // checkpoint, apply_activation_checkpointing
 #include "paratrain/parallel/comm_hooks.h"             // CommHook, fp16/bf16 compression
 #include "paratrain/parallel/data_parallel.h"          // DataParallel

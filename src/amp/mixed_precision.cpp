@@ -3,6 +3,7 @@
 #include "util/batchnorm.h"
 
 #include <torch/torch.h>
+#include "paratrain/optim/fused.h"
 #include "paratrain/util/cpu_kernels.h"
 
 #include <cctype>
@@ -189,6 +190,17 @@ void MixedPrecision::unscale_(torch::optim::Optimizer& optimizer) {
 bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
   const bool o2 = options_.opt_level() == OptLevel::kO2;
   move_grads_to_masters();  // a no-op after unscale_()
+  // A fused optimizer writes the model's half parameters in its own pass over the masters.
+  auto* fused = o2 ? dynamic_cast<optim::FusedOptimizer*>(&optimizer) : nullptr;
+  if (fused != nullptr) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const torch::Tensor& m = masters_[i];
+      if (!m.is_same(params_[i]) && !fused->writes_copy(m) && m.device().is_cpu() &&
+          params_[i].device().is_cpu() && m.is_contiguous() && params_[i].is_contiguous()) {
+        fused->write_copy(m, params_[i]);
+      }
+    }
+  }
   bool stepped = true;
   if (scaler_.is_enabled()) {
     stepped = scaler_.step(optimizer);
@@ -199,7 +211,8 @@ bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
   if (o2 && stepped) {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!masters_[i].is_same(params_[i])) {
+      if (!masters_[i].is_same(params_[i]) &&
+          (fused == nullptr || !fused->writes_copy(masters_[i]))) {
         params_[i].copy_(masters_[i]);
       }
     }

@@ -1,5 +1,6 @@
 #include "paratrain/io/checkpoint.h"
 
+#include "optim/param_state.h"
 #include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
 #include "paratrain/util/atomic_file.h"
@@ -30,7 +31,6 @@
 #include <set>
 #include <sstream>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace paratrain {
@@ -650,18 +650,7 @@ TensorMap with_prefix(const TensorMap& tensors, const std::string& prefix, bool 
 
 namespace {
 
-// libtorch keys an optimizer's per-parameter state by the parameter's TensorImpl address: as
-// text in 1.x (c10::guts::to_string, an ostream of the pointer), as the pointer in 2.x.
-template <typename Map>
-typename Map::key_type state_key(const Map&, const torch::Tensor& p) {
-  if constexpr (std::is_same<typename Map::key_type, std::string>::value) {
-    std::ostringstream text;
-    text << p.unsafeGetTensorImpl();
-    return text.str();
-  } else {
-    return p.unsafeGetTensorImpl();
-  }
-}
+using optim::detail::state_key;
 
 template <typename Fn>
 void for_each_param(torch::optim::Optimizer& optimizer, Fn fn) {

@@ -8,6 +8,7 @@
 #include "paratrain/base/option_error.h"
 #include "paratrain/data/device_prefetcher.h"
 #include "paratrain/data/sampler.h"
+#include "paratrain/optim/fused.h"
 #include "paratrain/util/cpu_kernels.h"
 
 #include <torch/optim/adam.h>
@@ -36,22 +37,31 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tenso
               ", momentum ", o.momentum(), ", weight_decay ", o.weight_decay(), ", eps ", o.eps(),
               ")");
   if (o.kind() == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
-        params,
-        torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
+    const auto sgd =
+        torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay());
+    if (o.fused()) {
+      return std::make_unique<optim::FusedSGD>(params, sgd);
+    }
+    return std::make_unique<torch::optim::SGD>(params, sgd);
   }
   TORCH_CHECK(o.beta1() >= 0 && o.beta1() < 1 && o.beta2() >= 0 && o.beta2() < 1,
               "optimizer: betas must be in [0, 1), got (", o.beta1(), ", ", o.beta2(), ")");
   const auto betas = std::make_tuple(o.beta1(), o.beta2());
   if (o.kind() == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params,
-        torch::optim::AdamOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay()));
+    const auto adam =
+        torch::optim::AdamOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay());
+    if (o.fused()) {
+      return std::make_unique<optim::FusedAdam>(params, adam);
+    }
+    return std::make_unique<torch::optim::Adam>(params, adam);
   }
   TORCH_CHECK(o.kind() == "adamw", "unknown optimizer '", o.kind(), "': choose sgd, adam or adamw");
-  return std::make_unique<torch::optim::AdamW>(
-      params,
-      torch::optim::AdamWOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay()));
+  const auto adamw =
+      torch::optim::AdamWOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay());
+  if (o.fused()) {
+    return std::make_unique<optim::FusedAdamW>(params, adamw);
+  }
+  return std::make_unique<torch::optim::AdamW>(params, adamw);
 }
 
 double clip_grad_norm_(const std::vector<torch::Tensor>& parameters, double max_norm) {

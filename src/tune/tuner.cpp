@@ -81,6 +81,8 @@ class Tuner {
   bool start(int64_t number, bool resume);
   void poll_once();
   void handle_row(Running& r, const std::string& line);
+  // A metric row of a running trial: recorded, judged, acted on.
+  void handle_result(Running& r, const nlohmann::json& row);
   Decision judge(const TrialRecord& t, int64_t iteration, double loss, bool observed = false);
   void stage_exploit(const TrialRecord& t);
   void drop_exploit(int64_t number);
@@ -481,6 +483,10 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }
+  handle_result(r, row);
+}
+
+void Tuner::handle_result(Running& r, const nlohmann::json& row) {
   const auto metric = row.find(o_.metric());
   const auto resumed = row.find("resumed");
   if (metric == row.end() && resumed != row.end() && resumed->is_boolean() &&

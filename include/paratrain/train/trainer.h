@@ -64,9 +64,13 @@ struct OptimizerOptions {
   TORCH_ARG(double, beta2) = 0.999;
   /// adam, adamw: added to the denominator.
   TORCH_ARG(double, eps) = 1e-8;
+  /// The step in one vectorized pass per CPU parameter (optim::FusedAdam, FusedAdamW, FusedSGD),
+  /// as torch.optim.Adam(fused=True); libtorch's step for parameters the pass does not take.
+  TORCH_ARG(bool, fused) = false;
 };
 
-/// libtorch's optimizer for the options; c10::Error for an unknown kind or a bad value.
+/// libtorch's optimizer for the options (its fused subclass with `fused`); c10::Error for an
+/// unknown kind or a bad value.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tensor> parameters,
                                                         const OptimizerOptions& options);
 

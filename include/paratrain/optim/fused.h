@@ -1,0 +1,89 @@
+#pragma once
+
+// paratrain::optim::FusedAdam, FusedAdamW and FusedSGD: libtorch's Adam, AdamW and SGD whose step
+// updates each CPU parameter in one vectorized, threaded pass, as torch.optim.Adam(fused=True)
+// (PyTorch 2.4 and later) and DeepSpeed's DeepSpeedCPUAdam do. libtorch's step makes about eight
+// passes over memory per parameter (mul_, add_, addcmul_, sqrt, div, add_, addcdiv_); the fused
+// one reads the parameter, its gradient and the moments once and writes them once.
+//
+//   paratrain::optim::FusedAdam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
+//   loss.backward();
+//   opt.step();
+//
+// They are torch::optim::Adam, AdamW and SGD, with the same options, parameter groups and state
+// objects (AdamParamState, ...), so checkpoints, ZeroRedundancyOptimizer and FSDP take them as
+// they take libtorch's, and state saved by either loads into the other.
+// - The pass runs when every parameter with a gradient is a contiguous fp32 CPU tensor with a
+//   contiguous fp32 gradient, as FSDP's flat shards are. Otherwise (a GPU parameter, a strided
+//   view) the step is libtorch's, and last_step_fused() says so.
+// - The arithmetic is libtorch's, operation by operation, with the scalars (bias corrections,
+//   step size) in double and rounded once; the pass fuses a + s * b into one rounding (fma)
+//   where ATen's kernels compute it, so results stay within about 1e-7 relative of libtorch's
+//   per step. The AVX512, AVX2 and scalar builds give the same bits; ATEN_CPU_CAPABILITY caps
+//   which one runs, as it caps ATen's kernels.
+// - Mixed precision: write_copy(master, model_param) makes each step also write the fp32 master
+//   rounded to bf16 or fp16 into the model's parameter, in the same pass (MixedPrecision at O2
+//   asks for it).
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/types.h>
+
+#include <string>
+#include <unordered_map>
+
+namespace paratrain {
+namespace optim {
+
+/// The build of the kernels this process runs: "avx512", "avx2" or "scalar".
+std::string fused_isa();
+
+/// What FusedAdam, FusedAdamW and FusedSGD share.
+class FusedOptimizer {
+ public:
+  virtual ~FusedOptimizer() = default;
+  /// From the next step on, each step also writes `param` rounded to `copy`'s dtype (bf16 or
+  /// fp16, to nearest even, as Tensor::copy_ rounds) into `copy`: fp32 master weights for a
+  /// low-precision model. `param`: one of this optimizer's contiguous fp32 CPU parameters;
+  /// `copy`: a contiguous CPU tensor of its shape. c10::Error otherwise.
+  void write_copy(const torch::Tensor& param, torch::Tensor copy);
+  /// Whether write_copy was called for `param`.
+  bool writes_copy(const torch::Tensor& param) const;
+  /// Whether the last step ran the fused pass (false: libtorch's step, or no step yet).
+  bool last_step_fused() const { return last_fused_; }
+
+ protected:
+  /// The copy to write with `param`, undefined when none.
+  torch::Tensor copy_of(const torch::Tensor& param) const;
+  /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
+  void copy_after_fallback();
+  bool last_fused_ = false;
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, std::pair<torch::Tensor, torch::Tensor>> copies_;
+};
+
+/// torch::optim::Adam with the fused step.
+class FusedAdam : public torch::optim::Adam, public FusedOptimizer {
+ public:
+  using torch::optim::Adam::Adam;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::AdamW with the fused step (the decoupled decay in the same pass).
+class FusedAdamW : public torch::optim::AdamW, public FusedOptimizer {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// torch::optim::SGD with the fused step (momentum, dampening, Nesterov and weight decay).
+class FusedSGD : public torch::optim::SGD, public FusedOptimizer {
+ public:
+  using torch::optim::SGD::SGD;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+}  // namespace optim
+}  // namespace paratrain

@@ -1,0 +1,274 @@
+#include "paratrain/optim/fused.h"
+
+#include "optim/fused_kernels.h"
+#include "optim/param_state.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/utils.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+namespace paratrain {
+namespace optim {
+namespace {
+
+using detail::CopyKind;
+
+// Elements per task of at::parallel_for: 128 KiB of each array, so that two threads share a
+// 100M-parameter tensor finely and a small one stays on the caller's thread.
+constexpr int64_t kGrain = 1 << 15;
+
+bool fusable(const torch::Tensor& t, const torch::Tensor& p) {
+  return t.defined() && !t.is_sparse() && t.device().is_cpu() && t.scalar_type() == torch::kFloat &&
+         t.is_contiguous() && t.numel() == p.numel();
+}
+
+// Whether every parameter with a gradient, and the state it has, suits the pass. `state_fusable`
+// checks a parameter's existing state object.
+template <typename Map, typename StateCheck>
+bool all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                 Map& state,
+                 StateCheck state_fusable) {
+  for (auto& group : groups) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      if (!fusable(p, p) || !fusable(p.grad(), p)) {
+        return false;
+      }
+      const auto it = state.find(detail::state_key(state, p));
+      if (it != state.end() && !state_fusable(*it->second, p)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+template <typename AdamState>
+bool adam_state_fusable(const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
+  const auto& st = static_cast<const AdamState&>(s);
+  return fusable(st.exp_avg(), p) && fusable(st.exp_avg_sq(), p) &&
+         (!st.max_exp_avg_sq().defined() || fusable(st.max_exp_avg_sq(), p));
+}
+
+CopyKind copy_kind(const torch::Tensor& copy) {
+  if (!copy.defined()) {
+    return CopyKind::kNone;
+  }
+  return copy.scalar_type() == torch::kBFloat16 ? CopyKind::kBFloat16 : CopyKind::kHalf;
+}
+
+uint16_t* copy_bits(const torch::Tensor& copy) {
+  return copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr;
+}
+
+// The state libtorch's step would make on a parameter's first step (zeros in its layout), or the
+// one it has; amsgrad's maximum is added when a state loaded without it meets amsgrad.
+template <typename AdamState, typename Map>
+AdamState& adam_state(Map& state, const torch::Tensor& p, bool amsgrad) {
+  auto key = detail::state_key(state, p);
+  auto it = state.find(key);
+  if (it == state.end()) {
+    auto st = std::make_unique<AdamState>();
+    st->step(0);
+    st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    state[key] = std::move(st);
+    it = state.find(key);
+  }
+  auto& st = static_cast<AdamState&>(*it->second);
+  if (amsgrad && !st.max_exp_avg_sq().defined()) {
+    st.max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+  }
+  return st;
+}
+
+// One Adam or AdamW pass over every parameter with a gradient.
+template <typename Options, typename AdamState, typename Map>
+void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
+               Map& state,
+               bool decoupled,
+               const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+  const detail::Kernels& k = detail::kernels();
+  for (auto& group : groups) {
+    const auto& o = static_cast<const Options&>(group.options());
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      AdamState& st = adam_state<AdamState>(state, p, o.amsgrad());
+      st.step(st.step() + 1);
+      // In double from the int64 step, as libtorch's Adam computes them; each rounded once.
+      const double bias_correction1 = 1 - std::pow(beta1, st.step());
+      const double bias_correction2 = 1 - std::pow(beta2, st.step());
+      detail::AdamArgs a;
+      a.param = p.data_ptr<float>();
+      a.grad = p.grad().data_ptr<float>();
+      a.exp_avg = st.exp_avg().template data_ptr<float>();
+      a.exp_avg_sq = st.exp_avg_sq().template data_ptr<float>();
+      a.max_exp_avg_sq = o.amsgrad() ? st.max_exp_avg_sq().template data_ptr<float>() : nullptr;
+      const torch::Tensor copy = copy_of(p);
+      a.copy = copy_bits(copy);
+      a.copy_kind = copy_kind(copy);
+      a.beta1 = static_cast<float>(beta1);
+      a.one_minus_beta1 = static_cast<float>(1 - beta1);
+      a.beta2 = static_cast<float>(beta2);
+      a.one_minus_beta2 = static_cast<float>(1 - beta2);
+      a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+      a.eps = static_cast<float>(o.eps());
+      a.neg_step_size = static_cast<float>(-(o.lr() / bias_correction1));
+      a.decoupled = decoupled && o.weight_decay() != 0;
+      a.decay = a.decoupled ? static_cast<float>(1 - o.lr() * o.weight_decay()) : 1.0f;
+      a.weight_decay = decoupled ? 0.0f : static_cast<float>(o.weight_decay());
+      at::parallel_for(0, p.numel(), kGrain,
+                       [&](int64_t begin, int64_t end) { k.adam(a, begin, end); });
+    }
+  }
+}
+
+// The closure's loss, computed with gradients on, as libtorch's steps do.
+torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) {
+    return {};
+  }
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+}  // namespace
+
+std::string fused_isa() {
+  return detail::kernels().isa;
+}
+
+void FusedOptimizer::write_copy(const torch::Tensor& param, torch::Tensor copy) {
+  TORCH_CHECK(param.defined() && param.device().is_cpu() && param.scalar_type() == torch::kFloat &&
+                  param.is_contiguous(),
+              "fused optimizer: write_copy takes a contiguous fp32 CPU parameter (got ",
+              param.defined() ? param.toString() : "an undefined tensor", ")");
+  TORCH_CHECK(copy.defined() && copy.device().is_cpu() && copy.is_contiguous() &&
+                  (copy.scalar_type() == torch::kBFloat16 || copy.scalar_type() == torch::kHalf) &&
+                  copy.sizes() == param.sizes(),
+              "fused optimizer: a copy must be a contiguous bf16 or fp16 CPU tensor of its "
+              "parameter's shape ",
+              param.sizes(), " (got ", copy.defined() ? copy.toString() : "undefined", " ",
+              copy.defined() ? copy.sizes() : c10::IntArrayRef{}, ")");
+  // A parameter of another optimizer would never be stepped here, and its copy never written.
+  const auto* self = dynamic_cast<const torch::optim::Optimizer*>(this);
+  bool owned = false;
+  for (size_t g = 0; self != nullptr && g < self->param_groups().size(); ++g) {
+    for (const auto& p : self->param_groups()[g].params()) {
+      owned = owned || p.is_same(param);
+    }
+  }
+  TORCH_CHECK(owned, "fused optimizer: write_copy names a parameter ", param.sizes(),
+              " this optimizer does not step");
+  copies_[param.unsafeGetTensorImpl()] = {param, std::move(copy)};
+}
+
+bool FusedOptimizer::writes_copy(const torch::Tensor& param) const {
+  return copies_.count(param.unsafeGetTensorImpl()) > 0;
+}
+
+torch::Tensor FusedOptimizer::copy_of(const torch::Tensor& param) const {
+  const auto it = copies_.find(param.unsafeGetTensorImpl());
+  return it == copies_.end() ? torch::Tensor() : it->second.second;
+}
+
+void FusedOptimizer::copy_after_fallback() {
+  torch::NoGradGuard no_grad;
+  for (auto& kv : copies_) {
+    kv.second.second.copy_(kv.second.first);
+  }
+}
+
+torch::Tensor FusedAdam::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  last_fused_ =
+      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>);
+  if (!last_fused_) {
+    torch::optim::Adam::step(nullptr);
+    copy_after_fallback();
+    return loss;
+  }
+  adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      param_groups_, state_, false, [this](const torch::Tensor& p) { return copy_of(p); });
+  return loss;
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  last_fused_ =
+      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>);
+  if (!last_fused_) {
+    torch::optim::AdamW::step(nullptr);
+    copy_after_fallback();
+    return loss;
+  }
+  adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      param_groups_, state_, true, [this](const torch::Tensor& p) { return copy_of(p); });
+  return loss;
+}
+
+torch::Tensor FusedSGD::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  last_fused_ =
+      all_fusable(param_groups_, state_,
+                  [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
+                    const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
+                    return !st.momentum_buffer().defined() || fusable(st.momentum_buffer(), p);
+                  });
+  if (!last_fused_) {
+    torch::optim::SGD::step(nullptr);
+    copy_after_fallback();
+    return loss;
+  }
+  const detail::Kernels& k = detail::kernels();
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      detail::SgdArgs a;
+      a.param = p.data_ptr<float>();
+      a.grad = p.grad().data_ptr<float>();
+      if (o.momentum() != 0) {
+        const auto key = detail::state_key(state_, p);
+        auto it = state_.find(key);
+        if (it == state_.end()) {
+          auto st = std::make_unique<torch::optim::SGDParamState>();
+          st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
+          state_[key] = std::move(st);
+          it = state_.find(key);
+          a.first = true;  // the buffer takes the gradient as it is
+        }
+        auto& st = static_cast<torch::optim::SGDParamState&>(*it->second);
+        a.momentum_buffer = st.momentum_buffer().data_ptr<float>();
+      }
+      const torch::Tensor copy = copy_of(p);
+      a.copy = copy_bits(copy);
+      a.copy_kind = copy_kind(copy);
+      a.nesterov = o.nesterov();
+      a.momentum = static_cast<float>(o.momentum());
+      a.one_minus_dampening = static_cast<float>(1 - o.dampening());
+      a.weight_decay = static_cast<float>(o.weight_decay());
+      a.neg_lr = static_cast<float>(-o.lr());
+      at::parallel_for(0, p.numel(), kGrain,
+                       [&](int64_t begin, int64_t end) { k.sgd(a, begin, end); });
+    }
+  }
+  return loss;
+}
+
+}  // namespace optim
+}  // namespace paratrain
