@@ -8,7 +8,10 @@
 #include <torch/utils.h>
 
 #include <cmath>
+#include <iostream>
 #include <memory>
+#include <sstream>
+#include <string>
 #include <vector>
 
 namespace paratrain {
@@ -26,27 +29,42 @@ bool fusable(const torch::Tensor& t, const torch::Tensor& p) {
          t.is_contiguous() && t.numel() == p.numel();
 }
 
-// Whether every parameter with a gradient, and the state it has, suits the pass. `state_fusable`
-// checks a parameter's existing state object.
+// Why the pass cannot take `p` (with `what` its gradient or a state tensor); "" when it can.
+std::string unfusable(const torch::Tensor& t, const torch::Tensor& p, const char* what) {
+  if (fusable(t, p)) {
+    return "";
+  }
+  std::ostringstream why;
+  why << "a parameter of shape " << p.sizes() << " has " << what << " "
+      << (t.defined() ? t.toString() : std::string("undefined"))
+      << (t.defined() && !t.is_contiguous() ? ", not contiguous" : "")
+      << " (the pass takes contiguous fp32 CPU tensors)";
+  return why.str();
+}
+
+// Why some parameter with a gradient, or the state it has, does not suit the pass; "" when all
+// do. `state_fusable` checks a parameter's existing state object.
 template <typename Map, typename StateCheck>
-bool all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
-                 Map& state,
-                 StateCheck state_fusable) {
+std::string all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        Map& state,
+                        StateCheck state_fusable) {
   for (auto& group : groups) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
         continue;
       }
-      if (!fusable(p, p) || !fusable(p.grad(), p)) {
-        return false;
-      }
+      std::string why = unfusable(p, p, "the values");
+      why = why.empty() ? unfusable(p.grad(), p, "a gradient") : why;
       const auto it = state.find(detail::state_key(state, p));
-      if (it != state.end() && !state_fusable(*it->second, p)) {
-        return false;
+      if (why.empty() && it != state.end() && !state_fusable(*it->second, p)) {
+        why = unfusable(p, p, "optimizer state that is not a contiguous fp32 tensor like it: ");
+      }
+      if (!why.empty()) {
+        return why;
       }
     }
   }
-  return true;
+  return "";
 }
 
 template <typename AdamState>
@@ -181,6 +199,18 @@ torch::Tensor FusedOptimizer::copy_of(const torch::Tensor& param) const {
   return it == copies_.end() ? torch::Tensor() : it->second.second;
 }
 
+bool FusedOptimizer::fallback_unless_empty(const std::string& why) {
+  if (!why.empty() && !warned_) {
+    // Said once per optimizer: PyTorch's fused=True refuses such parameters; here the step is
+    // libtorch's, which is correct but not one pass.
+    std::cerr << "paratrain: warning: fused optimizer: " << why
+              << "; its steps are libtorch's (several passes) until every parameter suits the pass"
+              << std::endl;
+    warned_ = true;
+  }
+  return why.empty();
+}
+
 void FusedOptimizer::copy_after_fallback() {
   torch::NoGradGuard no_grad;
   for (auto& kv : copies_) {
@@ -191,8 +221,8 @@ void FusedOptimizer::copy_after_fallback() {
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
-  last_fused_ =
-      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>);
+  last_fused_ = fallback_unless_empty(
+      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>));
   if (!last_fused_) {
     torch::optim::Adam::step(nullptr);
     copy_after_fallback();
@@ -206,8 +236,8 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
-  last_fused_ =
-      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>);
+  last_fused_ = fallback_unless_empty(
+      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>));
   if (!last_fused_) {
     torch::optim::AdamW::step(nullptr);
     copy_after_fallback();
@@ -221,12 +251,12 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 torch::Tensor FusedSGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
-  last_fused_ =
+  last_fused_ = fallback_unless_empty(
       all_fusable(param_groups_, state_,
                   [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
                     const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
                     return !st.momentum_buffer().defined() || fusable(st.momentum_buffer(), p);
-                  });
+                  }));
   if (!last_fused_) {
     torch::optim::SGD::step(nullptr);
     copy_after_fallback();

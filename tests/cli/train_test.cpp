@@ -440,6 +440,46 @@ TEST(Train, GptOnAMeshTrainsAsFsdp) {
   remove_tree(dir);
 }
 
+// The fused optimizer under the sharding strategies: ZeRO's local optimizer and FSDP's flat
+// shards are contiguous fp32 CPU tensors, so the pass runs there, and training goes as DDP's
+// with libtorch's AdamW.
+TEST(Train, FusedOptimizerUnderZeroAndFsdp) {
+  const std::string text = "/usr/share/common-licenses/GPL-3";
+  if (::access(text.c_str(), R_OK) != 0) {
+    GTEST_SKIP() << text << " is missing (Debian's base-files package installs it)";
+  }
+  const std::string dir = make_temp_dir("gpt-fused");
+  ASSERT_EQ(run_cli({cli_path(), "data", "tokenize", "--bytes", text, "--out", dir}).exit_code, 0);
+  std::vector<std::string> base{
+      cli_path(),     "train", "--model",        "gpt",    "--layers",   "2",
+      "--width",      "64",    "--heads",        "4",      "--vocab",    "256",
+      "--context",    "64",    "--dataset",      "tokens", "--data-dir", dir,
+      "--optimizer",  "adamw", "--weight-decay", "0.1",    "--lr",       "3e-3",
+      "--batch-size", "16",    "--steps",        "8",      "--json"};
+  std::vector<double> losses;
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {"--nproc-per-node", "2", "--strategy", "ddp"},
+           {"--nproc-per-node", "2", "--strategy", "ddp", "--zero", "--fused-optimizer"},
+           {"--nproc-per-node", "2", "--strategy", "fsdp", "--fused-optimizer"}}) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto r = run_process(argv, {kCpuOnly}, 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    losses.push_back(last_number_after(r.output, "\"train_loss\": "));
+    losses.push_back(last_number_after(r.output, "\"test_loss\": "));
+    if (extra.back() == "--fused-optimizer") {
+      EXPECT_NE(r.output.find("adamw (fused, "), std::string::npos) << r.output;
+      // Every step ran the pass: none fell back to libtorch's (which says so).
+      EXPECT_EQ(r.output.find("fused optimizer:"), std::string::npos) << r.output;
+    }
+  }
+  EXPECT_GT(losses[0], 0);
+  for (size_t i = 2; i < losses.size(); ++i) {
+    EXPECT_NEAR(losses[i], losses[i % 2], 1e-5) << i;
+  }
+  remove_tree(dir);
+}
+
 TEST(Train, GptBadInput) {
   const std::string dir = make_temp_dir("gpt-bad");
   {

@@ -15,7 +15,7 @@
 // they take libtorch's, and state saved by either loads into the other.
 // - The pass runs when every parameter with a gradient is a contiguous fp32 CPU tensor with a
 //   contiguous fp32 gradient, as FSDP's flat shards are. Otherwise (a GPU parameter, a strided
-//   view) the step is libtorch's, and last_step_fused() says so.
+//   view) the step is libtorch's, said once on stderr, and last_step_fused() says so.
 // - The arithmetic is libtorch's, operation by operation, with the scalars (bias corrections,
 //   step size) in double and rounded once; the pass fuses a + s * b into one rounding (fma)
 //   where ATen's kernels compute it, so results stay within about 1e-7 relative of libtorch's
@@ -58,7 +58,11 @@ class FusedOptimizer {
   torch::Tensor copy_of(const torch::Tensor& param) const;
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
   void copy_after_fallback();
+  /// Whether `why` (the reason a parameter does not suit the pass) is empty; says it once on
+  /// stderr otherwise.
+  bool fallback_unless_empty(const std::string& why);
   bool last_fused_ = false;
+  bool warned_ = false;
 
  private:
   std::unordered_map<const c10::TensorImpl*, std::pair<torch::Tensor, torch::Tensor>> copies_;
