@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 
-PACKAGES = ["torchvision", "pillow", "numpy", "optuna", "ray", "hpbandster", "ConfigSpace"]
+PACKAGES = [
+    "torchvision", "pillow", "numpy", "optuna", "ray", "hpbandster", "ConfigSpace", "deepspeed"
+]
 
 
 def debian_version(path):

@@ -44,6 +44,11 @@ inline int64_t peak_rss_bytes() {
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
 }
 
+/// This machine's memory, in bytes.
+inline int64_t physical_memory() {
+  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
+}
+
 inline double median(std::vector<double> v) {
   if (v.empty()) {
     return 0;

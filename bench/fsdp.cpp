@@ -113,10 +113,6 @@ int64_t state_estimate(
   return params * 16 / ranks + block * 4 * 4 + root * 4 * 3;
 }
 
-int64_t physical_memory() {
-  return static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE);
-}
-
 struct Wrapped {
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<FullyShardedDataParallel> fsdp;

@@ -36,6 +36,10 @@ const std::vector<Command>& benchmarks() {
        "a GPT on device meshes (tensor, sequence, fully sharded): bytes sent against Megatron's "
        "formula, activations, time",
        run_bench_parallel},
+      {"optim", "",
+       "one Adam step over CPU parameters: paratrain's fused Adam vs libtorch's, PyTorch's fused "
+       "and foreach, DeepSpeedCPUAdam",
+       run_bench_optim},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

@@ -2,11 +2,13 @@
 
 #include "optim/fused_kernels.h"
 #include "optim/param_state.h"
+#include "optim/step_threads.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <memory>
@@ -20,9 +22,30 @@ namespace {
 
 using detail::CopyKind;
 
-// Elements per task of at::parallel_for: 128 KiB of each array, so that two threads share a
-// 100M-parameter tensor finely and a small one stays on the caller's thread.
-constexpr int64_t kGrain = 1 << 15;
+// Elements per chunk of a step: 256 KiB of each array, so that threads share a large tensor
+// finely while a chunk is long enough for its setup not to count.
+constexpr int64_t kChunk = 1 << 16;
+
+struct Chunk {
+  size_t arg;  // which parameter's arguments
+  int64_t begin, end;
+};
+
+// Every parameter's elements in chunks, run over at::get_num_threads() threads as one job.
+template <typename Args, typename Kernel>
+void run_chunks(const std::vector<Args>& args, const std::vector<int64_t>& sizes, Kernel kernel) {
+  std::vector<Chunk> chunks;
+  for (size_t a = 0; a < args.size(); ++a) {
+    for (int64_t b = 0; b < sizes[a]; b += kChunk) {
+      chunks.push_back({a, b, std::min(sizes[a], b + kChunk)});
+    }
+  }
+  detail::StepThreads::instance().run(static_cast<int64_t>(chunks.size()), at::get_num_threads(),
+                                      [&](int64_t i) {
+                                        const Chunk& c = chunks[static_cast<size_t>(i)];
+                                        kernel(args[c.arg], c.begin, c.end);
+                                      });
+}
 
 bool fusable(const torch::Tensor& t, const torch::Tensor& p) {
   return t.defined() && !t.is_sparse() && t.device().is_cpu() && t.scalar_type() == torch::kFloat &&
@@ -112,7 +135,8 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
                Map& state,
                bool decoupled,
                const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
-  const detail::Kernels& k = detail::kernels();
+  std::vector<detail::AdamArgs> args;
+  std::vector<int64_t> sizes;
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
     const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
@@ -144,10 +168,11 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
       a.decoupled = decoupled && o.weight_decay() != 0;
       a.decay = a.decoupled ? static_cast<float>(1 - o.lr() * o.weight_decay()) : 1.0f;
       a.weight_decay = decoupled ? 0.0f : static_cast<float>(o.weight_decay());
-      at::parallel_for(0, p.numel(), kGrain,
-                       [&](int64_t begin, int64_t end) { k.adam(a, begin, end); });
+      args.push_back(a);
+      sizes.push_back(p.numel());
     }
   }
+  run_chunks(args, sizes, detail::kernels().adam);
 }
 
 // The closure's loss, computed with gradients on, as libtorch's steps do.
@@ -262,7 +287,8 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
     copy_after_fallback();
     return loss;
   }
-  const detail::Kernels& k = detail::kernels();
+  std::vector<detail::SgdArgs> args;
+  std::vector<int64_t> sizes;
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
     for (auto& p : group.params()) {
@@ -293,10 +319,11 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
       a.one_minus_dampening = static_cast<float>(1 - o.dampening());
       a.weight_decay = static_cast<float>(o.weight_decay());
       a.neg_lr = static_cast<float>(-o.lr());
-      at::parallel_for(0, p.numel(), kGrain,
-                       [&](int64_t begin, int64_t end) { k.sgd(a, begin, end); });
+      args.push_back(a);
+      sizes.push_back(p.numel());
     }
   }
+  run_chunks(args, sizes, detail::kernels().sgd);
   return loss;
 }
 

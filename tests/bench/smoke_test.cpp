@@ -100,6 +100,7 @@ INSTANTIATE_TEST_SUITE_P(Benchmarks,
                                            "cluster",
                                            "fsdp",
                                            "parallel",
+                                           "optim",
                                            "data"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;  // amp-accuracy: amp_accuracy
