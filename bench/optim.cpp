@@ -29,6 +29,8 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,6 +38,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -68,6 +71,7 @@ const BenchSpec& optim_spec() {
           {"warmup", "N", "untimed steps first (default 1)", "1"},
           {"threads", "N", "intra-op threads of every optimizer (default: this machine's cores)"},
           {"tensor-elements", "N", "elements of the largest tensor (default 64M)"},
+          {"timeout", "SECONDS", "how long one optimizer's process may run (default 1800)"},
           {"no-pytorch", "", "skip PyTorch's and DeepSpeed's rows"},
           {"python", "LIST", anchor_pythons_help("with torch 2.4 or later (and deepspeed)")},
           {"optimizer", "NAME", kInternalOption},
@@ -133,6 +137,7 @@ int run_optim_worker(const Bench& bench) {
     opt = std::make_unique<torch::optim::Adam>(params, options);
   }
   const int warmup = bench.get_int("warmup", 1), steps = bench.get_int("steps", 5);
+  require(steps >= 1 && warmup >= 0, "--steps must be at least 1 and --warmup at least 0");
   std::vector<double> times;
   for (int s = 0; s < warmup + steps; ++s) {
     const auto t0 = Clock::now();
@@ -189,10 +194,42 @@ JsonRow run_one(const Bench& bench,
                              {{"OMP_NUM_THREADS", threads}, {"MKL_NUM_THREADS", threads}}))
                          .inherit_environment(false)
                          .stdout_fd(2));  // the rows go to `out`; what it says, to stderr
-  const int code = exit_code(child.wait());
-  require(code == 0, "bench optim: " + name + " at " + std::to_string(count) +
-                         " parameters failed (exit status " + std::to_string(code) + ")");
-  return read_rows(out).at(0);
+  // A hung child (DeepSpeed waits on its build's lock) is one failed row, not a hung benchmark.
+  const auto deadline = Clock::now() + std::chrono::seconds(bench.get_int("timeout", 1800));
+  int status = 0;
+  while (!child.try_wait(&status)) {
+    if (Clock::now() > deadline) {
+      child.signal(SIGKILL);
+      status = child.wait();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const int code = exit_code(status);
+  const std::vector<JsonRow> rows = code == 0 ? read_rows(out) : std::vector<JsonRow>{};
+  if (rows.empty()) {
+    JsonRow row{{"optimizer", name}, {"params", count}, {"step_seconds", nullptr}};
+    row["error"] =
+        code == 0 ? std::string("it wrote no row") : "exit status " + std::to_string(code);
+    std::cerr << "bench optim: " << name << " at " << count << " parameters failed ("
+              << string_field(row, "error") << "); the other rows go on" << std::endl;
+    return row;
+  }
+  return rows.at(0);
+}
+
+// "2.15.0" as {2, 15, 0}.
+std::vector<int> version_numbers(const std::string& version) {
+  std::vector<int> out;
+  std::stringstream parts(version);
+  for (std::string part; std::getline(parts, part, '.');) {
+    out.push_back(std::atoi(part.c_str()));
+  }
+  return out;
+}
+
+bool version_at_least(const std::string& version, const std::vector<int>& least) {
+  return version_numbers(version) >= least;  // lexicographic, number by number
 }
 
 // The optimizers to run, checked; the anchor Python that runs PyTorch's and DeepSpeed's rows (the
@@ -221,14 +258,16 @@ OptimPlan optim_plan(const Bench& bench) {
   }
   p.anchors = anchor_pythons(bench);
   for (const auto& a : p.anchors) {  // the newest: fused CPU Adam came with PyTorch 2.4
-    if (a.torch.rfind("1.", 0) != 0 && (p.anchor == nullptr || a.torch > p.anchor->torch)) {
+    if (version_at_least(a.torch, {2, 4}) &&
+        (p.anchor == nullptr || version_at_least(a.torch, version_numbers(p.anchor->torch)))) {
       p.anchor = &a;
     }
   }
   if (p.anchor == nullptr && !p.anchors.empty()) {
-    std::cerr << "bench optim: no anchor Python has PyTorch 2.4 or later (fused CPU Adam): no "
-                 "PyTorch rows (bash scripts/venv.sh --bench makes one)"
-              << std::endl;
+    std::cerr
+        << "bench optim: no anchor Python has PyTorch 2.4 or later (CPU Adam(fused=True)): no "
+           "PyTorch rows (bash scripts/venv.sh --bench makes one)"
+        << std::endl;
   }
   p.deepspeed = p.anchor != nullptr && !p.anchor->package("deepspeed").empty();
   if (p.anchor != nullptr && !p.deepspeed) {
@@ -322,8 +361,10 @@ void print_optim_rows(const Bench& bench, const std::vector<JsonRow>& rows) {
     }
     std::cout << std::left << std::setw(22) << string_field(row, "optimizer") << std::right
               << std::setw(12) << static_cast<int64_t>(number_field(row, "params")) << " params  ";
-    if (row.contains("refused")) {
-      std::cout << "refused: " << string_field(row, "refused") << "\n";
+    if (row.contains("refused") || row.contains("error")) {
+      std::cout << (row.contains("refused") ? "refused: " + string_field(row, "refused")
+                                            : "failed: " + string_field(row, "error"))
+                << "\n";
       continue;
     }
     std::cout << std::fixed << std::setprecision(4) << number_field(row, "step_seconds")

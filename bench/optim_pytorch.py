@@ -10,6 +10,7 @@ The parameters are --params elements in tensors of at most --tensor-elements, wi
 the same size; each step is optimizer.step() alone. Writes one JSON row to --out: the median of
 --steps timed steps after --warmup, the versions, and the peak resident memory."""
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -28,7 +29,10 @@ def parse():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    return args
 
 
 def make_params(torch, n, per_tensor):
@@ -59,6 +63,7 @@ def deepspeed_adam(params):
                                    weight_decay=0.0, adamw_mode=False)
         finally:
             sys.stdout.flush()
+            ctypes.CDLL(None).fflush(None)  # its C printf's buffer, before fd 1 goes back
             os.dup2(saved, 1)
             os.close(saved)
         captured.seek(0)

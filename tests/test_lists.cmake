@@ -82,7 +82,7 @@ set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollecti
 # one each (their gloo cases run in both, the mpi engine's own tests too).
 set(paratrain_both_legs_suites
     Addresses Allocator Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm
-    CpuKernels FusedOptimizer
+    CpuKernels FusedOptimizer FusedOptimizerPyTorch
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven
     MixedPrecision Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer

@@ -22,6 +22,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -407,9 +408,11 @@ void print_setup(std::ostream& info,
            : m.is_mesh()         ? " per data-parallel rank, "
                                  : " per rank, ")
        << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind()
-       << (o.optimizer().fused() ? " (fused, " + optim::fused_isa() + ")" : "") << " lr " << s.lr
-       << ", momentum " << s.momentum << ", weight decay " << s.weight_decay << ", seed " << s.seed
-       << ", " << at::get_num_threads() << " threads per rank"
+       << (!o.optimizer().fused()  ? ""
+           : where.device.is_cpu() ? " (fused, " + optim::fused_isa() + ")"
+                                   : " (fused on CPU parameters only: libtorch's step here)")
+       << " lr " << s.lr << ", momentum " << s.momentum << ", weight decay " << s.weight_decay
+       << ", seed " << s.seed << ", " << at::get_num_threads() << " threads per rank"
        << describe_amp(trainer.mixed_precision()) << std::endl;
 }
 
@@ -471,16 +474,25 @@ void print_epoch(const EpochResult& r, bool json, int epochs, int64_t context) {
 // on, as Ray Tune's report() waits for the driver: the trial goes on only when told to, so a trial
 // the scheduler pauses or stops has not trained (and checkpointed) epochs past the row it was
 // judged on. No answer means the tuner stops the job; end of file (no tuner) means go on.
-void wait_for_tuner() {
-  static int fd = -2;
-  if (fd == -2) {
-    const char* path = std::getenv("PARATRAIN_TRIAL_SYNC");
-    fd = path == nullptr || *path == '\0' ? -1 : ::open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    // Opened without blocking (a FIFO's open waits for a writer), read blocking.
-    if (fd >= 0) {
-      ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-    }
+// Opened before training, without blocking (a FIFO's open waits for a writer); read blocking.
+// -1 when there is none.
+int open_tuner_sync() {
+  const char* path = std::getenv("PARATRAIN_TRIAL_SYNC");
+  if (path == nullptr || *path == '\0') {
+    return -1;
   }
+  const int fd = ::open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    std::cerr << "paratrain train: warning: cannot open PARATRAIN_TRIAL_SYNC " << path << " ("
+              << std::strerror(errno) << "): epochs follow each other without the tuner's word"
+              << std::endl;
+    return -1;
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
+void wait_for_tuner(int fd) {
   char byte = 0;
   while (fd >= 0 && ::read(fd, &byte, 1) < 0 && errno == EINTR) {
   }
@@ -495,8 +507,13 @@ void report_epochs(Trainer& trainer,
   const bool json = s.json;
   const int epochs = s.epochs;
   const int64_t context = s.gpt ? s.gpt_options.context() : 0;
+  // Every rank waits with rank 0 (which reads the tuner's word): none starts an epoch the tuner
+  // may stop the job in.
+  const bool synced = json && std::getenv("PARATRAIN_TRIAL_SYNC") != nullptr &&
+                      *std::getenv("PARATRAIN_TRIAL_SYNC") != '\0';
+  const int sync_fd = synced && speak ? open_tuner_sync() : -1;
   trainer.on_epoch_end([&trainer, json, checkpoint_every_epoch, pg, speak, progress, epochs,
-                        context](const EpochResult& r) {
+                        context, synced, sync_fd](const EpochResult& r) {
     if (json && checkpoint_every_epoch) {
       // A reader of these rows (paratrain tune) may stop the job as soon as it sees one: the
       // epoch's checkpoint is on disk on every rank before the row is printed.
@@ -505,15 +522,17 @@ void report_epochs(Trainer& trainer,
         pg->barrier()->wait();
       }
     }
-    if (!speak) {
-      return;
+    if (speak) {
+      if (progress) {
+        std::printf("\n");
+      }
+      print_epoch(r, json, epochs, context);
     }
-    if (progress) {
-      std::printf("\n");
-    }
-    print_epoch(r, json, epochs, context);
-    if (json && r.epoch + 1 < epochs) {
-      wait_for_tuner();
+    if (synced && r.epoch + 1 < epochs) {
+      wait_for_tuner(sync_fd);
+      if (pg) {
+        pg->barrier()->wait();
+      }
     }
   });
 }

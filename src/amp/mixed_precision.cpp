@@ -195,9 +195,12 @@ bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
   if (fused != nullptr) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& m = masters_[i];
-      if (!m.is_same(params_[i]) && !fused->writes_copy(m) && m.device().is_cpu() &&
-          params_[i].device().is_cpu() && m.is_contiguous() && params_[i].is_contiguous()) {
-        fused->write_copy(m, params_[i]);
+      const torch::Tensor& half = params_[i];
+      if (!m.is_same(half) && !fused->writes_copy(m) && fused->steps(m) && m.device().is_cpu() &&
+          m.scalar_type() == at::kFloat && m.is_contiguous() && half.device().is_cpu() &&
+          half.is_contiguous() && half.sizes() == m.sizes() &&
+          (half.scalar_type() == at::kBFloat16 || half.scalar_type() == at::kHalf)) {
+        fused->write_copy(m, half);
       }
     }
   }

@@ -14,6 +14,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace paratrain {
@@ -71,6 +72,7 @@ template <typename Map, typename StateCheck>
 std::string all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
                         Map& state,
                         StateCheck state_fusable) {
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& group : groups) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
@@ -80,7 +82,16 @@ std::string all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
       why = why.empty() ? unfusable(p.grad(), p, "a gradient") : why;
       const auto it = state.find(detail::state_key(state, p));
       if (why.empty() && it != state.end() && !state_fusable(*it->second, p)) {
-        why = unfusable(p, p, "optimizer state that is not a contiguous fp32 tensor like it: ");
+        std::ostringstream text;
+        text << "a parameter of shape " << p.sizes()
+             << " has optimizer state that is not a contiguous fp32 CPU tensor of its size";
+        why = text.str();
+      }
+      if (why.empty() && !seen.insert(p.unsafeGetTensorImpl()).second) {
+        // libtorch steps it twice, one step after the other; the pass would race with itself.
+        std::ostringstream text;
+        text << "a parameter of shape " << p.sizes() << " is listed twice";
+        why = text.str();
       }
       if (!why.empty()) {
         return why;
@@ -129,6 +140,16 @@ AdamState& adam_state(Map& state, const torch::Tensor& p, bool amsgrad) {
   return st;
 }
 
+// What the pass wrote, marked as written in place (as libtorch's in-place ops mark them), so that
+// autograd refuses a graph that saved them before the step.
+void bump_versions(const std::vector<torch::Tensor>& written) {
+  for (const auto& t : written) {
+    if (t.defined()) {
+      t.unsafeGetTensorImpl()->bump_version();
+    }
+  }
+}
+
 // One Adam or AdamW pass over every parameter with a gradient.
 template <typename Options, typename AdamState, typename Map>
 void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -137,6 +158,7 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
                const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
   std::vector<detail::AdamArgs> args;
   std::vector<int64_t> sizes;
+  std::vector<torch::Tensor> written;
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
     const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
@@ -170,9 +192,14 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
       a.weight_decay = decoupled ? 0.0f : static_cast<float>(o.weight_decay());
       args.push_back(a);
       sizes.push_back(p.numel());
+      written.insert(written.end(), {p, st.exp_avg(), st.exp_avg_sq(), copy});
+      if (o.amsgrad()) {
+        written.push_back(st.max_exp_avg_sq());
+      }
     }
   }
   run_chunks(args, sizes, detail::kernels().adam);
+  bump_versions(written);
 }
 
 // The closure's loss, computed with gradients on, as libtorch's steps do.
@@ -203,20 +230,45 @@ void FusedOptimizer::write_copy(const torch::Tensor& param, torch::Tensor copy) 
               param.sizes(), " (got ", copy.defined() ? copy.toString() : "undefined", " ",
               copy.defined() ? copy.sizes() : c10::IntArrayRef{}, ")");
   // A parameter of another optimizer would never be stepped here, and its copy never written.
-  const auto* self = dynamic_cast<const torch::optim::Optimizer*>(this);
-  bool owned = false;
-  for (size_t g = 0; self != nullptr && g < self->param_groups().size(); ++g) {
-    for (const auto& p : self->param_groups()[g].params()) {
-      owned = owned || p.is_same(param);
-    }
-  }
-  TORCH_CHECK(owned, "fused optimizer: write_copy names a parameter ", param.sizes(),
+  TORCH_CHECK(steps(param), "fused optimizer: write_copy names a parameter ", param.sizes(),
               " this optimizer does not step");
   copies_[param.unsafeGetTensorImpl()] = {param, std::move(copy)};
 }
 
 bool FusedOptimizer::writes_copy(const torch::Tensor& param) const {
   return copies_.count(param.unsafeGetTensorImpl()) > 0;
+}
+
+bool FusedOptimizer::steps(const torch::Tensor& param) const {
+  const auto* self = dynamic_cast<const torch::optim::Optimizer*>(this);
+  for (size_t g = 0; self != nullptr && g < self->param_groups().size(); ++g) {
+    for (const auto& p : self->param_groups()[g].params()) {
+      if (p.is_same(param)) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+void FusedOptimizer::drop_stale_copies() {
+  for (auto it = copies_.begin(); it != copies_.end();) {
+    const torch::Tensor& param = it->second.first;
+    const torch::Tensor& copy = it->second.second;
+    const bool fits =
+        fusable(param, param) && copy.defined() && copy.device().is_cpu() && copy.is_contiguous() &&
+        copy.numel() == param.numel() &&
+        (copy.scalar_type() == torch::kBFloat16 || copy.scalar_type() == torch::kHalf);
+    if (fits) {
+      ++it;
+      continue;
+    }
+    std::cerr << "paratrain: warning: fused optimizer: the copy of a parameter of shape "
+              << param.sizes() << " no longer fits it (now "
+              << (copy.defined() ? copy.toString() : std::string("undefined"))
+              << "); the step no longer writes it" << std::endl;
+    it = copies_.erase(it);
+  }
 }
 
 torch::Tensor FusedOptimizer::copy_of(const torch::Tensor& param) const {
@@ -246,6 +298,7 @@ void FusedOptimizer::copy_after_fallback() {
 torch::Tensor FusedAdam::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
+  drop_stale_copies();
   last_fused_ = fallback_unless_empty(
       all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>));
   if (!last_fused_) {
@@ -261,6 +314,7 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
+  drop_stale_copies();
   last_fused_ = fallback_unless_empty(
       all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>));
   if (!last_fused_) {
@@ -276,6 +330,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
 torch::Tensor FusedSGD::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = run_closure(closure);
+  drop_stale_copies();
   last_fused_ = fallback_unless_empty(
       all_fusable(param_groups_, state_,
                   [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
@@ -289,6 +344,7 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   }
   std::vector<detail::SgdArgs> args;
   std::vector<int64_t> sizes;
+  std::vector<torch::Tensor> written;
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
     for (auto& p : group.params()) {
@@ -309,7 +365,12 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
           a.first = true;  // the buffer takes the gradient as it is
         }
         auto& st = static_cast<torch::optim::SGDParamState&>(*it->second);
+        if (!st.momentum_buffer().defined()) {  // a state without one: as libtorch, a first step
+          st.momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
+          a.first = true;
+        }
         a.momentum_buffer = st.momentum_buffer().data_ptr<float>();
+        written.push_back(st.momentum_buffer());
       }
       const torch::Tensor copy = copy_of(p);
       a.copy = copy_bits(copy);
@@ -321,9 +382,11 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
       a.neg_lr = static_cast<float>(-o.lr());
       args.push_back(a);
       sizes.push_back(p.numel());
+      written.insert(written.end(), {p, copy});
     }
   }
   run_chunks(args, sizes, detail::kernels().sgd);
+  bump_versions(written);
   return loss;
 }
 

@@ -11,7 +11,10 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#if defined(__x86_64__)
+// The vector builds need GCC's target pragmas (clang spells them otherwise): elsewhere, the scalar
+// build alone.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PARATRAIN_FUSED_X86 1
 #include <immintrin.h>
 #endif
 
@@ -49,7 +52,7 @@ using V = Scalar;
 #include "fused_kernel_body.inc"
 }  // namespace scalar
 
-#if defined(__x86_64__)
+#if defined(PARATRAIN_FUSED_X86)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -140,17 +143,19 @@ const Kernels kAvx512{"avx512", scalar::adam_range, scalar::sgd_range};  // neve
 #endif
 
 bool cpu_runs(const Kernels& k) {
-#if !defined(__x86_64__)
+#if !defined(PARATRAIN_FUSED_X86)
   return &k == &kScalar;
 #else
   __builtin_cpu_init();
   if (&k == &kAvx512) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+           __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   }
   if (&k == &kAvx2) {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   }
   return true;
 #endif

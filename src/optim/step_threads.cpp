@@ -4,20 +4,11 @@ namespace paratrain {
 namespace optim {
 namespace detail {
 
+// Never destroyed: a thread still stepping at exit (a detached trial function of the tuner, say)
+// must not find it gone; its sleeping workers end with the process.
 StepThreads& StepThreads::instance() {
-  static StepThreads pool;
-  return pool;
-}
-
-StepThreads::~StepThreads() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  for (auto& t : workers_) {
-    t.join();
-  }
+  static StepThreads* pool = new StepThreads;
+  return *pool;
 }
 
 // Chunks from the shared counter until none is left; under mutex_ on entry and exit.
@@ -36,10 +27,7 @@ void StepThreads::work() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && joined_ < wanted_); });
-    if (stop_) {
-      return;
-    }
+    wake_.wait(lock, [&] { return generation_ != seen && joined_ < wanted_; });
     seen = generation_;
     ++joined_;
     ++busy_;

@@ -4,7 +4,9 @@
 // inline OpenMP region, which code built without -fopenmp (as paratrain is) runs serially; and
 // building with -fopenmp would put a second OpenMP runtime beside the one a PyTorch wheel
 // bundles. So a step's chunks go to a small pool of our own: threads that live for the process,
-// sleep between steps, and take chunks from one counter, the caller's thread among them.
+// sleep between steps, and take chunks from one counter, the caller's thread among them. After a
+// fork, the child's pool has no live workers; its steps then run on the calling thread alone
+// (run() waits only for workers that joined the run).
 
 #include <condition_variable>
 #include <cstdint>
@@ -21,7 +23,6 @@ class StepThreads {
  public:
   /// The process's pool.
   static StepThreads& instance();
-  ~StepThreads();
 
   /// Runs fn(0) ... fn(n - 1) on `threads` threads, the caller's included, and returns when all
   /// have run. `fn` must not throw. One run at a time (a second caller waits).
@@ -41,7 +42,6 @@ class StepThreads {
   int joined_ = 0;  // workers that took part so far
   int busy_ = 0;    // workers still taking chunks
   uint64_t generation_ = 0;
-  bool stop_ = false;
 };
 
 }  // namespace detail

@@ -5,7 +5,10 @@
 
 #include "pbt.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -89,7 +92,11 @@ ProcessSpec trial_process_spec(const TunerOptions& o,
   spec.env["PARATRAIN_CHECKPOINT_DIR"] = dir + "/checkpoints";
   spec.env["PARATRAIN_TRIAL_RESUME"] = resume ? "1" : "0";
   if (o.train()) {
-    spec.sync_path = dir + "/.epoch-sync";
+    // One FIFO per start of the trial: another tuner's process of it (a trial taken over) must
+    // never meet this one's, nor remove it.
+    static uint64_t starts = 0;
+    spec.sync_path =
+        dir + "/.epoch-sync." + std::to_string(::getpid()) + "." + std::to_string(++starts);
     spec.env["PARATRAIN_TRIAL_SYNC"] = spec.sync_path;
   }
   spec.env["OMP_NUM_THREADS"] = std::to_string(o.resources().threads());

@@ -10,6 +10,9 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iostream>
+#include <map>
+#include <string>
 
 namespace paratrain {
 namespace tune {
@@ -17,15 +20,29 @@ namespace detail {
 
 namespace {
 
-// A fresh FIFO each start: bytes written for an earlier process of the trial must not let this
-// one run ahead.
-void make_sync_fifo(const std::string& path, Process& p) {
+// A fresh FIFO each start (its path is this start's alone): bytes written for an earlier process
+// of the trial must not let this one run ahead. Where the trial directory takes no FIFO (some
+// network and FUSE file systems), the trial runs without waiting, as before, said once.
+bool make_sync_fifo(const std::string& path, Process& p) {
   ::unlink(path.c_str());
-  TORCH_CHECK(::mkfifo(path.c_str(), 0600) == 0, "tune: cannot make the FIFO ", path, ": ",
-              std::strerror(errno));
-  p.sync_fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
-  TORCH_CHECK(p.sync_fd >= 0, "tune: cannot open the FIFO ", path, ": ", std::strerror(errno));
-  p.sync_path = path;
+  if (::mkfifo(path.c_str(), 0600) == 0) {
+    p.sync_fd = ::open(path.c_str(), O_RDWR | O_NONBLOCK | O_CLOEXEC);
+    if (p.sync_fd >= 0) {
+      p.sync_path = path;
+      return true;
+    }
+    ::unlink(path.c_str());
+  }
+  static bool said = false;
+  if (!said) {
+    std::cerr << "paratrain tune: warning: cannot make the FIFO " << path << " ("
+              << std::strerror(errno)
+              << "): train trials go on after each epoch without waiting for the scheduler's "
+                 "decision, so a paused trial may resume past the epoch it reported"
+              << std::endl;
+    said = true;
+  }
+  return false;
 }
 
 void close_sync_fifo(Process& p) {
@@ -58,8 +75,10 @@ void close_process_fds(Process& p) {
 
 Process start_process(const ProcessSpec& spec) {
   Process p;
-  if (!spec.sync_path.empty()) {
-    make_sync_fifo(spec.sync_path, p);
+  // Not inherited from the tuner's own environment: only a trial with a FIFO waits.
+  std::map<std::string, std::string> env = spec.env;
+  if (spec.sync_path.empty() || !make_sync_fifo(spec.sync_path, p)) {
+    env.erase("PARATRAIN_TRIAL_SYNC");
   }
   p.log_fd = ::open(spec.log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (p.log_fd < 0) {
@@ -73,7 +92,7 @@ Process start_process(const ProcessSpec& spec) {
   try {
     ChildProcess child(ChildOptions(spec.argv)
                            .program(spec.program)
-                           .environment(environment_with(spec.env))
+                           .environment(environment_with(env, {"PARATRAIN_TRIAL_SYNC"}))
                            .inherit_environment(false)
                            .stdin_fd(dev_null)
                            .stderr_fd(p.log_fd)

@@ -473,13 +473,13 @@ void Tuner::handle_row(Running& r, const std::string& line) {
   // A train trial waits after each epoch's row until the decision on it is made: it goes on
   // when this returns (or throws), unless the decision stopped it.
   struct Answer {
-    detail::TrialRun* run;
+    Running* r;
     ~Answer() {
-      if (run != nullptr) {
-        run->answer_epoch();
+      if (r != nullptr && !r->lost) {  // a lost trial is killed, not told to go on
+        r->run.answer_epoch();
       }
     }
-  } answer{row.is_object() && row.contains("epoch") ? &r.run : nullptr};
+  } answer{row.is_object() && row.contains("epoch") ? &r : nullptr};
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }
@@ -530,8 +530,10 @@ void Tuner::handle_result(Running& r, const nlohmann::json& row) {
   const double value = metric->is_null() ? std::nan("") : metric->get<double>();
   if (!storage_->add_result(t.number, iteration, value, row.dump(), worker_id_)) {
     r.lost = true;  // another tuner holds it now: its rows are that tuner's to write
-    out_.say("trial " + std::to_string(t.number) + " was taken over by another tuner",
-             {{"event", "lost"}, {"trial", t.number}});
+    out_.say(
+        "trial " + std::to_string(t.number) + " was taken over by another tuner; stopping it here",
+        {{"event", "lost"}, {"trial", t.number}});
+    r.run.signal_now(SIGKILL);  // as beat() does: two processes must not train one trial
     return;
   }
   t.results.emplace_back(iteration, value);

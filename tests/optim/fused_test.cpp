@@ -221,6 +221,17 @@ TEST(FusedOptimizer, NonContiguousParametersTakeLibtorchsStep) {
   }
   EXPECT_FALSE(fused.last_step_fused());
   EXPECT_TRUE(torch::equal(p, q));
+  // A parameter listed twice: libtorch steps it twice in turn, which the pass cannot do.
+  auto r = torch::randn({5}).requires_grad_();
+  auto s = r.detach().clone().requires_grad_();
+  optim::FusedSGD twice({r, r}, torch::optim::SGDOptions(0.1));
+  torch::optim::SGD stock_twice({s, s}, torch::optim::SGDOptions(0.1));
+  r.mutable_grad() = torch::ones({5});
+  s.mutable_grad() = torch::ones({5});
+  twice.step();
+  stock_twice.step();
+  EXPECT_FALSE(twice.last_step_fused());
+  EXPECT_TRUE(torch::equal(r, s));
 }
 
 // Master weights: each step writes the bf16 or fp16 model parameter in the same pass, rounded
@@ -234,8 +245,11 @@ TEST(FusedOptimizer, MasterWeightsWriteTheirHalfCopies) {
   sgd.write_copy(master, bf);
   EXPECT_TRUE(sgd.writes_copy(master));
   master.mutable_grad() = torch::randn({1001});
+  const auto version = master._version();
   sgd.step();
   EXPECT_TRUE(torch::equal(bf, master.detach().to(torch::kBFloat16)));
+  // Written in place as libtorch's in-place ops write: autograd sees the new version.
+  EXPECT_GT(master._version(), version);
   optim::FusedAdam adam({master}, torch::optim::AdamOptions(1e-2));
   adam.write_copy(master, half);
   adam.step();
@@ -256,6 +270,21 @@ TEST(FusedOptimizer, MixedPrecisionO2WritesTheModelInThePass) {
     amp::MixedPrecision mp(model, torch::kCPU,
                            amp::AmpOptions().opt_level(amp::OptLevel::kO2).dtype(torch::kBFloat16));
     auto params = mp.optimizer_parameters();
+    {
+      // An optimizer over some of the masters: the others are MixedPrecision's to copy, as
+      // with libtorch's optimizers (fine-tuning the head alone, say).
+      std::vector<torch::Tensor> head(params.end() - 2, params.end());
+      optim::FusedAdam partial(head, torch::optim::AdamOptions(1e-2));
+      partial.zero_grad();
+      model->forward(torch::randn({8, 16}).to(torch::kBFloat16))
+          .to(torch::kFloat)
+          .pow(2)
+          .mean()
+          .backward();
+      EXPECT_NO_THROW(mp.step(partial));
+      mp.sync_masters();
+      torch::manual_seed(5);
+    }
     std::unique_ptr<torch::optim::Optimizer> opt;
     if (fused) {
       opt = std::make_unique<optim::FusedAdam>(params, torch::optim::AdamOptions(1e-2));

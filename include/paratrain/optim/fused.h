@@ -48,8 +48,10 @@ class FusedOptimizer {
   /// low-precision model. `param`: one of this optimizer's contiguous fp32 CPU parameters;
   /// `copy`: a contiguous CPU tensor of its shape. c10::Error otherwise.
   void write_copy(const torch::Tensor& param, torch::Tensor copy);
-  /// Whether write_copy was called for `param`.
+  /// Whether write_copy was called for `param` (and its copy still fits it).
   bool writes_copy(const torch::Tensor& param) const;
+  /// Whether `param` is one of this optimizer's parameters.
+  bool steps(const torch::Tensor& param) const;
   /// Whether the last step ran the fused pass (false: libtorch's step, or no step yet).
   bool last_step_fused() const { return last_fused_; }
 
@@ -58,6 +60,9 @@ class FusedOptimizer {
   torch::Tensor copy_of(const torch::Tensor& param) const;
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
   void copy_after_fallback();
+  /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
+  /// device or dtype since write_copy), saying so; their owner copies them itself again.
+  void drop_stale_copies();
   /// Whether `why` (the reason a parameter does not suit the pass) is empty; says it once on
   /// stderr otherwise.
   bool fallback_unless_empty(const std::string& why);
