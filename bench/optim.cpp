@@ -34,6 +34,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -67,7 +69,11 @@ const BenchSpec& optim_spec() {
           {"optimizers", "LIST",
            "of paratrain-fused-adam, torch::optim::Adam, pytorch-fused, pytorch-foreach, "
            "DeepSpeedCPUAdam (default: all)"},
-          {"steps", "N", "timed steps of each optimizer (default 5)", "2"},
+          {"steps", "N", "timed steps in each optimizer's process (default 5)", "2"},
+          {"repeat", "N",
+           "processes of each optimizer, taking turns; a row holds their medians' median "
+           "(default 3)",
+           "1"},
           {"warmup", "N", "untimed steps first (default 1)", "1"},
           {"threads", "N", "intra-op threads of every optimizer (default: this machine's cores)"},
           {"tensor-elements", "N", "elements of the largest tensor (default 64M)"},
@@ -115,6 +121,19 @@ int64_t tensor_elements(const Bench& bench) {
   return n;
 }
 
+// The bytes of this process's memory in transparent huge pages (/proc/self/smaps_rollup's
+// AnonHugePages): whether the kernel granted them changes a memory-bound step by up to 1.6x, so
+// each row says how much it had.
+int64_t huge_page_bytes() {
+  std::ifstream in("/proc/self/smaps_rollup");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("AnonHugePages:", 0) == 0) {
+      return std::atoll(line.c_str() + 14) * 1024;
+    }
+  }
+  return -1;
+}
+
 // The worker: the parameters and their gradients, the optimizer, the timed steps; one row.
 int run_optim_worker(const Bench& bench) {
   const std::string name = bench.get("optimizer");
@@ -154,6 +173,7 @@ int run_optim_worker(const Bench& bench) {
               {"step_seconds_max", *std::max_element(times.begin(), times.end())},
               {"steps", steps},
               {"peak_rss_bytes", peak_rss_bytes()},
+              {"huge_page_bytes", huge_page_bytes()},
               {"anchor_version", name == kFused ? std::string("paratrain-") + optim::fused_isa()
                                                 : std::string("libtorch-") + TORCH_VERSION}};
   append_row(bench.get("out"), row);
@@ -369,26 +389,59 @@ void print_optim_rows(const Bench& bench, const std::vector<JsonRow>& rows) {
     }
     std::cout << std::fixed << std::setprecision(4) << number_field(row, "step_seconds")
               << " s per step  " << std::setprecision(2)
-              << number_field(row, "peak_rss_bytes") / double(1 << 30) << " GiB peak  "
+              << number_field(row, "peak_rss_bytes") / double(1 << 30) << " GiB peak, "
+              << number_field(row, "huge_page_bytes") / double(1 << 30) << " in huge pages  "
               << string_field(row, "anchor_version") << "\n";
   }
   print_targets(bench, rows);
   std::cout.flush();
 }
 
+// One row per optimizer and size from its --repeat processes: the median of their medians, and
+// each process's median in `step_seconds_runs`. The processes of the optimizers take turns, so
+// that what changes over minutes on a shared machine (the memory the host backs a process with)
+// falls on all of them alike.
+std::vector<JsonRow> combine_repeats(const std::vector<std::vector<JsonRow>>& runs) {
+  std::vector<JsonRow> out;
+  for (size_t i = 0; !runs.empty() && i < runs[0].size(); ++i) {
+    JsonRow row = runs[0][i];
+    std::vector<double> seconds;
+    for (const auto& run : runs) {
+      const JsonRow& r = run.at(i);
+      if (r.contains("step_seconds") && r["step_seconds"].is_number()) {
+        seconds.push_back(r["step_seconds"].get<double>());
+      } else if (!row.contains("error") && r.contains("error")) {
+        row["error"] = r["error"];
+      }
+    }
+    row["step_seconds_runs"] = seconds;
+    row["step_seconds"] = seconds.empty() ? JsonRow(nullptr) : JsonRow(median(seconds));
+    if (!seconds.empty()) {
+      row["step_seconds_min"] = *std::min_element(seconds.begin(), seconds.end());
+      row["step_seconds_max"] = *std::max_element(seconds.begin(), seconds.end());
+    }
+    out.push_back(row);
+  }
+  return out;
+}
+
 int run_optim_bench(const Bench& bench) {
   const OptimPlan p = optim_plan(bench);
+  const int repeat = bench.get_int("repeat", 3);
+  require(repeat >= 1, "--repeat must be at least 1");
   const std::string out = results_file("optim");
-  std::vector<JsonRow> rows;
+  std::vector<std::vector<JsonRow>> runs(static_cast<size_t>(repeat));
   for (int64_t count : p.counts) {
-    for (const auto& name : p.optimizers) {
-      for (auto& row : measure(bench, p, name, count, out)) {
-        rows.push_back(std::move(row));
+    for (auto& run : runs) {
+      for (const auto& name : p.optimizers) {
+        for (auto& row : measure(bench, p, name, count, out)) {
+          run.push_back(std::move(row));
+        }
       }
     }
   }
   std::remove(out.c_str());
-  print_optim_rows(bench, rows);
+  print_optim_rows(bench, combine_repeats(runs));
   return 0;
 }
 

@@ -77,6 +77,18 @@ def deepspeed_adam(params):
     return opt, simd
 
 
+def huge_page_bytes():
+    """This process's memory in transparent huge pages, as the benchmark's own rows report it."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
 def main():
     args = parse()
     import torch
@@ -103,6 +115,7 @@ def main():
     row["step_seconds_max"] = times[-1]
     row["steps"] = args.steps
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    row["huge_page_bytes"] = huge_page_bytes()
     with open(args.out, "w") as f:
         f.write(json.dumps(row) + "\n")
 

