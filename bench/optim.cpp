@@ -78,6 +78,9 @@ const BenchSpec& optim_spec() {
           {"threads", "N", "intra-op threads of every optimizer (default: this machine's cores)"},
           {"tensor-elements", "N", "elements of the largest tensor (default 64M)"},
           {"timeout", "SECONDS", "how long one optimizer's process may run (default 1800)"},
+          {"huge-pages", "on|off",
+           "every optimizer's process takes its large blocks in transparent huge pages "
+           "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1), or the machine's default (default on)"},
           {"no-pytorch", "", "skip PyTorch's and DeepSpeed's rows"},
           {"python", "LIST", anchor_pythons_help("with torch 2.4 or later (and deepspeed)")},
           {"optimizer", "NAME", kInternalOption},
@@ -190,6 +193,17 @@ int64_t estimate_bytes(const std::string& name, int64_t count, int64_t per_tenso
   return name == kPytorchForeach ? base + 4 * count : base;
 }
 
+// Whether the optimizers' processes take huge pages (--huge-pages): where the machine leaves them
+// to the program (transparent_hugepage "madvise"), a memory-bound step varied 1.7x between
+// processes in 4 KiB pages, with whatever pages the host backed each with, and not in 2 MiB ones.
+bool huge_pages(const Bench& bench) {
+  const std::string v = bench.get("huge-pages", "on");
+  if (v != "on" && v != "off") {
+    throw UsageError("--huge-pages '" + v + "': give on or off");
+  }
+  return v == "on";
+}
+
 // Runs `argv` with the optimizer's threads; its row, or a row saying why there is none.
 JsonRow run_one(const Bench& bench,
                 const std::vector<std::string>& argv,
@@ -209,9 +223,14 @@ JsonRow run_one(const Bench& bench,
   bench.progress("measuring " + name + " on " + std::to_string(count) + " parameters...");
   std::remove(out.c_str());
   const std::string threads = std::to_string(threads_of(bench));
+  std::map<std::string, std::string> env{{"OMP_NUM_THREADS", threads},
+                                         {"MKL_NUM_THREADS", threads}};
+  if (huge_pages(bench)) {
+    // The same page policy for every system: all of them take their arrays from glibc's malloc.
+    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1";
+  }
   ChildProcess child(ChildOptions(argv)
-                         .environment(environment_with(
-                             {{"OMP_NUM_THREADS", threads}, {"MKL_NUM_THREADS", threads}}))
+                         .environment(environment_with(env))
                          .inherit_environment(false)
                          .stdout_fd(2));  // the rows go to `out`; what it says, to stderr
   // A hung child (DeepSpeed waits on its build's lock) is one failed row, not a hung benchmark.

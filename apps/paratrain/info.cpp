@@ -73,7 +73,8 @@ int run_info(const std::vector<std::string>& argv) {
                             {"cuda_devices", cuda_devices},
                             {"cpu_caches_described", cpu::reports_caches()},
                             {"onednn_in_aten", at::globalContext().userEnabledMkldnn()},
-                            {"malloc_keeps_freed_memory", cpu::keep_freed_memory()}})
+                            {"malloc_keeps_freed_memory", cpu::keep_freed_memory()},
+                            {"fused_optimizer_isa", optim::fused_isa()}})
               << std::endl;
     return 0;
   }
@@ -88,6 +89,8 @@ int run_info(const std::vector<std::string>& argv) {
             << "cpu threads   " << at::get_num_threads() << " intra-op (of "
             << std::thread::hardware_concurrency() << " cores)\n"
             << "blas          " << loaded_blas() << "\n"
+            << "fused optim   " << optim::fused_isa()
+            << " (--fused-optimizer; ATEN_CPU_CAPABILITY caps it)\n"
             << "malloc        "
             << (cpu::keep_freed_memory()
                     ? "glibc keeps freed memory (mmap threshold " +

@@ -66,25 +66,20 @@ TEST(FusedOptimizerPyTorch, AdamMatchesPyTorchsFusedAdam) {
                                          {"adam, L2 0.01", {"--weight-decay", "0.01"}},
                                          {"adamw 0.1", {"--weight-decay", "0.1", "--decoupled"}},
                                          {"adam, amsgrad", {"--amsgrad"}}}) {
-    std::vector<std::string> argv{hf_python(),
-                                  std::string(PARATRAIN_TEST_DATA_DIR) +
-                                      "/../optim/fused_adam_reference.py",
-                                  "--inputs",
-                                  dir + "/inputs.safetensors",
-                                  "--out",
-                                  dir + "/out.safetensors",
-                                  "--steps",
-                                  std::to_string(steps),
-                                  "--lr",
-                                  "1e-3"};
+    std::vector<std::string> argv{
+        hf_python(), std::string(PARATRAIN_TEST_DATA_DIR) + "/../optim/fused_adam_reference.py",
+        "--inputs",  dir + "/inputs.safetensors",
+        "--out",     dir + "/out.safetensors",
+        "--steps",   std::to_string(steps),
+        "--lr",      "1e-3"};
     argv.insert(argv.end(), c.flags.begin(), c.flags.end());
     const auto r = run_process(argv, {}, 120);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto theirs_map = load_safetensors(dir + "/out.safetensors");
     const bool decoupled =
         std::find(c.flags.begin(), c.flags.end(), "--decoupled") != c.flags.end();
-    const double wd = c.flags.size() >= 2 && c.flags[0] == "--weight-decay" ? std::stod(c.flags[1])
-                                                                            : 0.0;
+    const double wd =
+        c.flags.size() >= 2 && c.flags[0] == "--weight-decay" ? std::stod(c.flags[1]) : 0.0;
     const bool amsgrad = std::find(c.flags.begin(), c.flags.end(), "--amsgrad") != c.flags.end();
     std::vector<torch::Tensor> ours, stock, theirs;
     for (size_t i = 0; i < initial.size(); ++i) {
