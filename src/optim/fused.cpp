@@ -225,6 +225,58 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
   bump_versions(written);
 }
 
+// One SGD pass over every parameter with a gradient.
+template <typename Map>
+void sgd_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
+              Map& state,
+              const std::function<torch::Tensor(const torch::Tensor&)>& copy_of) {
+  std::vector<detail::SgdArgs> args;
+  std::vector<int64_t> sizes;
+  std::vector<torch::Tensor> written;
+  for (auto& group : groups) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      detail::SgdArgs a;
+      a.param = p.data_ptr<float>();
+      a.grad = p.grad().data_ptr<float>();
+      if (o.momentum() != 0) {
+        const auto key = detail::state_key(state, p);
+        auto it = state.find(key);
+        if (it == state.end()) {
+          auto st = std::make_unique<torch::optim::SGDParamState>();
+          st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
+          state[key] = std::move(st);
+          it = state.find(key);
+          a.first = true;  // the buffer takes the gradient as it is
+        }
+        auto& st = static_cast<torch::optim::SGDParamState&>(*it->second);
+        if (!st.momentum_buffer().defined()) {  // a state without one: a first step
+          st.momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
+          a.first = true;
+        }
+        a.momentum_buffer = st.momentum_buffer().data_ptr<float>();
+        written.push_back(st.momentum_buffer());
+      }
+      const torch::Tensor copy = copy_of(p);
+      a.copy = copy_bits(copy);
+      a.copy_kind = copy_kind(copy);
+      a.nesterov = o.nesterov();
+      a.momentum = static_cast<float>(o.momentum());
+      a.one_minus_dampening = static_cast<float>(1 - o.dampening());
+      a.weight_decay = static_cast<float>(o.weight_decay());
+      a.neg_lr = static_cast<float>(-o.lr());
+      args.push_back(a);
+      sizes.push_back(p.numel());
+      written.insert(written.end(), {p, copy});
+    }
+  }
+  run_chunks(args, sizes, detail::kernels().sgd);
+  bump_versions(written);
+}
+
 // The closure's loss, computed with gradients on, as libtorch's steps do.
 torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   if (closure == nullptr) {
@@ -299,8 +351,20 @@ torch::Tensor FusedOptimizer::copy_of(const torch::Tensor& param) const {
   return it == copies_.end() ? torch::Tensor() : it->second.second;
 }
 
-bool FusedOptimizer::fallback_unless_empty(const std::string& why) {
-  if (!why.empty() && !warned_) {
+torch::Tensor FusedOptimizer::run_step(const std::function<torch::Tensor()>& closure,
+                                       const std::function<std::string()>& unfit,
+                                       const std::function<void()>& fallback,
+                                       const std::function<void()>& pass) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss = run_closure(closure);
+  drop_stale_copies();
+  const std::string why = unfit();
+  last_fused_ = why.empty();
+  if (last_fused_) {
+    pass();
+    return loss;
+  }
+  if (!warned_) {
     // Said once per optimizer: PyTorch's fused=True refuses such parameters; here the step is
     // libtorch's, which is correct but not one pass.
     std::cerr << "paratrain: warning: fused optimizer: " << why
@@ -308,7 +372,9 @@ bool FusedOptimizer::fallback_unless_empty(const std::string& why) {
               << std::endl;
     warned_ = true;
   }
-  return why.empty();
+  fallback();
+  copy_after_fallback();
+  return loss;
 }
 
 void FusedOptimizer::copy_after_fallback() {
@@ -319,98 +385,47 @@ void FusedOptimizer::copy_after_fallback() {
 }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss = run_closure(closure);
-  drop_stale_copies();
-  last_fused_ = fallback_unless_empty(
-      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>));
-  if (!last_fused_) {
-    torch::optim::Adam::step(nullptr);
-    copy_after_fallback();
-    return loss;
-  }
-  adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-      param_groups_, state_, false, [this](const torch::Tensor& p) { return copy_of(p); });
-  return loss;
+  return run_step(
+      closure,
+      [this] {
+        return all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>);
+      },
+      [this] { torch::optim::Adam::step(nullptr); },
+      [this] {
+        adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+            param_groups_, state_, false, [this](const torch::Tensor& p) { return copy_of(p); });
+      });
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss = run_closure(closure);
-  drop_stale_copies();
-  last_fused_ = fallback_unless_empty(
-      all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>));
-  if (!last_fused_) {
-    torch::optim::AdamW::step(nullptr);
-    copy_after_fallback();
-    return loss;
-  }
-  adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-      param_groups_, state_, true, [this](const torch::Tensor& p) { return copy_of(p); });
-  return loss;
+  return run_step(
+      closure,
+      [this] {
+        return all_fusable(param_groups_, state_,
+                           adam_state_fusable<torch::optim::AdamWParamState>);
+      },
+      [this] { torch::optim::AdamW::step(nullptr); },
+      [this] {
+        adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+            param_groups_, state_, true, [this](const torch::Tensor& p) { return copy_of(p); });
+      });
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  torch::Tensor loss = run_closure(closure);
-  drop_stale_copies();
-  last_fused_ = fallback_unless_empty(
-      all_fusable(param_groups_, state_,
-                  [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
-                    const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
-                    return !st.momentum_buffer().defined() || fusable(st.momentum_buffer(), p);
-                  }));
-  if (!last_fused_) {
-    torch::optim::SGD::step(nullptr);
-    copy_after_fallback();
-    return loss;
-  }
-  std::vector<detail::SgdArgs> args;
-  std::vector<int64_t> sizes;
-  std::vector<torch::Tensor> written;
-  for (auto& group : param_groups_) {
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
-    for (auto& p : group.params()) {
-      if (!p.grad().defined()) {
-        continue;
-      }
-      detail::SgdArgs a;
-      a.param = p.data_ptr<float>();
-      a.grad = p.grad().data_ptr<float>();
-      if (o.momentum() != 0) {
-        const auto key = detail::state_key(state_, p);
-        auto it = state_.find(key);
-        if (it == state_.end()) {
-          auto st = std::make_unique<torch::optim::SGDParamState>();
-          st->momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
-          state_[key] = std::move(st);
-          it = state_.find(key);
-          a.first = true;  // the buffer takes the gradient as it is
-        }
-        auto& st = static_cast<torch::optim::SGDParamState&>(*it->second);
-        if (!st.momentum_buffer().defined()) {  // a state without one: as libtorch, a first step
-          st.momentum_buffer(torch::empty_like(p, at::MemoryFormat::Preserve));
-          a.first = true;
-        }
-        a.momentum_buffer = st.momentum_buffer().data_ptr<float>();
-        written.push_back(st.momentum_buffer());
-      }
-      const torch::Tensor copy = copy_of(p);
-      a.copy = copy_bits(copy);
-      a.copy_kind = copy_kind(copy);
-      a.nesterov = o.nesterov();
-      a.momentum = static_cast<float>(o.momentum());
-      a.one_minus_dampening = static_cast<float>(1 - o.dampening());
-      a.weight_decay = static_cast<float>(o.weight_decay());
-      a.neg_lr = static_cast<float>(-o.lr());
-      args.push_back(a);
-      sizes.push_back(p.numel());
-      written.insert(written.end(), {p, copy});
-    }
-  }
-  run_chunks(args, sizes, detail::kernels().sgd);
-  bump_versions(written);
-  return loss;
+  return run_step(
+      closure,
+      [this] {
+        return all_fusable(param_groups_, state_,
+                           [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
+                             const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
+                             return !st.momentum_buffer().defined() ||
+                                    fusable(st.momentum_buffer(), p);
+                           });
+      },
+      [this] { torch::optim::SGD::step(nullptr); },
+      [this] {
+        sgd_pass(param_groups_, state_, [this](const torch::Tensor& p) { return copy_of(p); });
+      });
 }
 
 }  // namespace optim

@@ -339,19 +339,35 @@ double last_number_after(const std::string& text, const std::string& key) {
   return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
 }
 
+// The GPL's text as byte tokens in a fresh directory (`paratrain data tokenize --bytes`): the
+// directory, or "" with `why` set when the text is missing or tokenizing failed.
+std::string gpl_token_dir(const std::string& name, std::string& why) {
+  const std::string text = "/usr/share/common-licenses/GPL-3";
+  if (::access(text.c_str(), R_OK) != 0) {
+    why = text + " is missing (Debian's base-files package installs it)";
+    return "";
+  }
+  const std::string dir = make_temp_dir(name);
+  const auto made = run_cli({cli_path(), "data", "tokenize", "--bytes", text, "--out", dir});
+  if (made.exit_code != 0) {
+    why = "tokenize failed: " + made.output;
+    return "";
+  }
+  return dir;
+}
+
 TEST(Train, GptOnBytesLearns) {  // ctest: slow 20
   // nanoGPT's shakespeare_char at the byte level, on the GPL's text: a 2-layer GPT of width 64
   // with a context of 64 bytes, 10 epochs of 31 steps of 16 windows. Its validation loss starts
   // at log(256) = 5.55 (uniform over the bytes); English text's bytes alone (their unigram
   // frequencies) give about 2.9, and a model that has learnt anything of the order of letters
   // goes below that within these steps.
-  const std::string text = "/usr/share/common-licenses/GPL-3";
-  if (::access(text.c_str(), R_OK) != 0) {
-    GTEST_SKIP() << text << " is missing (Debian's base-files package installs it)";
+  std::string why;
+  const std::string dir = gpl_token_dir("gpt-bytes", why);
+  if (dir.empty()) {
+    ASSERT_NE(why.find("is missing"), std::string::npos) << why;
+    GTEST_SKIP() << why;
   }
-  const std::string dir = make_temp_dir("gpt-bytes");
-  auto made = run_cli({cli_path(), "data", "tokenize", "--bytes", text, "--out", dir});
-  ASSERT_EQ(made.exit_code, 0) << made.output;
   auto r = run_process({cli_path(),
                         "train",
                         "--model",
@@ -403,12 +419,12 @@ TEST(Train, GptOnBytesLearns) {  // ctest: slow 20
 // sees the batches of 2 data-parallel ranks, as plain FSDP on 2 ranks does: the same losses,
 // within what the split matmuls' rounding gives (measured 5e-7 on the first epoch).
 TEST(Train, GptOnAMeshTrainsAsFsdp) {
-  const std::string text = "/usr/share/common-licenses/GPL-3";
-  if (::access(text.c_str(), R_OK) != 0) {
-    GTEST_SKIP() << text << " is missing (Debian's base-files package installs it)";
+  std::string why;
+  const std::string dir = gpl_token_dir("gpt-mesh", why);
+  if (dir.empty()) {
+    ASSERT_NE(why.find("is missing"), std::string::npos) << why;
+    GTEST_SKIP() << why;
   }
-  const std::string dir = make_temp_dir("gpt-mesh");
-  ASSERT_EQ(run_cli({cli_path(), "data", "tokenize", "--bytes", text, "--out", dir}).exit_code, 0);
   std::vector<std::string> base{cli_path(),   "train", "--model",          "gpt",
                                 "--layers",   "2",     "--width",          "64",
                                 "--heads",    "4",     "--vocab",          "256",
@@ -444,12 +460,12 @@ TEST(Train, GptOnAMeshTrainsAsFsdp) {
 // shards are contiguous fp32 CPU tensors, so the pass runs there, and training goes as DDP's
 // with libtorch's AdamW.
 TEST(Train, FusedOptimizerUnderZeroAndFsdp) {
-  const std::string text = "/usr/share/common-licenses/GPL-3";
-  if (::access(text.c_str(), R_OK) != 0) {
-    GTEST_SKIP() << text << " is missing (Debian's base-files package installs it)";
+  std::string why;
+  const std::string dir = gpl_token_dir("gpt-fused", why);
+  if (dir.empty()) {
+    ASSERT_NE(why.find("is missing"), std::string::npos) << why;
+    GTEST_SKIP() << why;
   }
-  const std::string dir = make_temp_dir("gpt-fused");
-  ASSERT_EQ(run_cli({cli_path(), "data", "tokenize", "--bytes", text, "--out", dir}).exit_code, 0);
   std::vector<std::string> base{
       cli_path(),     "train", "--model",        "gpt",    "--layers",   "2",
       "--width",      "64",    "--heads",        "4",      "--vocab",    "256",

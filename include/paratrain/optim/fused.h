@@ -30,6 +30,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/types.h>
 
+#include <functional>
 #include <string>
 #include <unordered_map>
 
@@ -56,20 +57,25 @@ class FusedOptimizer {
   bool last_step_fused() const { return last_fused_; }
 
  protected:
+  /// The frame of every fused step: gradients off, the closure's loss, stale copies dropped;
+  /// then `pass` when `unfit` (why some parameter does not suit the pass) returns "", else
+  /// `fallback` (libtorch's step, said once) and the copies written after it.
+  torch::Tensor run_step(const std::function<torch::Tensor()>& closure,
+                         const std::function<std::string()>& unfit,
+                         const std::function<void()>& fallback,
+                         const std::function<void()>& pass);
   /// The copy to write with `param`, undefined when none.
   torch::Tensor copy_of(const torch::Tensor& param) const;
+
+ private:
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
   void copy_after_fallback();
   /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
   /// device or dtype since write_copy), saying so; their owner copies them itself again.
   void drop_stale_copies();
-  /// Whether `why` (the reason a parameter does not suit the pass) is empty; says it once on
-  /// stderr otherwise.
-  bool fallback_unless_empty(const std::string& why);
+
   bool last_fused_ = false;
   bool warned_ = false;
-
- private:
   std::unordered_map<const c10::TensorImpl*, std::pair<torch::Tensor, torch::Tensor>> copies_;
 };
 
