@@ -64,7 +64,9 @@ const BenchSpec& optim_spec() {
       "One Adam step over fp32 CPU parameters: paratrain's fused Adam, libtorch's, PyTorch's "
       "fused and foreach, DeepSpeedCPUAdam.",
       {
-          {"params", "LIST", "parameter counts, comma-separated, with K, M or B (default 100M,1B)",
+          {"params", "LIST",
+           "parameter counts, comma-separated, with a K, M or B suffix (default: 100 million and 1 "
+           "billion)",
            "1M"},
           {"optimizers", "LIST",
            "of paratrain-fused-adam, torch::optim::Adam, pytorch-fused, pytorch-foreach, "
@@ -227,7 +229,9 @@ JsonRow run_one(const Bench& bench,
                                          {"MKL_NUM_THREADS", threads}};
   if (huge_pages(bench)) {
     // The same page policy for every system: all of them take their arrays from glibc's malloc.
-    env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1";
+    const char* given = std::getenv("GLIBC_TUNABLES");  // added to, not replaced
+    env["GLIBC_TUNABLES"] = (given != nullptr && *given != '\0' ? std::string(given) + ":" : "") +
+                            "glibc.malloc.hugetlb=1";
   }
   ChildProcess child(ChildOptions(argv)
                          .environment(environment_with(env))
@@ -236,10 +240,12 @@ JsonRow run_one(const Bench& bench,
   // A hung child (DeepSpeed waits on its build's lock) is one failed row, not a hung benchmark.
   const auto deadline = Clock::now() + std::chrono::seconds(bench.get_int("timeout", 1800));
   int status = 0;
+  bool timed_out = false;
   while (!child.try_wait(&status)) {
     if (Clock::now() > deadline) {
       child.signal(SIGKILL);
       status = child.wait();
+      timed_out = true;
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -248,8 +254,9 @@ JsonRow run_one(const Bench& bench,
   const std::vector<JsonRow> rows = code == 0 ? read_rows(out) : std::vector<JsonRow>{};
   if (rows.empty()) {
     JsonRow row{{"optimizer", name}, {"params", count}, {"step_seconds", nullptr}};
-    row["error"] =
-        code == 0 ? std::string("it wrote no row") : "exit status " + std::to_string(code);
+    row["error"] = timed_out   ? "timed out (--timeout)"
+                   : code == 0 ? std::string("it wrote no row")
+                               : "exit status " + std::to_string(code);
     std::cerr << "bench optim: " << name << " at " << count << " parameters failed ("
               << string_field(row, "error") << "); the other rows go on" << std::endl;
     return row;
@@ -423,14 +430,25 @@ void print_optim_rows(const Bench& bench, const std::vector<JsonRow>& rows) {
 std::vector<JsonRow> combine_repeats(const std::vector<std::vector<JsonRow>>& runs) {
   std::vector<JsonRow> out;
   for (size_t i = 0; !runs.empty() && i < runs[0].size(); ++i) {
+    // The fields of the first process that measured (a failed one wrote none of its own).
     JsonRow row = runs[0][i];
     std::vector<double> seconds;
+    int failed = 0;
     for (const auto& run : runs) {
       const JsonRow& r = run.at(i);
       if (r.contains("step_seconds") && r["step_seconds"].is_number()) {
+        if (seconds.empty()) {
+          row = r;
+        }
         seconds.push_back(r["step_seconds"].get<double>());
-      } else if (!row.contains("error") && r.contains("error")) {
-        row["error"] = r["error"];
+      } else if (r.contains("error")) {
+        ++failed;
+      }
+    }
+    if (!seconds.empty()) {
+      row.erase("error");
+      if (failed > 0) {
+        row["failed_runs"] = failed;
       }
     }
     row["step_seconds_runs"] = seconds;

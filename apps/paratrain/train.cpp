@@ -488,6 +488,11 @@ int open_tuner_sync() {
               << std::endl;
     return -1;
   }
+  // A byte already there answered an earlier process of this start (a rank 0 restarted by
+  // --max-restarts while it waited): not this one's to act on.
+  char stale[64];
+  while (::read(fd, stale, sizeof(stale)) > 0) {
+  }
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;
 }

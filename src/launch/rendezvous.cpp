@@ -415,7 +415,7 @@ void Rendezvous::open_next_round(const Assignment& a, const std::string& reason)
 bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membership) {
   bool ignored = false;
   bool& dead_peer = membership != nullptr ? *membership : ignored;
-  dead_peer = false;  // only a dead peer explains this node's own failure
+  dead_peer = false;  // only a change of members (a dead peer, a standby) explains a failure
   if (pending_) {
     *why = pending_->why;  // this node decided to leave the round: its workers stop
     return true;
@@ -441,7 +441,9 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
     }
     if (read_int(keys().round()) > a.round) {
       const std::string reason = get_or(keys().next_reason(a.round), "");
-      dead_peer = reason == "dead" || reason == "unreachable";
+      // A round opened to take in a standby is a change of members too: the node that opened it
+      // stopped its workers, which fails the collectives of this node's.
+      dead_peer = reason == "dead" || reason == "unreachable" || reason == "grow";
       *why = "another node opened rendezvous round " + std::to_string(a.round + 1) +
              (reason == "dead"          ? " without a node that stopped"
               : reason == "unreachable" ? " after losing contact with a node"
@@ -459,6 +461,7 @@ bool Rendezvous::must_restart(const Assignment& a, std::string* why, bool* membe
       *why = std::to_string(waiting) + " node" + (waiting == 1 ? "" : "s") +
              " waiting to join; the job can grow to " + std::to_string(o_.max_nodes);
       open_next_round(a, "grow");
+      dead_peer = true;  // another node may have stopped its workers for the same standby
       return true;
     }
     return peer_stopped(a, why, dead_peer);

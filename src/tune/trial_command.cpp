@@ -92,12 +92,15 @@ ProcessSpec trial_process_spec(const TunerOptions& o,
   spec.env["PARATRAIN_CHECKPOINT_DIR"] = dir + "/checkpoints";
   spec.env["PARATRAIN_TRIAL_RESUME"] = resume ? "1" : "0";
   if (o.train()) {
-    // One FIFO per start of the trial: another tuner's process of it (a trial taken over) must
-    // never meet this one's, nor remove it.
+    // One FIFO per start of the trial, named for this host, process and start: another tuner's
+    // process of it (a trial taken over, perhaps from a container with the same pid) must never
+    // meet this one's. start_process makes it without replacing anything of that name, and sets
+    // PARATRAIN_TRIAL_SYNC to it.
     static uint64_t starts = 0;
-    spec.sync_path =
-        dir + "/.epoch-sync." + std::to_string(::getpid()) + "." + std::to_string(++starts);
-    spec.env["PARATRAIN_TRIAL_SYNC"] = spec.sync_path;
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    spec.sync_path = dir + "/.epoch-sync." + host + "." + std::to_string(::getpid()) + "." +
+                     std::to_string(++starts);
   }
   spec.env["OMP_NUM_THREADS"] = std::to_string(o.resources().threads());
   if (gpus_visible) {

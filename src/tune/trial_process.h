@@ -20,8 +20,8 @@ struct ProcessSpec {
   std::map<std::string, std::string> env;  ///< set on top of the tuner's environment
   std::string log_path;
   std::vector<int> cores;  ///< CPU affinity; empty: inherit
-  /// Where to make the FIFO a `paratrain train` trial waits on after each epoch's row (its
-  /// PARATRAIN_TRIAL_SYNC); empty: none.
+  /// Where to make the FIFO a `paratrain train` trial waits on after each epoch's row;
+  /// start_process names it in the trial's PARATRAIN_TRIAL_SYNC. Empty: none.
   std::string sync_path;
 };
 

@@ -479,7 +479,7 @@ void Tuner::handle_row(Running& r, const std::string& line) {
         r->run.answer_epoch();
       }
     }
-  } answer{row.is_object() && row.contains("epoch") ? &r : nullptr};
+  } answer{row.is_discarded() || (row.is_object() && row.contains("epoch")) ? &r : nullptr};
   if (row.is_discarded() || !row.is_object() || r.run.stopping() || r.lost) {
     return;
   }

