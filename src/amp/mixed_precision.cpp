@@ -196,10 +196,7 @@ bool MixedPrecision::step(torch::optim::Optimizer& optimizer) {
     for (size_t i = 0; i < params_.size(); ++i) {
       const torch::Tensor& m = masters_[i];
       const torch::Tensor& half = params_[i];
-      if (!m.is_same(half) && !fused->writes_copy(m) && fused->steps(m) && m.device().is_cpu() &&
-          m.scalar_type() == at::kFloat && m.is_contiguous() && half.device().is_cpu() &&
-          half.is_contiguous() && half.sizes() == m.sizes() &&
-          (half.scalar_type() == at::kBFloat16 || half.scalar_type() == at::kHalf)) {
+      if (!m.is_same(half) && !fused->writes_copy(m) && fused->can_write_copy(m, half)) {
         fused->write_copy(m, half);
       }
     }

@@ -111,6 +111,13 @@ bool adam_state_fusable(const torch::optim::OptimizerParamState& s, const torch:
          (!st.max_exp_avg_sq().defined() || fusable(st.max_exp_avg_sq(), p));
 }
 
+// Whether `copy` can hold `param` rounded: write_copy's condition, checked again each step.
+bool copy_fits(const torch::Tensor& param, const torch::Tensor& copy) {
+  return copy.defined() && copy.device().is_cpu() && copy.is_contiguous() &&
+         (copy.scalar_type() == torch::kBFloat16 || copy.scalar_type() == torch::kHalf) &&
+         copy.sizes() == param.sizes();
+}
+
 CopyKind copy_kind(const torch::Tensor& copy) {
   if (!copy.defined()) {
     return CopyKind::kNone;
@@ -293,13 +300,10 @@ std::string fused_isa() {
 }
 
 void FusedOptimizer::write_copy(const torch::Tensor& param, torch::Tensor copy) {
-  TORCH_CHECK(param.defined() && param.device().is_cpu() && param.scalar_type() == torch::kFloat &&
-                  param.is_contiguous(),
+  TORCH_CHECK(fusable(param, param),
               "fused optimizer: write_copy takes a contiguous fp32 CPU parameter (got ",
               param.defined() ? param.toString() : "an undefined tensor", ")");
-  TORCH_CHECK(copy.defined() && copy.device().is_cpu() && copy.is_contiguous() &&
-                  (copy.scalar_type() == torch::kBFloat16 || copy.scalar_type() == torch::kHalf) &&
-                  copy.sizes() == param.sizes(),
+  TORCH_CHECK(copy_fits(param, copy),
               "fused optimizer: a copy must be a contiguous bf16 or fp16 CPU tensor of its "
               "parameter's shape ",
               param.sizes(), " (got ", copy.defined() ? copy.toString() : "undefined", " ",
@@ -308,6 +312,10 @@ void FusedOptimizer::write_copy(const torch::Tensor& param, torch::Tensor copy) 
   TORCH_CHECK(steps(param), "fused optimizer: write_copy names a parameter ", param.sizes(),
               " this optimizer does not step");
   copies_[param.unsafeGetTensorImpl()] = {param, std::move(copy)};
+}
+
+bool FusedOptimizer::can_write_copy(const torch::Tensor& param, const torch::Tensor& copy) const {
+  return fusable(param, param) && copy_fits(param, copy) && steps(param);
 }
 
 bool FusedOptimizer::writes_copy(const torch::Tensor& param) const {
@@ -330,10 +338,7 @@ void FusedOptimizer::drop_stale_copies() {
   for (auto it = copies_.begin(); it != copies_.end();) {
     const torch::Tensor& param = it->second.first;
     const torch::Tensor& copy = it->second.second;
-    const bool fits =
-        fusable(param, param) && copy.defined() && copy.device().is_cpu() && copy.is_contiguous() &&
-        copy.numel() == param.numel() &&
-        (copy.scalar_type() == torch::kBFloat16 || copy.scalar_type() == torch::kHalf);
+    const bool fits = fusable(param, param) && copy_fits(param, copy);
     if (fits) {
       ++it;
       continue;

@@ -49,6 +49,8 @@ class FusedOptimizer {
   /// low-precision model. `param`: one of this optimizer's contiguous fp32 CPU parameters;
   /// `copy`: a contiguous CPU tensor of its shape. c10::Error otherwise.
   void write_copy(const torch::Tensor& param, torch::Tensor copy);
+  /// Whether write_copy(param, copy) would take them (without throwing).
+  bool can_write_copy(const torch::Tensor& param, const torch::Tensor& copy) const;
   /// Whether write_copy was called for `param` (and its copy still fits it).
   bool writes_copy(const torch::Tensor& param) const;
   /// Whether `param` is one of this optimizer's parameters.
