@@ -4,6 +4,7 @@
 set(paratrain_unit_suites
     AdaptImages Allocator Args Autocast ConvertSyncBatchNorm CpuKernels DataParallel DeviceList
     Devices DistributedSampler Files FindProgram FlagWords FusedOptimizer GradScaler Image ImageList
+    Offload
     Join Loader
     MixedPrecision
     Pipeline PipelineBalance PipelineSchedule RankDiscovery RendezvousPolicy RendezvousRounds Routes
@@ -82,7 +83,7 @@ set(paratrain_named_tests Train.CustomResNetFinetuneExample BadInput.MpiCollecti
 # one each (their gloo cases run in both, the mpi engine's own tests too).
 set(paratrain_both_legs_suites
     Addresses Allocator Autocast BadInput Checkpoint Collectives ConvertSyncBatchNorm
-    CpuKernels FusedOptimizer FusedOptimizerPyTorch
+    CpuKernels FusedOptimizer FusedOptimizerPyTorch Offload
     DataParallel Ddp DdpEquivalence Devices Example InitMethods Join JoinUneven
     MixedPrecision Pipeline PipelineBalance PipelineDistributed PipelineSchedule
     Routes SocketStore Spawn SyncBatchNorm SyncBatchNormEquivalence Trainer

@@ -3,6 +3,7 @@
 #include "optim/param_state.h"
 #include "paratrain/base/option_error.h"
 #include "paratrain/io/safetensors.h"
+#include "paratrain/optim/fused.h"
 #include "paratrain/util/atomic_file.h"
 #include "paratrain/util/trace.h"
 #include "util/files.h"
@@ -662,13 +663,22 @@ void for_each_param(torch::optim::Optimizer& optimizer, Fn fn) {
   }
 }
 
+// A fused optimizer's moments may be offloaded (an empty tensor here, the values in its store):
+// they are read back, so that a checkpoint holds them whatever the tier.
 template <typename AdamState>
-void save_adam(const AdamState& st, const std::string& key, TensorMap& out) {
+void save_adam(const AdamState& st,
+               const std::string& key,
+               const torch::Tensor& p,
+               optim::FusedOptimizer* fused,
+               TensorMap& out) {
+  auto values = [&](const char* name, const torch::Tensor& held) {
+    return fused != nullptr ? fused->state_tensor(p, name, held) : held;
+  };
   out[key + "step"] = torch::tensor(static_cast<int64_t>(st.step()), torch::kLong);
-  out[key + "exp_avg"] = st.exp_avg();
-  out[key + "exp_avg_sq"] = st.exp_avg_sq();
+  out[key + "exp_avg"] = values("exp_avg", st.exp_avg());
+  out[key + "exp_avg_sq"] = values("exp_avg_sq", st.exp_avg_sq());
   if (st.max_exp_avg_sq().defined()) {
-    out[key + "max_exp_avg_sq"] = st.max_exp_avg_sq();
+    out[key + "max_exp_avg_sq"] = values("max_exp_avg_sq", st.max_exp_avg_sq());
   }
 }
 
@@ -709,6 +719,7 @@ const char* optimizer_kind(torch::optim::Optimizer& o) {
 
 TensorMap optimizer_state(torch::optim::Optimizer& optimizer) {
   const std::string kind = optimizer_kind(optimizer);
+  auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer);
   TensorMap out;
   auto& state = optimizer.state();
   for_each_param(optimizer, [&](const std::string& key, const torch::Tensor& p) {
@@ -722,9 +733,9 @@ TensorMap optimizer_state(torch::optim::Optimizer& optimizer) {
         out[key + "momentum_buffer"] = st.momentum_buffer();
       }
     } else if (kind == "adam") {
-      save_adam(static_cast<const torch::optim::AdamParamState&>(*it->second), key, out);
+      save_adam(static_cast<const torch::optim::AdamParamState&>(*it->second), key, p, fused, out);
     } else {
-      save_adam(static_cast<const torch::optim::AdamWParamState&>(*it->second), key, out);
+      save_adam(static_cast<const torch::optim::AdamWParamState&>(*it->second), key, p, fused, out);
     }
   });
   return out;

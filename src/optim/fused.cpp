@@ -1,5 +1,7 @@
 #include "paratrain/optim/fused.h"
 
+#include "paratrain/optim/offload.h"
+
 #include "optim/fused_kernels.h"
 #include "optim/param_state.h"
 #include "optim/step_threads.h"
@@ -13,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -104,11 +108,17 @@ std::string all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
   return "";
 }
 
+// An offloaded moment: the state object holds an empty tensor, the store the values.
+bool offloaded(const torch::Tensor& t, const torch::Tensor& p) {
+  return t.defined() && t.numel() == 0 && p.numel() > 0;
+}
+
 template <typename AdamState>
 bool adam_state_fusable(const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
   const auto& st = static_cast<const AdamState&>(s);
-  return fusable(st.exp_avg(), p) && fusable(st.exp_avg_sq(), p) &&
-         (!st.max_exp_avg_sq().defined() || fusable(st.max_exp_avg_sq(), p));
+  auto fits = [&p](const torch::Tensor& t) { return fusable(t, p) || offloaded(t, p); };
+  return fits(st.exp_avg()) && fits(st.exp_avg_sq()) &&
+         (!st.max_exp_avg_sq().defined() || fits(st.max_exp_avg_sq()));
 }
 
 // Whether `copy` can hold `param` rounded: write_copy's condition, checked again each step.
@@ -180,6 +190,43 @@ void bump_versions(const std::vector<torch::Tensor>& written) {
   }
 }
 
+// A parameter's arguments of the Adam pass: its step counted, the scalars from it, the moments'
+// pointers those of the state object (set again by the offloaded pass).
+template <typename Options, typename AdamState>
+detail::AdamArgs adam_args(const Options& o,
+                           AdamState& st,
+                           const torch::Tensor& p,
+                           bool decoupled,
+                           const torch::Tensor& copy) {
+  const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+  st.step(st.step() + 1);
+  // In double from the int64 step, as libtorch's Adam computes them; each rounded once.
+  const double bias_correction1 = 1 - std::pow(beta1, st.step());
+  const double bias_correction2 = 1 - std::pow(beta2, st.step());
+  detail::AdamArgs a;
+  a.param = p.data_ptr<float>();
+  a.grad = p.grad().data_ptr<float>();
+  auto floats = [](const torch::Tensor& t) {
+    return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
+  };
+  a.exp_avg = floats(st.exp_avg());
+  a.exp_avg_sq = floats(st.exp_avg_sq());
+  a.max_exp_avg_sq = o.amsgrad() ? floats(st.max_exp_avg_sq()) : nullptr;
+  a.copy = copy_bits(copy);
+  a.copy_kind = copy_kind(copy);
+  a.beta1 = static_cast<float>(beta1);
+  a.one_minus_beta1 = static_cast<float>(1 - beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta2 = static_cast<float>(1 - beta2);
+  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  a.eps = static_cast<float>(o.eps());
+  a.neg_step_size = static_cast<float>(-(o.lr() / bias_correction1));
+  a.decoupled = decoupled && o.weight_decay() != 0;
+  a.decay = a.decoupled ? static_cast<float>(1 - o.lr() * o.weight_decay()) : 1.0f;
+  a.weight_decay = decoupled ? 0.0f : static_cast<float>(o.weight_decay());
+  return a;
+}
+
 // One Adam or AdamW pass over every parameter with a gradient.
 template <typename Options, typename AdamState, typename Map>
 void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
@@ -191,36 +238,13 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
   std::vector<torch::Tensor> written;
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
-    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
         continue;
       }
       AdamState& st = adam_state<AdamState>(state, p, o.amsgrad());
-      st.step(st.step() + 1);
-      // In double from the int64 step, as libtorch's Adam computes them; each rounded once.
-      const double bias_correction1 = 1 - std::pow(beta1, st.step());
-      const double bias_correction2 = 1 - std::pow(beta2, st.step());
-      detail::AdamArgs a;
-      a.param = p.data_ptr<float>();
-      a.grad = p.grad().data_ptr<float>();
-      a.exp_avg = st.exp_avg().template data_ptr<float>();
-      a.exp_avg_sq = st.exp_avg_sq().template data_ptr<float>();
-      a.max_exp_avg_sq = o.amsgrad() ? st.max_exp_avg_sq().template data_ptr<float>() : nullptr;
       const torch::Tensor copy = copy_of(p);
-      a.copy = copy_bits(copy);
-      a.copy_kind = copy_kind(copy);
-      a.beta1 = static_cast<float>(beta1);
-      a.one_minus_beta1 = static_cast<float>(1 - beta1);
-      a.beta2 = static_cast<float>(beta2);
-      a.one_minus_beta2 = static_cast<float>(1 - beta2);
-      a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-      a.eps = static_cast<float>(o.eps());
-      a.neg_step_size = static_cast<float>(-(o.lr() / bias_correction1));
-      a.decoupled = decoupled && o.weight_decay() != 0;
-      a.decay = a.decoupled ? static_cast<float>(1 - o.lr() * o.weight_decay()) : 1.0f;
-      a.weight_decay = decoupled ? 0.0f : static_cast<float>(o.weight_decay());
-      args.push_back(a);
+      args.push_back(adam_args(o, st, p, decoupled, copy));
       sizes.push_back(p.numel());
       written.insert(written.end(), {p, st.exp_avg(), st.exp_avg_sq(), copy});
       if (o.amsgrad()) {
@@ -229,6 +253,138 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
     }
   }
   run_chunks(args, sizes, detail::kernels().adam);
+  bump_versions(written);
+}
+
+// The moments of one parameter on their way through the offloaded pass.
+struct Streamed {
+  detail::AdamArgs args;
+  int64_t numel = 0;
+  std::vector<std::string> keys;    // the store's names of its moments
+  std::vector<torch::Tensor> held;  // the state object's moments (empty when in the store)
+};
+
+// The Adam pass with the moments in `store`: parameter i is stepped in one of two buffer sets
+// while parameter i+1's moments are read into the other (prefetch) and i-1's written from it
+// (write-behind; the store's one I/O thread runs them in the order queued, so i-1's writes end
+// before i+1's reads land in the same buffers). Moments still held in memory (state loaded from a
+// checkpoint) are copied in and move to the store.
+void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
+  int64_t largest = 0;
+  for (const auto& it : items) {
+    largest = std::max(largest, it.numel);
+  }
+  const size_t parts = 3;  // exp_avg, exp_avg_sq, max_exp_avg_sq
+  std::vector<std::vector<torch::Tensor>> buffers(2);
+  for (auto& set : buffers) {
+    for (size_t k = 0; k < parts; ++k) {
+      set.push_back(OffloadStore::buffer(largest, torch::kFloat));
+    }
+  }
+  std::vector<std::shared_future<void>> queued;  // every read and write, waited on at the end
+  auto fetch = [&](size_t i) {
+    std::vector<std::shared_future<void>> reads;
+    Streamed& it = items[i];
+    for (size_t k = 0; k < it.keys.size(); ++k) {
+      float* dst = buffers[i % 2][k].data_ptr<float>();
+      if (it.held[k].numel() == it.numel) {  // in memory: it moves to the store
+        std::memcpy(dst, it.held[k].data_ptr<float>(), static_cast<size_t>(it.numel) * 4);
+      } else {
+        reads.push_back(store.read(it.keys[k], dst));
+        queued.push_back(reads.back());
+      }
+    }
+    return reads;
+  };
+  try {
+    std::vector<std::shared_future<void>> next;
+    if (!items.empty()) {
+      next = fetch(0);
+    }
+    for (size_t i = 0; i < items.size(); ++i) {
+      for (const auto& r : next) {
+        store.wait(r);
+      }
+      next = i + 1 < items.size() ? fetch(i + 1) : std::vector<std::shared_future<void>>{};
+      Streamed& it = items[i];
+      float** moments[parts] = {&it.args.exp_avg, &it.args.exp_avg_sq, &it.args.max_exp_avg_sq};
+      for (size_t k = 0; k < it.keys.size(); ++k) {
+        *moments[k] = buffers[i % 2][k].data_ptr<float>();
+      }
+      run_chunks(std::vector<detail::AdamArgs>{it.args}, {it.numel}, detail::kernels().adam);
+      for (size_t k = 0; k < it.keys.size(); ++k) {
+        queued.push_back(store.write(it.keys[k], buffers[i % 2][k].data_ptr()));
+      }
+    }
+  } catch (...) {
+    for (const auto& q : queued) {
+      q.wait();  // the I/O thread must be done with the buffers before they are freed
+    }
+    throw;
+  }
+  for (const auto& q : queued) {
+    store.wait(q);  // a write's error is the step's
+  }
+}
+
+template <typename Options, typename AdamState, typename Map>
+void adam_offload_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                       Map& state,
+                       bool decoupled,
+                       const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
+                       const std::function<std::string(const torch::Tensor&, const char*)>& key,
+                       OffloadStore& store) {
+  std::vector<Streamed> items;
+  std::vector<torch::Tensor> written;
+  std::vector<AdamState*> states;
+  for (auto& group : groups) {
+    const auto& o = static_cast<const Options&>(group.options());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) {
+        continue;
+      }
+      const char* names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+      auto sk = detail::state_key(state, p);
+      if (!state.count(sk)) {  // a first step: zeros, which a block never written reads as
+        auto st = std::make_unique<AdamState>();
+        st->step(0);
+        st->exp_avg(torch::empty({0}));
+        st->exp_avg_sq(torch::empty({0}));
+        state[sk] = std::move(st);
+        for (const char* name : names) {
+          store.discard(key(p, name));  // what an earlier state left there is not this one's
+        }
+      }
+      auto& st = static_cast<AdamState&>(*state[sk]);
+      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) {
+        st.max_exp_avg_sq(torch::empty({0}));
+        store.discard(key(p, names[2]));
+      }
+      const torch::Tensor copy = copy_of(p);
+      Streamed it;
+      it.args = adam_args(o, st, p, decoupled, copy);
+      it.numel = p.numel();
+      it.held = {st.exp_avg(), st.exp_avg_sq()};
+      if (o.amsgrad()) {
+        it.held.push_back(st.max_exp_avg_sq());
+      }
+      for (size_t k = 0; k < it.held.size(); ++k) {
+        it.keys.push_back(key(p, names[k]));
+        store.reserve(it.keys.back(), it.numel * 4);
+      }
+      items.push_back(std::move(it));
+      states.push_back(&st);
+      written.insert(written.end(), {p, copy});
+    }
+  }
+  stream_adam(items, store);
+  for (AdamState* st : states) {  // every moment is in the store now
+    st->exp_avg(torch::empty({0}));
+    st->exp_avg_sq(torch::empty({0}));
+    if (st->max_exp_avg_sq().defined()) {
+      st->max_exp_avg_sq(torch::empty({0}));
+    }
+  }
   bump_versions(written);
 }
 
@@ -364,6 +520,9 @@ torch::Tensor FusedOptimizer::run_step(const std::function<torch::Tensor()>& clo
   torch::Tensor loss = run_closure(closure);
   drop_stale_copies();
   const std::string why = unfit();
+  TORCH_CHECK(why.empty() || store_ == nullptr, "fused optimizer: ", why,
+              "; with its state offloaded every step must be the fused pass (libtorch's step "
+              "needs the moments in memory)");
   last_fused_ = why.empty();
   if (last_fused_) {
     pass();
@@ -389,6 +548,80 @@ void FusedOptimizer::copy_after_fallback() {
   }
 }
 
+std::string FusedOptimizer::offload_key(const torch::Tensor& param, const std::string& name) const {
+  const auto* self = dynamic_cast<const torch::optim::Optimizer*>(this);
+  for (size_t g = 0; self != nullptr && g < self->param_groups().size(); ++g) {
+    const auto& params = self->param_groups()[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].is_same(param)) {
+        return std::to_string(g) + "." + std::to_string(i) + "." + name;
+      }
+    }
+  }
+  TORCH_CHECK(false, "fused optimizer: a parameter of shape ", param.sizes(),
+              " is not one this optimizer steps");
+}
+
+torch::Tensor FusedOptimizer::state_tensor(const torch::Tensor& param,
+                                           const std::string& name,
+                                           const torch::Tensor& held) {
+  if (!offloaded(held, param)) {
+    return held;
+  }
+  TORCH_CHECK(store_ != nullptr, "fused optimizer: state '", name, "' of a parameter of shape ",
+              param.sizes(), " is empty and no store holds it");
+  torch::Tensor values = OffloadStore::buffer(param.numel(), torch::kFloat);
+  const std::string key = offload_key(param, name);
+  if (store_->has(key)) {
+    store_->wait(store_->read(key, values.data_ptr()));
+  } else {
+    values.zero_();
+  }
+  return values.view(param.sizes());
+}
+
+namespace {
+
+// Every offloaded moment of `st` read back into the state object.
+template <typename AdamState>
+void bring_back(torch::optim::OptimizerParamState& s,
+                const torch::Tensor& p,
+                FusedOptimizer& fused) {
+  auto& st = static_cast<AdamState&>(s);
+  st.exp_avg(fused.state_tensor(p, "exp_avg", st.exp_avg()));
+  st.exp_avg_sq(fused.state_tensor(p, "exp_avg_sq", st.exp_avg_sq()));
+  if (st.max_exp_avg_sq().defined()) {
+    st.max_exp_avg_sq(fused.state_tensor(p, "max_exp_avg_sq", st.max_exp_avg_sq()));
+  }
+}
+
+}  // namespace
+
+void FusedOptimizer::offload(std::shared_ptr<OffloadStore> store) {
+  TORCH_CHECK(store == nullptr || offloadable(),
+              "fused optimizer: offload keeps the moments of Adam and AdamW; SGD's momentum "
+              "stays in memory (use FusedAdam or FusedAdamW to offload)");
+  auto* self = dynamic_cast<torch::optim::Optimizer*>(this);
+  if (store_ != nullptr && store != store_ && self != nullptr) {
+    auto& state = self->state();
+    const bool decoupled = dynamic_cast<torch::optim::AdamW*>(self) != nullptr;
+    for (auto& group : self->param_groups()) {
+      for (auto& p : group.params()) {
+        auto it = state.find(detail::state_key(state, p));
+        if (it == state.end()) {
+          continue;
+        }
+        if (decoupled) {
+          bring_back<torch::optim::AdamWParamState>(*it->second, p, *this);
+        } else {
+          bring_back<torch::optim::AdamParamState>(*it->second, p, *this);
+        }
+      }
+    }
+  }
+  store_ = std::move(store);
+}
+
 torch::Tensor FusedAdam::step(LossClosure closure) {
   return run_step(
       closure,
@@ -397,8 +630,16 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
       },
       [this] { torch::optim::Adam::step(nullptr); },
       [this] {
-        adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-            param_groups_, state_, false, [this](const torch::Tensor& p) { return copy_of(p); });
+        auto copy = [this](const torch::Tensor& p) { return copy_of(p); };
+        if (store_ == nullptr) {
+          adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(param_groups_, state_,
+                                                                             false, copy);
+          return;
+        }
+        adam_offload_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+            param_groups_, state_, false, copy,
+            [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
+            *store_);
       });
 }
 
@@ -411,8 +652,16 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       },
       [this] { torch::optim::AdamW::step(nullptr); },
       [this] {
-        adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-            param_groups_, state_, true, [this](const torch::Tensor& p) { return copy_of(p); });
+        auto copy = [this](const torch::Tensor& p) { return copy_of(p); };
+        if (store_ == nullptr) {
+          adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(param_groups_,
+                                                                               state_, true, copy);
+          return;
+        }
+        adam_offload_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+            param_groups_, state_, true, copy,
+            [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
+            *store_);
       });
 }
 

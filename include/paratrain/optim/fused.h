@@ -24,6 +24,15 @@
 // - Mixed precision: write_copy(master, model_param) makes each step also write the fp32 master
 //   rounded to bf16 or fp16 into the model's parameter, in the same pass (MixedPrecision at O2
 //   asks for it).
+// - Offload (offload(store), ZeRO-Offload's CPU Adam): Adam's and AdamW's moments live in an
+//   OffloadStore (host memory or a file, paratrain/optim/offload.h) instead of the state objects,
+//   and each step streams them parameter by parameter: the next parameter's moments are read while
+//   this one is stepped, and the last one's written behind. With FSDP each parameter is a unit's
+//   flat shard, so memory holds two units' moments at a time. The arithmetic is the same pass's:
+//   offloaded training is bitwise equal to training with the state in memory. The state objects
+//   keep the step count and empty moments; optimizer_state() (paratrain/io/checkpoint.h) reads
+//   the moments from the store, so checkpoints hold them as always, and state loaded into the
+//   objects (a checkpoint made without offload) moves into the store at the next step.
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -31,11 +40,14 @@
 #include <torch/types.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <unordered_map>
 
 namespace paratrain {
 namespace optim {
+
+class OffloadStore;
 
 /// The build of the kernels this process runs: "avx512", "avx2" or "scalar".
 std::string fused_isa();
@@ -58,6 +70,17 @@ class FusedOptimizer {
   /// Whether the last step ran the fused pass (false: libtorch's step, or no step yet).
   bool last_step_fused() const { return last_fused_; }
 
+  /// From the next step on, keeps the moments of Adam and AdamW in `store` (see above); nullptr
+  /// brings them back into memory. A step whose parameters the pass cannot take then throws
+  /// (libtorch's step needs the moments in memory). c10::Error for FusedSGD.
+  void offload(std::shared_ptr<OffloadStore> store);
+  const std::shared_ptr<OffloadStore>& offload_store() const { return store_; }
+  /// State tensor `name` ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") of `param` as it is now:
+  /// `held` (the state object's) when it holds the values, else a copy read from the store.
+  torch::Tensor state_tensor(const torch::Tensor& param,
+                             const std::string& name,
+                             const torch::Tensor& held);
+
  protected:
   /// The frame of every fused step: gradients off, the closure's loss, stale copies dropped;
   /// then `pass` when `unfit` (why some parameter does not suit the pass) returns "", else
@@ -68,6 +91,12 @@ class FusedOptimizer {
                          const std::function<void()>& pass);
   /// The copy to write with `param`, undefined when none.
   torch::Tensor copy_of(const torch::Tensor& param) const;
+  /// The store's name of state tensor `name` of `param` ("0.3.exp_avg": group, index, name).
+  std::string offload_key(const torch::Tensor& param, const std::string& name) const;
+  /// Whether offload() takes this optimizer's state (Adam's and AdamW's moments).
+  virtual bool offloadable() const { return true; }
+
+  std::shared_ptr<OffloadStore> store_;
 
  private:
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
@@ -100,6 +129,9 @@ class FusedSGD : public torch::optim::SGD, public FusedOptimizer {
  public:
   using torch::optim::SGD::SGD;
   torch::Tensor step(LossClosure closure = nullptr) override;
+
+ protected:
+  bool offloadable() const override { return false; }
 };
 
 }  // namespace optim

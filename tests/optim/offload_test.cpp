@@ -1,0 +1,283 @@
+// Offload tiers (optim/offload.h): an OffloadStore's blocks in a file and in host memory, their
+// checksums, the directories it refuses, a full disk; the fused Adam with its moments offloaded
+// is bitwise equal to the same steps in memory, and its checkpoints move between the tiers.
+
+#include "paratrain/optim/offload.h"
+#include "paratrain/io/checkpoint.h"
+#include "paratrain/models/gpt.h"
+#include "paratrain/optim/fused.h"
+#include "test_util.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace {
+
+using optim::OffloadOptions;
+using optim::OffloadStore;
+
+using testing::error_of;
+
+// A directory of the test's own, removed after it.
+struct TempDir {
+  explicit TempDir(const std::string& name) : at(testing::make_temp_dir(name)) {}
+  ~TempDir() { testing::remove_tree(at); }
+  const std::string& path() const { return at; }
+  std::string at;
+};
+
+TEST(Offload, BlocksRoundTripInAFileAndInHostMemory) {
+  TempDir dir("offload-blocks");
+  for (const std::string& where : {dir.path(), std::string()}) {
+    OffloadStore store(OffloadOptions().dir(where));
+    EXPECT_EQ(store.on_disk(), !where.empty());
+    store.reserve("a", 10000 * 4);
+    store.reserve("b", 3 * 4);
+    EXPECT_THROW(store.reserve("a", 8), c10::Error);  // another size
+    torch::Tensor a = OffloadStore::buffer(10000, torch::kFloat);
+    a.copy_(torch::randn({10000}));
+    const torch::Tensor saved = a.clone();
+    torch::Tensor back = OffloadStore::buffer(10000, torch::kFloat);
+    store.wait(store.read("a", back.data_ptr()));  // never written: zeros
+    EXPECT_EQ(back.abs().max().item<float>(), 0.0f);
+    store.wait(store.write("a", a.data_ptr()));
+    a.zero_();
+    store.wait(store.read("a", back.data_ptr()));
+    EXPECT_TRUE(torch::equal(back, saved)) << where;
+    EXPECT_TRUE(store.written("a"));
+    store.discard("a");
+    EXPECT_FALSE(store.written("a"));
+    store.wait(store.read("a", back.data_ptr()));
+    EXPECT_EQ(back.abs().max().item<float>(), 0.0f);
+    EXPECT_EQ(store.bytes_written(), 40000);
+    if (store.on_disk()) {
+      EXPECT_EQ(store.stored_bytes(), optim::offload_block_bytes(40000) + 4096);
+      EXPECT_TRUE(testing::files_in(dir.path()).empty()) << "the file has no name";
+    }
+  }
+}
+
+TEST(Offload, ACorruptedBlockFailsItsChecksumInOneLine) {
+  TempDir dir("offload-corrupt");
+  OffloadStore store(OffloadOptions().dir(dir.path()).owner("rank 3"));
+  store.reserve("0.1.exp_avg", 4096 * 4);
+  torch::Tensor t = OffloadStore::buffer(4096, torch::kFloat);
+  t.fill_(1.5f);
+  store.wait(store.write("0.1.exp_avg", t.data_ptr()));
+  const int fd = ::open(store.descriptor_path().c_str(), O_WRONLY);
+  ASSERT_GE(fd, 0);
+  const float wrong = 2.5f;
+  ASSERT_EQ(::pwrite(fd, &wrong, sizeof wrong, 400), static_cast<ssize_t>(sizeof wrong));
+  ::close(fd);
+  const std::string why = error_of([&] { store.wait(store.read("0.1.exp_avg", t.data_ptr())); });
+  EXPECT_NE(why.find("block '0.1.exp_avg'"), std::string::npos) << why;
+  EXPECT_NE(why.find(store.file()), std::string::npos) << why;
+  EXPECT_NE(why.find("rank 3"), std::string::npos) << why;
+  EXPECT_NE(why.find("checksum"), std::string::npos) << why;
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+}
+
+TEST(Offload, DirectoriesThatCannotHoldStateAreRefused) {
+  TempDir dir("offload-dirs");
+  EXPECT_NE(optim::offload_dir_problem(dir.path() + "/missing").find("does not exist"),
+            std::string::npos);
+  std::ofstream(dir.path() + "/file") << "x";
+  EXPECT_NE(optim::offload_dir_problem(dir.path() + "/file").find("not a directory"),
+            std::string::npos);
+  EXPECT_EQ(optim::offload_dir_problem(dir.path()), "");
+  EXPECT_THROW(OffloadStore(OffloadOptions().dir(dir.path() + "/missing")), c10::Error);
+  struct statfs fs {};
+  if (::statfs("/dev/shm", &fs) == 0 && fs.f_type == 0x01021994) {  // TMPFS_MAGIC
+    const std::string why = optim::offload_dir_problem("/dev/shm");
+    EXPECT_NE(why.find("tmpfs, which is memory"), std::string::npos) << why;
+  } else {
+    std::cout << "[ note ] /dev/shm is not tmpfs here; the tmpfs refusal is not exercised\n";
+  }
+  if (::geteuid() != 0) {  // root may write anywhere
+    ASSERT_EQ(::chmod(dir.path().c_str(), 0500), 0);
+    EXPECT_NE(optim::offload_dir_problem(dir.path()).find("not writable"), std::string::npos);
+    ::chmod(dir.path().c_str(), 0700);
+  }
+}
+
+// A disk too small for the state: an ext4 of 8 MiB that the test loop-mounts and unmounts
+// (root only; skipped, saying why, elsewhere).
+TEST(Offload, AFullDiskFailsWhenTheBlockIsReserved) {
+  TempDir dir("offload-full");
+  const std::string image = dir.path() + "/disk.img", mnt = dir.path() + "/mnt";
+  ASSERT_EQ(::mkdir(mnt.c_str(), 0700), 0);
+  const std::string make = "truncate -s 8M " + image + " && mkfs.ext4 -q " + image +
+                           " 2>/dev/null && mount -o loop " + image + " " + mnt + " 2>/dev/null";
+  if (::geteuid() != 0 || std::system(make.c_str()) != 0) {
+    GTEST_SKIP() << "needs root and loop devices to mount a small ext4";
+  }
+  struct Unmount {
+    std::string at;
+    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  OffloadStore store(OffloadOptions().dir(mnt).owner("rank 0"));
+  store.reserve("small", 1 << 20);
+  const std::string why = error_of([&] { store.reserve("large", 64 << 20); });
+  EXPECT_NE(why.find("block 'large'"), std::string::npos) << why;
+  EXPECT_NE(why.find("No space left on device"), std::string::npos) << why;
+  EXPECT_NE(why.find("another --offload-dir"), std::string::npos) << why;
+  EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+  torch::Tensor t = OffloadStore::buffer(1 << 18, torch::kFloat);
+  t.fill_(3.0f);
+  store.wait(store.write("small", t.data_ptr()));  // what was reserved still works
+  EXPECT_LT(optim::offload_free_bytes(mnt), 8 << 20);
+}
+
+// 20 steps of a small GPT with the moments in memory, in a file and in host memory: the same
+// bits. `amsgrad` adds the third moment, AdamW the decoupled decay.
+template <typename Fused, typename Options>
+std::vector<torch::Tensor> gpt_steps(const Options& options, const std::string& tier, int steps) {
+  torch::manual_seed(0);
+  auto model = models::gpt(models::GptOptions().layers(2).width(32).heads(4).vocab(61).context(16));
+  Fused opt(model->parameters(), options);
+  std::shared_ptr<OffloadStore> store;
+  if (tier != "memory") {
+    store = std::make_shared<OffloadStore>(OffloadOptions().dir(tier == "host" ? "" : tier));
+    opt.offload(store);
+  }
+  for (int step = 0; step < steps; ++step) {
+    const auto tokens = torch::randint(61, {4, 17});
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(model->forward(tokens.slice(1, 0, 16)).reshape({-1, 61}),
+                                         tokens.slice(1, 1, 17).reshape(-1))
+        .backward();
+    opt.step();
+  }
+  if (store) {
+    EXPECT_GT(store->bytes_read(), 0);
+    EXPECT_GT(store->stored_bytes(), 0);
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->parameters()) {
+    out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+void expect_bitwise(const std::vector<torch::Tensor>& a,
+                    const std::vector<torch::Tensor>& b,
+                    const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << what << ": parameter " << i;
+  }
+}
+
+TEST(Offload, OffloadedAdamIsBitwiseEqualToAdamInMemory) {
+  TempDir dir("offload-adam");
+  const auto adam = torch::optim::AdamOptions(1e-3).weight_decay(0.01);
+  const auto amsgrad = torch::optim::AdamOptions(1e-3).amsgrad(true);
+  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.1);
+  const auto in_memory = gpt_steps<optim::FusedAdam>(adam, "memory", 20);
+  expect_bitwise(gpt_steps<optim::FusedAdam>(adam, dir.path(), 20), in_memory, "adam, files");
+  expect_bitwise(gpt_steps<optim::FusedAdam>(adam, "host", 20), in_memory, "adam, host");
+  expect_bitwise(gpt_steps<optim::FusedAdam>(amsgrad, dir.path(), 20),
+                 gpt_steps<optim::FusedAdam>(amsgrad, "memory", 20), "amsgrad, files");
+  expect_bitwise(gpt_steps<optim::FusedAdamW>(adamw, dir.path(), 20),
+                 gpt_steps<optim::FusedAdamW>(adamw, "memory", 20), "adamw, files");
+}
+
+// Checkpoints hold the offloaded moments, and load across the tiers: state saved from memory
+// continues offloaded, and the other way round, bitwise as if nothing had moved.
+TEST(Offload, CheckpointsMoveBetweenTheTiers) {
+  TempDir dir("offload-checkpoint");
+  torch::manual_seed(1);
+  std::vector<torch::Tensor> start = {torch::randn({300}), torch::randn({7, 11})};
+  auto run = [&](const std::string& first, const std::string& second) {
+    std::vector<torch::Tensor> params;
+    for (const auto& t : start) {
+      params.push_back(t.clone().requires_grad_());
+    }
+    auto make = [&](const std::string& tier) {
+      auto opt = std::make_unique<optim::FusedAdam>(params, torch::optim::AdamOptions(1e-2));
+      if (tier != "memory") {
+        opt->offload(std::make_shared<OffloadStore>(OffloadOptions().dir(tier)));
+      }
+      return opt;
+    };
+    auto step = [&](torch::optim::Optimizer& opt, int i) {
+      for (auto& p : params) {
+        p.mutable_grad() = torch::sin(p.detach() * (i + 1));
+      }
+      opt.step();
+    };
+    auto opt = make(first);
+    for (int i = 0; i < 3; ++i) {
+      step(*opt, i);
+    }
+    const TensorMap saved = optimizer_state(*opt);
+    EXPECT_EQ(saved.at("0.0.exp_avg").numel(), 300);
+    auto next = make(second);
+    load_optimizer_state(*next, saved);
+    for (int i = 3; i < 6; ++i) {
+      step(*next, i);
+    }
+    TensorMap out = optimizer_state(*next);
+    for (size_t i = 0; i < params.size(); ++i) {
+      out["param." + std::to_string(i)] = params[i].detach().clone();
+    }
+    return out;
+  };
+  const TensorMap memory = run("memory", "memory");
+  for (const auto& [first, second] : std::vector<std::pair<std::string, std::string>>{
+           {"memory", dir.path()}, {dir.path(), "memory"}, {dir.path(), dir.path()}}) {
+    const TensorMap moved = run(first, second);
+    ASSERT_EQ(moved.size(), memory.size());
+    for (const auto& [key, value] : memory) {
+      EXPECT_TRUE(torch::equal(moved.at(key), value))
+          << key << " (" << first << " then " << second << ")";
+    }
+  }
+}
+
+TEST(Offload, StateComesBackAndSgdIsRefused) {
+  TempDir dir("offload-back");
+  torch::Tensor p = torch::randn({1000}).requires_grad_();
+  optim::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2));
+  auto store = std::make_shared<OffloadStore>(OffloadOptions().dir(dir.path()));
+  opt.offload(store);
+  p.mutable_grad() = torch::ones({1000});
+  opt.step();
+  const auto& st = static_cast<const torch::optim::AdamParamState&>(*opt.state().begin()->second);
+  EXPECT_EQ(st.exp_avg().numel(), 0) << "the moments are in the store";
+  opt.offload(nullptr);
+  EXPECT_EQ(st.exp_avg().numel(), 1000);
+  EXPECT_NEAR(st.exp_avg()[0].item<float>(), 0.1f, 1e-7);
+  opt.step();  // in memory again
+  EXPECT_TRUE(opt.last_step_fused());
+  torch::Tensor q = torch::randn({10}).requires_grad_();
+  optim::FusedSGD sgd({q}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  const std::string why = error_of([&] { sgd.offload(store); });
+  EXPECT_NE(why.find("FusedAdam or FusedAdamW"), std::string::npos) << why;
+  // A parameter the pass cannot take fails the offloaded step instead of falling back.
+  torch::Tensor strided = torch::randn({8, 8}).t().requires_grad_();
+  optim::FusedAdam offloaded({strided}, torch::optim::AdamOptions(1e-2));
+  offloaded.offload(store);
+  strided.mutable_grad() = torch::ones({8, 8});
+  EXPECT_NE(error_of([&] { offloaded.step(); }).find("offloaded"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace paratrain
