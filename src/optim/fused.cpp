@@ -204,11 +204,14 @@ detail::AdamArgs adam_args(const Options& o,
   const double bias_correction1 = 1 - std::pow(beta1, st.step());
   const double bias_correction2 = 1 - std::pow(beta2, st.step());
   detail::AdamArgs a;
-  a.param = p.data_ptr<float>();
-  a.grad = p.grad().data_ptr<float>();
+  // An array that lives in a store (an empty state tensor, an FSDP shard without storage, a
+  // gradient not in memory) gets its pointer when the offloaded pass has read it.
   auto floats = [](const torch::Tensor& t) {
-    return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
+    return t.defined() && t.numel() > 0 && t.storage().data() != nullptr ? t.data_ptr<float>()
+                                                                         : nullptr;
   };
+  a.param = floats(p);
+  a.grad = floats(p.grad());
   a.exp_avg = floats(st.exp_avg());
   a.exp_avg_sq = floats(st.exp_avg_sq());
   a.max_exp_avg_sq = o.amsgrad() ? floats(st.max_exp_avg_sq()) : nullptr;
@@ -256,41 +259,72 @@ void adam_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
   bump_versions(written);
 }
 
-// The moments of one parameter on their way through the offloaded pass.
+// What one parameter's offloaded step reads and writes. Each slot is one of its arrays: the
+// values, the gradient, the moments. A slot with a key is a block of the store, read into a
+// buffer (or, when `held` holds values, copied from it: state loaded into memory moves into the
+// store) and written back when `write_back`; a slot without one is `held`, used in place.
+enum SlotKind { kValues, kGradient, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kSlotKinds };
+
+struct Slot {
+  SlotKind kind;
+  std::string key;
+  torch::Tensor held;
+  bool write_back = true;
+};
+
 struct Streamed {
   detail::AdamArgs args;
   int64_t numel = 0;
-  std::vector<std::string> keys;    // the store's names of its moments
-  std::vector<torch::Tensor> held;  // the state object's moments (empty when in the store)
+  std::vector<Slot> slots;
 };
 
-// The Adam pass with the moments in `store`: parameter i is stepped in one of two buffer sets
-// while parameter i+1's moments are read into the other (prefetch) and i-1's written from it
-// (write-behind; the store's one I/O thread runs them in the order queued, so i-1's writes end
-// before i+1's reads land in the same buffers). Moments still held in memory (state loaded from a
-// checkpoint) are copied in and move to the store.
+float*& slot_pointer(detail::AdamArgs& a, SlotKind kind) {
+  switch (kind) {
+    case kValues:
+      return a.param;
+    case kGradient:
+      return const_cast<float*&>(a.grad);
+    case kExpAvg:
+      return a.exp_avg;
+    case kExpAvgSq:
+      return a.exp_avg_sq;
+    default:
+      return a.max_exp_avg_sq;
+  }
+}
+
+// The Adam pass over `items` with their blocks in `store`: parameter i is stepped in one of two
+// buffer sets while parameter i+1's blocks are read into the other (prefetch) and i-1's written
+// from it (write-behind; the store's one I/O thread runs them in the order queued, so i-1's
+// writes end before i+1's reads land in the same buffers).
 void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
   int64_t largest = 0;
   for (const auto& it : items) {
     largest = std::max(largest, it.numel);
   }
-  const size_t parts = 3;  // exp_avg, exp_avg_sq, max_exp_avg_sq
-  std::vector<std::vector<torch::Tensor>> buffers(2);
-  for (auto& set : buffers) {
-    for (size_t k = 0; k < parts; ++k) {
-      set.push_back(OffloadStore::buffer(largest, torch::kFloat));
-    }
-  }
-  std::vector<std::shared_future<void>> queued;  // every read and write, waited on at the end
+  std::vector<std::vector<torch::Tensor>> buffers(2, std::vector<torch::Tensor>(kSlotKinds));
+  std::vector<std::shared_future<void>> queued;     // every read and write, waited on at the end
+  std::vector<std::shared_future<void>> writes[2];  // each buffer set's writes in flight
   auto fetch = [&](size_t i) {
     std::vector<std::shared_future<void>> reads;
-    Streamed& it = items[i];
-    for (size_t k = 0; k < it.keys.size(); ++k) {
-      float* dst = buffers[i % 2][k].data_ptr<float>();
-      if (it.held[k].numel() == it.numel) {  // in memory: it moves to the store
-        std::memcpy(dst, it.held[k].data_ptr<float>(), static_cast<size_t>(it.numel) * 4);
+    for (const Slot& s : items[i].slots) {
+      if (s.key.empty()) {
+        continue;
+      }
+      torch::Tensor& buffer = buffers[i % 2][s.kind];
+      if (!buffer.defined()) {
+        buffer = OffloadStore::buffer(largest, torch::kFloat);
+      }
+      if (s.held.defined() && s.held.numel() == items[i].numel) {
+        // Copied here, not on the I/O thread: the writes of parameter i-2 from this buffer set
+        // must have taken their bytes first.
+        for (const auto& w : writes[i % 2]) {
+          store.wait(w);
+        }
+        writes[i % 2].clear();
+        std::memcpy(buffer.data_ptr(), s.held.data_ptr(), static_cast<size_t>(s.held.nbytes()));
       } else {
-        reads.push_back(store.read(it.keys[k], dst));
+        reads.push_back(store.read(s.key, buffer.data_ptr()));
         queued.push_back(reads.back());
       }
     }
@@ -307,13 +341,17 @@ void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
       }
       next = i + 1 < items.size() ? fetch(i + 1) : std::vector<std::shared_future<void>>{};
       Streamed& it = items[i];
-      float** moments[parts] = {&it.args.exp_avg, &it.args.exp_avg_sq, &it.args.max_exp_avg_sq};
-      for (size_t k = 0; k < it.keys.size(); ++k) {
-        *moments[k] = buffers[i % 2][k].data_ptr<float>();
+      for (const Slot& s : it.slots) {
+        slot_pointer(it.args, s.kind) =
+            s.key.empty() ? s.held.data_ptr<float>() : buffers[i % 2][s.kind].data_ptr<float>();
       }
       run_chunks(std::vector<detail::AdamArgs>{it.args}, {it.numel}, detail::kernels().adam);
-      for (size_t k = 0; k < it.keys.size(); ++k) {
-        queued.push_back(store.write(it.keys[k], buffers[i % 2][k].data_ptr()));
+      writes[i % 2].clear();  // those of parameter i-2, done: its reads came after them
+      for (const Slot& s : it.slots) {
+        if (!s.key.empty() && s.write_back) {
+          queued.push_back(store.write(s.key, buffers[i % 2][s.kind].data_ptr()));
+          writes[i % 2].push_back(queued.back());
+        }
       }
     }
   } catch (...) {
@@ -327,6 +365,36 @@ void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
   }
 }
 
+// The moments' slots of `st`, every one a block of the store; a state new to this step reads
+// zeros (its blocks are discarded: what an earlier state left there is not this one's).
+template <typename AdamState>
+void moment_slots(AdamState& st,
+                  bool amsgrad,
+                  bool fresh,
+                  const std::function<std::string(const char*)>& key,
+                  OffloadStore& store,
+                  int64_t numel,
+                  std::vector<Slot>& slots) {
+  if (amsgrad && !st.max_exp_avg_sq().defined()) {
+    st.max_exp_avg_sq(torch::empty({0}));
+    store.discard(key("max_exp_avg_sq"));
+  }
+  const std::pair<SlotKind, const char*> moments[] = {
+      {kExpAvg, "exp_avg"}, {kExpAvgSq, "exp_avg_sq"}, {kMaxExpAvgSq, "max_exp_avg_sq"}};
+  const torch::Tensor held[] = {st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()};
+  for (size_t k = 0; k < (amsgrad ? 3u : 2u); ++k) {
+    const std::string name = key(moments[k].second);
+    store.reserve(name, numel * 4);
+    if (fresh) {
+      store.discard(name);
+    }
+    slots.push_back({moments[k].first, name, held[k], true});
+  }
+}
+
+// The offloaded Adam or AdamW pass: every parameter with a gradient, in memory or bound in the
+// store (FSDP's offloaded gradients), its moments in the store, and its values and gradient
+// where FSDP put them. The gradients read from the store are used up, as zero_grad would.
 template <typename Options, typename AdamState, typename Map>
 void adam_offload_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
                        Map& state,
@@ -337,41 +405,40 @@ void adam_offload_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
   std::vector<Streamed> items;
   std::vector<torch::Tensor> written;
   std::vector<AdamState*> states;
+  std::vector<std::string> used_gradients;
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) {
+      const std::string grad_key = store.bound(p, "grad");
+      const bool stored_grad = !grad_key.empty() && store.written(grad_key);
+      if (!p.grad().defined() && !stored_grad) {
         continue;
       }
-      const char* names[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
       auto sk = detail::state_key(state, p);
-      if (!state.count(sk)) {  // a first step: zeros, which a block never written reads as
+      const bool fresh = !state.count(sk);
+      if (fresh) {
         auto st = std::make_unique<AdamState>();
         st->step(0);
         st->exp_avg(torch::empty({0}));
         st->exp_avg_sq(torch::empty({0}));
         state[sk] = std::move(st);
-        for (const char* name : names) {
-          store.discard(key(p, name));  // what an earlier state left there is not this one's
-        }
       }
       auto& st = static_cast<AdamState&>(*state[sk]);
-      if (o.amsgrad() && !st.max_exp_avg_sq().defined()) {
-        st.max_exp_avg_sq(torch::empty({0}));
-        store.discard(key(p, names[2]));
-      }
       const torch::Tensor copy = copy_of(p);
       Streamed it;
-      it.args = adam_args(o, st, p, decoupled, copy);
       it.numel = p.numel();
-      it.held = {st.exp_avg(), st.exp_avg_sq()};
-      if (o.amsgrad()) {
-        it.held.push_back(st.max_exp_avg_sq());
+      moment_slots(
+          st, o.amsgrad(), fresh, [&](const char* name) { return key(p, name); }, store, it.numel,
+          it.slots);
+      const std::string values_key = store.bound(p, "param");
+      it.slots.push_back({kValues, values_key, values_key.empty() ? p : torch::Tensor(), true});
+      if (stored_grad && !p.grad().defined()) {
+        it.slots.push_back({kGradient, grad_key, {}, false});
+        used_gradients.push_back(grad_key);
+      } else {
+        it.slots.push_back({kGradient, "", p.grad(), false});
       }
-      for (size_t k = 0; k < it.held.size(); ++k) {
-        it.keys.push_back(key(p, names[k]));
-        store.reserve(it.keys.back(), it.numel * 4);
-      }
+      it.args = adam_args(o, st, p, decoupled, copy);
       items.push_back(std::move(it));
       states.push_back(&st);
       written.insert(written.end(), {p, copy});
@@ -384,6 +451,9 @@ void adam_offload_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
     if (st->max_exp_avg_sq().defined()) {
       st->max_exp_avg_sq(torch::empty({0}));
     }
+  }
+  for (const std::string& g : used_gradients) {
+    store.discard(g);
   }
   bump_versions(written);
 }

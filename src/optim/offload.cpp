@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 namespace paratrain {
@@ -213,6 +214,24 @@ void OffloadStore::discard(const std::string& key) {
   queue([] {}).wait();  // the I/O thread runs in order: nothing queued before touches it now
   std::lock_guard<std::mutex> lock(mutex_);
   it->second.written = false;
+}
+
+void OffloadStore::bind(const torch::Tensor& param,
+                        const std::string& part,
+                        const std::string& key) {
+  TORCH_CHECK(has(key), "offload: bind to block '", key, "', which is not reserved");
+  bindings_[{param.unsafeGetTensorImpl(), part}] = key;
+}
+
+void OffloadStore::unbind(const torch::Tensor& param) {
+  for (auto it = bindings_.begin(); it != bindings_.end();) {
+    it = it->first.first == param.unsafeGetTensorImpl() ? bindings_.erase(it) : std::next(it);
+  }
+}
+
+std::string OffloadStore::bound(const torch::Tensor& param, const std::string& part) const {
+  const auto it = bindings_.find({param.unsafeGetTensorImpl(), part});
+  return it == bindings_.end() ? "" : it->second;
 }
 
 OffloadStore::Block& OffloadStore::block(const std::string& key) {

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/torch.h>
 
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -68,6 +69,12 @@ struct UnitState {
   torch::Tensor reduce_input, reduce_output;
   torch::Tensor
       unsynced;  // fp32 [padded]: gradients summed under set_requires_gradient_sync(false)
+  // Offload: the store's blocks of the shard and of its gradient ("" when in memory); a read of
+  // the shard queued ahead of its all-gather, and the write of the gradient in flight, with the
+  // buffers they use.
+  std::string param_key, grad_key;
+  std::shared_future<void> param_read, grad_write;
+  torch::Tensor param_buffer, grad_buffer;
   bool has_params() const { return layout.padded > 0; }
 };
 
@@ -100,6 +107,18 @@ struct FullyShardedDataParallel::Impl {
   void finalize_backward();
   torch::Tensor run_unit(int index, const torch::Tensor& input, bool graph);
   torch::Tensor mark_backward_start(const torch::Tensor& output);
+
+  // fsdp_offload.cpp
+  optim::OffloadStore* store() const { return options.offload().store().get(); }
+  void offload_units();
+  void read_ahead(fsdp_detail::UnitState& u);
+  torch::Tensor shard_values(fsdp_detail::UnitState& u);
+  torch::Tensor read_shard(const fsdp_detail::UnitState& u) const;
+  void set_shard_values(fsdp_detail::UnitState& u, const torch::Tensor& values);
+  void add_offloaded_gradient(fsdp_detail::UnitState& u, const torch::Tensor& g);
+  torch::Tensor read_gradient(const fsdp_detail::UnitState& u) const;
+  void write_gradient(fsdp_detail::UnitState& u, const torch::Tensor& g);
+  void settle_offload();
 };
 
 }  // namespace paratrain

@@ -10,6 +10,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/engine.h>
+#include <cstddef>
 
 namespace paratrain {
 
@@ -132,7 +133,13 @@ void FullyShardedDataParallel::Impl::issue_gather(UnitState& u) {
     return;
   }
   allocate_storage(u.full, pool);
-  u.gather_input = u.shard.detach().to(u.full.scalar_type()).contiguous();
+  u.gather_input = shard_values(u).to(u.full.scalar_type()).contiguous();
+  if (!u.param_key.empty()) {  // the read of the unit that runs next, behind this all-gather
+    const auto next = (&u - units.data()) + (backward_queued ? -1 : 1);
+    if (next >= 0 && next < static_cast<std::ptrdiff_t>(units.size())) {
+      read_ahead(units[static_cast<size_t>(next)]);
+    }
+  }
   std::vector<Tensor> outputs = u.full.chunk(group->size());
   u.gather = group->allgather(outputs, u.gather_input);
   u.phase = UnitPhase::kGathering;
@@ -252,7 +259,9 @@ void FullyShardedDataParallel::Impl::finish_reduce(UnitState& u) {
   }
   Tensor g = u.reduce_output.to(u.shard.scalar_type());
   Tensor& grad = u.shard.mutable_grad();
-  if (grad.defined()) {
+  if (!u.grad_key.empty()) {
+    add_offloaded_gradient(u, g);
+  } else if (grad.defined()) {
     grad.add_(g);
   } else {
     grad = g;
@@ -281,6 +290,7 @@ void FullyShardedDataParallel::Impl::finalize_backward() {
     finish_reduce(root);
   }
   pool.clear();  // the step's blocks go back to the allocator until the next forward
+  settle_offload();
 }
 
 // Once per backward. The callback holds the object weakly: a backward that outlives it fails in

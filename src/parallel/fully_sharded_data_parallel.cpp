@@ -214,6 +214,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   }
   collect_params(m.units[0], named_of(m.units[0]), owner);
   shard_units(m);
+  m.offload_units();
   broadcast_buffers(module, m.group);
   if (m.options.replicate_group() != nullptr) {
     broadcast_buffers(module, m.options.replicate_group());  // HSDP: one copy for every replica
@@ -231,6 +232,16 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
       }
       if (u.gather) {
         u.gather->wait();
+      }
+      // The store's I/O thread may still use these buffers.
+      if (u.param_read.valid()) {
+        u.param_read.wait();
+      }
+      if (u.grad_write.valid()) {
+        u.grad_write.wait();
+      }
+      if (impl_->store() != nullptr) {
+        impl_->store()->unbind(u.shard);
       }
     }
   } catch (...) {
@@ -342,10 +353,12 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm,
                 " is no parameter of the model (parallelize the model FSDP wraps, by its names)");
   }
   torch::NoGradGuard no_grad;
+  impl_->settle_offload();
   double split = 0, whole = 0;
   for (const auto& u : impl_->units) {
-    if (u.has_params() && u.shard.grad().defined()) {
-      const auto [a, b] = shard_square_norms(u, u.shard.grad(), rank(), layout);
+    const Tensor grad = u.grad_key.empty() ? u.shard.grad() : impl_->read_gradient(u);
+    if (u.has_params() && grad.defined()) {
+      const auto [a, b] = shard_square_norms(u, grad, rank(), layout);
       split += a;
       whole += b;
     }
@@ -361,7 +374,13 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm,
   const double coef = max_norm / (norm + 1e-6);
   if (max_norm > 0 && coef < 1) {
     for (auto& u : impl_->units) {
-      if (u.has_params() && u.shard.grad().defined()) {
+      if (!u.grad_key.empty()) {  // read again and written back: one unit in memory at a time
+        Tensor grad = impl_->read_gradient(u);
+        if (grad.defined()) {
+          grad.mul_(coef);
+          impl_->write_gradient(u, grad);
+        }
+      } else if (u.has_params() && u.shard.grad().defined()) {
         u.shard.mutable_grad().mul_(coef);
       }
     }
@@ -394,7 +413,7 @@ std::map<std::string, Tensor> FullyShardedDataParallel::full_state() {
     }
     Tensor flat = torch::empty({u.layout.padded}, u.shard.options().requires_grad(false));
     std::vector<Tensor> outputs = flat.chunk(impl_->group->size());
-    impl_->group->allgather(outputs, u.shard.detach())->wait();
+    impl_->group->allgather(outputs, impl_->read_shard(u))->wait();
     for (size_t i = 0; i < u.layout.params.size(); ++i) {
       const int64_t n = c10::multiply_integers(u.layout.shapes[i]);
       out[u.layout.params[i]] =
@@ -424,7 +443,7 @@ void FullyShardedDataParallel::load_full_state(const std::map<std::string, Tenso
       flat.narrow(0, u.layout.offsets[i], it->second.numel()).copy_(it->second.reshape({-1}));
     }
     const int64_t size = u.layout.padded / world;
-    u.shard.detach().copy_(flat.narrow(0, impl_->group->rank() * size, size));
+    impl_->set_shard_values(u, flat.narrow(0, impl_->group->rank() * size, size));
   }
 }
 
@@ -432,7 +451,7 @@ std::map<std::string, Tensor> FullyShardedDataParallel::sharded_state() const {
   std::map<std::string, Tensor> out;
   for (const auto& u : impl_->units) {
     if (u.has_params()) {
-      out[fsdp_saved::unit_key(u.layout)] = u.shard.detach();
+      out[fsdp_saved::unit_key(u.layout)] = impl_->read_shard(u);
     }
   }
   return out;
@@ -477,7 +496,7 @@ void FullyShardedDataParallel::load_sharded_state(
                   name, "'; it was saved from another model");
       pieces.push_back(it->second.reshape({-1}));
     }
-    u.shard.detach().copy_(reshard(k, pieces));
+    impl_->set_shard_values(u, reshard(k, pieces));
   }
 }
 
@@ -495,7 +514,7 @@ void FullyShardedDataParallel::load_own_shards(const std::map<std::string, Tenso
     TORCH_CHECK(it->second.numel() == u.shard.numel(), "FullyShardedDataParallel: unit '", name,
                 "''s saved shard has ", it->second.numel(), " elements and this rank's ",
                 u.shard.numel(), "; it was saved from a model of another shape or world size");
-    u.shard.detach().copy_(it->second.reshape({-1}));
+    impl_->set_shard_values(u, it->second.reshape({-1}));
   }
 }
 

@@ -80,6 +80,14 @@ class OffloadStore {
   /// for the queued operations first.
   void discard(const std::string& key);
 
+  /// Says that `param`'s `part` ("param": its values, "grad": its gradient) lives in block
+  /// `key`: FSDP binds its offloaded shards and gradients so that the fused optimizer's step
+  /// reads and writes them there. The store holds `param` only by address: unbind before it dies.
+  void bind(const torch::Tensor& param, const std::string& part, const std::string& key);
+  void unbind(const torch::Tensor& param);
+  /// The block bound to `param`'s `part`; "" when none.
+  std::string bound(const torch::Tensor& param, const std::string& part) const;
+
   /// Queues a read of block `key` into `dst` (a buffer from buffer(), of at least the block's
   /// size), checked against the block's checksum.
   std::shared_future<void> read(const std::string& key, void* dst);
@@ -126,6 +134,7 @@ class OffloadStore {
   std::string file_;
   int64_t end_ = 0;  // the file's reserved size
   std::map<std::string, Block> blocks_;
+  std::map<std::pair<const void*, std::string>, std::string> bindings_;
   std::atomic<int64_t> bytes_read_{0}, bytes_written_{0};
   double io_wait_seconds_ = 0;
   mutable std::mutex mutex_;  // the queue, and the blocks' crc and written

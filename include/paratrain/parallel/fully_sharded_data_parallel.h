@@ -49,10 +49,22 @@
 // Between steps the module's own parameters are empty tensors: read the weights through
 // full_state() (a collective), not through the module.
 //
+// Offload (FsdpOptions::offload, as FSDP2's OffloadPolicy and DeepSpeed's offload_param and
+// offload of gradients): each unit's shard, its gradient or both live in an OffloadStore (host
+// memory or a file, paratrain/optim/offload.h) between uses. An offloaded shard has no storage
+// of its own: a unit's all-gather reads it from the store (the next unit's read already queued),
+// and the optimizer's step reads and writes it there. A unit's reduced gradient is added to its
+// block in the store instead of the shard's .grad, which stays undefined. Give the optimizer the
+// same store (paratrain::optim::FusedAdam or FusedAdamW, offload(store)): its step streams the
+// moments, values and gradients through memory unit by unit, and uses the gradients up, as
+// zero_grad would (discard_offloaded_gradients() drops them without a step). Training is bitwise
+// the same as with everything in memory. CPU shards only.
+//
 // Threads: forward, backward and the state functions are collectives on the group; call them on
 // every rank, in the same order, from one thread.
 
 #include "paratrain/comm/process_group.h"
+#include "paratrain/optim/offload.h"
 #include "paratrain/parallel/tensor_parallel.h"
 
 #include <torch/arg.h>
@@ -78,6 +90,17 @@ struct FsdpMixedPrecision {
   TORCH_ARG(std::optional<torch::ScalarType>, output_dtype) = std::nullopt;
 };
 
+/// What of each unit lives in an OffloadStore between uses (FSDP2's OffloadPolicy). The
+/// optimizer state is the optimizer's to offload (FusedAdam::offload with the same store).
+struct FsdpOffloadPolicy {
+  /// Where: host memory or a file (OffloadOptions::dir). nullptr: nothing is offloaded.
+  TORCH_ARG(std::shared_ptr<optim::OffloadStore>, store) = nullptr;
+  /// The shards' gradients, between backward and the optimizer's step.
+  TORCH_ARG(bool, gradients) = false;
+  /// The shards themselves (the fp32 weights the optimizer steps), between uses.
+  TORCH_ARG(bool, params) = false;
+};
+
 struct FsdpOptions {
   /// The children of the Sequential that become units, by name; the other children's
   /// parameters form the root unit. Empty: every child with parameters except the first and the
@@ -97,6 +120,8 @@ struct FsdpOptions {
   /// The weights of its rank 0 are kept; each unit's gradient is reduce-scattered over the shard
   /// group, then all-reduced (averaged) over this one. nullptr: plain FSDP.
   TORCH_ARG(dist::ProcessGroupPtr, replicate_group) = nullptr;
+  /// Shards and gradients kept in a store between uses (see above).
+  TORCH_ARG(FsdpOffloadPolicy, offload) = {};
 };
 
 class FullyShardedDataParallel {
@@ -180,6 +205,10 @@ class FullyShardedDataParallel {
   /// The same resharding for any tensors laid out as the shards (an optimizer's exp_avg):
   /// pieces[r] is rank r's piece of unit `unit`'s flat tensor; returns this rank's.
   torch::Tensor reshard(size_t unit, const std::vector<torch::Tensor>& pieces) const;
+
+  /// With gradients offloaded: forgets the gradients in the store, as the optimizer's
+  /// zero_grad() forgets those in memory (which it cannot reach there). No-op otherwise.
+  void discard_offloaded_gradients();
 
   /// Bytes of gathered-weight and gradient blocks kept for the next unit, not in use now (what
   /// torch.cuda.memory_reserved counts beyond the allocated memory, for FSDP's own blocks):
