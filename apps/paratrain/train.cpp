@@ -379,6 +379,17 @@ std::string describe_model_and_data(const TrainSettings& s,
   return d.str();
 }
 
+// ", offload optimizer,gradients in /scratch," (before the learning rate).
+std::string describe_offload(const TrainOffloadOptions& off) {
+  if (!off.any()) {
+    return "";
+  }
+  std::string parts = off.optimizer() ? "optimizer" : "";
+  parts += off.gradients() ? std::string(parts.empty() ? "" : ",") + "gradients" : "";
+  parts += off.params() ? std::string(parts.empty() ? "" : ",") + "params" : "";
+  return ", offload " + parts + (off.dir().empty() ? " in host memory," : " in " + off.dir() + ",");
+}
+
 // Rank 0's one line about the run, before the first epoch.
 void print_setup(std::ostream& info,
                  const TrainSettings& s,
@@ -408,12 +419,13 @@ void print_setup(std::ostream& info,
            : m.is_mesh()         ? " per data-parallel rank, "
                                  : " per rank, ")
        << trainer.steps_per_epoch() << " steps per epoch, " << o.optimizer().kind()
-       << (!o.optimizer().fused()  ? ""
-           : where.device.is_cpu() ? " (fused, " + optim::fused_isa() + ")"
+       << (!o.optimizer().fused() && !o.offload().any() ? ""
+           : where.device.is_cpu()                      ? " (fused, " + optim::fused_isa() + ")"
                                    : " (fused on CPU parameters only: libtorch's step here)")
-       << " lr " << s.lr << ", momentum " << s.momentum << ", weight decay " << s.weight_decay
-       << ", seed " << s.seed << ", " << at::get_num_threads() << " threads per rank"
-       << describe_amp(trainer.mixed_precision()) << std::endl;
+       << describe_offload(o.offload()) << " lr " << s.lr << ", momentum " << s.momentum
+       << ", weight decay " << s.weight_decay << ", seed " << s.seed << ", "
+       << at::get_num_threads() << " threads per rank" << describe_amp(trainer.mixed_precision())
+       << std::endl;
 }
 
 // On a terminal, "epoch E/N step S/T" rewritten in place after every step.

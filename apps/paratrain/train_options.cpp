@@ -133,6 +133,13 @@ std::vector<OptionSpec> loop_option_specs() {
       {"trace", "FILE", "write a Chrome trace of every rank (Perfetto, chrome://tracing)"},
       {"sync-bn", "", "ddp: BatchNorm over the whole batch of all ranks (SyncBatchNorm)"},
       {"zero", "", "ddp: shard the optimizer state over the ranks (ZeroRedundancyOptimizer)"},
+      {"offload", "LIST",
+       "fsdp (ddp with --zero: optimizer only): keep the optimizer's moments, the gradients and "
+       "the shards (optimizer,gradients,params, or all) in files in --offload-dir, or in host "
+       "memory with host (ZeRO-Offload, ZeRO-Infinity); adam and adamw, fused"},
+      {"offload-dir", "DIR",
+       "with --offload: a directory on a disk (not tmpfs) for each rank's offloaded state, "
+       "checked for room before training"},
       {"checkpoint-activations", "",
        "fsdp: recompute each unit's activations in backward instead of keeping them"},
       {"fsdp-param-dtype", "bf16|fp16",
@@ -545,6 +552,47 @@ LRScheduleOptions lr_schedule_options(const Args& args, int epochs) {
   return ls;
 }
 
+// --offload's parts and tier, and --offload-dir.
+TrainOffloadOptions read_offload(const Args& args) {
+  TrainOffloadOptions off;
+  if (!args.has("offload")) {
+    if (args.has("offload-dir")) {
+      throw UsageError(
+          "--offload-dir says where --offload keeps state: add --offload optimizer "
+          "(or optimizer,gradients,params)");
+    }
+    return off;
+  }
+  bool host = false;
+  for (const std::string& part : split_list(args.get("offload"))) {
+    if (part == "optimizer" || part == "all") {
+      off.optimizer(true);
+    }
+    if (part == "gradients" || part == "all") {
+      off.gradients(true);
+    }
+    if (part == "params" || part == "all") {
+      off.params(true);
+    }
+    host = host || part == "host";
+    if (part != "optimizer" && part != "gradients" && part != "params" && part != "all" &&
+        part != "host") {
+      throw UsageError("unknown --offload part '" + part +
+                       "': choose optimizer, gradients, params, all, and host for host memory");
+    }
+  }
+  if (!off.any()) {
+    off.optimizer(true);  // --offload host: the optimizer's state in host memory
+  }
+  if (host == args.has("offload-dir")) {
+    throw UsageError(host ? "--offload host keeps the state in host memory and --offload-dir in "
+                            "files: give one of them"
+                          : "--offload needs --offload-dir DIR (a directory on a disk), or host "
+                            "in its list to keep the state in host memory");
+  }
+  return off.dir(host ? "" : args.get("offload-dir"));
+}
+
 // The checkpoint, metrics, replica-check, trace and ZeRO flags, as given.
 void read_outputs(const Args& args, TrainerOptions& o) {
   o.checkpoint_dir(args.get("checkpoint-dir", ""))
@@ -561,7 +609,8 @@ void read_outputs(const Args& args, TrainerOptions& o) {
       .trace(args.get("trace", ""))
       .sync_batchnorm(args.has("sync-bn"))
       .zero(args.has("zero"))
-      .zero_checkpoint(args.get("zero-checkpoint", "consolidated"));
+      .zero_checkpoint(args.get("zero-checkpoint", "consolidated"))
+      .offload(read_offload(args));
 }
 
 // The command line's own rules (the Trainer checks its options itself: check_trainer_options).

@@ -690,6 +690,14 @@ void FusedOptimizer::offload(std::shared_ptr<OffloadStore> store) {
     }
   }
   store_ = std::move(store);
+  // The moments' disk space now, not at the first step: a disk too small fails before training.
+  for (size_t g = 0; store_ != nullptr && self != nullptr && g < self->param_groups().size(); ++g) {
+    for (const auto& p : self->param_groups()[g].params()) {
+      for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+        store_->reserve(offload_key(p, name), p.numel() * 4);
+      }
+    }
+  }
 }
 
 torch::Tensor FusedAdam::step(LossClosure closure) {

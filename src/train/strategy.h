@@ -39,6 +39,8 @@ class TrainStrategy {
 
   /// The optimizer over the parameters it steps: the model's (its O2 masters), or its shards.
   virtual std::unique_ptr<torch::optim::Optimizer> make_optimizer() const;
+  /// Before an accumulation's first batch: the gradients forgotten (fsdp's offloaded ones too).
+  virtual void zero_grad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
   /// One batch forward and backward; its gradients are synchronized across the ranks only when
   /// `last` (the last batch of an accumulation). Returns the batch's mean loss, unscaled.
   virtual torch::Tensor forward_backward(const torch::Tensor& input,
@@ -137,5 +139,13 @@ const std::vector<StrategyKind>& strategy_kinds();
 const StrategyKind& strategy_kind(Strategy strategy);
 /// The chosen strategy's checks, then no option of another strategy set.
 void check_strategy_options(const TrainerOptions& options);
+
+/// offload.cpp: TrainerOptions::offload's rules (OptionError, field "offload"); the bytes each
+/// rank writes to offload().dir(); the refusal of a directory without room for them (counting
+/// the ranks on this host), before anything is built; and a rank's store (nullptr: none).
+void check_offload_options(const TrainerOptions& options);
+int64_t offload_bytes_per_rank(const TrainerOptions& options, const torch::nn::Sequential& model);
+void check_offload_space(const TrainerOptions& options, const torch::nn::Sequential& model);
+std::shared_ptr<optim::OffloadStore> make_offload_store(const TrainerOptions& options);
 
 }  // namespace paratrain::train_internal

@@ -37,7 +37,9 @@ class DdpStrategy : public TrainStrategy {
     if (!options_.zero()) {
       return TrainStrategy::make_optimizer();
     }
-    const OptimizerOptions options = options_.optimizer();
+    // The local optimizer's moments in this rank's store (offload optimizer under zero).
+    const OptimizerOptions options =
+        OptimizerOptions(options_.optimizer()).offload(make_offload_store(options_));
     return std::make_unique<ZeroRedundancyOptimizer>(
         mp_->optimizer_parameters(),
         [options](std::vector<torch::optim::OptimizerParamGroup> groups) {

@@ -73,9 +73,13 @@ class FsdpStrategy : public TrainStrategy {
   FsdpStrategy(const TrainerOptions& o, torch::nn::Sequential model)
       : TrainStrategy(o, std::move(model), o.device(), sharded_scaler(o)),
         parts_(make_mesh(o, model_)),
+        store_(make_offload_store(o)),
         fsdp_(model_,
               parts_.mesh ? (*parts_.mesh)["dp_shard"] : o.process_group(),
-              mesh_fsdp_options(o, parts_)) {}
+              mesh_fsdp_options(o, parts_).offload(FsdpOffloadPolicy()
+                                                       .store(store_)
+                                                       .gradients(o.offload().gradients())
+                                                       .params(o.offload().params()))) {}
 
   std::optional<std::pair<int, int>> data_rank() const override {
     if (!parts_.mesh) {
@@ -85,7 +89,14 @@ class FsdpStrategy : public TrainStrategy {
   }
 
   std::unique_ptr<torch::optim::Optimizer> make_optimizer() const override {
-    return paratrain::make_optimizer(fsdp_.parameters(), options_.optimizer());
+    return paratrain::make_optimizer(
+        fsdp_.parameters(), OptimizerOptions(options_.optimizer())
+                                .offload(options_.offload().optimizer() ? store_ : nullptr));
+  }
+
+  void zero_grad(torch::optim::Optimizer& optimizer) override {
+    optimizer.zero_grad();
+    fsdp_.discard_offloaded_gradients();
   }
 
   torch::Tensor forward_backward(const torch::Tensor& input,
@@ -158,6 +169,7 @@ class FsdpStrategy : public TrainStrategy {
 
  private:
   MeshParts parts_;
+  std::shared_ptr<optim::OffloadStore> store_;  // before fsdp_, which binds its shards in it
   FullyShardedDataParallel fsdp_;
 };
 

@@ -36,6 +36,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tenso
               "optimizer: lr and eps must be > 0, momentum and weight_decay >= 0 (got lr ", o.lr(),
               ", momentum ", o.momentum(), ", weight_decay ", o.weight_decay(), ", eps ", o.eps(),
               ")");
+  TORCH_CHECK(o.offload() == nullptr || o.kind() != "sgd",
+              "optimizer: offload keeps the moments of adam and adamw; sgd's momentum stays in "
+              "memory (choose adam or adamw)");
   if (o.kind() == "sgd") {
     const auto sgd =
         torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay());
@@ -50,16 +53,20 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(std::vector<torch::Tenso
   if (o.kind() == "adam") {
     const auto adam =
         torch::optim::AdamOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay());
-    if (o.fused()) {
-      return std::make_unique<optim::FusedAdam>(params, adam);
+    if (o.fused() || o.offload() != nullptr) {
+      auto fused = std::make_unique<optim::FusedAdam>(params, adam);
+      fused->offload(o.offload());
+      return fused;
     }
     return std::make_unique<torch::optim::Adam>(params, adam);
   }
   TORCH_CHECK(o.kind() == "adamw", "unknown optimizer '", o.kind(), "': choose sgd, adam or adamw");
   const auto adamw =
       torch::optim::AdamWOptions(o.lr()).betas(betas).eps(o.eps()).weight_decay(o.weight_decay());
-  if (o.fused()) {
-    return std::make_unique<optim::FusedAdamW>(params, adamw);
+  if (o.fused() || o.offload() != nullptr) {
+    auto fused = std::make_unique<optim::FusedAdamW>(params, adamw);
+    fused->offload(o.offload());
+    return fused;
   }
   return std::make_unique<torch::optim::AdamW>(params, adamw);
 }
@@ -130,6 +137,7 @@ void check_trainer_options(const TrainerOptions& o) {
   at_least("check_replicas", o.check_replicas(), 0);
   check_checkpoint_options(o);
   train_internal::check_strategy_options(o);
+  train_internal::check_offload_options(o);
   PARATRAIN_CHECK_OPTION(o.zero_checkpoint() == "consolidated" || o.zero_checkpoint() == "sharded",
                          "zero_checkpoint", "zero_checkpoint is '", o.zero_checkpoint(),
                          "': use consolidated or sharded");
@@ -296,7 +304,7 @@ void Trainer::Impl::train_epoch(double& loss_sum_out, int64_t& samples) {
     const bool first = batch % o.accumulate() == 0;
     const bool last = (batch + 1) % o.accumulate() == 0 || batch + 1 == batches_per_epoch;
     if (first) {
-      opt->zero_grad();
+      strategy->zero_grad(*opt);
     }
     // The batch's mean loss, unscaled.
     const torch::Tensor loss = strategy->forward_backward(b->data, b->target, last);
@@ -526,6 +534,7 @@ Trainer::Trainer(torch::nn::Sequential model,
   TORCH_CHECK(m.train, "Trainer: the training set is null");
   cpu::ensure_usable_kernels();  // Note [CPU kernels that do not run]
   m.check_options();
+  train_internal::check_offload_space(m.o, m.model);
   m.build_strategy();
   m.build_loaders();
   if (!m.o.checkpoint_dir().empty()) {

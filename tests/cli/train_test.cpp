@@ -14,8 +14,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #endif
 
+#include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <regex>
@@ -492,6 +494,101 @@ TEST(Train, FusedOptimizerUnderZeroAndFsdp) {
   EXPECT_GT(losses[0], 0);
   for (size_t i = 2; i < losses.size(); ++i) {
     EXPECT_NEAR(losses[i], losses[i % 2], 1e-5) << i;
+  }
+  remove_tree(dir);
+}
+
+// paratrain train --offload on 2 FSDP ranks: every part in a file or in host memory, with
+// gradient accumulation and clipping, ends with the same bytes as training in memory; and
+// ZeRO's optimizer state offloaded trains as ZeRO in memory.
+TEST(Train, OffloadIsBitwiseEqualToTrainingInMemory) {
+  std::string why;
+  const std::string dir = gpl_token_dir("gpt-offload", why);
+  if (dir.empty()) {
+    ASSERT_NE(why.find("is missing"), std::string::npos) << why;
+    GTEST_SKIP() << why;
+  }
+  const std::string scratch = make_temp_dir("offload-scratch");
+  std::vector<std::string> base{
+      cli_path(),         "train", "--model",          "gpt",    "--layers",     "2",
+      "--width",          "64",    "--heads",          "4",      "--vocab",      "256",
+      "--context",        "64",    "--dataset",        "tokens", "--data-dir",   dir,
+      "--optimizer",      "adamw", "--weight-decay",   "0.1",    "--lr",         "3e-3",
+      "--batch-size",     "8",     "--steps",          "10",     "--accumulate", "2",
+      "--clip-grad-norm", "0.5",   "--nproc-per-node", "2",      "--strategy",   "fsdp",
+      "--fused-optimizer"};
+  std::map<std::string, std::string> weights;
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {},
+           {"--offload", "all", "--offload-dir", scratch},
+           {"--offload", "optimizer,gradients", "--offload-dir", scratch},
+           {"--offload", "optimizer,params,host"},
+           {"--offload", "host"}}) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    const std::string name = extra.empty() ? "memory" : extra[1];
+    const std::string file = scratch + "/" + name + ".safetensors";
+    argv.insert(argv.end(), {"--save-weights", file});
+    auto r = run_process(argv, {kCpuOnly}, 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    if (!extra.empty()) {
+      EXPECT_NE(r.output.find(", offload "), std::string::npos) << r.output;
+    }
+    weights[name] = file_bytes(file);
+    EXPECT_FALSE(weights[name].empty()) << name;
+    EXPECT_EQ(weights[name], weights["memory"]) << name << " differs from training in memory";
+  }
+  EXPECT_TRUE(files_in(scratch).size() == weights.size()) << "offload files left behind";
+  remove_tree(scratch);
+  remove_tree(dir);
+}
+
+// Each refusal is one line and a non-zero exit, before any rank starts.
+TEST(Train, OffloadBadInput) {
+  const std::string dir = make_temp_dir("offload-bad");
+  data::write_tokens(dir + "/train.bin", std::vector<uint16_t>(3000, 'a'));
+  data::write_tokens(dir + "/val.bin", std::vector<uint16_t>(300, 'b'));
+  const std::vector<std::string> gpt{
+      "--model",   "gpt",    "--layers",   "1",   "--width",     "8",
+      "--heads",   "2",      "--vocab",    "256", "--context",   "16",
+      "--dataset", "tokens", "--data-dir", dir,   "--optimizer", "adam"};
+  struct Case {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  std::vector<Case> cases{
+      {{"--strategy", "ddp", "--offload", "optimizer", "--offload-dir", dir},
+       "--strategy ddp keeps the whole state on every rank: add --zero"},
+      {{"--strategy", "single", "--offload", "host"}, "shards nothing: use --strategy fsdp"},
+      {{"--strategy", "ddp", "--zero", "--offload", "optimizer,gradients", "--offload-dir", dir},
+       "offload gradients and params with --strategy fsdp"},
+      {{"--strategy", "fsdp", "--offload", "optimizer", "--offload-dir", dir + "/missing"},
+       "does not exist"},
+      {{"--strategy", "fsdp", "--offload", "optimizer"}, "--offload needs --offload-dir DIR"},
+      {{"--strategy", "fsdp", "--offload", "host", "--offload-dir", dir}, "give one of them"},
+      {{"--strategy", "fsdp", "--offload", "weights", "--offload-dir", dir},
+       "unknown --offload part 'weights'"},
+      {{"--strategy", "fsdp", "--offload-dir", dir}, "add --offload optimizer"},
+      {{"--strategy", "fsdp", "--offload", "gradients", "--offload-dir", dir},
+       "offload the optimizer too"},
+  };
+  struct statfs fs {};
+  if (::statfs("/dev/shm", &fs) == 0 && fs.f_type == 0x01021994) {  // TMPFS_MAGIC
+    cases.push_back({{"--strategy", "fsdp", "--offload", "optimizer", "--offload-dir", "/dev/shm"},
+                     "tmpfs, which is memory"});
+  }
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{cli_path(), "train"};
+    argv.insert(argv.end(), gpt.begin(), gpt.end());
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    if (std::find(c.args.begin(), c.args.end(), "--strategy") != c.args.end() &&
+        std::find(c.args.begin(), c.args.end(), "single") == c.args.end()) {
+      argv.insert(argv.end(), {"--nproc-per-node", "2"});
+    }
+    auto r = run_process(argv, {kCpuOnly}, 120);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.message << "\n" << r.output;
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
   }
   remove_tree(dir);
 }

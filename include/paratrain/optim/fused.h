@@ -72,7 +72,8 @@ class FusedOptimizer {
 
   /// From the next step on, keeps the moments of Adam and AdamW in `store` (see above); nullptr
   /// brings them back into memory. A step whose parameters the pass cannot take then throws
-  /// (libtorch's step needs the moments in memory). c10::Error for FusedSGD.
+  /// (libtorch's step needs the moments in memory). The moments' space in the store is reserved
+  /// now: a disk without room throws here, in one line. c10::Error for FusedSGD.
   void offload(std::shared_ptr<OffloadStore> store);
   const std::shared_ptr<OffloadStore>& offload_store() const { return store_; }
   /// State tensor `name` ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") of `param` as it is now:

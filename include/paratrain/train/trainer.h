@@ -28,6 +28,7 @@
 #include "paratrain/comm/process_group.h"
 #include "paratrain/data/dataset.h"
 #include "paratrain/io/checkpoint.h"
+#include "paratrain/optim/offload.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
 #include "paratrain/parallel/pipeline.h"
 #include "paratrain/train/lr_schedule.h"
@@ -67,6 +68,25 @@ struct OptimizerOptions {
   /// The step in one vectorized pass per CPU parameter (optim::FusedAdam, FusedAdamW, FusedSGD),
   /// as torch.optim.Adam(fused=True); libtorch's step for parameters the pass does not take.
   TORCH_ARG(bool, fused) = false;
+  /// adam and adamw: the moments in this store (the fused step, optim::FusedAdam::offload);
+  /// nullptr keeps them in memory.
+  TORCH_ARG(std::shared_ptr<optim::OffloadStore>, offload) = nullptr;
+};
+
+/// What training keeps out of memory, and where (DeepSpeed's ZeRO-Offload and ZeRO-Infinity;
+/// paratrain/optim/offload.h). Each rank has a store of its own.
+struct TrainOffloadOptions {
+  /// Adam's and AdamW's moments (fsdp, or ddp with zero): the fused step streams them.
+  TORCH_ARG(bool, optimizer) = false;
+  /// fsdp: the shards' gradients, between backward and the step.
+  TORCH_ARG(bool, gradients) = false;
+  /// fsdp: the shards themselves (the fp32 weights the optimizer steps), between uses.
+  TORCH_ARG(bool, params) = false;
+  /// A directory on a disk (the files tier); "" keeps them in host memory (for device training).
+  TORCH_ARG(std::string, dir) = "";
+
+ public:
+  bool any() const { return optimizer_ || gradients_ || params_; }
 };
 
 /// libtorch's optimizer for the options (its fused subclass with `fused`); c10::Error for an
@@ -135,6 +155,11 @@ struct TrainerOptions {
   TORCH_ARG(FsdpOptions, fsdp) = {};
   /// fsdp: the device mesh (tensor parallel, HSDP); the default is 1-D FSDP over every rank.
   TORCH_ARG(MeshOptions, mesh) = {};
+  /// fsdp (and ddp with zero, the optimizer only): state kept in host memory or files. Before
+  /// anything is built each rank checks that the directory is a disk's with room for its part
+  /// (counting the other ranks on its host), and refuses in one line otherwise. Checkpoints are
+  /// the same with or without offload, and either resumes into the other.
+  TORCH_ARG(TrainOffloadOptions, offload) = {};
   /// Mixed precision: the opt level, dtype and loss scaling.
   TORCH_ARG(amp::AmpOptions, amp) = {};
   /// The optimizer and its hyperparameters.

@@ -1,0 +1,104 @@
+// TrainerOptions::offload: its rules, the free-space check before anything is built, and each
+// rank's store.
+
+#include "strategy.h"
+
+#include "paratrain/base/option_error.h"
+#include "paratrain/optim/offload.h"
+#include "paratrain/train/trainer.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+namespace paratrain::train_internal {
+
+namespace {
+
+std::string gib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return text;
+}
+
+// The ranks of this job that write to the same disk: this host's (torchrun's LOCAL_WORLD_SIZE).
+int64_t ranks_on_this_host() {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  return local != nullptr && std::atoll(local) > 0 ? std::atoll(local) : 1;
+}
+
+}  // namespace
+
+void check_offload_options(const TrainerOptions& o) {
+  const TrainOffloadOptions& off = o.offload();
+  if (!off.any()) {
+    PARATRAIN_CHECK_OPTION(off.dir().empty(), "offload", "offload dir '", off.dir(),
+                           "' says where offloaded state goes, but nothing is offloaded: add "
+                           "optimizer (and gradients, params)");
+    return;
+  }
+  const bool fsdp = o.strategy() == Strategy::kFSDP;
+  const bool zero = o.strategy() == Strategy::kDDP && o.zero();
+  PARATRAIN_CHECK_OPTION(
+      fsdp || zero, "offload", "offload moves sharded state out of memory, and strategy ",
+      to_string(o.strategy()),
+      o.strategy() == Strategy::kDDP
+          ? " keeps the whole state on every rank: add zero (the optimizer's state sharded) or use "
+            "strategy fsdp"
+          : " shards nothing: use strategy fsdp, or ddp with zero");
+  PARATRAIN_CHECK_OPTION(fsdp || (!off.gradients() && !off.params()), "offload",
+                         "zero shards the optimizer's state only: offload gradients and params "
+                         "with strategy fsdp");
+  PARATRAIN_CHECK_OPTION(off.optimizer(), "offload",
+                         "offloaded gradients and parameters are read and written by the "
+                         "optimizer's step in the store: offload the optimizer too");
+  PARATRAIN_CHECK_OPTION(o.optimizer().kind() != "sgd", "offload",
+                         "offload keeps the moments of adam and adamw; sgd's momentum stays in "
+                         "memory: choose adam or adamw");
+  PARATRAIN_CHECK_OPTION(o.mesh().pp() == 1, "offload",
+                         "offload does not take pipeline stages (pp ", o.mesh().pp(),
+                         "): their tied embedding is read outside the steps the store streams");
+  if (!off.dir().empty()) {
+    const std::string problem = optim::offload_dir_problem(off.dir());
+    PARATRAIN_CHECK_OPTION(problem.empty(), "offload", problem);
+  }
+}
+
+int64_t offload_bytes_per_rank(const TrainerOptions& o, const torch::nn::Sequential& model) {
+  int64_t numel = 0;
+  for (const auto& p : model->parameters()) {
+    numel += p.numel();
+  }
+  const int64_t world = o.process_group() != nullptr ? o.process_group()->size() : 1;
+  const TrainOffloadOptions& off = o.offload();
+  const int64_t arrays =
+      (off.optimizer() ? 2 : 0) + (off.gradients() ? 1 : 0) + (off.params() ? 1 : 0);  // fp32 each
+  return (numel + world - 1) / world * 4 * arrays;
+}
+
+void check_offload_space(const TrainerOptions& o, const torch::nn::Sequential& model) {
+  const TrainOffloadOptions& off = o.offload();
+  if (!off.any() || off.dir().empty()) {
+    return;
+  }
+  const int64_t per_rank = offload_bytes_per_rank(o, model);
+  const int64_t ranks = ranks_on_this_host();
+  const int64_t free = optim::offload_free_bytes(off.dir());
+  PARATRAIN_CHECK_OPTION(per_rank * ranks <= free, "offload", "offload dir '", off.dir(), "' has ",
+                         gib(free), " free, and offloading needs ", gib(per_rank * ranks), " (",
+                         gib(per_rank), " per rank, ", ranks,
+                         " ranks on this host): free space or choose another directory");
+}
+
+std::shared_ptr<optim::OffloadStore> make_offload_store(const TrainerOptions& o) {
+  if (!o.offload().any()) {
+    return nullptr;
+  }
+  const int rank = o.process_group() != nullptr ? o.process_group()->rank() : 0;
+  return std::make_shared<optim::OffloadStore>(
+      optim::OffloadOptions().dir(o.offload().dir()).owner("rank " + std::to_string(rank)));
+}
+
+}  // namespace paratrain::train_internal
