@@ -188,10 +188,19 @@ struct Placement {
   torch::Device device = torch::kCPU;
 };
 
+// Whether the GPT is built with its weights deferred, for FSDP to write and shard one unit at a
+// time (FsdpOptions::param_init_fn): no rank then holds the whole model, whatever its size. Not
+// when something reads the whole model first: loaded weights, tensor parallelism, stages.
+bool defers_init(const Args& args, const TrainSettings& s) {
+  return s.gpt && s.strategy == "fsdp" && !args.has("load-weights") && args.get_int("tp", 1) <= 1 &&
+         args.get_int("pp", 1) <= 1;
+}
+
 torch::nn::Sequential build_model(const Args& args, const TrainSettings& s, int64_t classes) {
   torch::manual_seed(s.seed);  // the same initial weights on every run
   if (s.gpt) {
-    torch::nn::Sequential model = models::gpt(s.gpt_options);
+    torch::nn::Sequential model =
+        models::gpt(models::GptOptions(s.gpt_options).defer_init(defers_init(args, s)));
     if (args.has("load-weights")) {
       models::load_gpt_weights(model, args.get("load-weights"));
     }
@@ -273,8 +282,11 @@ nlohmann::json resume_config(const Args& args,
 
 // The settings the loop options do not hold yet: strategy, devices, batches, data, config.
 // --strategy fsdp's options: the default units (a GPT's blocks), checkpointing, the gather dtype.
-FsdpOptions fsdp_options(const Args& args) {
+FsdpOptions fsdp_options(const Args& args, const TrainSettings& s) {
   FsdpOptions f;
+  if (defers_init(args, s)) {
+    f.param_init_fn(models::gpt_init_weights);  // the same weights as gpt() builds at once
+  }
   f.activation_checkpointing(args.has("checkpoint-activations"));
   if (args.has("fsdp-param-dtype")) {
     f.mixed_precision(
@@ -307,7 +319,7 @@ void configure_run(TrainerOptions& o,
       .chunks(s.chunks)
       .pipeline_schedule(s.schedule)
       .process_group(where.pg)
-      .fsdp(fsdp_options(args))
+      .fsdp(fsdp_options(args, s))
       .mesh(MeshOptions()
                 .dp_replicate(static_cast<int>(args.get_int("dp-replicate", 1)))
                 .dp_shard(static_cast<int>(args.get_int("dp-shard", -1)))

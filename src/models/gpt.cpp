@@ -44,6 +44,10 @@ constexpr GptPreset kGptPresets[] = {
 };
 
 constexpr double kGptInitStd = 0.02;  // GPT-2's initializer_range
+
+// Set while a gpt() with defer_init builds: the modules allocate their large tensors and write
+// nothing (gpt_init_weights writes them later, in the same order).
+thread_local bool building_deferred = false;
 constexpr double kGptLayerNormEps = 1e-5;
 
 void check_gpt_options(const GptOptions& o) {
@@ -97,9 +101,26 @@ LastEmbeddingClone& last_embedding_clone() {
 struct GptEmbeddingImpl : nn::Cloneable<GptEmbeddingImpl> {
   explicit GptEmbeddingImpl(const GptOptions& options) : options(options) { reset(); }
   void reset() override {
-    wte = register_module("wte", nn::Embedding(options.vocab(), options.width()));
-    wpe = register_module("wpe", nn::Embedding(options.context(), options.width()));
+    const bool deferred = building_deferred;
+    // A given _weight is taken as it is: Embedding's own normal(0, 1) waits for init_weights.
+    auto embedding = [deferred](int64_t rows, int64_t width) {
+      auto o = nn::EmbeddingOptions(rows, width);
+      return nn::Embedding(deferred ? o._weight(torch::empty({rows, width})) : o);
+    };
+    wte = register_module("wte", embedding(options.vocab(), options.width()));
+    wpe = register_module("wpe", embedding(options.context(), options.width()));
+    if (!deferred) {
+      torch::NoGradGuard no_grad;
+      wte->weight.normal_(0, kGptInitStd);
+      wpe->weight.normal_(0, kGptInitStd);
+    }
+  }
+  // The draws reset() makes when not deferred: Embedding's reset_parameters (normal(0, 1)) for
+  // wte, then wpe, then GPT-2's normal(0, 0.02) over both.
+  void init_weights() {
     torch::NoGradGuard no_grad;
+    wte->weight.normal_();
+    wpe->weight.normal_();
     wte->weight.normal_(0, kGptInitStd);
     wpe->weight.normal_(0, kGptInitStd);
   }
@@ -271,8 +292,26 @@ Conv1DImpl::Conv1DImpl(int64_t in, int64_t out, double init_std)
 void Conv1DImpl::reset() {
   weight = register_parameter("weight", torch::empty({in_, out_}));
   bias = register_parameter("bias", torch::zeros({out_}));
+  if (!building_deferred) {
+    reset_parameters();
+  }
+}
+
+void Conv1DImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
+  bias.zero_();
   weight.normal_(0, std_);
+}
+
+void gpt_init_weights(torch::nn::Module& module) {
+  // Pre-order, as the constructors ran: a block's c_attn, c_proj, c_fc, then c_proj.
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto* embedding = dynamic_cast<GptEmbeddingImpl*>(m.get())) {
+      embedding->init_weights();
+    } else if (auto* projection = dynamic_cast<Conv1DImpl*>(m.get())) {
+      projection->reset_parameters();
+    }
+  }
 }
 
 torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
@@ -311,6 +350,10 @@ std::vector<std::string> gpt_presets() {
 
 torch::nn::Sequential gpt(const GptOptions& options) {
   check_gpt_options(options);
+  struct Deferring {
+    explicit Deferring(bool on) { building_deferred = on; }
+    ~Deferring() { building_deferred = false; }
+  } deferring(options.defer_init());
   nn::Sequential net;
   GptEmbedding embed(options);
   net->push_back("embed", embed);

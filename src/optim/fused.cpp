@@ -13,6 +13,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -618,13 +619,19 @@ void FusedOptimizer::copy_after_fallback() {
   }
 }
 
+uint64_t FusedOptimizer::next_id() {
+  static std::atomic<uint64_t> next{0};
+  return next++;
+}
+
 std::string FusedOptimizer::offload_key(const torch::Tensor& param, const std::string& name) const {
   const auto* self = dynamic_cast<const torch::optim::Optimizer*>(this);
   for (size_t g = 0; self != nullptr && g < self->param_groups().size(); ++g) {
     const auto& params = self->param_groups()[g].params();
     for (size_t i = 0; i < params.size(); ++i) {
       if (params[i].is_same(param)) {
-        return std::to_string(g) + "." + std::to_string(i) + "." + name;
+        return "optimizer" + std::to_string(id_) + "." + std::to_string(g) + "." +
+               std::to_string(i) + "." + name;
       }
     }
   }

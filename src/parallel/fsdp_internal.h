@@ -110,7 +110,7 @@ struct FullyShardedDataParallel::Impl {
 
   // fsdp_offload.cpp
   optim::OffloadStore* store() const { return options.offload().store().get(); }
-  void offload_units();
+  void offload_unit(fsdp_detail::UnitState& u);
   void read_ahead(fsdp_detail::UnitState& u);
   torch::Tensor shard_values(fsdp_detail::UnitState& u);
   torch::Tensor read_shard(const fsdp_detail::UnitState& u) const;

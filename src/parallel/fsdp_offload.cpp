@@ -25,41 +25,37 @@ void drop_storage(const Tensor& t) {
 
 }  // namespace
 
-// Reserves every unit's blocks, moves the shards there when they are offloaded, and binds them
-// so that the optimizer's step finds them.
-void FullyShardedDataParallel::Impl::offload_units() {
+// Reserves the unit's blocks, moves its shard there when shards are offloaded, and binds them so
+// that the optimizer's step finds them. Called as each unit is sharded: the shards never all sit
+// in memory at once.
+void FullyShardedDataParallel::Impl::offload_unit(UnitState& u) {
   const FsdpOffloadPolicy& policy = options.offload();
-  if (!policy.gradients() && !policy.params()) {
+  if ((!policy.gradients() && !policy.params()) || !u.has_params()) {
     return;
   }
   TORCH_CHECK(store() != nullptr, "FullyShardedDataParallel: the offload policy moves ",
               policy.params() ? "the shards" : "the gradients",
               " but has no store; give it one (FsdpOffloadPolicy().store(...))");
-  for (auto& u : units) {
-    if (!u.has_params()) {
-      continue;
-    }
-    TORCH_CHECK(u.shard.device().is_cpu() && u.shard.scalar_type() == torch::kFloat,
-                "FullyShardedDataParallel: offload takes fp32 CPU shards; unit '",
-                fsdp_saved::unit_key(u.layout), "' is ", u.shard.scalar_type(), " on ",
-                u.shard.device());
-    const int64_t bytes = static_cast<int64_t>(u.shard.nbytes());
-    const std::string base = "fsdp." + fsdp_saved::unit_key(u.layout);
-    if (policy.gradients()) {
-      u.grad_key = base + ".grad";
-      store()->reserve(u.grad_key, bytes);
-      store()->discard(u.grad_key);
-      store()->bind(u.shard, "grad", u.grad_key);
-    }
-    if (policy.params()) {
-      u.param_key = base + ".param";
-      store()->reserve(u.param_key, bytes);
-      Tensor values = optim::OffloadStore::buffer(u.shard.numel(), torch::kFloat);
-      values.copy_(u.shard.detach());
-      store()->wait(store()->write(u.param_key, values.data_ptr()));
-      drop_storage(u.shard);
-      store()->bind(u.shard, "param", u.param_key);
-    }
+  TORCH_CHECK(u.shard.device().is_cpu() && u.shard.scalar_type() == torch::kFloat,
+              "FullyShardedDataParallel: offload takes fp32 CPU shards; unit '",
+              fsdp_saved::unit_key(u.layout), "' is ", u.shard.scalar_type(), " on ",
+              u.shard.device());
+  const int64_t bytes = static_cast<int64_t>(u.shard.nbytes());
+  const std::string base = "fsdp." + fsdp_saved::unit_key(u.layout);
+  if (policy.gradients()) {
+    u.grad_key = base + ".grad";
+    store()->reserve(u.grad_key, bytes);
+    store()->discard(u.grad_key);
+    store()->bind(u.shard, "grad", u.grad_key);
+  }
+  if (policy.params()) {
+    u.param_key = base + ".param";
+    store()->reserve(u.param_key, bytes);
+    Tensor values = optim::OffloadStore::buffer(u.shard.numel(), torch::kFloat);
+    values.copy_(u.shard.detach());
+    store()->wait(store()->write(u.param_key, values.data_ptr()));
+    drop_storage(u.shard);
+    store()->bind(u.shard, "param", u.param_key);
   }
 }
 

@@ -113,9 +113,10 @@ void shard_unit(UnitState& u,
   u.full.storage().unsafeGetStorageImpl()->set_nbytes(0);
 }
 
-// Every unit's flat shard, in the dtypes the policy gives. On the CPU, glibc maps the large
-// blocks on their own while the model is copied into shards, and the unsharded weights freed
-// meanwhile go back to the kernel instead of staying in a kept heap (allocator.h).
+// Every unit's flat shard, in the dtypes the policy gives, each unit initialised first
+// (param_init_fn) and offloaded after (its shard to the store) before the next is made. On the CPU,
+// glibc maps the large blocks on their own while the model is copied into shards, and the unsharded
+// weights freed meanwhile go back to the kernel instead of staying in a kept heap (allocator.h).
 void shard_units(Impl& m) {
   const auto& mp = m.options.mixed_precision();
   const torch::ScalarType own = m.units[1].dtype;
@@ -126,8 +127,15 @@ void shard_units(Impl& m) {
     cpu::map_large_blocks();
   }
   for (auto& u : m.units) {
+    if (m.options.param_init_fn()) {
+      torch::NoGradGuard no_grad;
+      for (size_t e : u.children) {
+        m.options.param_init_fn()(*m.module->ptr(e));
+      }
+    }
     shard_unit(u, m.group, m.options.replicate_group(),
                u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
+    m.offload_unit(u);
   }
   if (on_cpu) {
     cpu::release_free_memory();
@@ -214,7 +222,6 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   }
   collect_params(m.units[0], named_of(m.units[0]), owner);
   shard_units(m);
-  m.offload_units();
   broadcast_buffers(module, m.group);
   if (m.options.replicate_group() != nullptr) {
     broadcast_buffers(module, m.options.replicate_group());  // HSDP: one copy for every replica

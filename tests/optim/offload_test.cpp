@@ -387,5 +387,38 @@ TEST(Offload, FsdpCheckpointsMoveBetweenOffloadAndMemory) {
       << "the resumed runs took 20 more steps";
 }
 
+// A GPT built with its weights deferred, each child initialised in order, is gpt()'s bit for bit;
+// and FSDP that initialises each unit as it shards it (param_init_fn) holds the same weights.
+TEST(Offload, DeferredGptIsGptsWeightsAndFsdpShardsItUnitByUnit) {
+  const auto options = models::GptOptions().layers(3).width(32).heads(4).vocab(61).context(16);
+  torch::manual_seed(7);
+  auto whole = models::gpt(options);
+  torch::manual_seed(7);
+  auto deferred = models::gpt(models::GptOptions(options).defer_init(true));
+  for (const auto& child : deferred->children()) {
+    models::gpt_init_weights(*child);
+  }
+  const auto a = whole->named_parameters(), b = deferred->named_parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i].value(), b[i].value())) << a[i].key();
+  }
+  TempDir dir("offload-deferred");
+  const auto pg = world_of_one();
+  torch::manual_seed(7);
+  auto lazy = models::gpt(models::GptOptions(options).defer_init(true));
+  FullyShardedDataParallel fsdp(
+      lazy, pg,
+      FsdpOptions()
+          .units(models::gpt_block_names(lazy))
+          .param_init_fn(models::gpt_init_weights)
+          .offload(FsdpOffloadPolicy()
+                       .store(std::make_shared<OffloadStore>(OffloadOptions().dir(dir.path())))
+                       .params(true)));
+  for (const auto& [name, value] : fsdp.full_state()) {
+    EXPECT_TRUE(torch::equal(value, whole->named_parameters()[name])) << name;
+  }
+}
+
 }  // namespace
 }  // namespace paratrain

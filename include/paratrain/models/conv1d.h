@@ -21,7 +21,11 @@ namespace models {
 struct Conv1DImpl : torch::nn::Cloneable<Conv1DImpl>, LinearLayer {
   /// A projection from `in` to `out` features.
   Conv1DImpl(int64_t in, int64_t out, double init_std);
+  /// Makes the parameters and, unless a gpt() with GptOptions::defer_init is being built,
+  /// initialises them (reset_parameters).
   void reset() override;
+  /// Writes the initial values: weight normal(0, init_std), bias zero.
+  void reset_parameters();
   /// [..., in] -> [..., out]: x @ weight + bias (the weight's own sizes, which tensor
   /// parallelism may have split).
   torch::Tensor forward(const torch::Tensor& x);

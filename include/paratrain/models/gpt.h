@@ -46,6 +46,12 @@ struct GptOptions {
   TORCH_ARG(int64_t, context) = 1024;
   /// Embedding, attention and residual dropout (GPT-2 trained with 0.1; 0 is nanoGPT's default).
   TORCH_ARG(double, dropout) = 0.0;
+  /// Allocate the large parameters without writing them, as building on PyTorch's meta device
+  /// defers them: the kernel gives the memory only when it is written, so a model larger than
+  /// the machine can be built and each piece initialised, used and freed in turn (FSDP does, with
+  /// FsdpOptions::param_init_fn(gpt_init_weights)). The values are undefined until
+  /// gpt_init_weights runs on every child, in order; then they are gpt()'s, bit for bit.
+  TORCH_ARG(bool, defer_init) = false;
 };
 
 /// The shapes of "gpt2" (124M), "gpt2-medium" (350M), "gpt2-large" (774M), "gpt2-xl" (1.5B);
@@ -57,6 +63,12 @@ std::vector<std::string> gpt_presets();
 /// A GPT-2 of these shapes. Throws c10::Error with one line for a shape that does not make one
 /// (width not divisible by heads, any size below 1, dropout outside [0, 1)).
 torch::nn::Sequential gpt(const GptOptions& options);
+
+/// Initialises `module` and everything under it as gpt() does (torchtitan's init_weights): a child
+/// of a gpt(GptOptions().defer_init(true)) model. Called on the children in the model's order, it
+/// draws from the default generator as gpt() would have, so the weights are gpt()'s. Modules that
+/// are not the GPT's are left as they are.
+void gpt_init_weights(torch::nn::Module& module);
 
 /// The number of parameters a model of these shapes has (the tied head counted once), without
 /// building it: (vocab + context) * width + layers * (12 width^2 + 13 width) + 2 width. Throws as

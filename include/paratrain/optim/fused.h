@@ -39,6 +39,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/types.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -92,7 +93,8 @@ class FusedOptimizer {
                          const std::function<void()>& pass);
   /// The copy to write with `param`, undefined when none.
   torch::Tensor copy_of(const torch::Tensor& param) const;
-  /// The store's name of state tensor `name` of `param` ("0.3.exp_avg": group, index, name).
+  /// The store's name of state tensor `name` of `param` ("optimizer2.0.3.exp_avg": this
+  /// optimizer, group, index, name).
   std::string offload_key(const torch::Tensor& param, const std::string& name) const;
   /// Whether offload() takes this optimizer's state (Adam's and AdamW's moments).
   virtual bool offloadable() const { return true; }
@@ -100,12 +102,14 @@ class FusedOptimizer {
   std::shared_ptr<OffloadStore> store_;
 
  private:
+  static uint64_t next_id();
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
   void copy_after_fallback();
   /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
   /// device or dtype since write_copy), saying so; their owner copies them itself again.
   void drop_stale_copies();
 
+  uint64_t id_ = next_id();  // names this optimizer's blocks apart from another's in one store
   bool last_fused_ = false;
   bool warned_ = false;
   std::unordered_map<const c10::TensorImpl*, std::pair<torch::Tensor, torch::Tensor>> copies_;

@@ -72,6 +72,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -122,6 +123,12 @@ struct FsdpOptions {
   TORCH_ARG(dist::ProcessGroupPtr, replicate_group) = nullptr;
   /// Shards and gradients kept in a store between uses (see above).
   TORCH_ARG(FsdpOffloadPolicy, offload) = {};
+  /// Called with each child of each unit (the root's first, then the units in order) just before
+  /// the unit is flattened and sharded, as FSDP's param_init_fn: with a model whose parameters
+  /// are allocated but not yet written (models::GptOptions::defer_init, with
+  /// models::gpt_init_weights), no rank ever holds more than one unit whole. The weights of rank
+  /// 0 are still the ones kept.
+  TORCH_ARG(std::function<void(torch::nn::Module&)>, param_init_fn) = nullptr;
 };
 
 class FullyShardedDataParallel {
