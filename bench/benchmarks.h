@@ -23,6 +23,7 @@ int run_bench_cluster(const std::vector<std::string>& args);
 int run_bench_fsdp(const std::vector<std::string>& args);
 int run_bench_parallel(const std::vector<std::string>& args);
 int run_bench_optim(const std::vector<std::string>& args);
+int run_bench_offload(const std::vector<std::string>& args);
 
 /// The paratrain program beside this one (bin/paratrain), for the benchmarks that time its
 /// commands (`launch`, `train`) or need its mpirun shim.

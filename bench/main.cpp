@@ -40,6 +40,10 @@ const std::vector<Command>& benchmarks() {
        "one Adam step over CPU parameters: paratrain's fused Adam vs libtorch's, PyTorch's fused "
        "and foreach, DeepSpeedCPUAdam",
        run_bench_optim},
+      {"offload", "",
+       "FSDP with optimizer state, gradients and shards in files: memory, disk, step time, I/O "
+       "wait, T*",
+       run_bench_offload},
       {"data", "", "ImageFolder images/s: paratrain's loader vs PyTorch's DataLoader + PIL",
        run_bench_data},
   };

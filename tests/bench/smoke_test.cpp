@@ -101,6 +101,7 @@ INSTANTIATE_TEST_SUITE_P(Benchmarks,
                                            "fsdp",
                                            "parallel",
                                            "optim",
+                                           "offload",
                                            "data"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;  // amp-accuracy: amp_accuracy

@@ -1,0 +1,300 @@
+// paratrain bench offload: FSDP training of one GPT with Adam on 2 ranks, with everything in
+// memory (fsdp), with Adam's moments in files (fsdp+offload-optimizer), and with the moments,
+// gradients and shards in files (fsdp+offload-all); one process and one thread per rank. The GPT
+// is built deferred (each unit written, sharded and offloaded in turn), so a model larger than
+// memory starts.
+//
+// Rows: system, params, ranks, peak_rss_bytes (the largest rank's getrusage peak), disk_bytes
+// (what the ranks' offload files hold, summed), step_seconds (median over the timed steps, the
+// slowest rank's), io_wait_seconds (the median step's time spent waiting for the store: I/O the
+// computation did not hide), compute_seconds (step - io_wait), tokens_per_rank, loss, first_loss;
+// the offloaded rows also their overhead against the fsdp row. A "disk" row gives the offload
+// directory's bandwidth, measured here as the store moves blocks (direct I/O: a write, then a
+// read of 2 GiB), and T* = 4 F / BW, the tokens per rank per step from which the computation
+// (F FLOP/s per rank, measured on the fsdp row as 6 x params x tokens per second) outlasts the
+// optimizer's traffic (BW the bandwidth each rank gets), so that offloading can hide it.
+//
+// The headline, a GPT of 3.07 billion parameters on 2 ranks (none of whose weights, gradients or
+// moments fit this machine's memory as fp32 Adam state):
+//   paratrain bench offload --layers 39 --width 2560 --heads 20 --vocab 256 --context 128
+//       --batch-size 2 --steps 4 --systems fsdp+offload-all --offload-dir /var/tmp
+
+#include "bench_util.h"
+#include "benchmarks.h"
+#include "harness.h"
+
+#include "paratrain/paratrain.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace paratrain {
+namespace cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const BenchSpec& offload_spec() {
+  static const BenchSpec spec{
+      "offload",
+      "FSDP training of one GPT with everything in memory, with Adam's moments in files, and with "
+      "moments, gradients and shards in files: memory, disk, step time and I/O wait per rank.",
+      {
+          {"layers", "N", "the GPT's blocks (default 12)", "2"},
+          {"width", "N", "its width (default 768)", "32"},
+          {"heads", "N", "its heads (default 12)", "2"},
+          {"vocab", "N", "its vocabulary (default 256, byte tokens)", "64"},
+          {"context", "N", "tokens per sequence (default 128)", "16"},
+          {"batch-size,batch", "N", "sequences per rank (default 4)", "2"},
+          {"steps", "N", "timed steps after one warm-up step (default 4)", "1"},
+          {"systems", "LIST",
+           "of fsdp, fsdp+offload-optimizer, fsdp+offload-all (default all three)"},
+          {"offload-dir", "DIR",
+           "a directory on the disk to measure (default /var/tmp; not tmpfs)"},
+          {"nproc-per-node,ranks", "N", "ranks (default 2)"},
+          {"no-disk", "", "skip the disk's bandwidth row"},
+          {"system", "S", kInternalOption},
+      },
+      "print JSON rows",
+      /*workers=*/true};
+  return spec;
+}
+
+models::GptOptions offload_shape(const Bench& bench) {
+  return models::GptOptions()
+      .layers(bench.get_int("layers", 12))
+      .width(bench.get_int("width", 768))
+      .heads(bench.get_int("heads", 12))
+      .vocab(bench.get_int("vocab", 256))
+      .context(bench.get_int("context", 128));
+}
+
+std::string offload_dir(const Bench& bench) {
+  return bench.get("offload-dir", "/var/tmp");
+}
+
+// One rank's training, timed per step, with what the store waited and wrote.
+int run_offload_worker(const Bench& bench) {
+  torch::set_num_threads(1);
+  const std::string system = bench.get("system");
+  auto pg = dist::init_process_group();
+  const models::GptOptions shape = offload_shape(bench);
+  std::shared_ptr<optim::OffloadStore> store;
+  if (system != "fsdp") {
+    store = std::make_shared<optim::OffloadStore>(optim::OffloadOptions()
+                                                      .dir(offload_dir(bench))
+                                                      .owner("rank " + std::to_string(pg->rank())));
+  }
+  const bool all = system == "fsdp+offload-all";
+  torch::manual_seed(0);
+  auto model = models::gpt(models::GptOptions(shape).defer_init(true));
+  FullyShardedDataParallel fsdp(
+      model, pg,
+      FsdpOptions()
+          .units(models::gpt_block_names(model))
+          .activation_checkpointing(true)
+          .param_init_fn(models::gpt_init_weights)
+          .offload(FsdpOffloadPolicy().store(store).gradients(all).params(all)));
+  model = nullptr;
+  optim::FusedAdam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
+  opt.offload(store);
+  const int batch = bench.get_int("batch-size", 4);
+  const int steps = bench.get_int("steps", 4);
+  torch::manual_seed(100 + pg->rank());
+  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1});
+  torch::Tensor x = tokens.narrow(1, 0, shape.context()), y = tokens.narrow(1, 1, shape.context());
+  std::vector<double> times, waits;
+  double loss = 0, first = 0;
+  for (int step = 0; step <= steps; ++step) {
+    pg->barrier()->wait();
+    const double waited = store ? store->io_wait_seconds() : 0;
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    fsdp.discard_offloaded_gradients();
+    auto l = torch::nn::functional::cross_entropy(fsdp.forward(x).flatten(0, 1), y.flatten());
+    l.backward();
+    opt.step();
+    loss = l.item<double>();
+    first = step == 0 ? loss : first;
+    if (step > 0) {
+      times.push_back(seconds_since(t0));
+      waits.push_back(store ? store->io_wait_seconds() - waited : 0);
+    }
+    bench.progress("  " + system + " step " + std::to_string(step) + ": loss " +
+                   std::to_string(loss) + ", " + std::to_string(seconds_since(t0)) + " s");
+  }
+  const double step_seconds = median(times), io_wait = median(waits);
+  at::Tensor t =
+      torch::tensor({step_seconds, static_cast<double>(peak_rss_bytes()), io_wait}, torch::kDouble);
+  pg->allreduce(t, dist::ReduceOp::kMax)->wait();
+  at::Tensor disk = torch::tensor(
+      {static_cast<double>(store && store->on_disk() ? store->stored_bytes() : 0)}, torch::kDouble);
+  pg->allreduce(disk, dist::ReduceOp::kSum)->wait();
+  if (pg->rank() == 0) {
+    append_row(bench.get("out"), {{"system", system},
+                                  {"params", models::gpt_parameter_count(shape)},
+                                  {"ranks", pg->size()},
+                                  {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
+                                  {"disk_bytes", static_cast<int64_t>(disk[0].item<double>())},
+                                  {"step_seconds", t[0].item<double>()},
+                                  {"io_wait_seconds", t[2].item<double>()},
+                                  {"compute_seconds", t[0].item<double>() - t[2].item<double>()},
+                                  {"tokens_per_rank", batch * shape.context()},
+                                  {"first_loss", first},
+                                  {"loss", loss},
+                                  {"steps", steps}});
+  }
+  return 0;
+}
+
+// The offload directory's bandwidth as the store sees it: 2 GiB written in blocks of 256 MiB,
+// then read back (direct I/O, checksums included).
+JsonRow disk_row(const Bench& bench) {
+  optim::OffloadStore store(optim::OffloadOptions().dir(offload_dir(bench)).owner("bench"));
+  const int64_t block = bench.smoke() ? (1 << 20) : (256 << 20), blocks = 8;
+  torch::Tensor buffer = optim::OffloadStore::buffer(block / 4, torch::kFloat);
+  buffer.uniform_();
+  for (int64_t b = 0; b < blocks; ++b) {
+    store.reserve(std::to_string(b), block);
+  }
+  auto time_all = [&](bool write) {
+    const auto t0 = Clock::now();
+    for (int64_t b = 0; b < blocks; ++b) {
+      store.wait(write ? store.write(std::to_string(b), buffer.data_ptr())
+                       : store.read(std::to_string(b), buffer.data_ptr()));
+    }
+    return seconds_since(t0);
+  };
+  const double write = time_all(true), read = time_all(false);
+  const double bytes = static_cast<double>(block * blocks);
+  return {{"system", "disk"},
+          {"dir", offload_dir(bench)},
+          {"direct_io", store.on_disk()},
+          {"bytes", static_cast<int64_t>(bytes)},
+          {"write_bytes_per_second", bytes / write},
+          {"read_bytes_per_second", bytes / read},
+          {"bytes_per_second", 2 * bytes / (write + read)}};
+}
+
+// Each offloaded row's overhead against the fsdp row, and T* from the fsdp row's FLOP/s and the
+// disk's bandwidth shared by the ranks.
+void add_offload_ratios(std::vector<JsonRow>& rows) {
+  const JsonRow* memory = nullptr;
+  const JsonRow* disk = nullptr;
+  for (const auto& row : rows) {
+    const std::string system = string_field(row, "system");
+    memory = system == "fsdp" && row.contains("step_seconds") ? &row : memory;
+    disk = system == "disk" ? &row : disk;
+  }
+  std::vector<JsonRow> out = rows;
+  for (auto& row : out) {
+    const std::string system = string_field(row, "system");
+    if (memory != nullptr && row.contains("step_seconds") && system != "fsdp") {
+      row["overhead"] =
+          number_field(row, "step_seconds") / number_field(*memory, "step_seconds") - 1;
+    }
+    if (memory != nullptr && disk != nullptr && system == "disk") {
+      const double flops = 6 * number_field(*memory, "params") *
+                           number_field(*memory, "tokens_per_rank") /
+                           number_field(*memory, "compute_seconds");
+      const double per_rank =
+          number_field(row, "bytes_per_second") / number_field(*memory, "ranks");
+      row["flops_per_second_per_rank"] = flops;
+      row["bytes_per_second_per_rank"] = per_rank;
+      row["t_star_tokens_per_rank"] = 4 * flops / per_rank;
+    }
+  }
+  rows = out;
+}
+
+void print_offload_rows(const Bench& bench, std::vector<JsonRow> rows) {
+  add_offload_ratios(rows);
+  if (bench.json()) {
+    for (const auto& row : rows) {
+      print_row(row);
+    }
+    return;
+  }
+  const double gib = 1 << 30;
+  for (const auto& row : rows) {
+    const std::string system = string_field(row, "system");
+    if (system == "disk") {
+      std::cout << "disk " << string_field(row, "dir") << ": write "
+                << number_field(row, "write_bytes_per_second") / 1e9 << " GB/s, read "
+                << number_field(row, "read_bytes_per_second") / 1e9 << " GB/s";
+      if (row.contains("t_star_tokens_per_rank")) {
+        std::cout << "; T* = " << number_field(row, "t_star_tokens_per_rank")
+                  << " tokens per rank per step";
+      }
+      std::cout << "\n";
+      continue;
+    }
+    std::cout << std::left << std::setw(22) << system;
+    if (row.contains("error")) {
+      std::cout << "failed: " << string_field(row, "error") << "\n";
+      continue;
+    }
+    std::cout << std::fixed << std::setprecision(2) << number_field(row, "params") / 1e9
+              << "B params, peak " << number_field(row, "peak_rss_bytes") / gib
+              << " GiB/rank, disk " << number_field(row, "disk_bytes") / gib << " GiB, step "
+              << std::setprecision(3) << number_field(row, "step_seconds") << " s (I/O wait "
+              << number_field(row, "io_wait_seconds") << " s), loss "
+              << number_field(row, "first_loss") << " -> " << number_field(row, "loss");
+    if (row.contains("overhead")) {
+      std::cout << ", overhead " << std::setprecision(1) << 100 * number_field(row, "overhead")
+                << "%";
+    }
+    std::cout << "\n";
+  }
+  std::cout.flush();
+}
+
+int run_offload_bench(const Bench& bench) {
+  const std::vector<std::string> systems =
+      split_list(bench.get("systems", "fsdp,fsdp+offload-optimizer,fsdp+offload-all"));
+  for (const auto& system : systems) {
+    require(system == "fsdp" || system == "fsdp+offload-optimizer" || system == "fsdp+offload-all",
+            "unknown system '" + system +
+                "' in --systems: choose of fsdp, fsdp+offload-optimizer, fsdp+offload-all");
+  }
+  const std::string problem = optim::offload_dir_problem(offload_dir(bench));
+  require(problem.empty(), problem);
+  const int ranks = bench.get_int("nproc-per-node", 2);
+  require(ranks >= 1, "--nproc-per-node must be at least 1");
+  const std::string out = results_file("offload");
+  std::vector<JsonRow> rows;
+  if (!bench.has("no-disk")) {
+    rows.push_back(disk_row(bench));
+  }
+  for (const auto& system : systems) {
+    bench.progress("measuring " + system + "...");
+    std::remove(out.c_str());
+    std::vector<std::string> extra{"--system", system};
+    for (const auto& word : bench.forwarded({"layers", "width", "heads", "vocab", "context",
+                                             "batch-size", "steps", "offload-dir"})) {
+      extra.push_back(word);
+    }
+    run_bench_job(bench.worker_command(out, extra), ranks, "gloo", out);
+    rows.push_back(read_rows(out).at(0));
+  }
+  std::remove(out.c_str());
+  print_offload_rows(bench, rows);
+  return 0;
+}
+
+}  // namespace
+
+int run_bench_offload(const std::vector<std::string>& argv) {
+  return run_benchmark(offload_spec(), argv, run_offload_bench, run_offload_worker);
+}
+
+}  // namespace cli
+}  // namespace paratrain
