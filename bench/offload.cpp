@@ -60,6 +60,9 @@ const BenchSpec& offload_spec() {
           {"offload-dir", "DIR",
            "a directory on the disk to measure (default /var/tmp; not tmpfs)"},
           {"nproc-per-node,ranks", "N", "ranks (default 2)"},
+          {"in-backward", "on|off",
+           "fsdp+offload-optimizer: step each unit from its gradient hook, streaming its moments "
+           "while backward goes on (default on)"},
           {"no-disk", "", "skip the disk's bandwidth row"},
           {"system", "S", kInternalOption},
       },
@@ -106,6 +109,11 @@ int run_offload_worker(const Bench& bench) {
   model = nullptr;
   optim::FusedAdam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
   opt.offload(store);
+  if (system == "fsdp+offload-optimizer" && bench.get("in-backward", "on") == "on") {
+    // Each unit steps as its gradient is final: its moments stream while backward goes on.
+    fsdp.register_post_accumulate_grad_hook(
+        [&opt](const torch::Tensor& shard) { opt.step_parameter(shard); });
+  }
   const int batch = bench.get_int("batch-size", 4);
   const int steps = bench.get_int("steps", 4);
   torch::manual_seed(100 + pg->rank());
@@ -278,8 +286,9 @@ int run_offload_bench(const Bench& bench) {
     bench.progress("measuring " + system + "...");
     std::remove(out.c_str());
     std::vector<std::string> extra{"--system", system};
-    for (const auto& word : bench.forwarded({"layers", "width", "heads", "vocab", "context",
-                                             "batch-size", "steps", "offload-dir"})) {
+    for (const auto& word :
+         bench.forwarded({"layers", "width", "heads", "vocab", "context", "batch-size", "steps",
+                          "offload-dir", "in-backward"})) {
       extra.push_back(word);
     }
     run_bench_job(bench.worker_command(out, extra), ranks, "gloo", out);

@@ -14,14 +14,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <future>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -393,70 +396,298 @@ void moment_slots(AdamState& st,
   }
 }
 
+// A parameter's item of the offloaded pass, its state made on its first step; nullopt without a
+// gradient. `used_gradient` gets the block of a gradient read from the store.
+template <typename Options, typename AdamState, typename Map>
+std::optional<Streamed> offload_item(
+    const Options& o,
+    Map& state,
+    const torch::Tensor& p,
+    bool decoupled,
+    const torch::Tensor& copy,
+    const std::function<std::string(const torch::Tensor&, const char*)>& key,
+    OffloadStore& store,
+    std::string& used_gradient) {
+  const std::string grad_key = store.bound(p, "grad");
+  const bool stored_grad = !grad_key.empty() && store.written(grad_key);
+  if (!p.grad().defined() && !stored_grad) {
+    return std::nullopt;
+  }
+  auto sk = detail::state_key(state, p);
+  const bool fresh = !state.count(sk);
+  if (fresh) {
+    auto st = std::make_unique<AdamState>();
+    st->step(0);
+    st->exp_avg(torch::empty({0}));
+    st->exp_avg_sq(torch::empty({0}));
+    state[sk] = std::move(st);
+  }
+  auto& st = static_cast<AdamState&>(*state[sk]);
+  Streamed it;
+  it.numel = p.numel();
+  moment_slots(
+      st, o.amsgrad(), fresh, [&](const char* name) { return key(p, name); }, store, it.numel,
+      it.slots);
+  const std::string values_key = store.bound(p, "param");
+  it.slots.push_back({kValues, values_key, values_key.empty() ? p : torch::Tensor(), true});
+  if (stored_grad && !p.grad().defined()) {
+    it.slots.push_back({kGradient, grad_key, {}, false});
+    used_gradient = grad_key;
+  } else {
+    it.slots.push_back({kGradient, "", p.grad(), false});
+  }
+  it.args = adam_args(o, st, p, decoupled, copy);
+  return it;
+}
+
+// After a parameter's step: its moments are in the store.
+template <typename AdamState>
+void moments_offloaded(AdamState& st) {
+  st.exp_avg(torch::empty({0}));
+  st.exp_avg_sq(torch::empty({0}));
+  if (st.max_exp_avg_sq().defined()) {
+    st.max_exp_avg_sq(torch::empty({0}));
+  }
+}
+
 // The offloaded Adam or AdamW pass: every parameter with a gradient, in memory or bound in the
 // store (FSDP's offloaded gradients), its moments in the store, and its values and gradient
-// where FSDP put them. The gradients read from the store are used up, as zero_grad would.
+// where FSDP put them, but those in `done` (stepped already, in backward). The gradients read
+// from the store are used up, as zero_grad would.
 template <typename Options, typename AdamState, typename Map>
 void adam_offload_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
                        Map& state,
                        bool decoupled,
                        const std::function<torch::Tensor(const torch::Tensor&)>& copy_of,
                        const std::function<std::string(const torch::Tensor&, const char*)>& key,
-                       OffloadStore& store) {
+                       OffloadStore& store,
+                       const std::unordered_set<const c10::TensorImpl*>& done) {
   std::vector<Streamed> items;
   std::vector<torch::Tensor> written;
-  std::vector<AdamState*> states;
   std::vector<std::string> used_gradients;
   for (auto& group : groups) {
     const auto& o = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
-      const std::string grad_key = store.bound(p, "grad");
-      const bool stored_grad = !grad_key.empty() && store.written(grad_key);
-      if (!p.grad().defined() && !stored_grad) {
+      if (done.count(p.unsafeGetTensorImpl())) {
         continue;
       }
-      auto sk = detail::state_key(state, p);
-      const bool fresh = !state.count(sk);
-      if (fresh) {
-        auto st = std::make_unique<AdamState>();
-        st->step(0);
-        st->exp_avg(torch::empty({0}));
-        st->exp_avg_sq(torch::empty({0}));
-        state[sk] = std::move(st);
-      }
-      auto& st = static_cast<AdamState&>(*state[sk]);
+      std::string used;
       const torch::Tensor copy = copy_of(p);
-      Streamed it;
-      it.numel = p.numel();
-      moment_slots(
-          st, o.amsgrad(), fresh, [&](const char* name) { return key(p, name); }, store, it.numel,
-          it.slots);
-      const std::string values_key = store.bound(p, "param");
-      it.slots.push_back({kValues, values_key, values_key.empty() ? p : torch::Tensor(), true});
-      if (stored_grad && !p.grad().defined()) {
-        it.slots.push_back({kGradient, grad_key, {}, false});
-        used_gradients.push_back(grad_key);
-      } else {
-        it.slots.push_back({kGradient, "", p.grad(), false});
+      auto it = offload_item<Options, AdamState>(o, state, p, decoupled, copy, key, store, used);
+      if (!it) {
+        continue;
       }
-      it.args = adam_args(o, st, p, decoupled, copy);
-      items.push_back(std::move(it));
-      states.push_back(&st);
+      items.push_back(std::move(*it));
       written.insert(written.end(), {p, copy});
+      if (!used.empty()) {
+        used_gradients.push_back(used);
+      }
     }
   }
   stream_adam(items, store);
-  for (AdamState* st : states) {  // every moment is in the store now
-    st->exp_avg(torch::empty({0}));
-    st->exp_avg_sq(torch::empty({0}));
-    if (st->max_exp_avg_sq().defined()) {
-      st->max_exp_avg_sq(torch::empty({0}));
-    }
+  for (size_t i = 0; i < written.size(); i += 2) {
+    moments_offloaded(static_cast<AdamState&>(*state.at(detail::state_key(state, written[i]))));
   }
   for (const std::string& g : used_gradients) {
     store.discard(g);
   }
   bump_versions(written);
+}
+
+}  // namespace
+
+namespace detail {
+
+// Buffers and the I/O queued on them, kept until it is done.
+struct IoBatch {
+  std::vector<torch::Tensor> buffers = std::vector<torch::Tensor>(kSlotKinds);
+  std::unordered_set<int> loaded;  // the slot kinds read (or queued) into the buffers
+  std::vector<std::shared_future<void>> io;
+};
+
+struct InBackward {
+  std::unordered_map<const c10::TensorImpl*, IoBatch> prefetched;  // reads queued ahead
+  std::vector<IoBatch> in_flight;                                  // writes behind
+  std::unordered_set<const c10::TensorImpl*> stepped;
+  std::vector<torch::Tensor> order;                                // this round's
+  std::unordered_map<const c10::TensorImpl*, torch::Tensor> next;  // the last round's successor
+  ~InBackward() {
+    // The I/O thread may still use the buffers: never free them under it.
+    for (auto* batches : {&in_flight}) {
+      for (auto& b : *batches) {
+        for (auto& f : b.io) {
+          f.wait();
+        }
+      }
+    }
+    for (auto& kv : prefetched) {
+      for (auto& f : kv.second.io) {
+        f.wait();
+      }
+    }
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+// A buffer of slot `kind` in `batch` with room for `numel` floats.
+float* batch_buffer(detail::IoBatch& batch, SlotKind kind, int64_t numel) {
+  torch::Tensor& b = batch.buffers[kind];
+  if (!b.defined() || b.numel() < numel) {
+    b = OffloadStore::buffer(numel, torch::kFloat);
+  }
+  return b.data_ptr<float>();
+}
+
+// Reads into `batch` the blocks of `it` it does not hold yet (state held in memory is copied in),
+// waits for them, and points the item's arguments at the buffers.
+void load_item(Streamed& it, detail::IoBatch& batch, OffloadStore& store) {
+  for (const Slot& s : it.slots) {
+    if (s.key.empty() || batch.loaded.count(s.kind)) {
+      continue;
+    }
+    float* dst = batch_buffer(batch, s.kind, it.numel);
+    if (s.held.defined() && s.held.numel() == it.numel) {
+      std::memcpy(dst, s.held.data_ptr(), static_cast<size_t>(s.held.nbytes()));
+    } else {
+      batch.io.push_back(store.read(s.key, dst));
+    }
+    batch.loaded.insert(s.kind);
+  }
+  for (const auto& f : batch.io) {
+    store.wait(f);
+  }
+  batch.io.clear();
+  for (const Slot& s : it.slots) {
+    slot_pointer(it.args, s.kind) =
+        s.key.empty() ? s.held.data_ptr<float>() : batch.buffers[s.kind].data_ptr<float>();
+  }
+}
+
+// Queues the reads of `q`'s moments and values, when its state is in the store: what its
+// step_parameter will read first. Its gradient is not ready yet.
+template <typename AdamState, typename Map>
+void prefetch_parameter(const torch::Tensor& q,
+                        Map& state,
+                        const std::function<std::string(const torch::Tensor&, const char*)>& key,
+                        OffloadStore& store,
+                        detail::InBackward& ib) {
+  const auto it = state.find(detail::state_key(state, q));
+  if (it == state.end() || ib.stepped.count(q.unsafeGetTensorImpl()) ||
+      ib.prefetched.count(q.unsafeGetTensorImpl())) {
+    return;
+  }
+  auto& st = static_cast<AdamState&>(*it->second);
+  if (!offloaded(st.exp_avg(), q)) {
+    return;  // in memory (loaded from a checkpoint): copied when it steps
+  }
+  detail::IoBatch batch;
+  std::vector<std::pair<SlotKind, std::string>> blocks = {{kExpAvg, key(q, "exp_avg")},
+                                                          {kExpAvgSq, key(q, "exp_avg_sq")}};
+  if (st.max_exp_avg_sq().defined()) {
+    blocks.emplace_back(kMaxExpAvgSq, key(q, "max_exp_avg_sq"));
+  }
+  if (!store.bound(q, "param").empty()) {
+    blocks.emplace_back(kValues, store.bound(q, "param"));
+  }
+  for (const auto& [kind, name] : blocks) {
+    batch.io.push_back(store.read(name, batch_buffer(batch, kind, q.numel())));
+    batch.loaded.insert(kind);
+  }
+  ib.prefetched.emplace(q.unsafeGetTensorImpl(), std::move(batch));
+}
+
+// step_parameter of FusedAdam and FusedAdamW.
+template <typename Options, typename AdamState, typename Map>
+void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                         Map& state,
+                         bool decoupled,
+                         const torch::Tensor& copy,
+                         const std::function<std::string(const torch::Tensor&, const char*)>& key,
+                         OffloadStore& store,
+                         detail::InBackward& ib,
+                         const torch::Tensor& p) {
+  const Options* o = nullptr;
+  for (auto& group : groups) {
+    for (auto& q : group.params()) {
+      o = q.is_same(p) ? &static_cast<const Options&>(group.options()) : o;
+    }
+  }
+  TORCH_CHECK(o != nullptr, "fused optimizer: step_parameter names a parameter of shape ",
+              p.sizes(), " this optimizer does not step");
+  TORCH_CHECK(!ib.stepped.count(p.unsafeGetTensorImpl()),
+              "fused optimizer: step_parameter stepped a parameter of shape ", p.sizes(),
+              " twice before step()");
+  std::string why = store.bound(p, "param").empty() ? unfusable(p, p, "the values") : "";
+  why = why.empty() && p.grad().defined() ? unfusable(p.grad(), p, "a gradient") : why;
+  TORCH_CHECK(why.empty(), "fused optimizer: step_parameter: ", why);
+  std::string used;
+  auto it = offload_item<Options, AdamState>(*o, state, p, decoupled, copy, key, store, used);
+  if (!it) {
+    return;  // no gradient
+  }
+  TORCH_CHECK(used.empty(),
+              "fused optimizer: step_parameter takes the gradient in memory; this "
+              "one is offloaded (step() reads those)");
+  detail::IoBatch batch;
+  auto ahead = ib.prefetched.find(p.unsafeGetTensorImpl());
+  if (ahead != ib.prefetched.end()) {
+    batch = std::move(ahead->second);
+    ib.prefetched.erase(ahead);
+  }
+  load_item(*it, batch, store);
+  run_chunks(std::vector<detail::AdamArgs>{it->args}, {it->numel}, detail::kernels().adam);
+  moments_offloaded(static_cast<AdamState&>(*state.at(detail::state_key(state, p))));
+  bump_versions({p, copy});
+  for (const Slot& s : it->slots) {
+    if (!s.key.empty() && s.write_back) {
+      batch.io.push_back(store.write(s.key, batch.buffers[s.kind].data_ptr()));
+    }
+  }
+  ib.in_flight.push_back(std::move(batch));
+  ib.stepped.insert(p.unsafeGetTensorImpl());
+  ib.order.push_back(p);
+  // The batches whose writes are done give their buffers back.
+  auto done = [&store](detail::IoBatch& b) {
+    for (auto& f : b.io) {
+      if (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        return false;
+      }
+      store.wait(f);  // its error, if any
+    }
+    return true;
+  };
+  ib.in_flight.erase(std::remove_if(ib.in_flight.begin(), ib.in_flight.end(), done),
+                     ib.in_flight.end());
+  const auto next = ib.next.find(p.unsafeGetTensorImpl());
+  if (next != ib.next.end()) {
+    prefetch_parameter<AdamState>(next->second, state, key, store, ib);
+  }
+}
+
+// After step(): every write of the parameters stepped one by one waited for, the reads queued
+// for parameters step() stepped itself dropped, and the order learned for the next prefetches.
+void finish_in_backward(detail::InBackward& ib, OffloadStore& store) {
+  for (auto& b : ib.in_flight) {
+    for (auto& f : b.io) {
+      store.wait(f);
+    }
+  }
+  ib.in_flight.clear();
+  for (auto& kv : ib.prefetched) {
+    for (auto& f : kv.second.io) {
+      f.wait();
+    }
+  }
+  ib.prefetched.clear();
+  ib.next.clear();
+  for (size_t i = 0; i + 1 < ib.order.size(); ++i) {
+    ib.next[ib.order[i].unsafeGetTensorImpl()] = ib.order[i + 1];
+  }
+  ib.order.clear();
+  ib.stepped.clear();
 }
 
 // One SGD pass over every parameter with a gradient.
@@ -674,7 +905,15 @@ void bring_back(torch::optim::OptimizerParamState& s,
 
 }  // namespace
 
+void FusedOptimizer::step_parameter(const torch::Tensor& param) {
+  TORCH_CHECK(false, "fused optimizer: step_parameter takes FusedAdam and FusedAdamW (a parameter ",
+              param.sizes(), ")");
+}
+
 void FusedOptimizer::offload(std::shared_ptr<OffloadStore> store) {
+  if (in_backward_ != nullptr && store_ != nullptr) {
+    finish_in_backward(*in_backward_, *store_);  // what step_parameter left in flight
+  }
   TORCH_CHECK(store == nullptr || offloadable(),
               "fused optimizer: offload keeps the moments of Adam and AdamW; SGD's momentum "
               "stays in memory (use FusedAdam or FusedAdamW to offload)");
@@ -721,11 +960,28 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
                                                                              false, copy);
           return;
         }
+        static const std::unordered_set<const c10::TensorImpl*> none;
         adam_offload_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
             param_groups_, state_, false, copy,
             [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
-            *store_);
+            *store_, in_backward_ ? in_backward_->stepped : none);
+        if (in_backward_) {
+          finish_in_backward(*in_backward_, *store_);
+        }
       });
+}
+
+void FusedAdam::step_parameter(const torch::Tensor& param) {
+  TORCH_CHECK(store_ != nullptr,
+              "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
+  torch::NoGradGuard no_grad;
+  if (!in_backward_) {
+    in_backward_ = std::make_shared<detail::InBackward>();
+  }
+  adam_step_parameter<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      param_groups_, state_, false, copy_of(param),
+      [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); }, *store_,
+      *in_backward_, param);
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
@@ -743,11 +999,28 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
                                                                                state_, true, copy);
           return;
         }
+        static const std::unordered_set<const c10::TensorImpl*> none;
         adam_offload_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
             param_groups_, state_, true, copy,
             [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
-            *store_);
+            *store_, in_backward_ ? in_backward_->stepped : none);
+        if (in_backward_) {
+          finish_in_backward(*in_backward_, *store_);
+        }
       });
+}
+
+void FusedAdamW::step_parameter(const torch::Tensor& param) {
+  TORCH_CHECK(store_ != nullptr,
+              "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
+  torch::NoGradGuard no_grad;
+  if (!in_backward_) {
+    in_backward_ = std::make_shared<detail::InBackward>();
+  }
+  adam_step_parameter<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      param_groups_, state_, true, copy_of(param),
+      [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); }, *store_,
+      *in_backward_, param);
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -93,6 +94,8 @@ struct FullyShardedDataParallel::Impl {
   bool backward_queued = false;
   std::weak_ptr<Impl> self;  // what autograd nodes and the end-of-backward callback hold
   fsdp_detail::BlockPool pool;
+  // register_post_accumulate_grad_hook's, called with each shard as its gradient becomes final.
+  std::vector<std::function<void(const torch::Tensor&)>> grad_hooks;
 
   // fsdp_units.cpp
   void issue_gather(fsdp_detail::UnitState& u);

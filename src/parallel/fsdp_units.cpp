@@ -268,6 +268,9 @@ void FullyShardedDataParallel::Impl::finish_reduce(UnitState& u) {
   }
   pool.recycle(u.reduce_input);  // the sends are done: the block serves the next unit
   u.reduce_output = Tensor();
+  for (const auto& hook : grad_hooks) {
+    hook(u.shard);
+  }
 }
 
 // Runs once when a backward through forward()'s output ends: the reductions still in flight

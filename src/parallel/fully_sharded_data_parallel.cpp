@@ -261,10 +261,14 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
   const bool graph = torch::GradMode::is_enabled();
   if (m.backward_queued) {
     // The last backward threw before its end: its reductions are finished (their gradients
-    // stay in the shards' .grad, as autograd leaves a failed backward's) and the rest reset.
+    // stay in the shards' .grad, as autograd leaves a failed backward's) and the rest reset; the
+    // hooks are not called for a backward that failed.
+    const auto hooks = std::move(m.grad_hooks);
+    m.grad_hooks.clear();
     for (auto& u : m.units) {
       m.finish_reduce(u);
     }
+    m.grad_hooks = hooks;
     m.backward_queued = false;
   }
   UnitState& root = m.units[0];
@@ -301,6 +305,14 @@ std::vector<Tensor> FullyShardedDataParallel::parameters() const {
     }
   }
   return out;
+}
+
+void FullyShardedDataParallel::register_post_accumulate_grad_hook(
+    std::function<void(const torch::Tensor&)> hook) {
+  TORCH_CHECK(hook != nullptr,
+              "FullyShardedDataParallel::register_post_accumulate_grad_hook: "
+              "the hook is empty");
+  impl_->grad_hooks.push_back(std::move(hook));
 }
 
 void FullyShardedDataParallel::set_requires_gradient_sync(bool sync) {

@@ -9,6 +9,7 @@
 #include "paratrain/base/option_error.h"
 #include "paratrain/models/gpt.h"
 #include "paratrain/models/gpt_parallel.h"
+#include "paratrain/optim/fused.h"
 #include "paratrain/parallel/device_mesh.h"
 #include "paratrain/parallel/fsdp_checkpoint.h"
 #include "paratrain/parallel/fully_sharded_data_parallel.h"
@@ -79,7 +80,19 @@ class FsdpStrategy : public TrainStrategy {
               mesh_fsdp_options(o, parts_).offload(FsdpOffloadPolicy()
                                                        .store(store_)
                                                        .gradients(o.offload().gradients())
-                                                       .params(o.offload().params()))) {}
+                                                       .params(o.offload().params()))) {
+    // The optimizer in backward: each unit steps as its gradient is final, its moments streaming
+    // while backward computes the next units. Not when something must see every gradient before
+    // any step (clipping, loss scaling), nor with offloaded gradients (step() reads those).
+    if (o.offload().optimizer() && !o.offload().gradients() && o.clip_grad_norm() == 0 &&
+        !mp_->loss_scaling()) {
+      fsdp_.register_post_accumulate_grad_hook([this](const torch::Tensor& shard) {
+        if (in_backward_ != nullptr) {
+          in_backward_->step_parameter(shard);
+        }
+      });
+    }
+  }
 
   std::optional<std::pair<int, int>> data_rank() const override {
     if (!parts_.mesh) {
@@ -89,9 +102,11 @@ class FsdpStrategy : public TrainStrategy {
   }
 
   std::unique_ptr<torch::optim::Optimizer> make_optimizer() const override {
-    return paratrain::make_optimizer(
+    auto optimizer = paratrain::make_optimizer(
         fsdp_.parameters(), OptimizerOptions(options_.optimizer())
                                 .offload(options_.offload().optimizer() ? store_ : nullptr));
+    in_backward_ = dynamic_cast<optim::FusedOptimizer*>(optimizer.get());
+    return optimizer;
   }
 
   void zero_grad(torch::optim::Optimizer& optimizer) override {
@@ -171,6 +186,8 @@ class FsdpStrategy : public TrainStrategy {
   MeshParts parts_;
   std::shared_ptr<optim::OffloadStore> store_;  // before fsdp_, which binds its shards in it
   FullyShardedDataParallel fsdp_;
+  // The optimizer the gradient hook steps (the one make_optimizer made, which the Trainer keeps).
+  mutable optim::FusedOptimizer* in_backward_ = nullptr;
 };
 
 std::optional<data::Batch> FsdpStrategy::next_val_batch(data::DataLoader& loader,

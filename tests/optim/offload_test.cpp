@@ -285,8 +285,9 @@ TEST(Offload, StateComesBackAndSgdIsRefused) {
 }
 
 // FSDP with its gradients, its shards or both in the store, and Adam's moments there too: 20
-// steps (each two backward passes summed, then clipped) end bitwise where the same training in
-// memory ends, in a file and in host memory; a checkpoint of either kind loads into the other.
+// steps (each two backward passes summed, the first without synchronizing, then clipped) end
+// bitwise where the same training in memory ends, in a file and in host memory; a checkpoint of
+// either kind loads into the other.
 struct FsdpRun {
   std::map<std::string, torch::Tensor> weights;
   TensorMap moments;
@@ -297,7 +298,9 @@ FsdpRun fsdp_steps(const dist::ProcessGroupPtr& pg,
                    bool gradients,
                    bool params,
                    const std::string& save_to = "",
-                   const std::string& load_from = "") {
+                   const std::string& load_from = "",
+                   bool in_backward = false,
+                   bool clip = true) {
   torch::manual_seed(3);
   auto model = models::gpt(models::GptOptions().layers(3).width(32).heads(4).vocab(61).context(16));
   std::shared_ptr<OffloadStore> store;
@@ -316,16 +319,23 @@ FsdpRun fsdp_steps(const dist::ProcessGroupPtr& pg,
   if (!load_from.empty()) {
     load_sharded_checkpoint(load_from, fsdp, &opt);
   }
+  if (in_backward) {
+    fsdp.register_post_accumulate_grad_hook(
+        [&opt](const torch::Tensor& shard) { opt.step_parameter(shard); });
+  }
   torch::manual_seed(4);
   for (int step = 0; step < 20; ++step) {
     opt.zero_grad();
     for (int micro = 0; micro < 2; ++micro) {
+      fsdp.set_requires_gradient_sync(micro == 1);  // the first summed locally, as no_sync
       const auto tokens = torch::randint(61, {4, 17});
       torch::nn::functional::cross_entropy(fsdp.forward(tokens.slice(1, 0, 16)).reshape({-1, 61}),
                                            tokens.slice(1, 1, 17).reshape(-1))
           .backward();
     }
-    fsdp.clip_grad_norm_(0.5);
+    if (clip) {
+      fsdp.clip_grad_norm_(0.5);
+    }
     opt.step();
     EXPECT_TRUE(opt.last_step_fused());
     if (step == 9 && !save_to.empty()) {
@@ -418,6 +428,22 @@ TEST(Offload, DeferredGptIsGptsWeightsAndFsdpShardsItUnitByUnit) {
   for (const auto& [name, value] : fsdp.full_state()) {
     EXPECT_TRUE(torch::equal(value, whole->named_parameters()[name])) << name;
   }
+}
+
+// The optimizer in backward: each unit stepped from FSDP's gradient hook, its moments (and
+// shards) streaming while backward goes on, ends bitwise where one step() after backward ends
+// (without clipping, which needs every gradient first). From the second step on the next unit's
+// blocks are read ahead, in the order the last step stepped them.
+TEST(Offload, StepsInBackwardAreBitwiseEqualToOneStep) {
+  TempDir dir("offload-in-backward");
+  const auto pg = world_of_one();
+  auto run = [&](const std::string& tier, bool params, bool in_backward) {
+    return fsdp_steps(pg, tier, false, params, "", "", in_backward, /*clip=*/false);
+  };
+  const FsdpRun reference = run("memory", false, false);
+  expect_same_run(run(dir.path(), false, true), reference, "files");
+  expect_same_run(run(dir.path(), true, true), reference, "files, shards offloaded");
+  expect_same_run(run("host", false, true), reference, "host");
 }
 
 }  // namespace

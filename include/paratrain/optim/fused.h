@@ -49,6 +49,9 @@ namespace paratrain {
 namespace optim {
 
 class OffloadStore;
+namespace detail {
+struct InBackward;
+}  // namespace detail
 
 /// The build of the kernels this process runs: "avx512", "avx2" or "scalar".
 std::string fused_isa();
@@ -77,6 +80,15 @@ class FusedOptimizer {
   /// now: a disk without room throws here, in one line. c10::Error for FusedSGD.
   void offload(std::shared_ptr<OffloadStore> store);
   const std::shared_ptr<OffloadStore>& offload_store() const { return store_; }
+  /// Steps `param` alone, now, as PyTorch's optimizer in backward steps a parameter from its
+  /// post-accumulate-grad hook: from FullyShardedDataParallel::register_post_accumulate_grad_hook,
+  /// each unit's offloaded state streams while backward computes the units before it. Its blocks
+  /// are read (already queued when the last step stepped another parameter just before this one),
+  /// stepped, and written behind without waiting. The next step() steps the parameters not stepped
+  /// since and waits for every write: the same bits as that step() over all of them. Takes Adam
+  /// and AdamW with offloaded moments and the gradient in memory; c10::Error otherwise.
+  virtual void step_parameter(const torch::Tensor& param);
+
   /// State tensor `name` ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") of `param` as it is now:
   /// `held` (the state object's) when it holds the values, else a copy read from the store.
   torch::Tensor state_tensor(const torch::Tensor& param,
@@ -100,6 +112,8 @@ class FusedOptimizer {
   virtual bool offloadable() const { return true; }
 
   std::shared_ptr<OffloadStore> store_;
+  /// The parameters step_parameter stepped since the last step(), and their I/O in flight.
+  std::shared_ptr<detail::InBackward> in_backward_;  // after store_: destroyed first
 
  private:
   static uint64_t next_id();
@@ -120,6 +134,7 @@ class FusedAdam : public torch::optim::Adam, public FusedOptimizer {
  public:
   using torch::optim::Adam::Adam;
   torch::Tensor step(LossClosure closure = nullptr) override;
+  void step_parameter(const torch::Tensor& param) override;
 };
 
 /// torch::optim::AdamW with the fused step (the decoupled decay in the same pass).
@@ -127,6 +142,7 @@ class FusedAdamW : public torch::optim::AdamW, public FusedOptimizer {
  public:
   using torch::optim::AdamW::AdamW;
   torch::Tensor step(LossClosure closure = nullptr) override;
+  void step_parameter(const torch::Tensor& param) override;
 };
 
 /// torch::optim::SGD with the fused step (momentum, dampening, Nesterov and weight decay).

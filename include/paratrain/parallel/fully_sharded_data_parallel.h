@@ -152,6 +152,14 @@ class FullyShardedDataParallel {
   /// optimizer steps.
   std::vector<torch::Tensor> parameters() const;
 
+  /// Calls `hook` with each shard (parameters()) once its gradient for this backward is final:
+  /// after its reduce-scatter in a backward that synchronizes, as PyTorch runs the
+  /// post-accumulate-grad hooks of FSDP2's sharded parameters; on the thread that runs backward,
+  /// the units in the order backward reaches them, the root last. With an offloaded optimizer,
+  /// `opt.step_parameter(shard)` there streams each unit's state while backward goes on (the
+  /// optimizer in backward); step() then finishes. A failed backward calls none.
+  void register_post_accumulate_grad_hook(std::function<void(const torch::Tensor&)> hook);
+
   /// FSDP2's set_requires_gradient_sync: false makes backward add each unit's whole gradient to
   /// a local sum instead of reduce-scattering it (no_sync accumulation; it costs the unsharded
   /// gradients' memory); the next backward with true reduce-scatters the sum. The sum is not
