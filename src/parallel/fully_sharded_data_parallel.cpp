@@ -136,6 +136,11 @@ void shard_units(Impl& m) {
     shard_unit(u, m.group, m.options.replicate_group(),
                u.params.empty() ? own : mp.param_dtype().value_or(u.dtype));
     m.offload_unit(u);
+    if (on_cpu && m.options.param_init_fn()) {
+      // The unit's weights were allocated with the model, before the large blocks were mapped on
+      // their own: given back now, page by page, or every unit written would stay resident.
+      cpu::release_free_memory();
+    }
   }
   if (on_cpu) {
     cpu::release_free_memory();
