@@ -429,6 +429,10 @@ std::optional<Streamed> offload_item(
       st, o.amsgrad(), fresh, [&](const char* name) { return key(p, name); }, store, it.numel,
       it.slots);
   const std::string values_key = store.bound(p, "param");
+  TORCH_CHECK(!values_key.empty() || p.storage().data() != nullptr,
+              "fused optimizer: a parameter of shape ", p.sizes(),
+              " has no memory and no block in this optimizer's store: its values are in another "
+              "store (give the optimizer the store FSDP offloads into)");
   it.slots.push_back({kValues, values_key, values_key.empty() ? p : torch::Tensor(), true});
   if (stored_grad && !p.grad().defined()) {
     it.slots.push_back({kGradient, grad_key, {}, false});
@@ -617,6 +621,9 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
   }
   TORCH_CHECK(o != nullptr, "fused optimizer: step_parameter names a parameter of shape ",
               p.sizes(), " this optimizer does not step");
+  TORCH_CHECK(store.bound(p, "grad").empty(),
+              "fused optimizer: step_parameter takes the gradient in memory, and this parameter's "
+              "gradients are offloaded (step() reads those)");
   TORCH_CHECK(!ib.stepped.count(p.unsafeGetTensorImpl()),
               "fused optimizer: step_parameter stepped a parameter of shape ", p.sizes(),
               " twice before step()");
@@ -628,9 +635,6 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
   if (!it) {
     return;  // no gradient
   }
-  TORCH_CHECK(used.empty(),
-              "fused optimizer: step_parameter takes the gradient in memory; this "
-              "one is offloaded (step() reads those)");
   detail::IoBatch batch;
   auto ahead = ib.prefetched.find(p.unsafeGetTensorImpl());
   if (ahead != ib.prefetched.end()) {
@@ -661,6 +665,13 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
   };
   ib.in_flight.erase(std::remove_if(ib.in_flight.begin(), ib.in_flight.end(), done),
                      ib.in_flight.end());
+  // A disk slower than backward: wait for the oldest writes rather than hold every unit's state.
+  while (ib.in_flight.size() > 2) {
+    for (auto& f : ib.in_flight.front().io) {
+      store.wait(f);
+    }
+    ib.in_flight.erase(ib.in_flight.begin());
+  }
   const auto next = ib.next.find(p.unsafeGetTensorImpl());
   if (next != ib.next.end()) {
     prefetch_parameter<AdamState>(next->second, state, key, store, ib);
@@ -911,9 +922,9 @@ void FusedOptimizer::step_parameter(const torch::Tensor& param) {
 }
 
 void FusedOptimizer::offload(std::shared_ptr<OffloadStore> store) {
-  if (in_backward_ != nullptr && store_ != nullptr) {
-    finish_in_backward(*in_backward_, *store_);  // what step_parameter left in flight
-  }
+  TORCH_CHECK(in_backward_ == nullptr || in_backward_->stepped.empty(),
+              "fused optimizer: offload() between step_parameter and step(); call step() first");
+  in_backward_.reset();  // the order it learned reads from the store it had
   TORCH_CHECK(store == nullptr || offloadable(),
               "fused optimizer: offload keeps the moments of Adam and AdamW; SGD's momentum "
               "stays in memory (use FusedAdam or FusedAdamW to offload)");
@@ -975,6 +986,7 @@ void FusedAdam::step_parameter(const torch::Tensor& param) {
   TORCH_CHECK(store_ != nullptr,
               "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
   torch::NoGradGuard no_grad;
+  drop_stale_copies();
   if (!in_backward_) {
     in_backward_ = std::make_shared<detail::InBackward>();
   }
@@ -1014,6 +1026,7 @@ void FusedAdamW::step_parameter(const torch::Tensor& param) {
   TORCH_CHECK(store_ != nullptr,
               "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
   torch::NoGradGuard no_grad;
+  drop_stale_copies();
   if (!in_backward_) {
     in_backward_ = std::make_shared<detail::InBackward>();
   }

@@ -9,6 +9,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <functional>
 #include <future>
 #include <map>
@@ -94,6 +95,8 @@ struct FullyShardedDataParallel::Impl {
   bool backward_queued = false;
   std::weak_ptr<Impl> self;  // what autograd nodes and the end-of-backward callback hold
   fsdp_detail::BlockPool pool;
+  // Names this instance's blocks apart from another's in a shared store.
+  uint64_t id = 0;
   // register_post_accumulate_grad_hook's, called with each shard as its gradient becomes final.
   std::vector<std::function<void(const torch::Tensor&)>> grad_hooks;
 

@@ -41,7 +41,7 @@ void FullyShardedDataParallel::Impl::offload_unit(UnitState& u) {
               fsdp_saved::unit_key(u.layout), "' is ", u.shard.scalar_type(), " on ",
               u.shard.device());
   const int64_t bytes = static_cast<int64_t>(u.shard.nbytes());
-  const std::string base = "fsdp." + fsdp_saved::unit_key(u.layout);
+  const std::string base = "fsdp" + std::to_string(id) + "." + fsdp_saved::unit_key(u.layout);
   if (policy.gradients()) {
     u.grad_key = base + ".grad";
     store()->reserve(u.grad_key, bytes);
@@ -111,8 +111,14 @@ void FullyShardedDataParallel::Impl::set_shard_values(UnitState& u, const Tensor
 // What finish_reduce does with .grad (set, or add to what is there), in the store: the block is
 // read back and added to when the last step has not used it up. Written behind.
 void FullyShardedDataParallel::Impl::add_offloaded_gradient(UnitState& u, const Tensor& g) {
-  if (u.grad_buffer.defined()) {
-    store()->wait(u.grad_write);
+  // One gradient write in flight at a time: the others' buffers go back now, or every unit's
+  // gradient would sit in memory until the end of backward.
+  for (auto& other : units) {
+    if (other.grad_buffer.defined()) {
+      store()->wait(other.grad_write);
+      other.grad_buffer = Tensor();
+      other.grad_write = {};
+    }
   }
   Tensor sum = optim::OffloadStore::buffer(u.shard.numel(), torch::kFloat);
   if (store()->written(u.grad_key)) {

@@ -6,6 +6,7 @@
 #include "paratrain/util/allocator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <set>
@@ -168,6 +169,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential module,
   TORCH_CHECK(group != nullptr, "FullyShardedDataParallel: the process group is null");
   TORCH_CHECK(module, "FullyShardedDataParallel: the module is null");
   Impl& m = *impl_;
+  static std::atomic<uint64_t> instances{0};
+  m.id = instances++;
   m.self = impl_;
   m.module = module;
   m.group = std::move(group);
@@ -237,6 +240,18 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
   if (!impl_) {
     return;
   }
+  // First the store's I/O, which may still use the units' buffers (it does not throw here).
+  for (auto& u : impl_->units) {
+    if (u.param_read.valid()) {
+      u.param_read.wait();
+    }
+    if (u.grad_write.valid()) {
+      u.grad_write.wait();
+    }
+    if (impl_->store() != nullptr) {
+      impl_->store()->unbind(u.shard);
+    }
+  }
   try {
     for (auto& u : impl_->units) {
       if (u.reduce) {
@@ -244,16 +259,6 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
       }
       if (u.gather) {
         u.gather->wait();
-      }
-      // The store's I/O thread may still use these buffers.
-      if (u.param_read.valid()) {
-        u.param_read.wait();
-      }
-      if (u.grad_write.valid()) {
-        u.grad_write.wait();
-      }
-      if (impl_->store() != nullptr) {
-        impl_->store()->unbind(u.shard);
       }
     }
   } catch (...) {
@@ -268,12 +273,15 @@ Tensor FullyShardedDataParallel::forward(const Tensor& input) {
     // The last backward threw before its end: its reductions are finished (their gradients
     // stay in the shards' .grad, as autograd leaves a failed backward's) and the rest reset; the
     // hooks are not called for a backward that failed.
-    const auto hooks = std::move(m.grad_hooks);
+    struct Restore {
+      Impl& m;
+      std::vector<std::function<void(const Tensor&)>> hooks;
+      ~Restore() { m.grad_hooks = std::move(hooks); }
+    } restore{m, std::move(m.grad_hooks)};
     m.grad_hooks.clear();
     for (auto& u : m.units) {
       m.finish_reduce(u);
     }
-    m.grad_hooks = hooks;
     m.backward_queued = false;
   }
   UnitState& root = m.units[0];

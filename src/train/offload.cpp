@@ -7,6 +7,7 @@
 #include "paratrain/optim/offload.h"
 #include "paratrain/train/trainer.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -23,10 +24,14 @@ std::string gib(int64_t bytes) {
   return text;
 }
 
-// The ranks of this job that write to the same disk: this host's (torchrun's LOCAL_WORLD_SIZE).
-int64_t ranks_on_this_host() {
+// The ranks of this job that write to the same disk: this host's (torchrun's LOCAL_WORLD_SIZE),
+// or, without it, every rank of the group (the worst case).
+int64_t ranks_on_this_host(const TrainerOptions& o) {
   const char* local = std::getenv("LOCAL_WORLD_SIZE");
-  return local != nullptr && std::atoll(local) > 0 ? std::atoll(local) : 1;
+  if (local != nullptr && std::atoll(local) > 0) {
+    return std::atoll(local);
+  }
+  return o.process_group() != nullptr ? o.process_group()->size() : 1;
 }
 
 }  // namespace
@@ -57,6 +62,9 @@ void check_offload_options(const TrainerOptions& o) {
   PARATRAIN_CHECK_OPTION(o.optimizer().kind() != "sgd", "offload",
                          "offload keeps the moments of adam and adamw; sgd's momentum stays in "
                          "memory: choose adam or adamw");
+  PARATRAIN_CHECK_OPTION(o.device().is_cpu(), "offload",
+                         "offload streams the state through the fused CPU optimizer: train on the "
+                         "CPU (device cpu); a GPU's state is not offloaded yet");
   PARATRAIN_CHECK_OPTION(o.mesh().pp() == 1, "offload",
                          "offload does not take pipeline stages (pp ", o.mesh().pp(),
                          "): their tied embedding is read outside the steps the store streams");
@@ -66,16 +74,25 @@ void check_offload_options(const TrainerOptions& o) {
   }
 }
 
+// An upper bound of what one rank writes: its share of every offloaded fp32 array, with a page
+// per block. FSDP shards over world / dp_replicate ranks (HSDP's replicas hold the same shards);
+// ZeRO gives each rank whole tensors, so a rank may get the largest one on top of its share.
 int64_t offload_bytes_per_rank(const TrainerOptions& o, const torch::nn::Sequential& model) {
-  int64_t numel = 0;
+  int64_t numel = 0, largest = 0, tensors = 0;
   for (const auto& p : model->parameters()) {
     numel += p.numel();
+    largest = std::max<int64_t>(largest, p.numel());
+    ++tensors;
   }
   const int64_t world = o.process_group() != nullptr ? o.process_group()->size() : 1;
+  const bool zero = o.strategy() == Strategy::kDDP;
+  const int64_t sharers = std::max<int64_t>(1, world / std::max(1, o.mesh().dp_replicate()));
+  const int64_t share = (numel + sharers - 1) / sharers + (zero ? largest : 0);
   const TrainOffloadOptions& off = o.offload();
   const int64_t arrays =
       (off.optimizer() ? 2 : 0) + (off.gradients() ? 1 : 0) + (off.params() ? 1 : 0);  // fp32 each
-  return (numel + world - 1) / world * 4 * arrays;
+  const int64_t blocks = zero ? tensors : static_cast<int64_t>(model->children().size());
+  return (share * 4 + blocks * 4096) * arrays;
 }
 
 void check_offload_space(const TrainerOptions& o, const torch::nn::Sequential& model) {
@@ -84,7 +101,7 @@ void check_offload_space(const TrainerOptions& o, const torch::nn::Sequential& m
     return;
   }
   const int64_t per_rank = offload_bytes_per_rank(o, model);
-  const int64_t ranks = ranks_on_this_host();
+  const int64_t ranks = ranks_on_this_host(o);
   const int64_t free = optim::offload_free_bytes(off.dir());
   PARATRAIN_CHECK_OPTION(per_rank * ranks <= free, "offload", "offload dir '", off.dir(), "' has ",
                          gib(free), " free, and offloading needs ", gib(per_rank * ranks), " (",

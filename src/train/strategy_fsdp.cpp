@@ -16,6 +16,7 @@
 #include "paratrain/parallel/tensor_parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <utility>
@@ -86,8 +87,9 @@ class FsdpStrategy : public TrainStrategy {
     // any step (clipping, loss scaling), nor with offloaded gradients (step() reads those).
     if (o.offload().optimizer() && !o.offload().gradients() && o.clip_grad_norm() == 0 &&
         !mp_->loss_scaling()) {
+      steps_in_backward_ = true;
       fsdp_.register_post_accumulate_grad_hook([this](const torch::Tensor& shard) {
-        if (in_backward_ != nullptr) {
+        if (in_backward_ != nullptr && !hold_steps_) {
           in_backward_->step_parameter(shard);
         }
       });
@@ -178,8 +180,15 @@ class FsdpStrategy : public TrainStrategy {
   torch::Tensor train_forward(const torch::Tensor& input) override { return fsdp_.forward(input); }
   torch::Tensor train_loss(const torch::Tensor& output,
                            const torch::Tensor& target) const override {
-    return parts_.loss_parallel ? loss_parallel_cross_entropy(output, target, parts_.tp())
-                                : loss_of(output, target);
+    torch::Tensor loss = parts_.loss_parallel
+                             ? loss_parallel_cross_entropy(output, target, parts_.tp())
+                             : loss_of(output, target);
+    if (steps_in_backward_) {
+      // A loss that is not finite steps nothing in backward: the Trainer stops on it (or steps
+      // after backward, as without the optimizer in backward).
+      hold_steps_ = !std::isfinite(loss.detach().item<double>());
+    }
+    return loss;
   }
 
  private:
@@ -188,6 +197,8 @@ class FsdpStrategy : public TrainStrategy {
   FullyShardedDataParallel fsdp_;
   // The optimizer the gradient hook steps (the one make_optimizer made, which the Trainer keeps).
   mutable optim::FusedOptimizer* in_backward_ = nullptr;
+  bool steps_in_backward_ = false;
+  mutable bool hold_steps_ = false;  // this batch's loss is not finite
 };
 
 std::optional<data::Batch> FsdpStrategy::next_val_batch(data::DataLoader& loader,

@@ -14,6 +14,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #endif
 
+#include <sys/mount.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
@@ -618,6 +619,20 @@ TEST(Train, OffloadBadInput) {
     cases.push_back({{"--strategy", "fsdp", "--offload", "optimizer", "--offload-dir", "/dev/shm"},
                      "tmpfs, which is memory"});
   }
+  // A disk without room for what the ranks will write: an 8 MiB ext4 the test mounts (root).
+  const std::string mnt = dir + "/small";
+  const std::string mount = "mkdir -p " + mnt + " && truncate -s 8M " + dir + "/disk.img && " +
+                            "mkfs.ext4 -q " + dir + "/disk.img 2>/dev/null && mount -o loop " +
+                            dir + "/disk.img " + mnt + " 2>/dev/null";
+  const bool mounted = ::geteuid() == 0 && std::system(mount.c_str()) == 0;
+  if (mounted) {
+    cases.push_back({{"--strategy", "fsdp", "--offload", "all", "--offload-dir", mnt, "--layers",
+                      "4", "--width", "256", "--heads", "4"},
+                     "free space or choose another directory"});
+  } else {
+    std::cout << "[ note ] cannot mount a small ext4 here (root and loop devices): the "
+                 "free-space refusal is not exercised\n";
+  }
   for (const auto& c : cases) {
     std::vector<std::string> argv{cli_path(), "train"};
     argv.insert(argv.end(), gpt.begin(), gpt.end());
@@ -630,6 +645,9 @@ TEST(Train, OffloadBadInput) {
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.message << "\n" << r.output;
     EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  }
+  if (mounted) {
+    ::umount2(mnt.c_str(), MNT_DETACH);
   }
   remove_tree(dir);
 }

@@ -111,6 +111,10 @@ class FusedOptimizer {
   /// Whether offload() takes this optimizer's state (Adam's and AdamW's moments).
   virtual bool offloadable() const { return true; }
 
+  /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
+  /// device or dtype since write_copy), saying so; their owner copies them itself again.
+  void drop_stale_copies();
+
   std::shared_ptr<OffloadStore> store_;
   /// The parameters step_parameter stepped since the last step(), and their I/O in flight.
   std::shared_ptr<detail::InBackward> in_backward_;  // after store_: destroyed first
@@ -119,9 +123,6 @@ class FusedOptimizer {
   static uint64_t next_id();
   /// After libtorch's step: every copy written from its parameter with Tensor::copy_.
   void copy_after_fallback();
-  /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
-  /// device or dtype since write_copy), saying so; their owner copies them itself again.
-  void drop_stale_copies();
 
   uint64_t id_ = next_id();  // names this optimizer's blocks apart from another's in one store
   bool last_fused_ = false;

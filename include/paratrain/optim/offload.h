@@ -9,8 +9,9 @@
 //   opt.offload(store);    // Adam's moments leave memory; each step reads and writes them
 //
 // An OffloadStore holds blocks by name:
-// - in host memory (OffloadOptions::dir empty): the tier for training on a device, whose state
-//   moves to the host;
+// - in host memory (OffloadOptions::dir empty): the tier of ZeRO-Offload, whose state moves from
+//   a device to the host (the fused optimizer and FSDP's offload take CPU state today, so on the
+//   CPU it moves within memory, as the same code path);
 // - in one file in OffloadOptions::dir: the tier for training on the host. The file has no name
 //   (made and unlinked at once), so it goes when the store closes or the process dies and is never
 //   taken for a checkpoint; checkpoints hold the state itself. It is read and written with

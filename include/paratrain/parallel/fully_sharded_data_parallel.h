@@ -127,7 +127,8 @@ struct FsdpOptions {
   /// the unit is flattened and sharded, as FSDP's param_init_fn: with a model whose parameters
   /// are allocated but not yet written (models::GptOptions::defer_init, with
   /// models::gpt_init_weights), no rank ever holds more than one unit whole. The weights of rank
-  /// 0 are still the ones kept.
+  /// 0 are still the ones kept. The root's children come first: a GPT's weights are gpt()'s when
+  /// the root holds the embedding, ln_f and the head only (gpt_block_names' units).
   TORCH_ARG(std::function<void(torch::nn::Module&)>, param_init_fn) = nullptr;
 };
 
@@ -157,7 +158,8 @@ class FullyShardedDataParallel {
   /// post-accumulate-grad hooks of FSDP2's sharded parameters; on the thread that runs backward,
   /// the units in the order backward reaches them, the root last. With an offloaded optimizer,
   /// `opt.step_parameter(shard)` there streams each unit's state while backward goes on (the
-  /// optimizer in backward); step() then finishes. A failed backward calls none.
+  /// optimizer in backward); step() then finishes. A backward that fails has called the hooks of
+  /// the units it finished before failing: after it, restore the last checkpoint.
   void register_post_accumulate_grad_hook(std::function<void(const torch::Tensor&)> hook);
 
   /// FSDP2's set_requires_gradient_sync: false makes backward add each unit's whole gradient to
