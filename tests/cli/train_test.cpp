@@ -552,7 +552,8 @@ TEST(Train, OffloadIsBitwiseEqualToTrainingInMemory) {  // ctest: slow 12
     std::string reference;  // the run in memory it must equal
   };
   // Clipped: every part offloaded, stepped after backward. Not clipped: the optimizer's moments
-  // offloaded are stepped unit by unit in backward (the optimizer in backward).
+  // offloaded are stepped unit by unit in backward (the optimizer in backward). ZeRO: its local
+  // optimizer's moments offloaded.
   const std::vector<Run> runs{
       {"memory", clip, ""},
       {"all", {"--offload", "all", "--offload-dir", scratch, clip[0], clip[1]}, "memory"},
@@ -562,7 +563,9 @@ TEST(Train, OffloadIsBitwiseEqualToTrainingInMemory) {  // ctest: slow 12
       {"optimizer,params,host", {"--offload", "optimizer,params,host", clip[0], clip[1]}, "memory"},
       {"unclipped", {}, ""},
       {"in-backward", {"--offload", "optimizer", "--offload-dir", scratch}, "unclipped"},
-      {"in-backward,params,host", {"--offload", "optimizer,params,host"}, "unclipped"}};
+      {"in-backward,params,host", {"--offload", "optimizer,params,host"}, "unclipped"},
+      {"zero", {"--strategy", "ddp", "--zero"}, ""},
+      {"zero-offload", {"--strategy", "ddp", "--zero", "--offload", "host"}, "zero"}};
   std::map<std::string, std::string> weights;
   for (const auto& run : runs) {
     std::vector<std::string> argv = base;
