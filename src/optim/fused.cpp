@@ -762,6 +762,28 @@ torch::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   return closure();
 }
 
+// The pass of FusedAdam's and FusedAdamW's step: in memory, or streamed through the store (the
+// parameters step_parameter stepped since the last step() left out, then its round finished).
+template <typename Options, typename AdamState, typename Map>
+void adam_step_pass(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                    Map& state,
+                    bool decoupled,
+                    const std::function<torch::Tensor(const torch::Tensor&)>& copy,
+                    const std::function<std::string(const torch::Tensor&, const char*)>& key,
+                    OffloadStore* store,
+                    detail::InBackward* ib) {
+  if (store == nullptr) {
+    adam_pass<Options, AdamState>(groups, state, decoupled, copy);
+    return;
+  }
+  static const std::unordered_set<const c10::TensorImpl*> none;
+  adam_offload_pass<Options, AdamState>(groups, state, decoupled, copy, key, *store,
+                                        ib != nullptr ? ib->stepped : none);
+  if (ib != nullptr) {
+    finish_in_backward(*ib, *store);
+  }
+}
+
 }  // namespace
 
 std::string fused_isa() {
@@ -916,6 +938,16 @@ void bring_back(torch::optim::OptimizerParamState& s,
 
 }  // namespace
 
+detail::InBackward& FusedOptimizer::begin_step_parameter() {
+  TORCH_CHECK(store_ != nullptr,
+              "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
+  drop_stale_copies();
+  if (!in_backward_) {
+    in_backward_ = std::make_shared<detail::InBackward>();
+  }
+  return *in_backward_;
+}
+
 void FusedOptimizer::step_parameter(const torch::Tensor& param) {
   TORCH_CHECK(false, "fused optimizer: step_parameter takes FusedAdam and FusedAdamW (a parameter ",
               param.sizes(), ")");
@@ -965,35 +997,20 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
       },
       [this] { torch::optim::Adam::step(nullptr); },
       [this] {
-        auto copy = [this](const torch::Tensor& p) { return copy_of(p); };
-        if (store_ == nullptr) {
-          adam_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(param_groups_, state_,
-                                                                             false, copy);
-          return;
-        }
-        static const std::unordered_set<const c10::TensorImpl*> none;
-        adam_offload_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
-            param_groups_, state_, false, copy,
+        adam_step_pass<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+            param_groups_, state_, false, [this](const torch::Tensor& p) { return copy_of(p); },
             [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
-            *store_, in_backward_ ? in_backward_->stepped : none);
-        if (in_backward_) {
-          finish_in_backward(*in_backward_, *store_);
-        }
+            store_.get(), in_backward_.get());
       });
 }
 
 void FusedAdam::step_parameter(const torch::Tensor& param) {
-  TORCH_CHECK(store_ != nullptr,
-              "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
   torch::NoGradGuard no_grad;
-  drop_stale_copies();
-  if (!in_backward_) {
-    in_backward_ = std::make_shared<detail::InBackward>();
-  }
+  detail::InBackward& round = begin_step_parameter();
   adam_step_parameter<torch::optim::AdamOptions, torch::optim::AdamParamState>(
       param_groups_, state_, false, copy_of(param),
       [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); }, *store_,
-      *in_backward_, param);
+      round, param);
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
@@ -1005,35 +1022,20 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
       },
       [this] { torch::optim::AdamW::step(nullptr); },
       [this] {
-        auto copy = [this](const torch::Tensor& p) { return copy_of(p); };
-        if (store_ == nullptr) {
-          adam_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(param_groups_,
-                                                                               state_, true, copy);
-          return;
-        }
-        static const std::unordered_set<const c10::TensorImpl*> none;
-        adam_offload_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-            param_groups_, state_, true, copy,
+        adam_step_pass<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+            param_groups_, state_, true, [this](const torch::Tensor& p) { return copy_of(p); },
             [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); },
-            *store_, in_backward_ ? in_backward_->stepped : none);
-        if (in_backward_) {
-          finish_in_backward(*in_backward_, *store_);
-        }
+            store_.get(), in_backward_.get());
       });
 }
 
 void FusedAdamW::step_parameter(const torch::Tensor& param) {
-  TORCH_CHECK(store_ != nullptr,
-              "fused optimizer: step_parameter streams offloaded moments: offload(store) first");
   torch::NoGradGuard no_grad;
-  drop_stale_copies();
-  if (!in_backward_) {
-    in_backward_ = std::make_shared<detail::InBackward>();
-  }
+  detail::InBackward& round = begin_step_parameter();
   adam_step_parameter<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       param_groups_, state_, true, copy_of(param),
       [this](const torch::Tensor& p, const char* name) { return offload_key(p, name); }, *store_,
-      *in_backward_, param);
+      round, param);
 }
 
 torch::Tensor FusedSGD::step(LossClosure closure) {

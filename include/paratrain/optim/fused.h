@@ -111,6 +111,8 @@ class FusedOptimizer {
   /// Whether offload() takes this optimizer's state (Adam's and AdamW's moments).
   virtual bool offloadable() const { return true; }
 
+  /// What every step_parameter does first: the store checked, stale copies dropped; the round.
+  detail::InBackward& begin_step_parameter();
   /// Before a step: drops the copies that no longer fit their parameter (a model moved to another
   /// device or dtype since write_copy), saying so; their owner copies them itself again.
   void drop_stale_copies();
