@@ -14,6 +14,14 @@
 // (F FLOP/s per rank, measured on the fsdp row as 6 x params x tokens per second) outlasts the
 // optimizer's traffic (BW the bandwidth each rank gets), so that offloading can hide it.
 //
+// With --device cuda each rank trains on its own GPU over nccl and the offloaded optimizer is
+// ZeRO-Offload's: Adam's moments in host memory (in --offload-dir's files when given), each step
+// copying the shards and their gradients to the host, stepping them with the fused CPU Adam on
+// the rank's share of the cores, and copying the shards back. The systems are fsdp and
+// fsdp+offload-optimizer (FSDP's shards stay on the device). GPT-2's shape, on one GPU:
+//   paratrain bench offload --device cuda --nproc-per-node 1 --layers 12 --width 768 --heads 12
+//       --vocab 50257 --context 1024 --batch-size 8 --steps 10
+//
 // The headline, a GPT of 3.07 billion parameters on 2 ranks (none of whose weights, gradients or
 // moments fit this machine's memory as fp32 Adam state):
 //   paratrain bench offload --layers 39 --width 2560 --heads 20 --vocab 256 --context 128
@@ -27,12 +35,14 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace paratrain {
@@ -63,6 +73,9 @@ const BenchSpec& offload_spec() {
           {"in-backward", "on|off",
            "fsdp+offload-optimizer: step each unit from its gradient hook, streaming its moments "
            "while backward goes on (default on)"},
+          {"device", "NAME",
+           "cpu (default) or cuda: rank r on its node's cuda:r, the moments in host memory "
+           "unless --offload-dir is given"},
           {"no-disk", "", "skip the disk's bandwidth row"},
           {"system", "S", kInternalOption},
       },
@@ -80,15 +93,51 @@ models::GptOptions offload_shape(const Bench& bench) {
       .context(bench.get_int("context", 128));
 }
 
+bool on_cuda(const Bench& bench) {
+  return bench.get("device", "cpu") == "cuda";
+}
+
+// Where the store keeps the state: a directory on the disk; on a GPU, host memory ("") unless a
+// directory is given.
 std::string offload_dir(const Bench& bench) {
-  return bench.get("offload-dir", "/var/tmp");
+  return bench.get("offload-dir", on_cuda(bench) ? "" : "/var/tmp");
+}
+
+// On the CPU the ranks share the cores, one each; on a GPU the CPU runs the offloaded Adam, on
+// this rank's share of the node's cores (as DeepSpeed's CPU Adam takes the cores it is given).
+void set_offload_threads(const torch::Device& device) {
+  const int local = std::max<int>(1, static_cast<int>(torch::cuda::device_count()));
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  torch::set_num_threads(device.is_cpu() ? 1 : std::max(1, cores / local));
+}
+
+// The GPT in FSDP with `system`'s parts in `store`. On the CPU it is built deferred, each unit
+// written, sharded and offloaded in turn; on a GPU it is built on the host and moved there whole.
+std::unique_ptr<FullyShardedDataParallel> offload_fsdp(
+    const Bench& bench,
+    const dist::ProcessGroupPtr& pg,
+    const torch::Device& device,
+    const std::shared_ptr<optim::OffloadStore>& store) {
+  const bool all = bench.get("system") == "fsdp+offload-all";
+  torch::manual_seed(0);
+  auto model = models::gpt(models::GptOptions(offload_shape(bench)).defer_init(device.is_cpu()));
+  model->to(device);
+  FsdpOptions options = FsdpOptions()
+                            .units(models::gpt_block_names(model))
+                            .activation_checkpointing(true)
+                            .offload(FsdpOffloadPolicy().store(store).gradients(all).params(all));
+  if (device.is_cpu()) {
+    options.param_init_fn(models::gpt_init_weights);
+  }
+  return std::make_unique<FullyShardedDataParallel>(model, pg, options);
 }
 
 // One rank's training, timed per step, with what the store waited and wrote.
 int run_offload_worker(const Bench& bench) {
-  torch::set_num_threads(1);
   const std::string system = bench.get("system");
   auto pg = dist::init_process_group();
+  const torch::Device device = on_cuda(bench) ? dist::local_device() : torch::Device(torch::kCPU);
+  set_offload_threads(device);
   const models::GptOptions shape = offload_shape(bench);
   std::shared_ptr<optim::OffloadStore> store;
   if (system != "fsdp") {
@@ -96,17 +145,8 @@ int run_offload_worker(const Bench& bench) {
                                                       .dir(offload_dir(bench))
                                                       .owner("rank " + std::to_string(pg->rank())));
   }
-  const bool all = system == "fsdp+offload-all";
-  torch::manual_seed(0);
-  auto model = models::gpt(models::GptOptions(shape).defer_init(true));
-  FullyShardedDataParallel fsdp(
-      model, pg,
-      FsdpOptions()
-          .units(models::gpt_block_names(model))
-          .activation_checkpointing(true)
-          .param_init_fn(models::gpt_init_weights)
-          .offload(FsdpOffloadPolicy().store(store).gradients(all).params(all)));
-  model = nullptr;
+  auto wrapped = offload_fsdp(bench, pg, device, store);
+  FullyShardedDataParallel& fsdp = *wrapped;
   optim::FusedAdam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
   opt.offload(store);
   if (system == "fsdp+offload-optimizer" && bench.get("in-backward", "on") == "on") {
@@ -117,7 +157,7 @@ int run_offload_worker(const Bench& bench) {
   const int batch = bench.get_int("batch-size", 4);
   const int steps = bench.get_int("steps", 4);
   torch::manual_seed(100 + pg->rank());
-  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1});
+  torch::Tensor tokens = torch::randint(0, shape.vocab(), {batch, shape.context() + 1}).to(device);
   torch::Tensor x = tokens.narrow(1, 0, shape.context()), y = tokens.narrow(1, 1, shape.context());
   std::vector<double> times, waits;
   double loss = 0, first = 0;
@@ -130,7 +170,7 @@ int run_offload_worker(const Bench& bench) {
     auto l = torch::nn::functional::cross_entropy(fsdp.forward(x).flatten(0, 1), y.flatten());
     l.backward();
     opt.step();
-    loss = l.item<double>();
+    loss = l.item<double>();  // on a GPU, waits for the step
     first = step == 0 ? loss : first;
     if (step > 0) {
       times.push_back(seconds_since(t0));
@@ -140,16 +180,23 @@ int run_offload_worker(const Bench& bench) {
                    std::to_string(loss) + ", " + std::to_string(seconds_since(t0)) + " s");
   }
   const double step_seconds = median(times), io_wait = median(waits);
+  // On the device: where the group moves tensors (nccl: only CUDA ones).
   at::Tensor t =
-      torch::tensor({step_seconds, static_cast<double>(peak_rss_bytes()), io_wait}, torch::kDouble);
+      torch::tensor({step_seconds, static_cast<double>(peak_rss_bytes()), io_wait}, torch::kDouble)
+          .to(device);
   pg->allreduce(t, dist::ReduceOp::kMax)->wait();
-  at::Tensor disk = torch::tensor(
-      {static_cast<double>(store && store->on_disk() ? store->stored_bytes() : 0)}, torch::kDouble);
+  t = t.cpu();
+  at::Tensor disk =
+      torch::tensor({static_cast<double>(store && store->on_disk() ? store->stored_bytes() : 0)},
+                    torch::kDouble)
+          .to(device);
   pg->allreduce(disk, dist::ReduceOp::kSum)->wait();
+  disk = disk.cpu();
   if (pg->rank() == 0) {
     append_row(bench.get("out"), {{"system", system},
                                   {"params", models::gpt_parameter_count(shape)},
                                   {"ranks", pg->size()},
+                                  {"device", device.is_cpu() ? "cpu" : "cuda"},
                                   {"peak_rss_bytes", static_cast<int64_t>(t[1].item<double>())},
                                   {"disk_bytes", static_cast<int64_t>(disk[0].item<double>())},
                                   {"step_seconds", t[0].item<double>()},
@@ -245,7 +292,7 @@ void print_offload_rows(const Bench& bench, std::vector<JsonRow> rows) {
       std::cout << "\n";
       continue;
     }
-    std::cout << std::left << std::setw(22) << system;
+    std::cout << std::left << std::setw(24) << system;
     if (row.contains("error")) {
       std::cout << "failed: " << string_field(row, "error") << "\n";
       continue;
@@ -266,20 +313,33 @@ void print_offload_rows(const Bench& bench, std::vector<JsonRow> rows) {
 }
 
 int run_offload_bench(const Bench& bench) {
-  const std::vector<std::string> systems =
-      split_list(bench.get("systems", "fsdp,fsdp+offload-optimizer,fsdp+offload-all"));
+  const std::string device = bench.get("device", "cpu");
+  require(device == "cpu" || device == "cuda",
+          "unknown --device '" + device + "': choose cpu or cuda");
+  require(device == "cpu" || torch::cuda::is_available(),
+          "--device cuda: this process sees no CUDA device (or its libtorch has no CUDA): run it "
+          "where one is, or use --device cpu");
+  const std::vector<std::string> systems = split_list(
+      bench.get("systems", on_cuda(bench) ? "fsdp,fsdp+offload-optimizer"
+                                          : "fsdp,fsdp+offload-optimizer,fsdp+offload-all"));
   for (const auto& system : systems) {
     require(system == "fsdp" || system == "fsdp+offload-optimizer" || system == "fsdp+offload-all",
             "unknown system '" + system +
                 "' in --systems: choose of fsdp, fsdp+offload-optimizer, fsdp+offload-all");
+    require(!on_cuda(bench) || system != "fsdp+offload-all",
+            "fsdp+offload-all offloads the shards and their gradients, which stay on the device "
+            "with --device cuda: choose fsdp and fsdp+offload-optimizer");
   }
-  const std::string problem = optim::offload_dir_problem(offload_dir(bench));
+  const std::string dir = offload_dir(bench);
+  const std::string problem = dir.empty() ? "" : optim::offload_dir_problem(dir);
   require(problem.empty(), problem);
-  const int ranks = bench.get_int("nproc-per-node", 2);
+  const int ranks = bench.get_int(
+      "nproc-per-node",
+      on_cuda(bench) ? std::max<int>(1, static_cast<int>(torch::cuda::device_count())) : 2);
   require(ranks >= 1, "--nproc-per-node must be at least 1");
   const std::string out = results_file("offload");
   std::vector<JsonRow> rows;
-  if (!bench.has("no-disk")) {
+  if (!bench.has("no-disk") && !dir.empty()) {
     rows.push_back(disk_row(bench));
   }
   for (const auto& system : systems) {
@@ -288,10 +348,10 @@ int run_offload_bench(const Bench& bench) {
     std::vector<std::string> extra{"--system", system};
     for (const auto& word :
          bench.forwarded({"layers", "width", "heads", "vocab", "context", "batch-size", "steps",
-                          "offload-dir", "in-backward"})) {
+                          "offload-dir", "in-backward", "device"})) {
       extra.push_back(word);
     }
-    run_bench_job(bench.worker_command(out, extra), ranks, "gloo", out);
+    run_bench_job(bench.worker_command(out, extra), ranks, on_cuda(bench) ? "nccl" : "gloo", out);
     rows.push_back(read_rows(out).at(0));
   }
   std::remove(out.c_str());

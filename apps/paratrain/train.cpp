@@ -190,10 +190,11 @@ struct Placement {
 
 // Whether the GPT is built with its weights deferred, for FSDP to write and shard one unit at a
 // time (FsdpOptions::param_init_fn): no rank then holds the whole model, whatever its size. Not
-// when something reads the whole model first: loaded weights, tensor parallelism, stages.
+// when something reads the whole model first: loaded weights, tensor parallelism, stages; nor
+// on a GPU, where the units would be written by the device's generator, not gpt()'s draws.
 bool defers_init(const Args& args, const TrainSettings& s) {
-  return s.gpt && s.strategy == "fsdp" && !args.has("load-weights") && args.get_int("tp", 1) <= 1 &&
-         args.get_int("pp", 1) <= 1;
+  return s.gpt && s.strategy == "fsdp" && s.device_kind != "cuda" && !args.has("load-weights") &&
+         args.get_int("tp", 1) <= 1 && args.get_int("pp", 1) <= 1;
 }
 
 torch::nn::Sequential build_model(const Args& args, const TrainSettings& s, int64_t classes) {

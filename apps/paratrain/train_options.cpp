@@ -136,7 +136,8 @@ std::vector<OptionSpec> loop_option_specs() {
       {"offload", "LIST",
        "fsdp (ddp with --zero: optimizer only): keep the optimizer's moments, the gradients and "
        "the shards (optimizer,gradients,params, or all) in files in --offload-dir, or in host "
-       "memory with host (ZeRO-Offload, ZeRO-Infinity); adam and adamw, fused"},
+       "memory with host (ZeRO-Offload, ZeRO-Infinity); adam and adamw, fused; with --device "
+       "cuda, optimizer alone (Adam on the CPU)"},
       {"offload-dir", "DIR",
        "with --offload: a directory on a disk (not tmpfs) for each rank's offloaded state, "
        "checked for room before training"},

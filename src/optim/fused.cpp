@@ -59,43 +59,55 @@ void run_chunks(const std::vector<Args>& args, const std::vector<int64_t>& sizes
                                       });
 }
 
-bool fusable(const torch::Tensor& t, const torch::Tensor& p) {
-  return t.defined() && !t.is_sparse() && t.device().is_cpu() && t.scalar_type() == torch::kFloat &&
-         t.is_contiguous() && t.numel() == p.numel();
+// Whether the pass can use `t` (`p`'s values, gradient or state) in place.
+bool in_place(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.is_contiguous();
+}
+
+// Whether the pass takes `t`: in place, or, with `anywhere` (the offloaded pass), any dense fp32
+// tensor of `p`'s size, which it stages through a host copy (on a GPU: ZeRO-Offload's step).
+bool fusable(const torch::Tensor& t, const torch::Tensor& p, bool anywhere = false) {
+  return t.defined() && !t.is_sparse() && t.scalar_type() == torch::kFloat &&
+         t.numel() == p.numel() && (anywhere || in_place(t));
 }
 
 // Why the pass cannot take `p` (with `what` its gradient or a state tensor); "" when it can.
-std::string unfusable(const torch::Tensor& t, const torch::Tensor& p, const char* what) {
-  if (fusable(t, p)) {
+std::string unfusable(const torch::Tensor& t,
+                      const torch::Tensor& p,
+                      const char* what,
+                      bool anywhere = false) {
+  if (fusable(t, p, anywhere)) {
     return "";
   }
   std::ostringstream why;
   why << "a parameter of shape " << p.sizes() << " has " << what << " "
       << (t.defined() ? t.toString() : std::string("undefined"))
-      << (t.defined() && !t.is_contiguous() ? ", not contiguous" : "")
-      << " (the pass takes contiguous fp32 CPU tensors)";
+      << (t.defined() && !t.is_contiguous() && !anywhere ? ", not contiguous" : "")
+      << (anywhere ? " (the offloaded pass takes dense fp32 tensors)"
+                   : " (the pass takes contiguous fp32 CPU tensors)");
   return why.str();
 }
 
 // Why some parameter with a gradient, or the state it has, does not suit the pass; "" when all
-// do. `state_fusable` checks a parameter's existing state object.
+// do. `state_fusable` checks a parameter's existing state object; `anywhere`: the offloaded pass.
 template <typename Map, typename StateCheck>
 std::string all_fusable(std::vector<torch::optim::OptimizerParamGroup>& groups,
                         Map& state,
-                        StateCheck state_fusable) {
+                        StateCheck state_fusable,
+                        bool anywhere = false) {
   std::unordered_set<const c10::TensorImpl*> seen;
   for (auto& group : groups) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) {
         continue;
       }
-      std::string why = unfusable(p, p, "the values");
-      why = why.empty() ? unfusable(p.grad(), p, "a gradient") : why;
+      std::string why = unfusable(p, p, "the values", anywhere);
+      why = why.empty() ? unfusable(p.grad(), p, "a gradient", anywhere) : why;
       const auto it = state.find(detail::state_key(state, p));
-      if (why.empty() && it != state.end() && !state_fusable(*it->second, p)) {
+      if (why.empty() && it != state.end() && !state_fusable(*it->second, p, anywhere)) {
         std::ostringstream text;
-        text << "a parameter of shape " << p.sizes()
-             << " has optimizer state that is not a contiguous fp32 CPU tensor of its size";
+        text << "a parameter of shape " << p.sizes() << " has optimizer state that is not "
+             << (anywhere ? "an fp32 tensor" : "a contiguous fp32 CPU tensor") << " of its size";
         why = text.str();
       }
       if (why.empty() && !seen.insert(p.unsafeGetTensorImpl()).second) {
@@ -118,9 +130,11 @@ bool offloaded(const torch::Tensor& t, const torch::Tensor& p) {
 }
 
 template <typename AdamState>
-bool adam_state_fusable(const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
+bool adam_state_fusable(const torch::optim::OptimizerParamState& s,
+                        const torch::Tensor& p,
+                        bool anywhere) {
   const auto& st = static_cast<const AdamState&>(s);
-  auto fits = [&p](const torch::Tensor& t) { return fusable(t, p) || offloaded(t, p); };
+  auto fits = [&](const torch::Tensor& t) { return fusable(t, p, anywhere) || offloaded(t, p); };
   return fits(st.exp_avg()) && fits(st.exp_avg_sq()) &&
          (!st.max_exp_avg_sq().defined() || fits(st.max_exp_avg_sq()));
 }
@@ -297,6 +311,44 @@ float*& slot_pointer(detail::AdamArgs& a, SlotKind kind) {
   }
 }
 
+// A contiguous host copy of `t`, for the pass to step. A CUDA tensor's goes to pinned memory:
+// its copies then run at the bus's full speed, and the caching host allocator keeps the pages
+// from one step to the next.
+torch::Tensor host_copy(const torch::Tensor& t) {
+  torch::Tensor h = torch::empty(
+      t.sizes(), torch::TensorOptions().dtype(torch::kFloat).pinned_memory(t.is_cuda()));
+  h.copy_(t);
+  return h;
+}
+
+// The values and gradient of `it` the pass cannot use in place (on a GPU: ZeRO-Offload, whose
+// Adam steps on the CPU; or strided) replaced by host copies; returns the values' home, to copy
+// the stepped values back into (undefined when they were used in place). The copies are
+// synchronous: a stream-ordered copy would need this library to know the device's streams, and a
+// step's copies are 12 bytes a parameter against the CPU pass's 28.
+torch::Tensor stage(Streamed& it) {
+  torch::Tensor home;
+  for (Slot& s : it.slots) {
+    if (!s.key.empty() || !s.held.defined() || in_place(s.held)) {
+      continue;
+    }
+    if (s.kind == kValues) {
+      home = s.held;
+    }
+    s.held = host_copy(s.held);
+  }
+  return home;
+}
+
+// After the pass: the stepped values of `it` copied back where stage() found them.
+void unstage(const Streamed& it, const torch::Tensor& home) {
+  for (const Slot& s : it.slots) {
+    if (home.defined() && s.kind == kValues) {
+      home.copy_(s.held);
+    }
+  }
+}
+
 // The Adam pass over `items` with their blocks in `store`: parameter i is stepped in one of two
 // buffer sets while parameter i+1's blocks are read into the other (prefetch) and i-1's written
 // from it (write-behind; the store's one I/O thread runs them in the order queued, so i-1's
@@ -345,11 +397,13 @@ void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
       }
       next = i + 1 < items.size() ? fetch(i + 1) : std::vector<std::shared_future<void>>{};
       Streamed& it = items[i];
+      const torch::Tensor home = stage(it);
       for (const Slot& s : it.slots) {
         slot_pointer(it.args, s.kind) =
             s.key.empty() ? s.held.data_ptr<float>() : buffers[i % 2][s.kind].data_ptr<float>();
       }
       run_chunks(std::vector<detail::AdamArgs>{it.args}, {it.numel}, detail::kernels().adam);
+      unstage(it, home);
       writes[i % 2].clear();  // those of parameter i-2, done: its reads came after them
       for (const Slot& s : it.slots) {
         if (!s.key.empty() && s.write_back) {
@@ -385,7 +439,13 @@ void moment_slots(AdamState& st,
   }
   const std::pair<SlotKind, const char*> moments[] = {
       {kExpAvg, "exp_avg"}, {kExpAvgSq, "exp_avg_sq"}, {kMaxExpAvgSq, "max_exp_avg_sq"}};
-  const torch::Tensor held[] = {st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()};
+  // State held in memory moves into the store from a host copy when it is on a device or strided
+  // (a checkpoint loaded onto a GPU's parameters).
+  auto host = [numel](const torch::Tensor& t) {
+    return t.defined() && t.numel() == numel && !in_place(t) ? host_copy(t) : t;
+  };
+  const torch::Tensor held[] = {host(st.exp_avg()), host(st.exp_avg_sq()),
+                                host(st.max_exp_avg_sq())};
   for (size_t k = 0; k < (amsgrad ? 3u : 2u); ++k) {
     const std::string name = key(moments[k].second);
     store.reserve(name, numel * 4);
@@ -627,8 +687,8 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
   TORCH_CHECK(!ib.stepped.count(p.unsafeGetTensorImpl()),
               "fused optimizer: step_parameter stepped a parameter of shape ", p.sizes(),
               " twice before step()");
-  std::string why = store.bound(p, "param").empty() ? unfusable(p, p, "the values") : "";
-  why = why.empty() && p.grad().defined() ? unfusable(p.grad(), p, "a gradient") : why;
+  std::string why = store.bound(p, "param").empty() ? unfusable(p, p, "the values", true) : "";
+  why = why.empty() && p.grad().defined() ? unfusable(p.grad(), p, "a gradient", true) : why;
   TORCH_CHECK(why.empty(), "fused optimizer: step_parameter: ", why);
   std::string used;
   auto it = offload_item<Options, AdamState>(*o, state, p, decoupled, copy, key, store, used);
@@ -641,8 +701,10 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
     batch = std::move(ahead->second);
     ib.prefetched.erase(ahead);
   }
+  const torch::Tensor home = stage(*it);
   load_item(*it, batch, store);
   run_chunks(std::vector<detail::AdamArgs>{it->args}, {it->numel}, detail::kernels().adam);
+  unstage(*it, home);
   moments_offloaded(static_cast<AdamState&>(*state.at(detail::state_key(state, p))));
   bump_versions({p, copy});
   for (const Slot& s : it->slots) {
@@ -993,7 +1055,8 @@ torch::Tensor FusedAdam::step(LossClosure closure) {
   return run_step(
       closure,
       [this] {
-        return all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>);
+        return all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamParamState>,
+                           store_ != nullptr);
       },
       [this] { torch::optim::Adam::step(nullptr); },
       [this] {
@@ -1017,8 +1080,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   return run_step(
       closure,
       [this] {
-        return all_fusable(param_groups_, state_,
-                           adam_state_fusable<torch::optim::AdamWParamState>);
+        return all_fusable(param_groups_, state_, adam_state_fusable<torch::optim::AdamWParamState>,
+                           store_ != nullptr);
       },
       [this] { torch::optim::AdamW::step(nullptr); },
       [this] {
@@ -1042,12 +1105,12 @@ torch::Tensor FusedSGD::step(LossClosure closure) {
   return run_step(
       closure,
       [this] {
-        return all_fusable(param_groups_, state_,
-                           [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p) {
-                             const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
-                             return !st.momentum_buffer().defined() ||
-                                    fusable(st.momentum_buffer(), p);
-                           });
+        return all_fusable(
+            param_groups_, state_,
+            [](const torch::optim::OptimizerParamState& s, const torch::Tensor& p, bool) {
+              const auto& st = static_cast<const torch::optim::SGDParamState&>(s);
+              return !st.momentum_buffer().defined() || fusable(st.momentum_buffer(), p);
+            });
       },
       [this] { torch::optim::SGD::step(nullptr); },
       [this] {

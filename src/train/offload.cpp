@@ -62,9 +62,14 @@ void check_offload_options(const TrainerOptions& o) {
   PARATRAIN_CHECK_OPTION(o.optimizer().kind() != "sgd", "offload",
                          "offload keeps the moments of adam and adamw; sgd's momentum stays in "
                          "memory: choose adam or adamw");
-  PARATRAIN_CHECK_OPTION(o.device().is_cpu(), "offload",
-                         "offload streams the state through the fused CPU optimizer: train on the "
-                         "CPU (device cpu); a GPU's state is not offloaded yet");
+  // On a device the optimizer's step runs on the CPU with its state in host memory or the files
+  // (ZeRO-Offload, ZeRO-Infinity's optimizer tier); FSDP's shards and reduced gradients stay on
+  // the device, where its all-gathers and reduce-scatters need them.
+  PARATRAIN_CHECK_OPTION(o.device().is_cpu() || (!off.gradients() && !off.params()), "offload",
+                         "on device ", o.device().str(),
+                         " offload takes the optimizer (its state in host memory or the files, "
+                         "Adam on the CPU); gradients and params stay on the device: offload "
+                         "optimizer alone, or train on the CPU");
   PARATRAIN_CHECK_OPTION(o.mesh().pp() == 1, "offload",
                          "offload does not take pipeline stages (pp ", o.mesh().pp(),
                          "): their tied embedding is read outside the steps the store streams");

@@ -501,6 +501,41 @@ TEST(Trainer, BadOptions) {
   }
 }
 
+// On a device, offload takes the optimizer (ZeRO-Offload: its moments in host memory or the
+// files, Adam on the CPU) and refuses gradients and params, which FSDP's collectives need on the
+// device. The options are checked before anything touches the device, so this runs without one.
+TEST(Trainer, OffloadOnADeviceTakesTheOptimizerOnly) {
+  auto pg =
+      dist::init_process_group(dist::InitOptions()
+                                   .backend("gloo")
+                                   .init_method("tcp://127.0.0.1:" + std::to_string(free_port()))
+                                   .rank(0)
+                                   .world_size(1)
+                                   .uses_cuda(false));
+  auto on_gpu = [&](TrainOffloadOptions off) {
+    return base_options()
+        .strategy(Strategy::kFSDP)
+        .process_group(pg)
+        .device(torch::Device(torch::kCUDA, 0))
+        .optimizer(OptimizerOptions().kind("adam").lr(1e-3))
+        .offload(off);
+  };
+  check_trainer_options(on_gpu(TrainOffloadOptions().optimizer(true)));
+  for (const auto& off : {TrainOffloadOptions().optimizer(true).gradients(true),
+                          TrainOffloadOptions().optimizer(true).params(true)}) {
+    try {
+      check_trainer_options(on_gpu(off));
+      ADD_FAILURE() << "gradients or params offloaded from a GPU passed";
+    } catch (const OptionError& e) {
+      EXPECT_EQ(e.field(), "offload");
+      EXPECT_NE(std::string(e.what_without_backtrace())
+                    .find("on device cuda:0 offload takes the optimizer"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace paratrain

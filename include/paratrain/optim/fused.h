@@ -33,6 +33,10 @@
 //   keep the step count and empty moments; optimizer_state() (paratrain/io/checkpoint.h) reads
 //   the moments from the store, so checkpoints hold them as always, and state loaded into the
 //   objects (a checkpoint made without offload) moves into the store at the next step.
+//   Offloaded, the pass also takes fp32 parameters it cannot use in place: a GPU's (ZeRO-Offload:
+//   the moments in host memory or a file, Adam on the CPU) or strided ones. Each is stepped from a
+//   host copy of its values and gradient (pinned memory for a CUDA tensor) and its values copied
+//   back, with the bits of the same step on a contiguous CPU copy.
 
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>

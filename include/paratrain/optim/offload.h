@@ -9,9 +9,10 @@
 //   opt.offload(store);    // Adam's moments leave memory; each step reads and writes them
 //
 // An OffloadStore holds blocks by name:
-// - in host memory (OffloadOptions::dir empty): the tier of ZeRO-Offload, whose state moves from
-//   a device to the host (the fused optimizer and FSDP's offload take CPU state today, so on the
-//   CPU it moves within memory, as the same code path);
+// - in host memory (OffloadOptions::dir empty): the tier of ZeRO-Offload, whose optimizer state
+//   moves from a device to the host, the fused optimizer stepping the device's parameters there
+//   (FSDP's offload of shards and gradients takes CPU shards; on the CPU the state moves within
+//   memory, as the same code path);
 // - in one file in OffloadOptions::dir: the tier for training on the host. The file has no name
 //   (made and unlinked at once), so it goes when the store closes or the process dies and is never
 //   taken for a checkpoint; checkpoints hold the state itself. It is read and written with
