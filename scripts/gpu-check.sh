@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine whose python3 holds a CUDA PyTorch: builds paratrain against that PyTorch's
 # libtorch (with -Werror), runs the whole suite, then compares `paratrain train` with PyTorch on
-# ResNet-50 at 224x224, O1 fp16, batch 64 (bench/train_pytorch.py, data already on the GPU).
+# ResNet-50 at 224x224, O1 fp16, batch 64 (bench/train_pytorch.py, data already on the GPU), and
+# FSDP with its optimizer offloaded to the host against Adam on the GPU (bench offload).
 #
 # What the machine lacks comes from ${PARATRAIN_GPU_DEPS:-.gpu-deps}, made by scripts/gpu-deps.sh
 # on a Debian machine: gloo's headers, GoogleTest's sources, zlib's headers, the image libraries,
@@ -63,5 +64,9 @@ status=0
   # Two epochs of 100 steps: the second one's images/s is the steady state.
   "$build/bin/paratrain" train --model resnet50 --image-size 224 --channels 3 --batch-size 64 \
     --amp O1 --amp-dtype fp16 --epochs 2 --steps 100 --workers 4 --lr 0.01 --json
+  # ZeRO-Offload against FSDP with Adam on the GPU, GPT-2's shape (docs/benchmarks.md, "offload").
+  echo "== paratrain bench offload, GPT-2's shape"
+  "$build/bin/paratrain" bench offload --json --device cuda --nproc-per-node 1 --layers 12 \
+    --width 768 --heads 12 --vocab 50257 --context 1024 --batch-size 8 --steps 10
 } 2>&1 | tee "$out/speed.log" || status=1
 exit $status

@@ -309,6 +309,29 @@ TEST(Gpu, PrefetchedBatchesEqualHostBatches) {
   EXPECT_FALSE(device.next().has_value());
 }
 
+// The GPT the FSDP tests train on cuda:0 (3 blocks of width 64, seed 0), and its batch: 4
+// sequences of 16 tokens, the targets shifted by one.
+struct SmallGpt {
+  models::GptOptions shape =
+      models::GptOptions().layers(3).width(64).heads(2).vocab(64).context(16);
+  torch::Tensor x, y;
+  SmallGpt() {
+    torch::manual_seed(7);
+    const auto tokens = torch::randint(0, 64, {4, 17}, torch::kLong).to(kCuda0);
+    x = tokens.narrow(1, 0, 16);
+    y = tokens.narrow(1, 1, 16);
+  }
+  torch::nn::Sequential model() const {
+    torch::manual_seed(0);
+    auto m = models::gpt(shape);
+    m->to(kCuda0);
+    return m;
+  }
+  torch::Tensor loss(const torch::Tensor& logits) const {
+    return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
+  }
+};
+
 // FSDP on a GPU over nccl (its own reduce_scatter; the gathered and gradient blocks from the
 // CUDA caching allocator through FSDP's pool) trains a GPT as one process does: one rank, so
 // the collectives copy, and every parameter after 5 Adam steps within 1e-5 of the plain model's
@@ -319,19 +342,10 @@ TEST(Gpu, FsdpOnNcclTrainsAsOneProcess) {
   GTEST_SKIP() << "this build has no nccl (its libtorch has no CUDA)";
 #else
   auto pg = world_of_one("nccl");
-  auto shape = models::GptOptions().layers(3).width(64).heads(2).vocab(64).context(16);
-  auto make = [&] {
-    torch::manual_seed(0);
-    auto m = models::gpt(shape);
-    m->to(kCuda0);
-    return m;
-  };
-  torch::manual_seed(7);
-  auto tokens = torch::randint(0, 64, {4, 17}, torch::kLong).to(kCuda0);
-  auto x = tokens.narrow(1, 0, 16), y = tokens.narrow(1, 1, 16);
-  auto loss_of = [&](const torch::Tensor& logits) {
-    return torch::nn::functional::cross_entropy(logits.flatten(0, 1), y.flatten());
-  };
+  const SmallGpt gpt;
+  auto make = [&] { return gpt.model(); };
+  const torch::Tensor& x = gpt.x;
+  auto loss_of = [&](const torch::Tensor& logits) { return gpt.loss(logits); };
   auto plain = make();
   torch::optim::Adam plain_opt(plain->parameters(), torch::optim::AdamOptions(1e-3));
   auto sharded_model = make();
@@ -387,15 +401,10 @@ TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
   GTEST_SKIP() << "this build has no nccl (its libtorch has no CUDA)";
 #else
   auto pg = world_of_one("nccl");
-  auto shape = models::GptOptions().layers(3).width(64).heads(2).vocab(64).context(16);
-  torch::manual_seed(7);
-  auto tokens = torch::randint(0, 64, {4, 17}, torch::kLong).to(kCuda0);
-  auto x = tokens.narrow(1, 0, 16), y = tokens.narrow(1, 1, 16);
+  const SmallGpt gpt;
   const std::string dir = testing::make_temp_dir("gpu-offload");
   auto run = [&](const std::string& how) {
-    torch::manual_seed(0);
-    auto model = models::gpt(shape);
-    model->to(kCuda0);
+    auto model = gpt.model();
     FullyShardedDataParallel fsdp(model, pg, FsdpOptions().units(models::gpt_block_names(model)));
     std::unique_ptr<torch::optim::Optimizer> opt;
     std::shared_ptr<optim::OffloadStore> store;
@@ -417,7 +426,7 @@ TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
     }
     for (int step = 0; step < 5; ++step) {
       opt->zero_grad();
-      torch::nn::functional::cross_entropy(fsdp.forward(x).flatten(0, 1), y.flatten()).backward();
+      gpt.loss(fsdp.forward(gpt.x)).backward();
       opt->step();
     }
     if (store) {
