@@ -1,5 +1,7 @@
 #include "paratrain/optim/offload.h"
 
+#include "util/strings.h"
+
 #include <c10/util/Exception.h>
 #include <zlib.h>
 
@@ -41,12 +43,6 @@ uint32_t checksum(const void* data, int64_t bytes) {
     bytes -= piece;
   }
   return static_cast<uint32_t>(crc);
-}
-
-std::string gib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  return text;
 }
 
 // pread or pwrite of all `bytes`, through short transfers and signals.
@@ -183,11 +179,13 @@ void OffloadStore::reserve(const std::string& key, int64_t bytes) {
     const int64_t size = round_up(bytes);
     if (size > 0) {
       const int err = ::posix_fallocate(fd_, static_cast<off_t>(end_), static_cast<off_t>(size));
-      TORCH_CHECK(err == 0, "offload: cannot make room for block '", key, "' (", gib(size), ") in ",
-                  options_.dir(), " for ", options_.owner(), ": ", std::strerror(err),
-                  err == ENOSPC ? "; " + gib(offload_free_bytes(options_.dir())) +
-                                      " free: free space or choose another --offload-dir"
-                                : std::string());
+      TORCH_CHECK(err == 0, "offload: cannot make room for block '", key, "' (",
+                  paratrain::detail::gib(size), ") in ", options_.dir(), " for ", options_.owner(),
+                  ": ", std::strerror(err),
+                  err == ENOSPC
+                      ? "; " + paratrain::detail::gib(offload_free_bytes(options_.dir())) +
+                            " free: free space or choose another --offload-dir"
+                      : std::string());
     }
     end_ += size;
   } else {
@@ -318,7 +316,8 @@ void OffloadStore::wait(const std::shared_future<void>& done) {
 torch::Tensor OffloadStore::buffer(int64_t numel, torch::ScalarType dtype) {
   const int64_t bytes = round_up(std::max<int64_t>(numel, 1) * c10::elementSize(dtype));
   void* data = std::aligned_alloc(kPage, static_cast<size_t>(bytes));
-  TORCH_CHECK(data != nullptr, "offload: cannot allocate a buffer of ", gib(bytes));
+  TORCH_CHECK(data != nullptr, "offload: cannot allocate a buffer of ",
+              paratrain::detail::gib(bytes));
   return torch::from_blob(
       data, {numel}, [](void* p) { std::free(p); }, torch::TensorOptions().dtype(dtype));
 }

@@ -6,10 +6,10 @@
 #include "paratrain/base/option_error.h"
 #include "paratrain/optim/offload.h"
 #include "paratrain/train/trainer.h"
+#include "util/strings.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -17,12 +17,6 @@
 namespace paratrain::train_internal {
 
 namespace {
-
-std::string gib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
-  return text;
-}
 
 // The ranks of this job that write to the same disk: this host's (torchrun's LOCAL_WORLD_SIZE),
 // or, without it, every rank of the group (the worst case).
@@ -109,8 +103,9 @@ void check_offload_space(const TrainerOptions& o, const torch::nn::Sequential& m
   const int64_t ranks = ranks_on_this_host(o);
   const int64_t free = optim::offload_free_bytes(off.dir());
   PARATRAIN_CHECK_OPTION(per_rank * ranks <= free, "offload", "offload dir '", off.dir(), "' has ",
-                         gib(free), " free, and offloading needs ", gib(per_rank * ranks), " (",
-                         gib(per_rank), " per rank, ", ranks,
+                         paratrain::detail::gib(free), " free, and offloading needs ",
+                         paratrain::detail::gib(per_rank * ranks), " (",
+                         paratrain::detail::gib(per_rank), " per rank, ", ranks,
                          " ranks on this host): free space or choose another directory");
 }
 
