@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -68,11 +69,12 @@ const BenchSpec& offload_spec() {
           {"systems", "LIST",
            "of fsdp, fsdp+offload-optimizer, fsdp+offload-all (default all three)"},
           {"offload-dir", "DIR",
-           "a directory on the disk to measure (default /var/tmp; not tmpfs)"},
-          {"nproc-per-node,ranks", "N", "ranks (default 2)"},
+           "a directory on the disk to measure (default /var/tmp; not tmpfs; with --device cuda, "
+           "host memory unless given)"},
+          {"nproc-per-node,ranks", "N", "ranks (default 2; with --device cuda, the visible GPUs)"},
           {"in-backward", "on|off",
            "fsdp+offload-optimizer: step each unit from its gradient hook, streaming its moments "
-           "while backward goes on (default on)"},
+           "while backward goes on (default on; on a GPU the backward waits for each unit's step)"},
           {"device", "NAME",
            "cpu (default) or cuda: rank r on its node's cuda:r, the moments in host memory "
            "unless --offload-dir is given"},
@@ -106,9 +108,10 @@ std::string offload_dir(const Bench& bench) {
 // On the CPU the ranks share the cores, one each; on a GPU the CPU runs the offloaded Adam, on
 // this rank's share of the node's cores (as DeepSpeed's CPU Adam takes the cores it is given).
 void set_offload_threads(const torch::Device& device) {
-  const int local = std::max<int>(1, static_cast<int>(torch::cuda::device_count()));
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");  // the launcher's ranks on this node
+  const int ranks = std::max(1, local != nullptr ? std::atoi(local) : 1);
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  torch::set_num_threads(device.is_cpu() ? 1 : std::max(1, cores / local));
+  torch::set_num_threads(device.is_cpu() ? 1 : std::max(1, cores / ranks));
 }
 
 // The GPT in FSDP with `system`'s parts in `store`. On the CPU it is built deferred, each unit
@@ -132,6 +135,29 @@ std::unique_ptr<FullyShardedDataParallel> offload_fsdp(
   return std::make_unique<FullyShardedDataParallel>(model, pg, options);
 }
 
+// The optimizer of `system`: the fused Adam, with its moments in `store` when there is one and,
+// for fsdp+offload-optimizer with --in-backward on, each unit stepped from FSDP's gradient hook
+// (its moments stream while backward goes on); on a GPU with the state there, libtorch's Adam on
+// the device (the fused pass is the CPU's).
+std::unique_ptr<torch::optim::Optimizer> offload_adam(
+    const Bench& bench,
+    FullyShardedDataParallel& fsdp,
+    const torch::Device& device,
+    const std::shared_ptr<optim::OffloadStore>& store) {
+  const auto options = torch::optim::AdamOptions(3e-4);
+  if (!device.is_cpu() && store == nullptr) {
+    return std::make_unique<torch::optim::Adam>(fsdp.parameters(), options);
+  }
+  auto fused = std::make_unique<optim::FusedAdam>(fsdp.parameters(), options);
+  fused->offload(store);
+  if (bench.get("system") == "fsdp+offload-optimizer" && bench.get("in-backward", "on") == "on") {
+    optim::FusedAdam* f = fused.get();
+    fsdp.register_post_accumulate_grad_hook(
+        [f](const torch::Tensor& shard) { f->step_parameter(shard); });
+  }
+  return fused;
+}
+
 // One rank's training, timed per step, with what the store waited and wrote.
 int run_offload_worker(const Bench& bench) {
   const std::string system = bench.get("system");
@@ -147,13 +173,8 @@ int run_offload_worker(const Bench& bench) {
   }
   auto wrapped = offload_fsdp(bench, pg, device, store);
   FullyShardedDataParallel& fsdp = *wrapped;
-  optim::FusedAdam opt(fsdp.parameters(), torch::optim::AdamOptions(3e-4));
-  opt.offload(store);
-  if (system == "fsdp+offload-optimizer" && bench.get("in-backward", "on") == "on") {
-    // Each unit steps as its gradient is final: its moments stream while backward goes on.
-    fsdp.register_post_accumulate_grad_hook(
-        [&opt](const torch::Tensor& shard) { opt.step_parameter(shard); });
-  }
+  std::unique_ptr<torch::optim::Optimizer> adam = offload_adam(bench, fsdp, device, store);
+  torch::optim::Optimizer& opt = *adam;
   const int batch = bench.get_int("batch-size", 4);
   const int steps = bench.get_int("steps", 4);
   torch::manual_seed(100 + pg->rank());

@@ -688,16 +688,21 @@ torch::Tensor own_copy(const torch::Tensor& t, const torch::Tensor& p) {
   return t.to(p.options(), /*non_blocking=*/false, /*copy=*/true);
 }
 
+// The moments of an optimizer whose state is offloaded stay on the host, in `p`'s dtype, until its
+// next step moves them into its store: on a GPU's parameters, the device never holds them (it
+// would not fit them, in the models ZeRO-Offload is for).
 template <typename AdamState>
 std::unique_ptr<AdamState> load_adam(const TensorMap& in,
                                      const std::string& key,
-                                     const torch::Tensor& p) {
+                                     const torch::Tensor& p,
+                                     bool offloaded) {
+  const torch::Tensor like = offloaded ? torch::empty({0}, p.options().device(torch::kCPU)) : p;
   auto st = std::make_unique<AdamState>();
   st->step(in.at(key + "step").template item<int64_t>());
-  st->exp_avg(own_copy(in.at(key + "exp_avg"), p));
-  st->exp_avg_sq(own_copy(in.at(key + "exp_avg_sq"), p));
+  st->exp_avg(own_copy(in.at(key + "exp_avg"), like));
+  st->exp_avg_sq(own_copy(in.at(key + "exp_avg_sq"), like));
   if (in.count(key + "max_exp_avg_sq")) {
-    st->max_exp_avg_sq(own_copy(in.at(key + "max_exp_avg_sq"), p));
+    st->max_exp_avg_sq(own_copy(in.at(key + "max_exp_avg_sq"), like));
   }
   return st;
 }
@@ -743,6 +748,8 @@ TensorMap optimizer_state(torch::optim::Optimizer& optimizer) {
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& in) {
   const std::string kind = optimizer_kind(optimizer);
+  const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(&optimizer);
+  const bool offloaded = fused != nullptr && fused->offload_store() != nullptr;
   auto& state = optimizer.state();
   state.clear();
   size_t used = 0;
@@ -763,9 +770,10 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const TensorMap& i
                   "exp_avg has shape ", in.at(key + "exp_avg").sizes(), ", its parameter ",
                   p.sizes());
       if (kind == "adam") {
-        state[state_key(state, p)] = load_adam<torch::optim::AdamParamState>(in, key, p);
+        state[state_key(state, p)] = load_adam<torch::optim::AdamParamState>(in, key, p, offloaded);
       } else {
-        state[state_key(state, p)] = load_adam<torch::optim::AdamWParamState>(in, key, p);
+        state[state_key(state, p)] =
+            load_adam<torch::optim::AdamWParamState>(in, key, p, offloaded);
       }
       ++used;
     }

@@ -6,6 +6,7 @@
 #include "optim/param_state.h"
 #include "optim/step_threads.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/utils.h>
@@ -61,14 +62,22 @@ void run_chunks(const std::vector<Args>& args, const std::vector<int64_t>& sizes
 
 // Whether the pass can use `t` (`p`'s values, gradient or state) in place.
 bool in_place(const torch::Tensor& t) {
-  return t.device().is_cpu() && t.is_contiguous();
+  return t.layout() == torch::kStrided && t.device().is_cpu() && t.is_contiguous();
 }
 
-// Whether the pass takes `t`: in place, or, with `anywhere` (the offloaded pass), any dense fp32
-// tensor of `p`'s size, which it stages through a host copy (on a GPU: ZeRO-Offload's step).
+// Whether the offloaded pass can step `t` from a host copy and copy it back: a strided tensor on
+// the CPU or a GPU whose elements do not overlap (not sparse, mkldnn or meta; not an expanded view,
+// which the copy back could not write).
+bool stageable(const torch::Tensor& t) {
+  return t.layout() == torch::kStrided && (t.device().is_cpu() || t.device().is_cuda()) &&
+         at::has_internal_overlap(t) != at::MemOverlap::Yes;
+}
+
+// Whether the pass takes `t`: in place, or, with `anywhere` (the offloaded pass), any fp32 tensor
+// of `p`'s size it can stage through a host copy (on a GPU: ZeRO-Offload's step).
 bool fusable(const torch::Tensor& t, const torch::Tensor& p, bool anywhere = false) {
-  return t.defined() && !t.is_sparse() && t.scalar_type() == torch::kFloat &&
-         t.numel() == p.numel() && (anywhere || in_place(t));
+  return t.defined() && t.scalar_type() == torch::kFloat && t.numel() == p.numel() &&
+         (anywhere ? stageable(t) : in_place(t));
 }
 
 // Why the pass cannot take `p` (with `what` its gradient or a state tensor); "" when it can.
@@ -82,8 +91,10 @@ std::string unfusable(const torch::Tensor& t,
   std::ostringstream why;
   why << "a parameter of shape " << p.sizes() << " has " << what << " "
       << (t.defined() ? t.toString() : std::string("undefined"))
-      << (t.defined() && !t.is_contiguous() && !anywhere ? ", not contiguous" : "")
-      << (anywhere ? " (the offloaded pass takes dense fp32 tensors)"
+      << (t.defined() && t.layout() == torch::kStrided && !t.is_contiguous() && !anywhere
+              ? ", not contiguous"
+              : "")
+      << (anywhere ? " (the offloaded pass takes dense fp32 CPU or CUDA tensors)"
                    : " (the pass takes contiguous fp32 CPU tensors)");
   return why.str();
 }
@@ -340,13 +351,24 @@ torch::Tensor stage(Streamed& it) {
   return home;
 }
 
-// After the pass: the stepped values of `it` copied back where stage() found them.
-void unstage(const Streamed& it, const torch::Tensor& home) {
-  for (const Slot& s : it.slots) {
-    if (home.defined() && s.kind == kValues) {
+// After the pass: the stepped values of `it` copied back where stage() found them, and the
+// slots' references dropped, so that host copies live one parameter at a time.
+void unstage(Streamed& it, const torch::Tensor& home) {
+  for (Slot& s : it.slots) {
+    if (s.kind == kValues && home.defined()) {
       home.copy_(s.held);
     }
+    if (s.key.empty()) {
+      s.held = torch::Tensor();
+    }
   }
+}
+
+// Copies `held` (state loaded into memory, which moves into the store) into `dst`: from a host
+// copy when it is on a device or strided (a checkpoint loaded onto a GPU's parameters).
+void copy_held(const torch::Tensor& held, void* dst) {
+  const torch::Tensor src = in_place(held) ? held : held.to(torch::kCPU).contiguous();
+  std::memcpy(dst, src.data_ptr(), static_cast<size_t>(src.nbytes()));
 }
 
 // The Adam pass over `items` with their blocks in `store`: parameter i is stepped in one of two
@@ -378,7 +400,7 @@ void stream_adam(std::vector<Streamed>& items, OffloadStore& store) {
           store.wait(w);
         }
         writes[i % 2].clear();
-        std::memcpy(buffer.data_ptr(), s.held.data_ptr(), static_cast<size_t>(s.held.nbytes()));
+        copy_held(s.held, buffer.data_ptr());
       } else {
         reads.push_back(store.read(s.key, buffer.data_ptr()));
         queued.push_back(reads.back());
@@ -439,13 +461,7 @@ void moment_slots(AdamState& st,
   }
   const std::pair<SlotKind, const char*> moments[] = {
       {kExpAvg, "exp_avg"}, {kExpAvgSq, "exp_avg_sq"}, {kMaxExpAvgSq, "max_exp_avg_sq"}};
-  // State held in memory moves into the store from a host copy when it is on a device or strided
-  // (a checkpoint loaded onto a GPU's parameters).
-  auto host = [numel](const torch::Tensor& t) {
-    return t.defined() && t.numel() == numel && !in_place(t) ? host_copy(t) : t;
-  };
-  const torch::Tensor held[] = {host(st.exp_avg()), host(st.exp_avg_sq()),
-                                host(st.max_exp_avg_sq())};
+  const torch::Tensor held[] = {st.exp_avg(), st.exp_avg_sq(), st.max_exp_avg_sq()};
   for (size_t k = 0; k < (amsgrad ? 3u : 2u); ++k) {
     const std::string name = key(moments[k].second);
     store.reserve(name, numel * 4);
@@ -614,7 +630,7 @@ void load_item(Streamed& it, detail::IoBatch& batch, OffloadStore& store) {
     }
     float* dst = batch_buffer(batch, s.kind, it.numel);
     if (s.held.defined() && s.held.numel() == it.numel) {
-      std::memcpy(dst, s.held.data_ptr(), static_cast<size_t>(s.held.nbytes()));
+      copy_held(s.held, dst);
     } else {
       batch.io.push_back(store.read(s.key, dst));
     }
@@ -689,6 +705,12 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
               " twice before step()");
   std::string why = store.bound(p, "param").empty() ? unfusable(p, p, "the values", true) : "";
   why = why.empty() && p.grad().defined() ? unfusable(p.grad(), p, "a gradient", true) : why;
+  const auto held = state.find(detail::state_key(state, p));
+  if (why.empty() && held != state.end() &&
+      !adam_state_fusable<AdamState>(*held->second, p, /*anywhere=*/true)) {
+    why = "a parameter of shape " + c10::str(p.sizes()) +
+          " has optimizer state that is not an fp32 tensor of its size";
+  }
   TORCH_CHECK(why.empty(), "fused optimizer: step_parameter: ", why);
   std::string used;
   auto it = offload_item<Options, AdamState>(*o, state, p, decoupled, copy, key, store, used);
@@ -985,16 +1007,20 @@ torch::Tensor FusedOptimizer::state_tensor(const torch::Tensor& param,
 
 namespace {
 
-// Every offloaded moment of `st` read back into the state object.
+// Every offloaded moment of `st` read back into the state object, on its parameter's device (where
+// libtorch's step, which may take over, needs it).
 template <typename AdamState>
 void bring_back(torch::optim::OptimizerParamState& s,
                 const torch::Tensor& p,
                 FusedOptimizer& fused) {
   auto& st = static_cast<AdamState&>(s);
-  st.exp_avg(fused.state_tensor(p, "exp_avg", st.exp_avg()));
-  st.exp_avg_sq(fused.state_tensor(p, "exp_avg_sq", st.exp_avg_sq()));
+  auto back = [&](const char* name, const torch::Tensor& held) {
+    return fused.state_tensor(p, name, held).to(p.device());
+  };
+  st.exp_avg(back("exp_avg", st.exp_avg()));
+  st.exp_avg_sq(back("exp_avg_sq", st.exp_avg_sq()));
   if (st.max_exp_avg_sq().defined()) {
-    st.max_exp_avg_sq(fused.state_tensor(p, "max_exp_avg_sq", st.max_exp_avg_sq()));
+    st.max_exp_avg_sq(back("max_exp_avg_sq", st.max_exp_avg_sq()));
   }
 }
 

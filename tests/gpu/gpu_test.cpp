@@ -393,7 +393,7 @@ TEST(Gpu, FsdpOnNcclTrainsAsOneProcess) {
 // ZeRO-Offload: FSDP on a GPU whose FusedAdam keeps the moments in host memory or a file and
 // steps host copies of the shards and gradients on the CPU, stepped after backward or unit by
 // unit from FSDP's gradient hook (the optimizer in backward): after 5 steps every parameter within
-// 1e-5 of FSDP with libtorch's Adam on the GPU, and the step lives on the host (the store holds
+// 1e-4 of FSDP with libtorch's Adam on the GPU, and the step lives on the host (the store holds
 // the moments).
 TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
   SKIP_WITHOUT_CUDA();
@@ -441,11 +441,19 @@ TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
     return out;
   };
   const auto device = run("device");
+  // Not bitwise: CUDA's Adam rounds otherwise than the CPU pass (addcdiv, fused multiply-adds),
+  // and Adam turns a gradient that is rounding noise (the key's bias: softmax ignores a shift)
+  // into steps of up to lr. 1e-4 is a tenth of one step: a unit not stepped, or not copied back,
+  // fails it.
   for (const std::string how : {"host", "files", "in-backward"}) {
     const auto offloaded = run(how);
-    ASSERT_EQ(offloaded.size(), device.size()) << how;
+    EXPECT_EQ(offloaded.size(), device.size()) << how;
     for (const auto& [name, value] : device) {
-      expect_close(offloaded.at(name), value, how + ": " + name, 1e-5);
+      if (offloaded.count(name)) {
+        expect_close(offloaded.at(name), value, how + ": " + name, 1e-4);
+      } else {
+        ADD_FAILURE() << how << ": no " << name;
+      }
     }
   }
   testing::remove_tree(dir);

@@ -282,8 +282,16 @@ TEST(Offload, StateComesBackAndSgdIsRefused) {
   offloaded.offload(store);
   half.mutable_grad() = torch::ones({8, 8}, torch::kBFloat16);
   const std::string refused = error_of([&] { offloaded.step(); });
-  EXPECT_NE(refused.find("the offloaded pass takes dense fp32 tensors"), std::string::npos)
+  EXPECT_NE(refused.find("the offloaded pass takes dense fp32 CPU or CUDA tensors"),
+            std::string::npos)
       << refused;
+  // Nor an expanded view, whose stepped values could not be copied back.
+  torch::Tensor expanded = torch::randn({1, 8}).expand({8, 8}).requires_grad_();
+  optim::FusedAdam overlapping({expanded}, torch::optim::AdamOptions(1e-2));
+  overlapping.offload(store);
+  expanded.mutable_grad() = torch::ones({8, 8});
+  EXPECT_NE(error_of([&] { overlapping.step(); }).find("dense fp32 CPU or CUDA"),
+            std::string::npos);
 }
 
 // `start` as parameters laid out `how`: "contiguous", "strided" (a transposed matrix and every
@@ -341,7 +349,11 @@ TensorMap staged_steps(const std::string& how, const std::string& tier) {
     if (i == 5) {
       const TensorMap saved = optimizer_state(*opt);
       opt = make();
-      load_optimizer_state(*opt, saved);  // held on the parameters' device until the next step
+      load_optimizer_state(*opt, saved);
+      for (const auto& kv : opt->state()) {  // on the host until the next step stores it
+        const auto& st = static_cast<const torch::optim::AdamParamState&>(*kv.second);
+        EXPECT_EQ(st.exp_avg().device().is_cpu(), tier != "memory" || how != "cuda") << how;
+      }
     }
   }
   TensorMap out;

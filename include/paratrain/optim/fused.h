@@ -15,7 +15,8 @@
 // they take libtorch's, and state saved by either loads into the other.
 // - The pass runs when every parameter with a gradient is a contiguous fp32 CPU tensor with a
 //   contiguous fp32 gradient, as FSDP's flat shards are. Otherwise (a GPU parameter, a strided
-//   view) the step is libtorch's, said once on stderr, and last_step_fused() says so.
+//   view) the step is libtorch's, said once on stderr, and last_step_fused() says so; with the
+//   state offloaded (below) such fp32 parameters are stepped from host copies instead.
 // - The arithmetic is libtorch's, operation by operation, with the scalars (bias corrections,
 //   step size) in double and rounded once; the pass fuses a + s * b into one rounding (fma)
 //   where ATen's kernels compute it, so results stay within about 1e-7 relative of libtorch's
