@@ -65,19 +65,19 @@ bool in_place(const torch::Tensor& t) {
   return t.layout() == torch::kStrided && t.device().is_cpu() && t.is_contiguous();
 }
 
-// Whether the offloaded pass can step `t` from a host copy and copy it back: a strided tensor on
-// the CPU or a GPU whose elements do not overlap (not sparse, mkldnn or meta; not an expanded view,
-// which the copy back could not write).
-bool stageable(const torch::Tensor& t) {
+// Whether the offloaded pass can step `t` from a host copy: a strided tensor on the CPU or a GPU
+// (not sparse, mkldnn or meta); when it is `written` back (the values), one whose elements do not
+// overlap (not an expanded view, which the copy back could not write).
+bool stageable(const torch::Tensor& t, bool written) {
   return t.layout() == torch::kStrided && (t.device().is_cpu() || t.device().is_cuda()) &&
-         at::has_internal_overlap(t) != at::MemOverlap::Yes;
+         (!written || at::has_internal_overlap(t) != at::MemOverlap::Yes);
 }
 
 // Whether the pass takes `t`: in place, or, with `anywhere` (the offloaded pass), any fp32 tensor
 // of `p`'s size it can stage through a host copy (on a GPU: ZeRO-Offload's step).
 bool fusable(const torch::Tensor& t, const torch::Tensor& p, bool anywhere = false) {
   return t.defined() && t.scalar_type() == torch::kFloat && t.numel() == p.numel() &&
-         (anywhere ? stageable(t) : in_place(t));
+         (anywhere ? stageable(t, /*written=*/t.is_same(p)) : in_place(t));
 }
 
 // Why the pass cannot take `p` (with `what` its gradient or a state tensor); "" when it can.
@@ -706,7 +706,7 @@ void adam_step_parameter(std::vector<torch::optim::OptimizerParamGroup>& groups,
   std::string why = store.bound(p, "param").empty() ? unfusable(p, p, "the values", true) : "";
   why = why.empty() && p.grad().defined() ? unfusable(p.grad(), p, "a gradient", true) : why;
   const auto held = state.find(detail::state_key(state, p));
-  if (why.empty() && held != state.end() &&
+  if (why.empty() && p.grad().defined() && held != state.end() &&
       !adam_state_fusable<AdamState>(*held->second, p, /*anywhere=*/true)) {
     why = "a parameter of shape " + c10::str(p.sizes()) +
           " has optimizer state that is not an fp32 tensor of its size";
@@ -1007,15 +1007,17 @@ torch::Tensor FusedOptimizer::state_tensor(const torch::Tensor& param,
 
 namespace {
 
-// Every offloaded moment of `st` read back into the state object, on its parameter's device (where
-// libtorch's step, which may take over, needs it).
+// Every offloaded moment of `st` read back into the state object, on device `to`: the parameter's
+// when the state stays in memory (libtorch's step may take over there), the host's when it moves
+// to another store (a GPU need never hold it).
 template <typename AdamState>
 void bring_back(torch::optim::OptimizerParamState& s,
                 const torch::Tensor& p,
-                FusedOptimizer& fused) {
+                FusedOptimizer& fused,
+                const torch::Device& to) {
   auto& st = static_cast<AdamState&>(s);
   auto back = [&](const char* name, const torch::Tensor& held) {
-    return fused.state_tensor(p, name, held).to(p.device());
+    return fused.state_tensor(p, name, held).to(to);
   };
   st.exp_avg(back("exp_avg", st.exp_avg()));
   st.exp_avg_sq(back("exp_avg_sq", st.exp_avg_sq()));
@@ -1058,10 +1060,11 @@ void FusedOptimizer::offload(std::shared_ptr<OffloadStore> store) {
         if (it == state.end()) {
           continue;
         }
+        const torch::Device to = store == nullptr ? p.device() : torch::Device(torch::kCPU);
         if (decoupled) {
-          bring_back<torch::optim::AdamWParamState>(*it->second, p, *this);
+          bring_back<torch::optim::AdamWParamState>(*it->second, p, *this, to);
         } else {
-          bring_back<torch::optim::AdamParamState>(*it->second, p, *this);
+          bring_back<torch::optim::AdamParamState>(*it->second, p, *this, to);
         }
       }
     }

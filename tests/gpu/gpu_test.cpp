@@ -45,6 +45,13 @@ using testing::unique_token;
     GTEST_SKIP() << "no CUDA device (this test runs the CUDA code path)"; \
   }
 
+// A test of the nccl backend: skipped, saying why, without a GPU or without nccl in the build.
+#ifdef PARATRAIN_WITH_NCCL
+#define SKIP_WITHOUT_NCCL() SKIP_WITHOUT_CUDA()
+#else
+#define SKIP_WITHOUT_NCCL() GTEST_SKIP() << "this build has no nccl (its libtorch has no CUDA)"
+#endif
+
 const torch::Device kCuda0(torch::kCUDA, 0);
 
 [[maybe_unused]] dist::ProcessGroupPtr world_of_one(const std::string& backend) {
@@ -396,10 +403,7 @@ TEST(Gpu, FsdpOnNcclTrainsAsOneProcess) {
 // 1e-4 of FSDP with libtorch's Adam on the GPU, and the step lives on the host (the store holds
 // the moments).
 TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
-  SKIP_WITHOUT_CUDA();
-#ifndef PARATRAIN_WITH_NCCL
-  GTEST_SKIP() << "this build has no nccl (its libtorch has no CUDA)";
-#else
+  SKIP_WITHOUT_NCCL();
   auto pg = world_of_one("nccl");
   const SmallGpt gpt;
   const std::string dir = testing::make_temp_dir("gpu-offload");
@@ -457,7 +461,6 @@ TEST(Gpu, FsdpOffloadsTheOptimizerToTheHost) {
     }
   }
   testing::remove_tree(dir);
-#endif
 }
 
 TEST(Gpu, MoreRanksThanGpusIsOneClearLine) {

@@ -294,40 +294,48 @@ TEST(Offload, StateComesBackAndSgdIsRefused) {
             std::string::npos);
 }
 
-// `start` as parameters laid out `how`: "contiguous", "strided" (a transposed matrix and every
-// other element of a vector: the pass cannot use them in place) or a device ("cuda").
+// A copy of `t` laid out `how`: "contiguous", "strided" (a transposed matrix, every other element
+// of a vector: the pass cannot use them in place) or on a device ("cuda").
+torch::Tensor lay_out(const torch::Tensor& t, const std::string& how) {
+  if (how != "strided") {
+    return t.to(torch::Device(how == "contiguous" ? "cpu" : how), /*non_blocking=*/false,
+                /*copy=*/true);
+  }
+  torch::Tensor out = t.dim() == 2 ? torch::empty({t.size(1), t.size(0)}).t()
+                                   : torch::empty({2 * t.numel()}).slice(0, 0, 2 * t.numel(), 2);
+  return out.copy_(t);
+}
+
+// `start` as parameters laid out `how`.
 std::vector<torch::Tensor> laid_out(const std::vector<torch::Tensor>& start,
                                     const std::string& how) {
   std::vector<torch::Tensor> out;
   for (const auto& t : start) {
-    torch::Tensor p;
-    if (how == "strided") {
-      p = t.dim() == 2 ? torch::empty({t.size(1), t.size(0)}).t()
-                       : torch::empty({2 * t.numel()}).slice(0, 0, 2 * t.numel(), 2);
-      p.copy_(t);
-    } else {
-      p = t.to(torch::Device(how == "contiguous" ? "cpu" : how), /*non_blocking=*/false,
-               /*copy=*/true);
-    }
-    out.push_back(p.requires_grad_());
+    out.push_back(lay_out(t, how).requires_grad_());
   }
   return out;
 }
 
-// 9 Adam steps with the moments offloaded (`tier`) of parameters laid out `how`: 3 by step(), 3
-// by step_parameter (the optimizer in backward) and step(), then 3 more after the state went
-// through a checkpoint into a new optimizer. The gradients are computed on the CPU from the
-// values, so every layout sees the same ones. Returns the values and the state, on the CPU.
+// 9 Adam steps with the moments offloaded (`tier`) of parameters laid out `how`: 3 by step(), 4
+// by step_parameter (the optimizer in backward) and step(), 2 by step(). The gradients are
+// computed on the CPU from the values, so every layout sees the same ones. After steps 4, 5 and 6
+// the state goes through a checkpoint into a new optimizer: loaded into an offloaded one (its
+// moments then wait on the host), or loaded first, laid out `how`, and offloaded after (state in
+// memory, on a GPU or strided, moves into the store at the next step). Returns the values and
+// the state, on the CPU.
 TensorMap staged_steps(const std::string& how, const std::string& tier) {
   torch::manual_seed(3);
   const std::vector<torch::Tensor> start = {torch::randn({300}), torch::randn({7, 11})};
   std::vector<torch::Tensor> params = laid_out(start, how);
-  auto make = [&] {
+  const bool offloaded = tier != "memory";
+  auto store = [&] {
+    return std::make_shared<OffloadStore>(OffloadOptions().dir(tier == "host" ? "" : tier));
+  };
+  auto make = [&](bool offload) {
     auto opt = std::make_unique<optim::FusedAdam>(
         params, torch::optim::AdamOptions(1e-2).weight_decay(0.1));
-    if (tier != "memory") {
-      opt->offload(
-          std::make_shared<OffloadStore>(OffloadOptions().dir(tier == "host" ? "" : tier)));
+    if (offload) {
+      opt->offload(store());
     }
     return opt;
   };
@@ -337,10 +345,10 @@ TensorMap staged_steps(const std::string& how, const std::string& tier) {
       p.mutable_grad() = torch::empty_like(p).copy_(g);  // the parameter's layout and device
     }
   };
-  auto opt = make();
+  auto opt = make(offloaded);
   for (int i = 0; i < 9; ++i) {
     gradients(i);
-    if (i >= 3 && i < 6 && tier != "memory") {
+    if (i >= 3 && i < 7 && offloaded) {
       for (auto& p : params) {
         opt->step_parameter(p);
       }
@@ -348,11 +356,23 @@ TensorMap staged_steps(const std::string& how, const std::string& tier) {
     opt->step();
     if (i == 5) {
       const TensorMap saved = optimizer_state(*opt);
-      opt = make();
+      opt = make(offloaded);
       load_optimizer_state(*opt, saved);
-      for (const auto& kv : opt->state()) {  // on the host until the next step stores it
+      for (const auto& kv : opt->state()) {
         const auto& st = static_cast<const torch::optim::AdamParamState&>(*kv.second);
-        EXPECT_EQ(st.exp_avg().device().is_cpu(), tier != "memory" || how != "cuda") << how;
+        EXPECT_TRUE(st.exp_avg().device().is_cpu() || !offloaded) << how << ": on the host";
+      }
+    } else if (i == 4 || i == 6) {
+      const TensorMap saved = optimizer_state(*opt);
+      opt = make(false);
+      load_optimizer_state(*opt, saved);
+      for (auto& kv : opt->state()) {
+        auto& st = static_cast<torch::optim::AdamParamState&>(*kv.second);
+        st.exp_avg(lay_out(st.exp_avg(), how));
+        st.exp_avg_sq(lay_out(st.exp_avg_sq(), how));
+      }
+      if (offloaded) {
+        opt->offload(store());
       }
     }
   }
@@ -394,6 +414,22 @@ TEST(Offload, GpuParametersStepOnTheHost) {
   const TensorMap reference = staged_steps("contiguous", "memory");
   expect_same_map(staged_steps("cuda", "host"), reference, "cuda, host");
   expect_same_map(staged_steps("cuda", dir.path()), reference, "cuda, files");
+  // Another store keeps the moments off the GPU; offload(nullptr) brings them back to it, where
+  // libtorch's step then takes over.
+  const auto cuda = torch::TensorOptions().device(torch::kCUDA);
+  torch::Tensor p = torch::randn({1000}, cuda).requires_grad_();
+  optim::FusedAdam opt({p}, torch::optim::AdamOptions(1e-2));
+  opt.offload(std::make_shared<OffloadStore>());
+  p.mutable_grad() = torch::ones({1000}, cuda);
+  opt.step();
+  opt.offload(std::make_shared<OffloadStore>());
+  const auto& st = static_cast<const torch::optim::AdamParamState&>(*opt.state().begin()->second);
+  EXPECT_TRUE(st.exp_avg().device().is_cpu());
+  EXPECT_EQ(st.exp_avg().numel(), 1000);
+  opt.offload(nullptr);
+  EXPECT_TRUE(st.exp_avg().is_cuda());
+  opt.step();
+  EXPECT_FALSE(opt.last_step_fused());
 }
 
 // FSDP with its gradients, its shards or both in the store, and Adam's moments there too: 20
