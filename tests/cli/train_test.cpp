@@ -359,6 +359,17 @@ std::string gpl_token_dir(const std::string& name, std::string& why) {
   return dir;
 }
 
+// `paratrain train` of the small GPT the byte-level tests train (2 blocks of width 64, 4 heads,
+// a context of 64 bytes) on the tokens in `dir`, then `extra`.
+std::vector<std::string> small_gpt_on_bytes(const std::string& dir,
+                                            const std::vector<std::string>& extra) {
+  std::vector<std::string> argv{cli_path(),  "train", "--model",   "gpt",    "--layers",   "2",
+                                "--width",   "64",    "--heads",   "4",      "--vocab",    "256",
+                                "--context", "64",    "--dataset", "tokens", "--data-dir", dir};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
 TEST(Train, GptOnBytesLearns) {  // ctest: slow 20
   // nanoGPT's shakespeare_char at the byte level, on the GPL's text: a 2-layer GPT of width 64
   // with a context of 64 bytes, 10 epochs of 31 steps of 16 windows. Its validation loss starts
@@ -371,38 +382,11 @@ TEST(Train, GptOnBytesLearns) {  // ctest: slow 20
     ASSERT_NE(why.find("is missing"), std::string::npos) << why;
     GTEST_SKIP() << why;
   }
-  auto r = run_process({cli_path(),
-                        "train",
-                        "--model",
-                        "gpt",
-                        "--layers",
-                        "2",
-                        "--width",
-                        "64",
-                        "--heads",
-                        "4",
-                        "--vocab",
-                        "256",
-                        "--context",
-                        "64",
-                        "--dataset",
-                        "tokens",
-                        "--data-dir",
-                        dir,
-                        "--optimizer",
-                        "adam",
-                        "--lr",
-                        "3e-3",
-                        "--batch-size",
-                        "16",
-                        "--epochs",
-                        "10",
-                        "--device",
-                        "cpu",
-                        "--json",
-                        "--metrics",
-                        dir + "/metrics.jsonl"},
-                       {kCpuOnly}, 300);
+  auto r =
+      run_process(small_gpt_on_bytes(dir, {"--optimizer", "adam", "--lr", "3e-3", "--batch-size",
+                                           "16", "--epochs", "10", "--device", "cpu", "--json",
+                                           "--metrics", dir + "/metrics.jsonl"}),
+                  {kCpuOnly}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("model gpt (2 layers, width 64, 4 heads, context 64, vocab 256; "),
             std::string::npos)
@@ -428,14 +412,9 @@ TEST(Train, GptOnAMeshTrainsAsFsdp) {
     ASSERT_NE(why.find("is missing"), std::string::npos) << why;
     GTEST_SKIP() << why;
   }
-  std::vector<std::string> base{cli_path(),   "train", "--model",          "gpt",
-                                "--layers",   "2",     "--width",          "64",
-                                "--heads",    "4",     "--vocab",          "256",
-                                "--context",  "64",    "--dataset",        "tokens",
-                                "--data-dir", dir,     "--optimizer",      "adam",
-                                "--lr",       "3e-3",  "--batch-size",     "16",
-                                "--steps",    "8",     "--clip-grad-norm", "1.0",
-                                "--json"};
+  std::vector<std::string> base =
+      small_gpt_on_bytes(dir, {"--optimizer", "adam", "--lr", "3e-3", "--batch-size", "16",
+                               "--steps", "8", "--clip-grad-norm", "1.0", "--json"});
   std::vector<double> losses;
   for (const auto& extra : std::vector<std::vector<std::string>>{
            {"--nproc-per-node", "2", "--strategy", "fsdp"},
@@ -469,12 +448,9 @@ TEST(Train, FusedOptimizerUnderZeroAndFsdp) {
     ASSERT_NE(why.find("is missing"), std::string::npos) << why;
     GTEST_SKIP() << why;
   }
-  std::vector<std::string> base{
-      cli_path(),     "train", "--model",        "gpt",    "--layers",   "2",
-      "--width",      "64",    "--heads",        "4",      "--vocab",    "256",
-      "--context",    "64",    "--dataset",      "tokens", "--data-dir", dir,
-      "--optimizer",  "adamw", "--weight-decay", "0.1",    "--lr",       "3e-3",
-      "--batch-size", "16",    "--steps",        "8",      "--json"};
+  std::vector<std::string> base =
+      small_gpt_on_bytes(dir, {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr", "3e-3",
+                               "--batch-size", "16", "--steps", "8", "--json"});
   std::vector<double> losses;
   for (const auto& extra : std::vector<std::vector<std::string>>{
            {"--nproc-per-node", "2", "--strategy", "ddp"},
@@ -510,41 +486,10 @@ TEST(Train, OffloadIsBitwiseEqualToTrainingInMemory) {  // ctest: slow 12
     GTEST_SKIP() << why;
   }
   const std::string scratch = make_temp_dir("offload-scratch");
-  const std::vector<std::string> base{cli_path(),
-                                      "train",
-                                      "--model",
-                                      "gpt",
-                                      "--layers",
-                                      "2",
-                                      "--width",
-                                      "64",
-                                      "--heads",
-                                      "4",
-                                      "--vocab",
-                                      "256",
-                                      "--context",
-                                      "64",
-                                      "--dataset",
-                                      "tokens",
-                                      "--data-dir",
-                                      dir,
-                                      "--optimizer",
-                                      "adamw",
-                                      "--weight-decay",
-                                      "0.1",
-                                      "--lr",
-                                      "3e-3",
-                                      "--batch-size",
-                                      "8",
-                                      "--steps",
-                                      "10",
-                                      "--accumulate",
-                                      "2",
-                                      "--strategy",
-                                      "fsdp",
-                                      "--nproc-per-node",
-                                      "2",
-                                      "--fused-optimizer"};
+  const std::vector<std::string> base =
+      small_gpt_on_bytes(dir, {"--optimizer", "adamw", "--weight-decay", "0.1", "--lr", "3e-3",
+                               "--batch-size", "8", "--steps", "10", "--accumulate", "2",
+                               "--strategy", "fsdp", "--nproc-per-node", "2", "--fused-optimizer"});
   const std::vector<std::string> clip{"--clip-grad-norm", "0.5"};
   struct Run {
     std::string name;
